@@ -1,0 +1,115 @@
+"""Model and engine configuration, parsed once from a checkpoint's config.json."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: str = "cpu") -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    arch: str                      # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False   # Qwen2: bias on q/k/v
+    qk_norm: bool = False          # Qwen3: RMSNorm over head_dim on q and k
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
+        if arch is None:
+            arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(d.get("model_type", ""))
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs or d.get('model_type')!r}; "
+                             f"drafttree runs {sorted(SUPPORTED_ARCHS)}")
+        try:
+            heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            eos = d.get("eos_token_id")
+            eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+            return cls(
+                arch=arch,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                rope_scaling=_rope_scaling(d),
+                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+                qk_norm=arch == "qwen3",
+                eos_token_ids=eos_ids,
+                bos_token_id=d.get("bos_token_id"),
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        cfg = Path(path) / "config.json"
+        if not cfg.is_file():
+            raise FileNotFoundError(f"{cfg} not found: a model directory needs config.json")
+        try:
+            d = json.loads(cfg.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg} is not valid JSON: {e}") from None
+        c = cls.from_dict(d)
+        gen = Path(path) / "generation_config.json"
+        if gen.is_file() and not c.eos_token_ids:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            if eos is not None:
+                c.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+        return c
+
+
+def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
+    rs = d.get("rope_scaling") or d.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind in ("default", None):
+        return None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+    return dict(rs, rope_type="llama3")

@@ -1,0 +1,220 @@
+"""The engine: admits requests into cache rows, runs prefill and rounds, emits tokens."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from drafttree.config import parse_dtype
+from drafttree.engine.sequence import Sequence, Status
+from drafttree.loader.weights import load_target
+from drafttree.models.dflash import load_drafter
+from drafttree.phases import SpecConfig
+from drafttree.runner.kv_cache import KVCache
+from drafttree.runner.model_runner import CacheConfig, ModelRunner
+from drafttree.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None            # HF directory, .gguf file, or None for the default
+    draft_model: str | None = None
+    spec: str | None = None             # none | dflash | ddtree; default ddtree with a drafter
+    block_size: int | None = None       # default: the drafter's
+    budget: int | None = None           # DDTree nodes; default 32
+    dtype: str | None = None            # auto: bf16 on CUDA, fp32 on CPU
+    device: str | None = None           # auto: cuda if available
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    kv_cache_memory_gb: float | None = None   # default: 1 GiB on CPU, 60% of free on CUDA
+    cuda_graphs: bool | None = None     # default: on for CUDA
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    round_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        from drafttree.loader.default_model import resolve_model
+
+        self.cfg = cfg
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = parse_dtype(cfg.dtype, str(self.device))
+        self.model_dir = resolve_model(cfg.model)
+        target, tcfg = load_target(self.model_dir, self.dtype, self.device)
+        drafter = None
+        if cfg.draft_model:
+            drafter = load_drafter(Path(cfg.draft_model), target, self.dtype, self.device)
+        method = cfg.spec or ("ddtree" if drafter is not None else "none")
+        if method != "none" and drafter is None:
+            raise ValueError(f"spec={method!r} needs a draft model (draft_model=... / --draft-model)")
+        if method == "none":
+            drafter = None
+        bs = cfg.block_size or (drafter.cfg.block_size if drafter else 0)
+        self.spec = SpecConfig(method, bs, (cfg.budget or 32) if method == "ddtree" else 0)
+        self.model_cfg = tcfg
+        self.max_model_len, rows = self._size_cache(tcfg, drafter)
+        cache = CacheConfig(rows, self.max_model_len, self.spec.kv_headroom)
+        self.runner = ModelRunner(target, drafter, self.spec, cache, self.device, self.dtype)
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.eos_ids = set(tcfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []     # running[i].row == i
+        self.stats = EngineStats()
+        use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else self.device.type == "cuda"
+        if use_graphs:
+            from drafttree.runner.cuda_graph import GraphRunner
+            self.runner.graphs = GraphRunner(self.runner)
+            self.runner.graphs.capture()
+
+    def _size_cache(self, tcfg, drafter) -> tuple[int, int]:
+        bpt = KVCache.bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, self.dtype)
+        if drafter is not None:
+            dc = drafter.cfg.model
+            bpt += KVCache.bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype)
+        gb = self.cfg.kv_cache_memory_gb
+        if gb is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.6)
+            else:
+                budget = 1 << 30
+        else:
+            budget = int(gb * (1 << 30))
+        rows = self.cfg.max_num_seqs
+        headroom = self.spec.kv_headroom
+        fit = budget // (rows * bpt) - headroom
+        max_len = min(self.cfg.max_model_len or tcfg.max_position_embeddings, fit)
+        if max_len < 16:
+            raise ValueError(f"KV cache budget of {budget / 2**30:.2f} GiB holds only {max(fit, 0)} tokens "
+                             f"per sequence for {rows} sequences; raise kv_cache_memory_gb or lower max_num_seqs")
+        return max_len, rows
+
+    # -- requests ----------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer: pass token ids instead of text")
+            return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {self.model_cfg.vocab_size})")
+        return ids, None
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        params = params or SamplingParams()
+        ids, text = self.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                             "(prompt plus at least one generated token)")
+        seq = Sequence(ids, params, prompt=text)
+        if request_id is not None:
+            seq.request_id = request_id
+        self.waiting.append(seq)
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(ids)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.finish("abort")
+        if seq.row >= 0:
+            self._release([seq])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[tuple[Sequence, list[int]]]:
+        """Admit what fits, then one round for every running request. Returns the new tokens."""
+        out: list[tuple[Sequence, list[int]]] = []
+        rows = self.runner.cache_cfg.max_num_seqs
+        while self.waiting and len(self.running) < rows:
+            seq = self.waiting.popleft()
+            seq.row, seq.status = len(self.running), Status.RUNNING
+            self.running.append(seq)
+            t0 = time.perf_counter()
+            self.runner.prefill(seq.row, seq.prompt_ids, seq.params, seq.seed)
+            first = int(self.runner.state.bonus[seq.row])
+            self.stats.prefill_seconds += time.perf_counter() - t0
+            out.append((seq, self._emit(seq, [first])))
+        self._release([s for s in self.running if s.finished])
+        if self.running:
+            B = len(self.running)
+            t0 = time.perf_counter()
+            self.runner.run_round(B, max(s.length for s in self.running),
+                                  all(s.params.greedy for s in self.running))
+            n = self.runner.state.out_n[:B].tolist()       # the round's one host sync
+            toks = self.runner.state.out_tokens[:B].tolist()
+            self.stats.round_seconds += time.perf_counter() - t0
+            self.stats.rounds += 1
+            for seq, k, t in zip(self.running, n, toks):
+                seq.stats.rounds += 1
+                seq.stats.accept_lengths.append(k)
+                self.stats.accept_lengths.append(k)
+                out.append((seq, self._emit(seq, t[:k])))
+        self._release([s for s in self.running if s.finished])
+        return out
+
+    def _emit(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        limit = min(seq.params.max_tokens, self.max_model_len - len(seq.prompt_ids))
+        if limit < seq.params.max_tokens:
+            seq.params.max_tokens = limit
+        kept = seq.append(tokens, self.eos_ids)
+        self.stats.generated_tokens += len(kept)
+        if self.tokenizer is not None:
+            self._detokenize(seq)
+        return kept
+
+    def _detokenize(self, seq: Sequence) -> None:
+        ids = seq.output_ids
+        if ids and ids[-1] in self.eos_ids and not seq.params.ignore_eos:
+            ids = ids[:-1]
+        seq.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for stop in seq.params.stop:
+            i = seq.text.find(stop)
+            if i >= 0:
+                seq.text = seq.text[:i]
+                seq.finish("stop")
+
+    def _release(self, done: list[Sequence]) -> None:
+        for seq in sorted(done, key=lambda s: -s.row):
+            last = self.running[-1]
+            if last is not seq:
+                self.runner.move_row(last.row, seq.row, last.length)
+                self.running[seq.row] = last
+                last.row = seq.row
+            self.running.pop()
+            seq.row = -1
+
+    def generate_all(self) -> None:
+        while self.has_unfinished():
+            self.step()
+
+
+def _load_tokenizer(path: Path):
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))

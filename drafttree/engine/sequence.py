@@ -1,0 +1,99 @@
+"""A request as the engine sees it: prompt, output so far, stop handling and statistics."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import Enum
+
+from drafttree.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0
+    accept_lengths: list[int] = field(default_factory=list)   # τ per round, bonus included
+
+    @property
+    def mean_accept_length(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.accept_lengths).items()))
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    row: int = -1
+    stats: SpecStats = field(default_factory=SpecStats)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    seed: int = -1
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            self.seed = self.params.resolved_seed()
+
+    @property
+    def length(self) -> int:
+        """Committed tokens with K/V in the cache (the bonus token is not among them)."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append(self, tokens: list[int], eos_ids: set[int]) -> list[int]:
+        """Add one round's committed tokens, stopping at EOS / stop ids / max_tokens.
+        Returns the tokens actually kept."""
+        p = self.params
+        kept: list[int] = []
+        for t in tokens:
+            kept.append(t)
+            if (t in eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
+                self.finish("stop")
+                break
+            if len(self.output_ids) + len(kept) >= p.max_tokens:
+                self.finish("length")
+                break
+        self.output_ids.extend(kept)
+        if self.first_token_time is None and kept:
+            self.first_token_time = time.perf_counter()
+        return kept
+
+    def finish(self, reason: str) -> None:
+        if self.status is not Status.FINISHED:
+            self.status = Status.FINISHED
+            self.finish_reason = reason
+            self.finish_time = time.perf_counter()
+
+    def timings(self) -> dict[str, float]:
+        end = self.finish_time or time.perf_counter()
+        first = self.first_token_time or end
+        n = len(self.output_ids)
+        decode = end - first
+        return {
+            "ttft_s": first - self.arrival_time,
+            "total_s": end - self.arrival_time,
+            "decode_tokens_per_s": (n - 1) / decode if n > 1 and decode > 0 else 0.0,
+            "tokens_per_s": n / (end - self.arrival_time) if end > self.arrival_time else 0.0,
+        }

@@ -1,0 +1,109 @@
+"""Load Hugging Face safetensors checkpoints (single file or sharded index) into our modules."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+StateDict = dict[str, torch.Tensor]
+
+
+def read_safetensors(path: str | Path) -> StateDict:
+    path = Path(path)
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e}") from None
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    else:
+        raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json")
+    out: StateDict = {}
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"checkpoint shard {f} is missing")
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    out[k] = fh.get_tensor(k)
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ValueError(f"cannot read {f}: {e}") from None
+    return out
+
+
+def target_state_dict(hf: StateDict, num_layers: int, tied: bool) -> StateDict:
+    """Map HF names to ours, fusing q/k/v into qkv_proj and gate/up into gate_up_proj."""
+    src = {k.removeprefix("model."): v for k, v in hf.items()}
+    out: StateDict = {}
+
+    def take(name: str) -> torch.Tensor:
+        if name not in src:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        return src[name]
+
+    out["embed_tokens.weight"] = take("embed_tokens.weight")
+    out["norm.weight"] = take("norm.weight")
+    if not tied:
+        out["lm_head.weight"] = hf.get("lm_head.weight", src.get("lm_head.weight"))
+        if out["lm_head.weight"] is None:
+            raise ValueError("checkpoint is missing tensor 'lm_head.weight' (tie_word_embeddings is false)")
+    for i in range(num_layers):
+        out.update(layer_state_dict(src, f"layers.{i}.", take))
+    return out
+
+
+def layer_state_dict(src: StateDict, p: str, take: Callable[[str], torch.Tensor]) -> StateDict:
+    a, m = p + "self_attn.", p + "mlp."
+    out = {
+        p + "input_layernorm.weight": take(p + "input_layernorm.weight"),
+        p + "post_attention_layernorm.weight": take(p + "post_attention_layernorm.weight"),
+        a + "qkv_proj.weight": torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]),
+        a + "o_proj.weight": take(a + "o_proj.weight"),
+        m + "gate_up_proj.weight": torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
+        m + "down_proj.weight": take(m + "down_proj.weight"),
+    }
+    if a + "q_proj.bias" in src:
+        out[a + "qkv_proj.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
+    for n in ("q_norm", "k_norm"):
+        if a + n + ".weight" in src:
+            out[a + n + ".weight"] = src[a + n + ".weight"]
+    return out
+
+
+def load_into(module: nn.Module, state: StateDict, dtype: torch.dtype, device: str | torch.device) -> None:
+    """Copy `state` into a module built on the meta device; shapes must match exactly."""
+    expected = dict(module.named_parameters(remove_duplicate=True))
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for name, param in expected.items():
+        t = state[name]
+        if tuple(t.shape) != tuple(param.shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, the config implies {tuple(param.shape)}")
+    fixed = {n: state[n].to(device=device, dtype=dtype) for n in expected}
+    module.load_state_dict(fixed, strict=False, assign=True)   # buffers: the caller rebuilds them
+
+
+def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device):
+    """Build a DecoderLM from a Hugging Face directory; raises before allocating on bad input."""
+    from drafttree.config import ModelConfig
+    from drafttree.models.decoder import DecoderLM
+    from drafttree.models.layers import Rotary
+
+    cfg = ModelConfig.from_dir(path)
+    state = target_state_dict(read_safetensors(path), cfg.num_layers, cfg.tie_word_embeddings)
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    load_into(model, state, dtype, device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = Rotary(cfg).to(device)
+    return model.eval().requires_grad_(False), cfg

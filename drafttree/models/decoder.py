@@ -1,0 +1,55 @@
+"""Decoder-only target model: Llama (incl. llama3 rope scaling, SmolLM2), Qwen2, Qwen3."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from drafttree.config import ModelConfig
+from drafttree.models.layers import MLP, Attention, AttnMeta, RMSNorm, Rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, rope, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the final-normed hidden states [B, W, D] and, if asked, the hidden states
+        after each layer in `capture_layers`, concatenated: [B, W, len * D].
+
+        k_cache / v_cache: [num_layers, rows, max_len, Hkv, hd].
+        """
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
+        captured = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, meta, k_cache[i], v_cache[i])
+            if i in capture_layers:
+                captured.append(x)
+        aux = torch.cat(captured, dim=-1) if captured else None
+        return self.norm(x), aux
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

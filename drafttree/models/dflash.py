@@ -1,0 +1,156 @@
+"""DFlash block-diffusion drafter, loading the published checkpoint format unchanged.
+
+Context features (target hidden states after `target_layer_ids`, concatenated) go through
+`fc` + `hidden_norm` into one vector per committed token; every draft layer projects them with
+its own k/v projections and attends from the block to [context ; block] non-causally.
+The drafter borrows the target's embedding and LM head (references, not copies).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from drafttree.config import ModelConfig
+from drafttree.models.layers import MLP, Attention, AttnMeta, RMSNorm, Rotary, apply_rope, cached_attention
+
+
+@dataclass
+class DFlashConfig:
+    model: ModelConfig
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int | None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "DFlashConfig":
+        f = Path(path) / "config.json"
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} not found: a drafter directory needs config.json")
+        d = json.loads(f.read_text())
+        if "DFlashDraftModel" not in (d.get("architectures") or []) and "dflash_config" not in d:
+            raise ValueError(f"{path} is not a DFlash drafter (architectures={d.get('architectures')})")
+        dc = d.get("dflash_config") or {}
+        bs = d.get("block_size", dc.get("block_size"))
+        if bs is None or "mask_token_id" not in dc or "target_layer_ids" not in dc:
+            raise ValueError(f"{f}: a DFlash config needs block_size and dflash_config.mask_token_id "
+                             "and dflash_config.target_layer_ids")
+        ids = tuple(int(i) for i in dc["target_layer_ids"])
+        if list(ids) != sorted(set(ids)):
+            raise ValueError(f"{f}: target_layer_ids must be strictly increasing, got {list(ids)}")
+        model = ModelConfig.from_dict({**d, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"})
+        return cls(model, int(bs), int(dc["mask_token_id"]), ids, d.get("num_target_layers"))
+
+    def check_fits(self, target: ModelConfig) -> None:
+        """Refuse a drafter that cannot work with this target, naming the mismatch."""
+        m = self.model
+        problems = []
+        if m.hidden_size != target.hidden_size:
+            problems.append(f"hidden size {m.hidden_size} != target's {target.hidden_size}")
+        if m.vocab_size != target.vocab_size:
+            problems.append(f"vocab size {m.vocab_size} != target's {target.vocab_size}")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} outside the target's {target.vocab_size} rows")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            problems.append(f"target_layer_ids {bad} not in [0, {target.num_layers})")
+        if self.num_target_layers is not None and self.num_target_layers != target.num_layers:
+            problems.append(f"trained for {self.num_target_layers} target layers, target has {target.num_layers}")
+        if problems:
+            raise ValueError("drafter does not fit the target: " + "; ".join(problems))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_kv, meta: AttnMeta,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        attn = self.self_attn
+        q, kb, vb = attn.project(self.input_layernorm(x))
+        _, kc, vc = attn.project(ctx)          # the context vector is not layer-normed here
+        k = apply_rope(torch.cat([kc, kb], dim=1), *rope_kv)
+        v = torch.cat([vc, vb], dim=1)
+        x = x + attn.o_proj(cached_attention(apply_rope(q, *rope_q), k, v, meta, k_cache, v_cache))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig, embed: nn.Embedding | None = None,
+                 lm_head: nn.Linear | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        m = cfg.model
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * m.hidden_size, m.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(m) for _ in range(m.num_layers))
+        self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.rotary = Rotary(m)
+        # Borrowed from the target; kept out of state_dict (plain attributes, not submodules).
+        self.__dict__["embed"] = embed
+        self.__dict__["lm_head"] = lm_head
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(self.fc(features))
+
+    def forward(self, block_ids: torch.Tensor, block_pos: torch.Tensor, ctx_feat: torch.Tensor,
+                ctx_pos: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        """block_ids/block_pos [B, bs]; ctx_feat [B, C, n*D] (raw target features), ctx_pos [B, C].
+        meta.slots must be cat(ctx slots, block slots). Returns final-normed hidden [B, bs, D]."""
+        x = self.embed(block_ids)
+        ctx = self.context(ctx_feat.to(x.dtype))
+        rope_q = self.rotary(block_pos, x.dtype)
+        rope_kv = self.rotary(torch.cat([ctx_pos, block_pos], dim=1), x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, rope_q, rope_kv, meta, k_cache[i], v_cache[i])
+        return self.norm(x)
+
+    def write_context(self, ctx_feat: torch.Tensor, ctx_pos: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Project context features into the cache only (no queries): used after prefill."""
+        ctx = self.context(ctx_feat.to(self.fc.weight.dtype))
+        cos, sin = self.rotary(ctx_pos, ctx.dtype)
+        rows = torch.arange(ctx.shape[0], device=ctx.device)[:, None]
+        for i, layer in enumerate(self.layers):
+            _, k, v = layer.self_attn.project(ctx)
+            k_cache[i].index_put_((rows, ctx_pos), apply_rope(k, cos, sin))
+            v_cache[i].index_put_((rows, ctx_pos), v)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Block positions 1..bs-1 predict the tokens at those same positions: [B, bs-1, V]."""
+        return self.lm_head(hidden[:, 1:]).float()
+
+
+def load_drafter(path: Path, target: nn.Module, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
+    """Load a published-format DFlash checkpoint, refusing one that does not fit `target`."""
+    from drafttree.loader.weights import layer_state_dict, load_into, read_safetensors
+
+    cfg = DFlashConfig.from_dir(path)
+    cfg.check_fits(target.cfg)
+    src = {k.removeprefix("model."): v for k, v in read_safetensors(path).items()}
+
+    def take(name: str) -> torch.Tensor:
+        if name not in src:
+            raise ValueError(f"drafter checkpoint {path} is missing tensor {name!r}")
+        return src[name]
+
+    state = {"fc.weight": take("fc.weight"), "hidden_norm.weight": take("hidden_norm.weight"),
+             "norm.weight": take("norm.weight")}
+    for i in range(cfg.model.num_layers):
+        state.update(layer_state_dict(src, f"layers.{i}.", take))
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    load_into(drafter, state, dtype, device)
+    drafter.rotary = Rotary(cfg.model).to(device)
+    drafter.__dict__["embed"] = target.embed_tokens
+    drafter.__dict__["lm_head"] = target.lm_head
+    return drafter.eval().requires_grad_(False)

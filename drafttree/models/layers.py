@@ -1,0 +1,136 @@
+"""Building blocks shared by the target decoder and the DFlash drafter."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafttree.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling
+    if rs and rs.get("rope_type") == "llama3":
+        factor = rs["factor"]
+        lo, hi = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old = rs.get("original_max_position_embeddings", 8192)
+        lo_wl, hi_wl = old / lo, old / hi
+        wl = 2 * math.pi / inv
+        scaled = torch.where(wl > lo_wl, inv / factor, inv)
+        smooth = (old / wl - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = ~(wl < hi_wl) & ~(wl > lo_wl)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, W, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, W, 1, hd]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+@dataclass
+class AttnMeta:
+    """How one forward's new tokens meet the KV cache. Batch row b uses cache row b.
+
+    slots[b, i]: cache index where token i's K/V is written.
+    mask[b, 0, i, j]: query i may see cache entry j, for j < kv_len.
+    """
+    slots: torch.Tensor      # [B, W] long
+    mask: torch.Tensor       # [B, 1, W, kv_len] bool
+    rows: torch.Tensor       # [B, 1] long, arange(B)
+
+    @property
+    def kv_len(self) -> int:
+        return self.mask.shape[-1]
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """q [B, W, H, hd]; k, v [B, Wk, Hkv, hd] written at meta.slots; returns [B, W, H*hd].
+
+    k_cache / v_cache: one layer's cache, [rows, max_len, Hkv, hd].
+    """
+    B, W, H, hd = q.shape
+    k_cache.index_put_((meta.rows, meta.slots), k)
+    v_cache.index_put_((meta.rows, meta.slots), v)
+    L = meta.kv_len
+    kc = k_cache[:B, :L].transpose(1, 2)  # [B, Hkv, L, hd], a view: no copy of the cache
+    vc = v_cache[:B, :L].transpose(1, 2)
+    Hkv = kc.shape[1]
+    g = H // Hkv
+    # GQA without repeating K/V: the g query heads of a group become g*W query rows.
+    qg = q.view(B, W, Hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * W, hd)
+    mask = meta.mask if g == 1 else meta.mask.expand(B, g, W, L).reshape(B, 1, g * W, L)
+    out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=1.0 / math.sqrt(hd))
+    return out.view(B, Hkv, g, W, hd).permute(0, 3, 1, 2, 4).reshape(B, W, H * hd)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Attention(nn.Module):
+    """Self-attention with fused QKV, optional q/k RMSNorm (Qwen3) and QKV bias (Qwen2)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.h, self.hkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, W, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.h * self.hd, self.hkv * self.hd, self.hkv * self.hd], dim=-1)
+        q = q.view(B, W, self.h, self.hd)
+        k = k.view(B, W, self.hkv, self.hd)
+        v = v.view(B, W, self.hkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttnMeta,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(cached_attention(q, k, v, meta, k_cache, v_cache))

@@ -1,0 +1,72 @@
+"""Static KV cache: one row per running request, allocated once; plus the attention metadata.
+
+Batch row b always uses cache row b (the engine keeps running requests packed in rows
+0..B-1), so a forward reads `cache[:, :B]` as a view and never gathers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from drafttree.models.layers import AttnMeta
+
+
+@dataclass
+class KVCache:
+    k: torch.Tensor  # [layers, rows, max_len, Hkv, hd]
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(cls, layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> "KVCache":
+        shape = (layers, rows, max_len, kv_heads, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    @staticmethod
+    def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """For rows 0..B-1, move entries src[b, i] -> dst[b, i] in every layer ([B, T] each).
+        All sources are read before any destination is written, so overlaps are safe."""
+        B = src.shape[0]
+        rows = torch.arange(B, device=src.device)[:, None]
+        for t in (self.k, self.v):
+            moved = t[:, rows, src]            # [layers, B, T, Hkv, hd]
+            t[:, rows, dst] = moved
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        self.k[:, dst, :length] = self.k[:, src, :length]
+        self.v[:, dst, :length] = self.v[:, src, :length]
+
+
+def attn_meta(start: torch.Tensor, intra: torch.Tensor, kv_len: int,
+              slots: torch.Tensor | None = None) -> AttnMeta:
+    """Queries of row b occupy cache slots start[b] .. start[b]+W-1 (unless `slots` says otherwise).
+
+    A query sees every committed entry (< start[b]) and, among the W new entries, those that
+    intra[b, i, k] allows: causal (prefill, chain verify), all (draft block), ancestors (tree).
+    """
+    B, W, _ = intra.shape
+    dev = intra.device
+    j = torch.arange(kv_len, device=dev)
+    rel = j[None, :] - start[:, None]                               # [B, L]
+    in_new = (rel >= 0) & (rel < W)
+    part = torch.gather(intra, 2, rel.clamp(0, W - 1)[:, None, :].expand(B, W, kv_len))
+    mask = (rel < 0)[:, None, :] | (in_new[:, None, :] & part)
+    if slots is None:
+        slots = start[:, None] + torch.arange(W, device=dev)
+    return AttnMeta(slots=slots, mask=mask[:, None], rows=torch.arange(B, device=dev)[:, None])
+
+
+def causal(B: int, W: int, device: torch.device | str) -> torch.Tensor:
+    return torch.ones(W, W, dtype=torch.bool, device=device).tril().expand(B, W, W)

@@ -1,0 +1,36 @@
+"""Per-row decoding state that lives on the device between rounds (static buffers)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from drafttree.sampling import SamplingTensors
+
+
+@dataclass
+class RoundState:
+    """Row b: committed tokens x[0:start[b]) have K/V in the cache; bonus[b] is the target's
+    pick at position start[b], not yet run through the target. For a drafter, the features of
+    the last ctx_n[b] committed positions (start-ctx_n .. start-1) wait in ctx_feat[b, :ctx_n]
+    to be written into its context cache (ctx_n >= 1 always)."""
+    start: torch.Tensor          # [R] long
+    bonus: torch.Tensor          # [R] long
+    ctx_feat: torch.Tensor       # [R, C, n*D]; C = max tokens committed per round
+    ctx_n: torch.Tensor          # [R] long
+    sampling: SamplingTensors
+    out_tokens: torch.Tensor     # [R, C] long: tokens committed by the last round
+    out_n: torch.Tensor          # [R] long: how many of them are valid
+
+    @classmethod
+    def allocate(cls, rows: int, commit: int, feat_dim: int, dtype: torch.dtype,
+                 device: torch.device | str) -> "RoundState":
+        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
+        return cls(z(rows), z(rows), torch.zeros(rows, commit, max(feat_dim, 1), dtype=dtype, device=device),
+                   torch.ones(rows, dtype=torch.long, device=device), SamplingTensors.empty(rows, device),
+                   z(rows, commit), z(rows))
+
+    def copy_row(self, src: int, dst: int) -> None:
+        for t in (self.start, self.bonus, self.ctx_feat, self.ctx_n, self.out_tokens, self.out_n):
+            t[dst] = t[src]
+        self.sampling.copy_row(src, dst)

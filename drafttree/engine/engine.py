@@ -56,16 +56,12 @@ class Engine:
         self.dtype = parse_dtype(cfg.dtype, str(self.device))
         self.model_dir = resolve_model(cfg.model)
         target, tcfg = load_target(self.model_dir, self.dtype, self.device)
-        drafter = None
-        if cfg.draft_model:
-            drafter = load_drafter(Path(cfg.draft_model), target, self.dtype, self.device)
-        method = cfg.spec or ("ddtree" if drafter is not None else "none")
-        if method != "none" and drafter is None:
-            raise ValueError(f"spec={method!r} needs a draft model (draft_model=... / --draft-model)")
-        if method == "none":
+        from drafttree.engine.plan import resolve_drafter, resolve_spec
+        dpath = resolve_drafter(cfg)
+        drafter = load_drafter(dpath, target, self.dtype, self.device) if dpath is not None else None
+        self.spec = resolve_spec(cfg, drafter.cfg if drafter is not None else None)
+        if not self.spec.speculative:
             drafter = None
-        bs = cfg.block_size or (drafter.cfg.block_size if drafter else 0)
-        self.spec = SpecConfig(method, bs, (cfg.budget or 32) if method == "ddtree" else 0)
         self.model_cfg = tcfg
         self.max_model_len, rows = self._size_cache(tcfg, drafter)
         cache = CacheConfig(rows, self.max_model_len, self.spec.kv_headroom)

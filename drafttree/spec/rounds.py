@@ -59,17 +59,26 @@ def make_tree(r: "ModelRunner", draft_logits: torch.Tensor, B: int) -> DraftTree
     return chain_tree(draft_logits.argmax(dim=-1), bonus)
 
 
-def spec_round(r: "ModelRunner", B: int, kv_len: int, all_greedy: bool) -> None:
-    s, spec = r.state, r.spec
+def draft_phase(r: "ModelRunner", B: int, kv_len: int) -> DraftTree:
+    """Draft one block and shape it into the tree (or chain) to verify."""
+    return make_tree(r, draft(r, B, kv_len), B)
+
+
+def verify_phase(r: "ModelRunner", B: int, kv_len: int, tree: DraftTree, all_greedy: bool) -> None:
+    """One target forward over the tree, the target's picks, the acceptance walk, the commit."""
+    s = r.state
     start = s.start[:B]
-    tree = make_tree(r, draft(r, B, kv_len), B)
-    # verify: node i sits in cache slot start+i, at rope position start+depth(i)
+    # node i sits in cache slot start+i, at rope position start+depth(i)
     pos = start[:, None] + tree.depth
     meta = attn_meta(start, tree.visible, kv_len)
     hidden, aux = r.target(tree.tokens, pos, meta, r.kv.k, r.kv.v, r.capture_layers)
     picks = pick_tokens(r.target.logits(hidden), s.sampling, pos + 1, all_greedy)
-    acc = accept(tree, picks, spec.depth)
+    acc = accept(tree, picks, r.spec.depth)
     commit(r, B, acc.path, acc.accept_len, acc.tokens, aux)
+
+
+def spec_round(r: "ModelRunner", B: int, kv_len: int, all_greedy: bool) -> None:
+    verify_phase(r, B, kv_len, draft_phase(r, B, kv_len), all_greedy)
 
 
 def commit(r: "ModelRunner", B: int, path: torch.Tensor, tau: torch.Tensor, tokens: torch.Tensor,

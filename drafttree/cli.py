@@ -1,0 +1,128 @@
+"""Command line: drafttree generate | serve | graphs | train-drafter | bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from drafttree.engine.engine import EngineConfig
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--draft-model", default=None, help="DFlash drafter directory (default: the shipped drafter for the default model)")
+    g.add_argument("--spec", choices=["none", "dflash", "ddtree"], default=None,
+                   help="speculative method (default: ddtree when a drafter is available)")
+    g.add_argument("--block-size", type=int, default=None, help="draft width (default: the drafter's)")
+    g.add_argument("--budget", type=int, default=None, help="DDTree nodes per round; verify width = budget + 1 (default 32)")
+    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    g.add_argument("--max-num-seqs", type=int, default=8, help="largest batch (KV cache rows)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length per request")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache budget")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run every phase eagerly")
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=a.model, draft_model=a.draft_model, spec=a.spec, block_size=a.block_size,
+                        budget=a.budget, dtype=a.dtype, device=a.device, max_num_seqs=a.max_num_seqs,
+                        max_model_len=a.max_model_len, kv_cache_memory_gb=a.kv_cache_memory_gb,
+                        cuda_graphs=False if a.no_cuda_graphs else None)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from drafttree.engine.engine import Engine
+    from drafttree.sampling import SamplingParams
+
+    eng = Engine(engine_config(a))
+    prompt = a.prompt
+    tok = eng.tokenizer
+    if not a.raw and tok is not None and getattr(tok, "chat_template", None):
+        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                            max_tokens=a.max_tokens)
+    seq = eng.add_request(prompt, params)
+    shown = 0
+    while not seq.finished:
+        eng.step()
+        if not a.json and tok is not None:
+            sys.stdout.write(seq.text[shown:])
+            sys.stdout.flush()
+            shown = len(seq.text)
+    t = seq.timings()
+    n = len(seq.output_ids)
+    summary = {"text": seq.text if tok is not None else None, "token_ids": seq.output_ids,
+               "finish_reason": seq.finish_reason, "prompt_tokens": len(seq.prompt_ids),
+               "completion_tokens": n, "spec": eng.spec.method, "block_size": eng.spec.block_size,
+               "budget": eng.spec.budget, "rounds": seq.stats.rounds,
+               "mean_accept_length": round(seq.stats.mean_accept_length, 3),
+               "accept_histogram": seq.stats.histogram, **{k: round(v, 4) for k, v in t.items()}}
+    if a.json:
+        print(json.dumps(summary))
+    else:
+        if tok is None:
+            print(seq.output_ids)
+        tau = f", mean accepted length {summary['mean_accept_length']}" if eng.spec.speculative else ""
+        print(f"\n\n[{n} tokens in {t['total_s']:.2f} s: {t['tokens_per_s']:.1f} tokens/s "
+              f"(decode {t['decode_tokens_per_s']:.1f} tokens/s), {eng.spec.method}{tau}]", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from drafttree.server.app import run_server
+    run_server(engine_config(a), a.host, a.port, a.served_model_name)
+    return 0
+
+
+def cmd_graphs(a: argparse.Namespace) -> int:
+    """Print the CUDA graph capture plan from the configs alone (no weights, no GPU)."""
+    from drafttree.engine.plan import describe_plan
+    print(describe_plan(engine_config(a)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "train-drafter":
+        from drafttree.train.cli import main as train_main
+        return train_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from drafttree.bench.cli import main as bench_main
+        return bench_main(argv[1:])
+    p = argparse.ArgumentParser(prog="drafttree", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate a completion for one prompt, streamed")
+    g.add_argument("prompt")
+    add_model_args(g)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None)
+    gr = sub.add_parser("graphs", help="print the CUDA graph capture plan (no GPU needed)")
+    add_model_args(gr)
+    sub.add_parser("train-drafter", help="train a DFlash drafter (see drafttree train-drafter --help)")
+    sub.add_parser("bench", help="AR vs DFlash vs DDTree benchmark (see drafttree bench --help)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.cmd == "serve" else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return {"generate": cmd_generate, "serve": cmd_serve, "graphs": cmd_graphs}[a.cmd](a)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"drafttree: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Resolve the speculative setup from an EngineConfig, and describe the graph plan, weight-free."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from drafttree.config import ModelConfig
+from drafttree.engine.engine import EngineConfig
+from drafttree.models.dflash import DFlashConfig
+from drafttree.phases import Phase, SpecConfig
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
+
+
+def is_default_model(model: str | None) -> bool:
+    from drafttree.loader.default_model import DEFAULT_MODEL_NAME
+    return model in (None, "default") or (isinstance(model, str) and model.lower() == DEFAULT_MODEL_NAME.lower())
+
+
+def resolve_drafter(cfg: EngineConfig) -> Path | None:
+    """The drafter directory to load: the one given, else the shipped one for the default model."""
+    if cfg.spec == "none":
+        return None
+    if cfg.draft_model:
+        return Path(cfg.draft_model)
+    if is_default_model(cfg.model) and (SHIPPED_DRAFTER / "config.json").is_file():
+        return SHIPPED_DRAFTER
+    return None
+
+
+def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
+    method = cfg.spec or ("ddtree" if drafter is not None else "none")
+    if method != "none" and drafter is None:
+        raise ValueError(f"spec={method!r} needs a draft model (draft_model=... / --draft-model)")
+    if method == "none":
+        return SpecConfig()
+    bs = cfg.block_size or drafter.block_size
+    return SpecConfig(method, bs, (cfg.budget or 32) if method == "ddtree" else 0)
+
+
+def describe_plan(cfg: EngineConfig) -> str:
+    from drafttree.loader.default_model import resolve_model
+    from drafttree.runner.cuda_graph import format_plan, graph_plan
+
+    target = ModelConfig.from_dir(resolve_model(cfg.model))
+    dpath = resolve_drafter(cfg)
+    dcfg = DFlashConfig.from_dir(dpath) if dpath is not None else None
+    if dcfg is not None:
+        dcfg.check_fits(target)
+    spec = resolve_spec(cfg, dcfg)
+    head = (f"spec={spec.method} block_size={spec.block_size} budget={spec.budget} "
+            f"max_num_seqs={cfg.max_num_seqs}\n"
+            f"widths per request: " + ", ".join(f"{p.value}={spec.width(p)}" for p in spec.round_phases)
+            + f"; prefill runs eagerly\n")
+    plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs)
+    return head + format_plan(plan) + "\n(each batch size is captured twice: greedy and sampled)"

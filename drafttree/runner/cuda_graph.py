@@ -1,0 +1,155 @@
+"""CUDA graphs for every phase of a round, each captured at its own width.
+
+Every width comes from `SpecConfig.width(phase)`; nothing here chooses a token count. Graphs
+read and write the runner's persistent buffers (state, KV caches), so a replay needs no input
+copies. Rows between the real batch size and the bucket are parked (start 0) first.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from drafttree.config import ModelConfig
+from drafttree.phases import Phase, SpecConfig
+from drafttree.spec.rounds import decode_round, draft_phase, verify_phase
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return out + [max_num_seqs]
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    phase: Phase
+    width: int              # tokens per request in this phase's forward
+    batch_sizes: tuple[int, ...]
+    est_bytes: int          # activation estimate for the largest bucket, both sampling variants
+
+
+def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | None,
+               max_num_seqs: int) -> list[PlanEntry]:
+    """What `GraphRunner.capture` will capture; needs no GPU."""
+    buckets = tuple(batch_buckets(max_num_seqs))
+    B = buckets[-1]
+    out = []
+    for phase in spec.round_phases:
+        W = spec.width(phase)
+        cfg = drafter if phase is Phase.DRAFT and drafter is not None else target
+        V = target.vocab_size
+        rows = B * (W - 1 if phase is Phase.DRAFT else W)
+        # logits (fp32) with sort/noise temporaries + a few hidden-size activations per token
+        per_row = 4 * V * 4 + 2 * 8 * (cfg.hidden_size + cfg.intermediate_size * 2)
+        if phase is Phase.DRAFT and spec.method == "ddtree":
+            per_row += 4 * V  # log-softmax for the tree build
+        out.append(PlanEntry(phase, W, buckets, 2 * rows * per_row))
+    return out
+
+
+def format_plan(plan: list[PlanEntry]) -> str:
+    lines = [f"{'phase':<8} {'width':>5}  {'batch sizes':<28} {'est. memory':>11}"]
+    for e in plan:
+        bs = ",".join(map(str, e.batch_sizes))
+        lines.append(f"{e.phase.value:<8} {e.width:>5}  {bs:<28} {e.est_bytes / 2**20:>8.1f} MiB")
+    return "\n".join(lines)
+
+
+class GraphRunner:
+    def __init__(self, runner) -> None:
+        self.r = runner
+        self.spec: SpecConfig = runner.spec
+        self.buckets = batch_buckets(runner.cache_cfg.max_num_seqs)
+        self.graphs: dict[tuple[Phase, int, bool], torch.cuda.CUDAGraph] = {}
+        self.trees: dict[tuple[int, bool], object] = {}   # draft outputs feeding verify graphs
+        self.pool = None
+        self.fallbacks = 0
+        self._warned: set[tuple] = set()
+
+    @property
+    def kv_len(self) -> int:
+        return self.r.cache_cfg.max_len
+
+    def plan(self) -> list[PlanEntry]:
+        d = self.r.drafter.cfg.model if self.r.drafter is not None else None
+        return graph_plan(self.spec, self.r.target.cfg, d, self.r.cache_cfg.max_num_seqs)
+
+    def _phase_fns(self, B: int, greedy: bool) -> list[tuple[Phase, Callable[[], None]]]:
+        r, L = self.r, self.kv_len
+        if not self.spec.speculative:
+            return [(Phase.DECODE, lambda: decode_round(r, B, L, greedy))]
+
+        def draft() -> None:
+            self.trees[(B, greedy)] = draft_phase(r, B, L)
+
+        def verify() -> None:
+            verify_phase(r, B, L, self.trees[(B, greedy)], greedy)
+        return [(Phase.DRAFT, draft), (Phase.VERIFY, verify)]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        r = self.r
+        jobs = [(B, g) for B in reversed(self.buckets) for g in (True, False)]
+        log.info("capturing CUDA graphs:\n%s", format_plan(self.plan()))
+        self.pool = torch.cuda.graph_pool_handle()
+        snapshot = [t.clone() for t in self._state_tensors()]
+        for B, greedy in tqdm(jobs, desc="capturing CUDA graphs", unit="graph set"):
+            self._park(0, B)
+            fns = self._phase_fns(B, greedy)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):        # warm-up: allocator, kernels, autotuning
+                for _ in range(2):
+                    self._park(0, B)
+                    for _, fn in fns:
+                        fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            self._park(0, B)
+            for phase, fn in fns:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    fn()
+                self.graphs[(phase, B, greedy)] = g
+        for t, saved in zip(self._state_tensors(), snapshot):
+            t.copy_(saved)
+        torch.cuda.synchronize()
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        s = self.r.state
+        return [s.start, s.bonus, s.ctx_n, s.ctx_feat, s.out_tokens, s.out_n]
+
+    def _park(self, b: int, B: int) -> None:
+        """Rows b..B-1 hold no request: give them a harmless state (no host sync)."""
+        if b < B:
+            s = self.r.state
+            s.start[b:B].zero_()
+            s.bonus[b:B].zero_()
+            s.ctx_n[b:B].fill_(1)
+
+    def bucket(self, b: int) -> int | None:
+        return next((B for B in self.buckets if B >= b), None)
+
+    def replay(self, b: int, all_greedy: bool) -> bool:
+        """Run one round for rows 0..b-1 from graphs; False (counted, warned once) if none fits."""
+        B = self.bucket(b)
+        keys = [(p, B, all_greedy) for p in self.spec.round_phases]
+        if B is None or any(k not in self.graphs for k in keys):
+            self.fallbacks += 1
+            shape = tuple((p.value, self.spec.width(p)) for p in self.spec.round_phases)
+            if (b, all_greedy) not in self._warned:
+                self._warned.add((b, all_greedy))
+                log.warning("no CUDA graph for batch %d (phases %s, greedy=%s): running eagerly", b, shape,
+                            all_greedy)
+            return False
+        self._park(b, B)
+        for k in keys:
+            self.graphs[k].replay()
+        return True

@@ -34,6 +34,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_memory_gb: float | None = None   # default: 1 GiB on CPU, 60% of free on CUDA
     cuda_graphs: bool | None = None     # default: on for CUDA
+    random_weights: str | None = None   # timing-only: a shape from drafttree.bench.shapes
 
 
 @dataclass
@@ -54,11 +55,20 @@ class Engine:
         self.cfg = cfg
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = parse_dtype(cfg.dtype, str(self.device))
-        self.model_dir = resolve_model(cfg.model)
-        target, tcfg = load_target(self.model_dir, self.dtype, self.device)
         from drafttree.engine.plan import resolve_drafter, resolve_spec
-        dpath = resolve_drafter(cfg)
-        drafter = load_drafter(dpath, target, self.dtype, self.device) if dpath is not None else None
+        if cfg.random_weights:
+            from drafttree.bench.shapes import random_drafter, random_target
+            self.model_dir = None
+            target = random_target(cfg.random_weights, self.device, self.dtype)
+            tcfg = target.cfg
+            drafter = None
+            if cfg.spec not in (None, "none"):
+                drafter = random_drafter(cfg.random_weights, target, self.device, self.dtype)
+        else:
+            self.model_dir = resolve_model(cfg.model)
+            target, tcfg = load_target(self.model_dir, self.dtype, self.device)
+            dpath = resolve_drafter(cfg)
+            drafter = load_drafter(dpath, target, self.dtype, self.device) if dpath is not None else None
         self.spec = resolve_spec(cfg, drafter.cfg if drafter is not None else None)
         if not self.spec.speculative:
             drafter = None
@@ -66,7 +76,7 @@ class Engine:
         self.max_model_len, rows = self._size_cache(tcfg, drafter)
         cache = CacheConfig(rows, self.max_model_len, self.spec.kv_headroom)
         self.runner = ModelRunner(target, drafter, self.spec, cache, self.device, self.dtype)
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = _load_tokenizer(self.model_dir) if self.model_dir is not None else None
         self.eos_ids = set(tcfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)

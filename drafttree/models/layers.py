@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from drafttree.config import ModelConfig
+from drafttree.models.fused import fused
 
 
 class RMSNorm(nn.Module):
@@ -18,10 +19,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+@fused
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -53,6 +59,7 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+@fused
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -70,9 +77,20 @@ class AttnMeta:
     mask: torch.Tensor       # [B, 1, W, kv_len] bool
     rows: torch.Tensor       # [B, 1] long, arange(B)
 
+    _grouped: dict = field(default_factory=dict, repr=False)
+
     @property
     def kv_len(self) -> int:
         return self.mask.shape[-1]
+
+    def grouped_mask(self, g: int) -> torch.Tensor:
+        """The mask for g query heads folded into the row dimension, built once per forward."""
+        if g == 1:
+            return self.mask
+        if g not in self._grouped:
+            B, _, W, L = self.mask.shape
+            self._grouped[g] = self.mask.expand(B, g, W, L).reshape(B, 1, g * W, L)
+        return self._grouped[g]
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
@@ -91,9 +109,28 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     g = H // Hkv
     # GQA without repeating K/V: the g query heads of a group become g*W query rows.
     qg = q.view(B, W, Hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * W, hd)
-    mask = meta.mask if g == 1 else meta.mask.expand(B, g, W, L).reshape(B, 1, g * W, L)
-    out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=1.0 / math.sqrt(hd))
+    mask = meta.grouped_mask(g)
+    if q.is_cuda and g * W <= 128:
+        out = small_attention(qg, kc, vc, mask, 1.0 / math.sqrt(hd))
+    else:
+        out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=1.0 / math.sqrt(hd))
     return out.view(B, Hkv, g, W, hd).permute(0, 3, 1, 2, 4).reshape(B, W, H * hd)
+
+
+@fused
+def small_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Attention for few query rows (decode, draft, verify): two matmuls and a fused softmax.
+    The fused SDPA kernels spend ~80 us per call on a 1-row query over a long masked cache."""
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    p = s.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.matmul(p.to(v.dtype), v)
+
+
+@fused
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -103,8 +140,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class Attention(nn.Module):

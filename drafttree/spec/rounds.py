@@ -64,17 +64,26 @@ def draft_phase(r: "ModelRunner", B: int, kv_len: int) -> DraftTree:
     return make_tree(r, draft(r, B, kv_len), B)
 
 
-def verify_phase(r: "ModelRunner", B: int, kv_len: int, tree: DraftTree, all_greedy: bool) -> None:
-    """One target forward over the tree, the target's picks, the acceptance walk, the commit."""
+def verify_forward(r: "ModelRunner", B: int, kv_len: int, tree: DraftTree,
+                   all_greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over the tree; returns the target's pick at every node and the
+    features of every node."""
     s = r.state
     start = s.start[:B]
     # node i sits in cache slot start+i, at rope position start+depth(i)
     pos = start[:, None] + tree.depth
     meta = attn_meta(start, tree.visible, kv_len)
     hidden, aux = r.target(tree.tokens, pos, meta, r.kv.k, r.kv.v, r.capture_layers)
-    picks = pick_tokens(r.target.logits(hidden), s.sampling, pos + 1, all_greedy)
+    return pick_tokens(r.target.logits(hidden), s.sampling, pos + 1, all_greedy), aux
+
+
+def accept_commit(r: "ModelRunner", B: int, tree: DraftTree, picks: torch.Tensor, aux: torch.Tensor) -> None:
     acc = accept(tree, picks, r.spec.depth)
     commit(r, B, acc.path, acc.accept_len, acc.tokens, aux)
+
+
+def verify_phase(r: "ModelRunner", B: int, kv_len: int, tree: DraftTree, all_greedy: bool) -> None:
+    accept_commit(r, B, tree, *verify_forward(r, B, kv_len, tree, all_greedy))
 
 
 def spec_round(r: "ModelRunner", B: int, kv_len: int, all_greedy: bool) -> None:

@@ -1,0 +1,147 @@
+"""Per-phase latency of one round: eager (each piece timed alone) and graphed (each phase graph).
+
+Usage: python -m drafttree.bench.phases [--random-weights qwen3-8b] [--spec ddtree --budget 32]
+       [--block-size 16] [--batch 1] [--prompt-len 512] [--out results.json]
+Decode-step time is measured on the same target, so a round can be put in decode-step units.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from drafttree.engine.engine import Engine, EngineConfig
+from drafttree.phases import Phase
+from drafttree.runner.cuda_graph import GraphRunner
+from drafttree.sampling import SamplingParams
+from drafttree.spec import rounds
+from drafttree.spec.tree import build_tree
+
+
+def timed(fn: Callable[[], object], reset: Callable[[], None], device: torch.device, iters: int) -> float:
+    """Median milliseconds of fn() over `iters` runs, state reset before each (reset not timed)."""
+    for _ in range(3):
+        reset()
+        fn()
+    out = []
+    cuda = device.type == "cuda"
+    for _ in range(iters):
+        reset()
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def capture(fn: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        fn()
+    return g
+
+
+@torch.inference_mode()
+def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tree: list[int]) -> dict:
+    eng = Engine(cfg)
+    r, dev, spec = eng.runner, eng.device, eng.spec
+    V = r.target.cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    for row in range(batch):
+        r.prefill(row, torch.randint(0, V - 2, (prompt_len,), generator=g).tolist(),
+                  SamplingParams(temperature=0.0), seed=row)
+    snap = [t.clone() for t in (r.state.start, r.state.bonus, r.state.ctx_n, r.state.ctx_feat)]
+
+    def reset() -> None:
+        for t, v in zip((r.state.start, r.state.bonus, r.state.ctx_n, r.state.ctx_feat), snap):
+            t.copy_(v)
+
+    B, kv_len = batch, r.cache_cfg.max_len
+    res: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                 "spec": spec.method, "block_size": spec.block_size, "budget": spec.budget, "batch": B,
+                 "prompt_len": prompt_len, "dtype": str(eng.dtype), "kv_len": kv_len,
+                 "widths": {p.value: spec.width(p) for p in spec.round_phases}, "eager_ms": {}, "graph_ms": {}}
+    ms = res["eager_ms"]
+    ms["decode"] = timed(lambda: rounds.decode_round(r, B, kv_len, True), reset, dev, iters)
+    if spec.speculative:
+        box: dict = {}
+        ms["draft"] = timed(lambda: box.update(l=rounds.draft(r, B, kv_len)), reset, dev, iters)
+        ms["tree_build"] = timed(lambda: box.update(t=rounds.make_tree(r, box["l"], B)), reset, dev, iters)
+        ms["verify"] = timed(lambda: box.update(v=rounds.verify_forward(r, B, kv_len, box["t"], True)),
+                             reset, dev, iters)
+        ms["accept_commit"] = timed(lambda: rounds.accept_commit(r, B, box["t"], *box["v"]), reset, dev, iters)
+        ms["round"] = timed(lambda: rounds.spec_round(r, B, kv_len, True), reset, dev, iters)
+        ms["round_in_decode_steps"] = ms["round"] / ms["decode"]
+    if dev.type == "cuda":
+        gm = res["graph_ms"]
+        pool = torch.cuda.graph_pool_handle()
+        dg = capture(lambda: rounds.decode_round(r, B, kv_len, True), pool)
+        gm["decode"] = timed(dg.replay, reset, dev, iters)
+        if spec.speculative:
+            gr = GraphRunner(r)
+            gr.buckets = [B]
+            gr.capture()
+            reset()
+            d, v = gr.graphs[(Phase.DRAFT, B, True)], gr.graphs[(Phase.VERIFY, B, True)]
+            gm["draft_and_tree"] = timed(d.replay, reset, dev, iters)
+            gm["verify_accept_commit"] = timed(lambda: (d.replay(), v.replay()), reset, dev, iters) \
+                - gm["draft_and_tree"]
+            gm["round"] = timed(lambda: gr.replay(B, True), reset, dev, iters)
+            gm["round_in_decode_steps"] = gm["round"] / gm["decode"]
+            lg = torch.randn(1, spec.depth, V, device=dev)
+            root = torch.zeros(1, dtype=torch.long, device=dev)
+            for nb in budgets_tree:
+                tg = capture(lambda nb=nb: build_tree(lg, root, nb), pool)
+                gm[f"tree_build_alone_b{nb}"] = timed(tg.replay, lambda: None, dev, iters)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=None)
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--random-weights", default=None)
+    p.add_argument("--spec", default="ddtree")
+    p.add_argument("--budget", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--tree-budgets", default="32,128,512")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    cfg = EngineConfig(model=a.model, draft_model=a.draft_model, spec=a.spec, block_size=a.block_size,
+                       budget=a.budget, dtype=a.dtype, device=a.device, max_num_seqs=max(a.batch, 1),
+                       max_model_len=a.max_model_len, cuda_graphs=False, random_weights=a.random_weights,
+                       kv_cache_memory_gb=None)
+    res = bench(cfg, a.batch, a.prompt_len, a.iters, [int(x) for x in a.tree_budgets.split(",") if x])
+    res["model"] = a.random_weights or a.model or "default"
+    print(json.dumps(res, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""Model shapes for timing-only runs with random weights (no checkpoint needs to exist)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from drafttree.config import ModelConfig
+from drafttree.models.decoder import DecoderLM
+from drafttree.models.dflash import DFlashConfig, DFlashDrafter
+from drafttree.models.layers import Rotary
+
+SHAPES: dict[str, tuple[ModelConfig, dict]] = {
+    "qwen3-8b": (ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                             num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                             rope_theta=1e6, max_position_embeddings=40960, qk_norm=True),
+                 dict(layers=5, block_size=16, mask_token_id=151669, target_layer_ids=(1, 9, 17, 25, 33))),
+    "smollm2-135m": (ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                 num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                                 rope_theta=1e5, max_position_embeddings=8192, tie_word_embeddings=True),
+                     dict(layers=3, block_size=16, mask_token_id=49151, target_layer_ids=(1, 7, 14, 21, 27))),
+}
+
+
+def _randomize(m: nn.Module, device: torch.device, dtype: torch.dtype, seed: int) -> None:
+    m.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    m.to(dtype)
+
+
+def random_target(shape: str, device: torch.device, dtype: torch.dtype) -> DecoderLM:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown random shape {shape!r}; choose one of {sorted(SHAPES)}")
+    cfg = SHAPES[shape][0]
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    _randomize(model, device, dtype, 0)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = Rotary(cfg).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def random_drafter(shape: str, target: DecoderLM, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:
+    tcfg, d = SHAPES[shape]
+    mcfg = ModelConfig(**{**tcfg.__dict__, "num_layers": d["layers"], "arch": "qwen3", "qk_norm": True,
+                          "tie_word_embeddings": False})
+    cfg = DFlashConfig(mcfg, d["block_size"], d["mask_token_id"], d["target_layer_ids"], tcfg.num_layers)
+    cfg.check_fits(tcfg)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    _randomize(drafter, device, dtype, 1)
+    drafter.rotary = Rotary(mcfg).to(device)
+    drafter.__dict__["embed"] = target.embed_tokens
+    drafter.__dict__["lm_head"] = target.lm_head
+    return drafter.eval().requires_grad_(False)

@@ -1,0 +1,101 @@
+"""CUDA graphs: every phase at its own width. The plan part runs on CPU; replay tests need CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafttree import LLM, SamplingParams
+from drafttree.engine.engine import EngineConfig
+from drafttree.engine.plan import describe_plan
+from drafttree.phases import Phase, SpecConfig
+from drafttree.runner.cuda_graph import batch_buckets, graph_plan
+from tests.tiny import make_drafter, make_target
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("graphs")
+    t = make_target(root / "t", "qwen3", vocab=61, layers=3, scale=3.0)
+    return t, make_drafter(root / "d", t, block_size=8, target_layer_ids=[0, 2])
+
+
+def test_seed_config_widths_in_plan(pair):
+    """The seed's crash: draft block 8, budget 32. Verify must be 33 wide, draft 8."""
+    spec = SpecConfig("ddtree", block_size=8, budget=32)
+    assert spec.width(Phase.DRAFT) == 8 and spec.width(Phase.VERIFY) == 33
+    from drafttree.config import ModelConfig
+    t, d = pair
+    plan = {e.phase: e for e in graph_plan(spec, ModelConfig.from_dir(t), None, 8)}
+    assert plan[Phase.DRAFT].width == 8 and plan[Phase.VERIFY].width == 33
+    assert plan[Phase.VERIFY].batch_sizes == (1, 2, 4, 8)
+    text = describe_plan(EngineConfig(model=str(t), draft_model=str(d), spec="ddtree", budget=32))
+    assert "verify=33" in text and "draft=8" in text
+    chain = SpecConfig("dflash", block_size=8)
+    assert chain.width(Phase.VERIFY) == 8
+    assert SpecConfig().round_phases == (Phase.DECODE,) and SpecConfig().width(Phase.DECODE) == 1
+    assert batch_buckets(6) == [1, 2, 4, 6]
+
+
+def test_seed_config_first_request_eager(pair):
+    t, d = pair
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = LLM(model=str(t), device="cpu", dtype="float32").generate([[5, 6, 7]], sp)[0].token_ids
+    got = LLM(model=str(t), draft_model=str(d), spec="ddtree", budget=32, device="cpu",
+              dtype="float32").generate([[5, 6, 7]], sp)[0].token_ids
+    assert got == want
+
+
+def _outputs(t, d, spec, graphs, prompts, sp, max_num_seqs=8, budget=None):
+    llm = LLM(model=str(t), draft_model=str(d) if spec != "none" else None, spec=spec, budget=budget,
+              device="cuda", dtype="float32", max_num_seqs=max_num_seqs, max_model_len=256, cuda_graphs=graphs)
+    outs = llm.generate(prompts, sp)
+    return [o.token_ids for o in outs], llm
+
+
+@cuda
+@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", None), ("ddtree", 32), ("ddtree", 5)])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_graph_replay_equals_eager(pair, spec, budget, batch, temperature):
+    t, d = pair
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(0, 59, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (batch,), generator=g)]
+    sp = [SamplingParams(temperature=temperature, top_p=0.9, max_tokens=40, seed=i, ignore_eos=True)
+          for i in range(batch)]
+    eager, _ = _outputs(t, d, spec, False, prompts, sp, budget=budget)
+    graphed, llm = _outputs(t, d, spec, True, prompts, sp, budget=budget)
+    assert graphed == eager
+    gr = llm.engine.runner.graphs
+    assert gr is not None and gr.fallbacks == 0
+    widths = {p: llm.engine.spec.width(p) for p in llm.engine.spec.round_phases}
+    if spec == "ddtree":
+        assert widths[Phase.VERIFY] == budget + 1 and widths[Phase.DRAFT] == 8
+
+
+@cuda
+def test_seed_config_first_request_graphed(pair):
+    t, d = pair
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want, _ = _outputs(t, d, "none", False, [[5, 6, 7]], sp)
+    got, llm = _outputs(t, d, "ddtree", True, [[5, 6, 7]], sp, budget=32)
+    assert got == want
+    assert llm.engine.runner.graphs.fallbacks == 0
+
+
+@cuda
+def test_missing_graph_falls_back_eagerly(pair, caplog):
+    t, d = pair
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5]]
+    want, _ = _outputs(t, d, "ddtree", False, prompts, sp, budget=16)
+    llm = LLM(model=str(t), draft_model=str(d), spec="ddtree", budget=16, device="cuda", dtype="float32",
+              max_num_seqs=8, max_model_len=256, cuda_graphs=True)
+    gr = llm.engine.runner.graphs
+    for k in [k for k in gr.graphs if k[1] == 2]:
+        del gr.graphs[k]
+    got = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert got == want
+    assert gr.fallbacks > 0
+    assert any("no CUDA graph" in r.message for r in caplog.records)

@@ -78,12 +78,13 @@ class ModelRunner:
 
     # -- rounds ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run_round(self, B: int, max_start: int, all_greedy: bool) -> None:
-        """One round for rows 0..B-1. `max_start` bounds the committed lengths (host-known)."""
+    def run_round(self, B: int, all_greedy: bool) -> None:
+        """One round for rows 0..B-1, from CUDA graphs when one fits, else eagerly. Both attend
+        over the whole cache (kv_len = max_len), so they run the same kernels on the same shapes
+        and produce the same tokens."""
         if self.graphs is not None and self.graphs.replay(B, all_greedy):
             return
-        kv_len = min(max_start + self.spec.kv_headroom, self.cache_cfg.max_len)
-        self.eager_round(B, kv_len, all_greedy)
+        self.eager_round(B, self.cache_cfg.max_len, all_greedy)
 
     def eager_round(self, B: int, kv_len: int, all_greedy: bool) -> None:
         if self.spec.speculative:

@@ -32,7 +32,7 @@ class SpecStats:
         return dict(sorted(Counter(self.accept_lengths).items()))
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams

@@ -1,0 +1,85 @@
+"""Prometheus metrics of one server, kept in their own registry and fed from the engine thread."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Summary,
+    generate_latest,
+)
+
+from drafttree.engine.engine import Engine
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+ACCEPT_BUCKETS = tuple(float(i) for i in range(1, 17))
+
+
+@dataclass
+class _Seen:
+    """Engine totals already exported; the next sync adds only what came after."""
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    accept_lengths: int = 0
+    prefill_seconds: float = 0.0
+    round_seconds: float = 0.0
+    fallbacks: int = 0
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter("drafttree_requests", "Requests admitted by the engine", registry=r)
+        self.finished = Counter("drafttree_requests_finished", "Requests finished, by reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("drafttree_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generated_tokens = Counter("drafttree_generation_tokens", "Tokens generated", registry=r)
+        self.rounds = Counter("drafttree_rounds", "Decoding rounds (one per engine step)", registry=r)
+        self.fallbacks = Counter("drafttree_cuda_graph_fallbacks",
+                                 "Rounds that ran eagerly although CUDA graphs were captured", registry=r)
+        self.accept_length = Histogram("drafttree_accept_length",
+                                       "Tokens committed per request per round (tau, bonus included)",
+                                       buckets=ACCEPT_BUCKETS, registry=r)
+        self.prefill_seconds = Counter("drafttree_prefill_seconds", "Seconds spent in prefill", registry=r)
+        self.round_seconds = Counter("drafttree_round_seconds", "Seconds spent in decoding rounds", registry=r)
+        self.round_duration = Summary("drafttree_round_duration_seconds", "Duration of one decoding round",
+                                      registry=r)
+        self.running = Gauge("drafttree_requests_running", "Requests holding a KV cache row", registry=r)
+        self.waiting = Gauge("drafttree_requests_waiting", "Requests queued for a KV cache row", registry=r)
+        self._seen = _Seen()
+
+    def sync(self, engine: Engine) -> None:
+        """Export what the engine counted since the last sync. Call on the engine thread only."""
+        s, seen = engine.stats, self._seen
+        self.requests.inc(s.requests - seen.requests)
+        self.prompt_tokens.inc(s.prompt_tokens - seen.prompt_tokens)
+        self.generated_tokens.inc(s.generated_tokens - seen.generated_tokens)
+        new_rounds = s.rounds - seen.rounds
+        self.rounds.inc(new_rounds)
+        for k in s.accept_lengths[seen.accept_lengths:]:
+            self.accept_length.observe(k)
+        self.prefill_seconds.inc(max(s.prefill_seconds - seen.prefill_seconds, 0.0))
+        spent = max(s.round_seconds - seen.round_seconds, 0.0)
+        self.round_seconds.inc(spent)
+        if new_rounds:
+            for _ in range(new_rounds):
+                self.round_duration.observe(spent / new_rounds)
+        graphs = getattr(engine.runner, "graphs", None)
+        fallbacks = int(graphs.fallbacks) if graphs is not None else 0
+        self.fallbacks.inc(max(fallbacks - seen.fallbacks, 0))
+        self.running.set(len(engine.running))
+        self.waiting.set(len(engine.waiting))
+        self._seen = _Seen(s.requests, s.prompt_tokens, s.generated_tokens, s.rounds, len(s.accept_lengths),
+                           s.prefill_seconds, s.round_seconds, fallbacks)
+
+    def request_finished(self, reason: str | None) -> None:
+        self.finished.labels(finish_reason=reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

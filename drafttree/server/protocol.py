@@ -1,0 +1,156 @@
+"""OpenAI request models, error bodies and the mapping from a request to SamplingParams."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from drafttree.sampling import SamplingParams
+
+Temperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
+TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's JSON shape."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool | None = False
+
+
+class OpenAIRequest(BaseModel):
+    """Fields common to both endpoints; unknown fields are accepted and ignored."""
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    n: StrictInt | None = 1
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: StrictBool | None = False
+    user: StrictStr | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise OpenAIError("stop strings must not be empty", param="stop")
+        return stops
+
+    def check_common(self) -> None:
+        if self.n is not None and self.n != 1:
+            raise OpenAIError(f"n={self.n} is not supported: only one choice per request (n=1)", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else float(self.temperature),
+                top_p=1.0 if self.top_p is None else float(self.top_p),
+                top_k=self.top_k or 0, seed=self.seed, max_tokens=max_tokens, stop=self.stop_list(),
+                stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos))
+        except ValueError as e:
+            raise OpenAIError(str(e)) from e
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def template_dict(self) -> dict[str, str]:
+        if isinstance(self.content, list):
+            text = "".join(p.text for p in self.content)
+        else:
+            text = self.content or ""
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: StrictBool | None = False
+
+    def check(self) -> None:
+        self.check_common()
+        if not self.messages:
+            raise OpenAIError("messages must not be empty", param="messages")
+        if self.logprobs:
+            raise OpenAIError("logprobs are not supported", param="logprobs")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]]
+    echo: StrictBool | None = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.echo:
+            raise OpenAIError("echo is not supported", param="echo")
+        if self.logprobs is not None:
+            raise OpenAIError("logprobs are not supported", param="logprobs")
+        if self.best_of not in (None, 1):
+            raise OpenAIError("best_of is not supported", param="best_of")
+        if self.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: a string or a list of token ids (a batch of exactly one is unwrapped)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise OpenAIError("batched prompts are not supported: send one prompt per request",
+                                  param="prompt")
+            p = p[0]
+        if not p:
+            raise OpenAIError("the prompt is empty", param="prompt")
+        return p
+
+
+def make_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,246 @@
+"""The engine thread: the only thread that touches the engine.
+
+The event loop sends commands (add, abort, stop) through a thread-safe queue; the engine thread
+answers each request with snapshots on the request's asyncio queue through
+`loop.call_soon_threadsafe`. It blocks on the command queue whenever the engine has nothing to do.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from drafttree.engine.engine import Engine
+from drafttree.engine.sequence import Sequence
+from drafttree.sampling import SamplingParams
+from drafttree.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The engine refused the request (bad prompt); answered as a 400."""
+    message: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The engine failed while running the request; answered as a 500."""
+    message: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A request's state after one engine step. `text` is the whole output so far."""
+    text: str
+    completion_tokens: int
+    finish_reason: str | None = None
+    rounds: int = 0
+    mean_accept_length: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+Message = Admitted | Rejected | Failed | Snapshot
+Deliver = Callable[[Message], None]
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    deliver: Deliver
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class RequestHandle:
+    """The event loop's side of one admitted request."""
+
+    def __init__(self, worker: EngineWorker, request_id: str, prompt_tokens: int,
+                 q: asyncio.Queue[Message]) -> None:
+        self.worker, self.request_id, self.prompt_tokens = worker, request_id, prompt_tokens
+        self._queue = q
+        self.finished = False
+
+    async def next(self) -> Snapshot:
+        """The newest snapshot: waits for one, then skips any older ones already queued."""
+        msgs = [await self._queue.get()]
+        while not self._queue.empty():
+            msgs.append(self._queue.get_nowait())
+        for m in msgs:
+            if isinstance(m, (Failed, Rejected)):
+                self.finished = True
+                raise EngineError(m.message)
+        snap = msgs[-1]
+        assert isinstance(snap, Snapshot)
+        self.finished = snap.finished
+        return snap
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.worker.abort(self.request_id)
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._cmds: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._live: dict[str, tuple[Sequence, Deliver]] = {}   # engine thread only
+        self._thread: threading.Thread | None = None
+        # Written by the engine thread after every command batch and step; read anywhere.
+        self.num_running = 0
+        self.num_waiting = 0
+        self.num_live = 0
+
+    # -- event loop side ---------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="drafttree-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        if self._thread is not None:
+            self._cmds.put(_STOP)
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request; returns once the engine accepted it. Raises ValueError if it refused."""
+        if not self.alive:
+            raise EngineError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[Message] = asyncio.Queue()
+
+        def deliver(msg: Message) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, msg)
+            except RuntimeError:   # the loop is closed: nobody is listening any more
+                pass
+
+        self._cmds.put(_Add(request_id, prompt, params, deliver))
+        try:
+            first = await q.get()
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        if isinstance(first, Rejected):
+            raise ValueError(first.message)
+        if isinstance(first, Failed):
+            raise EngineError(first.message)
+        assert isinstance(first, Admitted)
+        return RequestHandle(self, request_id, first.prompt_tokens, q)
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(_Abort(request_id))
+
+    # -- engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            cmds = [] if eng.has_unfinished() else [self._cmds.get()]
+            while True:
+                try:
+                    cmds.append(self._cmds.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in cmds:
+                if cmd is _STOP:
+                    self._fail_all("the server is shutting down")
+                    return
+                self._handle(cmd)
+            if eng.has_unfinished():
+                self._step()
+            self._publish()
+
+    def _handle(self, cmd: object) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                seq = self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
+            except ValueError as e:
+                cmd.deliver(Rejected(str(e)))
+                return
+            except Exception as e:
+                log.exception("add_request failed")
+                cmd.deliver(Failed(f"{type(e).__name__}: {e}"))
+                return
+            self._live[cmd.request_id] = (seq, cmd.deliver)
+            cmd.deliver(Admitted(len(seq.prompt_ids)))
+        elif isinstance(cmd, _Abort):
+            entry = self._live.pop(cmd.request_id, None)
+            if entry is not None:
+                self.engine.abort(entry[0])
+                if self.metrics is not None:
+                    self.metrics.request_finished("abort")
+
+    def _step(self) -> None:
+        try:
+            out = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed")
+            self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+            return
+        touched: dict[str, Sequence] = {}
+        for seq, _ in out:
+            touched[seq.request_id] = seq
+        for rid, seq in touched.items():
+            entry = self._live.get(rid)
+            if entry is None or entry[0] is not seq:
+                continue
+            deliver = entry[1]
+            if seq.finished:
+                del self._live[rid]
+                deliver(Snapshot(seq.text, len(seq.output_ids), seq.finish_reason or "stop",
+                                 seq.stats.rounds, seq.stats.mean_accept_length))
+                if self.metrics is not None:
+                    self.metrics.request_finished(seq.finish_reason)
+            else:
+                deliver(Snapshot(seq.text, len(seq.output_ids)))
+
+    def _fail_all(self, message: str) -> None:
+        for seq, deliver in self._live.values():
+            try:
+                self.engine.abort(seq)
+            except Exception:
+                log.exception("abort failed")
+            deliver(Failed(message))
+        self._live.clear()
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.metrics is not None:
+            self.metrics.sync(self.engine)
+        self.num_running = len(self.engine.running)
+        self.num_waiting = len(self.engine.waiting)
+        self.num_live = len(self._live)

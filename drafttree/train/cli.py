@@ -1,0 +1,197 @@
+"""`drafttree train-drafter`: prompts -> target-regenerated responses -> DFlash drafter -> τ.
+
+Every stage reads and writes files under --out, so each can be rerun or resumed alone:
+  prompts_train.jsonl, prompts_heldout.jsonl   (stage `prompts`)
+  responses.jsonl                              (stage `regenerate`, appended as requests finish)
+  checkpoints/last.pt, drafter/, train_log.json (stage `train`; `eval` adds τ to the log)
+`all` runs the four in order, skipping what is already done.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from drafttree.train.data import load_sharegpt_prompts, read_prompts, write_prompts
+from drafttree.train.regen import RegenConfig
+
+STAGES = ("prompts", "regenerate", "train", "eval", "all")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, required=True, help="working directory for every stage's files")
+    p.add_argument("--target", default=None, help="target model directory or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="target dtype: bf16 / fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _prompt_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prompts (ShareGPT)")
+    g.add_argument("--limit", type=int, default=None, help="at most this many training prompts")
+    g.add_argument("--eval-size", type=int, default=None, help="held-out prompts (default: 2%% of all)")
+    g.add_argument("--max-prompt-chars", type=int, default=4000, help="skip longer first turns")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (regeneration and τ)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="concurrent requests (default: 64 CUDA, 8 CPU)")
+    g.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer (templated) prompts")
+    g.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                   help="feed text prompts without the target's chat template")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache budget")
+
+
+def _regen_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("regeneration")
+    g.add_argument("--prompts", type=Path, default=None,
+                   help="prompt JSONL ({'prompt': str} or {'prompt_ids': [int]}); default OUT/prompts_train.jsonl")
+    g.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts of the file")
+    g.add_argument("--max-tokens", type=int, default=512, help="response tokens per prompt")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--regen-time-limit", type=float, default=None,
+                   help="stop after this many seconds; unfinished prompts are redone by a later run")
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("drafter")
+    g.add_argument("--data", type=Path, default=None, help="sequences JSONL (default OUT/responses.jsonl)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--draft-layers", type=int, default=3)
+    g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
+    g.add_argument("--num-target-features", type=int, default=5, help="target layers whose hidden states condition")
+    g.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="explicit target layer ids")
+    g.add_argument("--mask-token-id", type=int, default=None, help="default: largest id absent from the data")
+    g.add_argument("--init-from-target", action="store_true", help="start draft layers from the target's last layers")
+    g.add_argument("--attention", default="auto", choices=["auto", "dense", "blockwise"],
+                   help="training attention (auto: blockwise on CUDA, dense on CPU)")
+    g = p.add_argument_group("training")
+    g.add_argument("--anchors-per-seq", type=int, default=512)
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    g.add_argument("--epochs", type=int, default=2)
+    g.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (the schedule spans them)")
+    g.add_argument("--lr", type=float, default=6e-4)
+    g.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps")
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 for bs 16, 5 for 10, 4 for 8)")
+    g.add_argument("--max-len", type=int, default=2048, help="cut sequences to this many tokens")
+    g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last.pt")
+    g.add_argument("--save-dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    g.add_argument("--train-time-limit", type=float, default=None, help="stop training after this many seconds")
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("τ evaluation")
+    g.add_argument("--drafter", type=Path, default=None, help="drafter directory (default OUT/drafter)")
+    g.add_argument("--eval-prompts", type=Path, default=None, help="default OUT/prompts_heldout.jsonl")
+    g.add_argument("--eval-num", type=int, default=16, help="held-out prompts to decode (0: skip)")
+    g.add_argument("--eval-max-tokens", type=int, default=256)
+    g.add_argument("--compare-plain", action="store_true", help="also check outputs equal plain decoding")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="drafttree train-drafter", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="stage", required=True)
+    groups = {"prompts": (_prompt_args,), "regenerate": (_engine_args, _regen_args),
+              "train": (_engine_args, _train_args, _eval_args), "eval": (_engine_args, _eval_args),
+              "all": (_prompt_args, _engine_args, _regen_args, _train_args, _eval_args)}
+    for stage in STAGES:
+        p = sub.add_parser(stage)
+        _common(p)
+        for add in groups[stage]:
+            add(p)
+    return parser
+
+
+def regen_config(a: argparse.Namespace) -> RegenConfig:
+    return RegenConfig(target=a.target, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
+                       max_prompt_tokens=a.max_prompt_tokens, max_tokens=getattr(a, "max_tokens", 512),
+                       temperature=getattr(a, "temperature", 0.0), seed=a.seed, chat_template=a.chat_template,
+                       cuda_graphs=a.cuda_graphs, kv_cache_memory_gb=a.kv_cache_gb,
+                       time_limit=getattr(a, "regen_time_limit", None))
+
+
+def run_prompts(a: argparse.Namespace) -> None:
+    train, heldout = load_sharegpt_prompts(a.limit, a.seed, a.eval_size, max_chars=a.max_prompt_chars)
+    write_prompts(a.out / "prompts_train.jsonl", train)
+    write_prompts(a.out / "prompts_heldout.jsonl", heldout)
+    print(f"{len(train)} training and {len(heldout)} held-out prompts written to {a.out}")
+
+
+def run_regenerate(a: argparse.Namespace) -> None:
+    from drafttree.train.regen import regenerate
+
+    path = a.prompts or a.out / "prompts_train.jsonl"
+    prompts = read_prompts(path, a.num_prompts)
+    out = regenerate(prompts, a.out / "responses.jsonl", regen_config(a), progress=not a.quiet)
+    print(f"responses for {len(prompts)} prompts in {out}")
+
+
+def run_train(a: argparse.Namespace) -> dict[str, Any]:
+    from drafttree.train.trainer import TrainConfig, Trainer
+
+    cfg = TrainConfig(out=a.out, data=a.data, target=a.target, device=a.device, dtype=a.dtype,
+                      draft_layers=a.draft_layers, intermediate_size=a.intermediate_size, block_size=a.block_size,
+                      num_target_features=a.num_target_features, target_layer_ids=a.target_layer_ids,
+                      mask_token_id=a.mask_token_id, init_from_target=a.init_from_target, attention=a.attention,
+                      anchors_per_seq=a.anchors_per_seq, batch_size=a.batch_size, epochs=a.epochs,
+                      max_steps=a.max_steps, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
+                      grad_clip=a.grad_clip, gamma=a.gamma, max_len=a.max_len, save_every=a.save_every,
+                      log_every=a.log_every, resume=a.resume, save_dtype=a.save_dtype, seed=a.seed,
+                      time_limit=a.train_time_limit, progress=not a.quiet)
+    summary = Trainer(cfg).run()
+    last = summary["history"][-1] if summary["history"] else {}
+    print(f"trained {summary['step']} steps ({summary['seconds_per_step'] * 1e3:.1f} ms/step), "
+          f"{summary['parameters'] / 1e6:.2f} M parameters -> {cfg.drafter_dir}; "
+          f"last loss {last.get('loss', float('nan')):.3f}, training τ {last.get('tau_train', float('nan')):.2f}")
+    return summary
+
+
+def run_eval(a: argparse.Namespace) -> dict[str, Any] | None:
+    from drafttree.train.evaluate import measure_tau
+    from drafttree.train.trainer import write_log
+
+    path = a.eval_prompts or a.out / "prompts_heldout.jsonl"
+    if a.eval_num <= 0 or not path.is_file():
+        print(f"τ evaluation skipped ({'no ' + str(path) if a.eval_num > 0 else '--eval-num 0'})")
+        return None
+    drafter = a.drafter or a.out / "drafter"
+    result = measure_tau(drafter, read_prompts(path, a.eval_num), regen_config(a), a.eval_max_tokens,
+                         compare_plain=a.compare_plain)
+    write_log(a.out, {"eval": result})
+    print(f"τ = {result['tau']:.3f} (mean accepted length over {result['rounds']} rounds, "
+          f"{result['prompts']} prompts, T=0)")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.stage == "prompts":
+        run_prompts(a)
+    elif a.stage == "regenerate":
+        run_regenerate(a)
+    elif a.stage == "train":
+        run_train(a)
+        run_eval(a)
+    elif a.stage == "eval":
+        run_eval(a)
+    else:
+        if a.prompts is None and not (a.out / "prompts_train.jsonl").is_file():
+            run_prompts(a)
+        run_regenerate(a)
+        run_train(a)
+        run_eval(a)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""Acceptance of a trained drafter measured in the real decoder (not training accuracy)."""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from drafttree.sampling import SamplingParams
+from drafttree.train.data import Prompt
+from drafttree.train.regen import RegenConfig, encode_prompt, make_llm
+
+
+def measure_tau(drafter_dir: Path, prompts: list[Prompt], cfg: RegenConfig, max_tokens: int = 256,
+                compare_plain: bool = False) -> dict[str, Any]:
+    """Greedy (T=0) DFlash decoding of `prompts`; τ = committed tokens per round, bonus included.
+    With `compare_plain`, also decode without speculation and count differing outputs."""
+    run = replace(cfg, max_tokens=max_tokens)
+    llm = make_llm(run, draft_model=str(drafter_dir), spec="dflash")
+    ids = [encode_prompt(llm, p, cfg.chat_template) for p in prompts]
+    ids = [p for p in ids if 0 < len(p) <= cfg.max_prompt_tokens]
+    if not ids:
+        raise ValueError("no evaluation prompt fits --max-prompt-tokens")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    t0 = time.perf_counter()
+    outs = llm.generate(ids, params)
+    seconds = time.perf_counter() - t0
+    lengths = [k for o in outs for k in o.metrics["accept_lengths"]]
+    hist: dict[int, int] = {}
+    for k in lengths:
+        hist[k] = hist.get(k, 0) + 1
+    result: dict[str, Any] = {
+        "tau": sum(lengths) / max(len(lengths), 1), "rounds": len(lengths), "prompts": len(ids),
+        "generated_tokens": sum(len(o.token_ids) for o in outs), "seconds": seconds,
+        "accept_histogram": dict(sorted(hist.items())), "block_size": llm.engine.spec.block_size,
+        "max_tokens": max_tokens,
+    }
+    if compare_plain:
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        plain = make_llm(run).generate(ids, params)
+        result["mismatches"] = sum(a.token_ids != b.token_ids for a, b in zip(outs, plain))
+    return result

@@ -1,0 +1,130 @@
+"""A fresh DFlash drafter for a target, and saving it in the published checkpoint format."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from drafttree.config import ModelConfig
+from drafttree.models.decoder import DecoderLM
+from drafttree.models.dflash import DFlashConfig, DFlashDrafter
+
+
+@dataclass
+class DrafterSpec:
+    num_layers: int = 3
+    intermediate_size: int | None = None      # default: the target's
+    block_size: int = 16
+    mask_token_id: int | None = None          # default: chosen from the data by the trainer
+    target_layer_ids: tuple[int, ...] = ()
+
+
+def drafter_config_dict(target: ModelConfig, spec: DrafterSpec) -> dict[str, Any]:
+    """config.json of a Qwen3-style drafter with the target's width, heads and rope."""
+    if spec.mask_token_id is None or not spec.target_layer_ids:
+        raise ValueError("mask_token_id and target_layer_ids must be set")
+    d: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": target.hidden_size, "num_attention_heads": target.num_heads,
+        "num_key_value_heads": target.num_kv_heads, "head_dim": target.head_dim,
+        "intermediate_size": spec.intermediate_size or target.intermediate_size,
+        "num_hidden_layers": spec.num_layers, "num_target_layers": target.num_layers,
+        "rms_norm_eps": target.rms_norm_eps, "rope_theta": target.rope_theta,
+        "max_position_embeddings": target.max_position_embeddings, "vocab_size": target.vocab_size,
+        "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+        "block_size": spec.block_size,
+        "dflash_config": {"mask_token_id": int(spec.mask_token_id),
+                          "target_layer_ids": [int(i) for i in spec.target_layer_ids]},
+    }
+    if target.rope_scaling:
+        d["rope_scaling"] = dict(target.rope_scaling)
+    return d
+
+
+def config_from_dict(d: dict[str, Any]) -> DFlashConfig:
+    dc = d["dflash_config"]
+    model = ModelConfig.from_dict({**d, "architectures": ["Qwen3ForCausalLM"]})
+    return DFlashConfig(model, int(d["block_size"]), int(dc["mask_token_id"]),
+                        tuple(int(i) for i in dc["target_layer_ids"]), d.get("num_target_layers"))
+
+
+def new_drafter(cfg: DFlashConfig, target: DecoderLM, init_std: float = 0.02,
+                init_from_target: bool = False) -> DFlashDrafter:
+    """Random init (normal(0, init_std) linears, unit norms), in fp32 on the target's device,
+    borrowing the target's embedding and LM head."""
+    drafter = DFlashDrafter(cfg, target.embed_tokens, target.lm_head)
+    for name, p in drafter.named_parameters():
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, init_std)
+    if init_from_target:
+        copy_target_layers(drafter, target)
+    return drafter.to(device=target.embed_tokens.weight.device, dtype=torch.float32)
+
+
+@torch.no_grad()
+def copy_target_layers(drafter: DFlashDrafter, target: DecoderLM) -> None:
+    """Start draft layer i from target layer L-n+i (the last n) and the final norm from the
+    target's. MLPs narrower than the target's take the first rows/columns."""
+    n, L = len(drafter.layers), len(target.layers)
+    drafter.norm.weight.copy_(target.norm.weight)
+    for i, dst in enumerate(drafter.layers):
+        src = target.layers[max(L - n + i, 0)]
+        for a in ("input_layernorm", "post_attention_layernorm"):
+            getattr(dst, a).weight.copy_(getattr(src, a).weight)
+        dst.self_attn.qkv_proj.weight.copy_(src.self_attn.qkv_proj.weight)
+        dst.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
+        if src.self_attn.q_norm is not None:
+            dst.self_attn.q_norm.weight.copy_(src.self_attn.q_norm.weight)
+            dst.self_attn.k_norm.weight.copy_(src.self_attn.k_norm.weight)
+        inter = dst.mlp.down_proj.weight.shape[1]
+        t_inter = src.mlp.down_proj.weight.shape[1]
+        if inter <= t_inter:
+            gate, up = src.mlp.gate_up_proj.weight.chunk(2, dim=0)
+            dst.mlp.gate_up_proj.weight.copy_(torch.cat([gate[:inter], up[:inter]]))
+            dst.mlp.down_proj.weight.copy_(src.mlp.down_proj.weight[:, :inter])
+
+
+def published_state_dict(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+    """Our fused names -> the published ones: qkv_proj -> q/k/v_proj, gate_up -> gate/up."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in drafter.state_dict().items():
+        t = t.detach()
+        if name.endswith("self_attn.qkv_proj.weight"):
+            attn = drafter.layers[int(name.split(".")[1])].self_attn
+            sizes = [attn.h * attn.hd, attn.hkv * attn.hd, attn.hkv * attn.hd]
+            p = name.removesuffix("qkv_proj.weight")
+            for n, part in zip("qkv", t.split(sizes, dim=0)):
+                out[f"{p}{n}_proj.weight"] = part
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            p = name.removesuffix("gate_up_proj.weight")
+            gate, up = t.chunk(2, dim=0)
+            out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = gate, up
+        else:
+            out[name] = t
+    return out
+
+
+def save_drafter(drafter: DFlashDrafter, config: dict[str, Any], out_dir: Path,
+                 dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write config.json + model.safetensors in the published DFlash format."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.to(device="cpu", dtype=dtype).contiguous() for k, v in published_state_dict(drafter).items()}
+    (out_dir / "config.json").write_text(json.dumps({**config, "torch_dtype": str(dtype).removeprefix("torch.")},
+                                                    indent=2) + "\n")
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def count_parameters(config: dict[str, Any]) -> int:
+    """Saved parameters of a drafter config (no embedding, no LM head)."""
+    D, H, Hkv, hd = (config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
+    inter, n = config["intermediate_size"], len(config["dflash_config"]["target_layer_ids"])
+    layer = D * (H + 2 * Hkv) * hd + H * hd * D + 3 * D * inter + 2 * D + 2 * hd
+    return n * D * D + 2 * D + config["num_hidden_layers"] * layer

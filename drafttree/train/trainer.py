@@ -1,0 +1,297 @@
+"""The training loop: frozen target features -> drafter blocks -> weighted CE, with AdamW,
+cosine schedule, checkpoints that resume exactly, and the final published-format drafter."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from drafttree.config import parse_dtype
+from drafttree.models.decoder import DecoderLM
+from drafttree.train.data import TrainSequence, read_sequences
+from drafttree.train.forward import FeatureExtractor, block_loss, drafter_train_forward
+from drafttree.train.model import (
+    DrafterSpec,
+    config_from_dict,
+    count_parameters,
+    drafter_config_dict,
+    new_drafter,
+    save_drafter,
+)
+from drafttree.train.recipe import (
+    build_blocks,
+    default_gamma,
+    default_target_layer_ids,
+    position_weights,
+    sample_anchors,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    out: Path
+    data: Path | None = None              # regenerated sequences (JSONL); default out/responses.jsonl
+    target: str | None = None
+    device: str | None = None
+    dtype: str | None = None              # the frozen target's; the drafter trains in fp32 (+ bf16 autocast on CUDA)
+    draft_layers: int = 3
+    intermediate_size: int | None = None
+    block_size: int = 16
+    num_target_features: int = 5
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None      # default: the largest id absent from the data
+    init_from_target: bool = False
+    attention: str = "auto"               # dense | blockwise; auto: blockwise on CUDA, dense on CPU
+    anchors_per_seq: int = 512
+    batch_size: int = 8
+    epochs: int = 2
+    max_steps: int | None = None
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gamma: float | None = None
+    max_len: int = 2048
+    save_every: int = 0
+    log_every: int = 10
+    resume: bool = False
+    save_dtype: str = "bf16"
+    seed: int = 0
+    stop_at: int | None = None            # stop (checkpointed) at this step, schedule unchanged
+    time_limit: float | None = None       # seconds of training before stopping early
+    progress: bool = True
+
+    @property
+    def drafter_dir(self) -> Path:
+        return self.out / "drafter"
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.out / "checkpoints" / "last.pt"
+
+
+def unused_token(seqs: list[TrainSequence], vocab: int) -> int:
+    """The largest token id absent from the data (else the largest of the rarest)."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(torch.tensor(s.ids, dtype=torch.long), minlength=vocab)[:vocab]
+    rarest = (counts == counts.min()).nonzero()
+    if counts.min() > 0:
+        log.warning("every token id appears in the data; mask token = rarest id %d", int(rarest[-1]))
+    return int(rarest[-1])
+
+
+def eager():
+    """Run the models' compiled inference pieces eagerly: in training they would recompile for
+    every grad-mode / autocast / dtype mix and hit Dynamo's recompile limit."""
+    if hasattr(torch.compiler, "set_stance"):
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
+
+
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Shuffled batches of similar lengths (sorted within groups of 32 batches)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    perm = torch.randperm(len(lengths), generator=g).tolist()
+    group, batches = 32 * batch_size, []
+    for s in range(0, len(perm), group):
+        chunk = sorted(perm[s:s + group], key=lambda i: lengths[i])
+        batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def cosine_lambda(total: int, warmup: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+    return f
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, target: DecoderLM | None = None,
+                 sequences: list[TrainSequence] | None = None) -> None:
+        from drafttree.loader.default_model import resolve_model
+        from drafttree.loader.weights import load_target
+
+        self.cfg = cfg
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if target is None:
+            target, _ = load_target(resolve_model(cfg.target), parse_dtype(cfg.dtype, str(self.device)),
+                                    self.device)
+        self.target = target.eval().requires_grad_(False)
+        tcfg = target.cfg
+        data = cfg.data or cfg.out / "responses.jsonl"
+        self.seqs = sequences if sequences is not None else read_sequences(data, cfg.max_len)
+        if not self.seqs:
+            raise ValueError(f"no training sequences with a response in {data}")
+        ckpt = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False) \
+            if cfg.resume and cfg.checkpoint.is_file() else None
+        if ckpt is not None:
+            self.config_dict = ckpt["drafter_config"]
+        else:
+            ids = cfg.target_layer_ids or default_target_layer_ids(tcfg.num_layers, cfg.num_target_features)
+            mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else unused_token(self.seqs, tcfg.vocab_size)
+            spec = DrafterSpec(cfg.draft_layers, cfg.intermediate_size, cfg.block_size, mask_id, tuple(ids))
+            self.config_dict = drafter_config_dict(tcfg, spec)
+        self.dcfg = config_from_dict(self.config_dict)
+        self.dcfg.check_fits(tcfg)
+        torch.manual_seed(cfg.seed)
+        self.drafter = new_drafter(self.dcfg, target, init_from_target=cfg.init_from_target).train()
+        self.features = FeatureExtractor(target, self.dcfg.target_layer_ids, cfg.batch_size,
+                                         max(len(s.ids) for s in self.seqs))
+        self.attention = cfg.attention if cfg.attention != "auto" else \
+            ("blockwise" if self.device.type == "cuda" else "dense")
+        bs = self.dcfg.block_size
+        self.pos_weights = position_weights(bs, cfg.gamma or default_gamma(bs)).to(self.device)
+        self.steps_per_epoch = math.ceil(len(self.seqs) / cfg.batch_size)
+        total = cfg.epochs * self.steps_per_epoch
+        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps is not None else total
+        fused = {"fused": True} if self.device.type == "cuda" else {}
+        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
+        warm = max(1, round(cfg.warmup * self.total_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, cosine_lambda(self.total_steps, warm))
+        self.anchor_gen = torch.Generator().manual_seed(cfg.seed)
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        if ckpt is not None:
+            self._restore(ckpt)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _restore(self, ckpt: dict[str, Any]) -> None:
+        if ckpt["num_sequences"] != len(self.seqs) or ckpt["batch_size"] != self.cfg.batch_size:
+            raise ValueError("the checkpoint was made with other data or batch size; cannot resume")
+        self.drafter.load_state_dict(ckpt["drafter"])
+        self.opt.load_state_dict(ckpt["optimizer"])
+        self.sched.load_state_dict(ckpt["scheduler"])
+        self.step, self.history = ckpt["step"], ckpt["history"]
+        self.anchor_gen.set_state(ckpt["rng"]["anchors"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        log.info("resumed from %s at step %d", self.cfg.checkpoint, self.step)
+
+    def save_checkpoint(self) -> Path:
+        path = self.cfg.checkpoint
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
+                 "scheduler": self.sched.state_dict(), "step": self.step, "history": self.history,
+                 "drafter_config": self.config_dict, "num_sequences": len(self.seqs),
+                 "batch_size": self.cfg.batch_size,
+                 "rng": {"anchors": self.anchor_gen.get_state(), "torch": torch.get_rng_state()}}
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+        return path
+
+    # -- one step ----------------------------------------------------------------------------
+    def _collate(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        seqs = [self.seqs[i] for i in idx]
+        lengths = [len(s.ids) for s in seqs]
+        ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, :len(s.ids)] = torch.tensor(s.ids)
+        return ids, torch.tensor(lengths), lengths, [s.prompt_len for s in seqs]
+
+    def train_step(self, idx: list[int]):
+        with eager():
+            return self._train_step(idx)
+
+    def _train_step(self, idx: list[int]):
+        ids, lens, lengths, prompt_lens = self._collate(idx)
+        anchors, valid = sample_anchors(prompt_lens, lengths, self.cfg.anchors_per_seq, self.anchor_gen)
+        dev = self.device
+        ids, lens = ids.to(dev, non_blocking=True), lens.to(dev, non_blocking=True)
+        blocks = build_blocks(ids, lens, anchors.to(dev), valid.to(dev), self.dcfg.block_size,
+                              self.dcfg.mask_token_id)
+        feats = self.features(ids)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            hidden = drafter_train_forward(self.drafter, feats, blocks, self.attention)
+            out = block_loss(hidden, blocks, self.target.lm_head, self.pos_weights)
+        out.loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        return out, gnorm
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        lengths = [len(s.ids) for s in self.seqs]
+        end = min(self.total_steps, cfg.stop_at) if cfg.stop_at is not None else self.total_steps
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", disable=not cfg.progress, unit="step")
+        acc = self._zero_acc()
+        t0, start_step = time.perf_counter(), self.step
+        out_of_time = lambda: cfg.time_limit is not None and time.perf_counter() - t0 > cfg.time_limit
+        while self.step < end and not out_of_time():
+            epoch, first = divmod(self.step, self.steps_per_epoch)
+            for idx in epoch_batches(lengths, cfg.batch_size, cfg.seed, epoch)[first:]:
+                out, gnorm = self.train_step(idx)
+                for k, v in (("loss", out.loss.detach()), ("correct", out.correct), ("count", out.count),
+                             ("accepted", out.accepted), ("blocks", out.blocks), ("gnorm", gnorm.detach())):
+                    acc[k] = acc[k] + v
+                acc["n"] += 1
+                bar.update(1)
+                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    rec = self._log_record(acc, epoch)
+                    self.history.append(rec)
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['acc'][0]:.2f}",
+                                    tau=f"{rec['tau_train']:.2f}")
+                    acc = self._zero_acc()
+                if cfg.save_every and self.step % cfg.save_every == 0:
+                    self.save_checkpoint()
+                if self.step >= end or out_of_time():
+                    break
+        if self.step < end:
+            log.warning("time limit reached at step %d of %d", self.step, self.total_steps)
+        bar.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        if cfg.save_every or cfg.stop_at is not None or self.step < self.total_steps:
+            self.save_checkpoint()
+        save_drafter(self.drafter, self.config_dict, cfg.drafter_dir, parse_dtype(cfg.save_dtype))
+        summary = {"step": self.step, "total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
+                   "sequences": len(self.seqs), "train_seconds": seconds,
+                   "seconds_per_step": seconds / max(1, self.step - start_step),
+                   "parameters": count_parameters(self.config_dict), "drafter_config": self.config_dict,
+                   "train_config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+                   "history": self.history}
+        write_log(cfg.out, summary)
+        return summary
+
+    def _zero_acc(self) -> dict[str, Any]:
+        bs, dev = self.dcfg.block_size, self.device
+        z = torch.zeros((), device=dev)
+        return {"loss": z, "correct": torch.zeros(bs, dtype=torch.long, device=dev),
+                "count": torch.zeros(bs, dtype=torch.long, device=dev), "accepted": z.long(), "blocks": z.long(),
+                "gnorm": z, "n": 0}
+
+    def _log_record(self, acc: dict[str, Any], epoch: int) -> dict[str, Any]:
+        n = max(acc["n"], 1)
+        per_pos = (acc["correct"][1:].float() / acc["count"][1:].clamp_min(1)).tolist()
+        return {"step": self.step, "epoch": epoch, "lr": self.sched.get_last_lr()[0],
+                "loss": float(acc["loss"]) / n, "grad_norm": float(acc["gnorm"]) / n,
+                "acc": [round(a, 4) for a in per_pos],
+                "tau_train": 1.0 + float(acc["accepted"]) / max(int(acc["blocks"]), 1)}
+
+
+def write_log(out: Path, updates: dict[str, Any]) -> Path:
+    """Merge `updates` into out/train_log.json."""
+    path = out / "train_log.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data.update(updates)
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path

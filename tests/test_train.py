@@ -1,0 +1,229 @@
+"""Drafter training on tiny random targets: the recipe's block layout, the training forward
+against the inference drafter, learning, checkpoint/resume, the published format, and τ."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from drafttree.loader.weights import load_target
+from drafttree.models.dflash import load_drafter
+from drafttree.runner.kv_cache import KVCache, attn_meta
+from drafttree.train.cli import main
+from drafttree.train.data import (
+    TrainSequence,
+    iter_json_array,
+    load_sharegpt_prompts,
+    read_prompts,
+    read_sequences,
+    write_prompts,
+    write_sequences,
+)
+from drafttree.train.forward import drafter_train_forward
+from drafttree.train.recipe import IGNORE, build_blocks, default_gamma, default_target_layer_ids, sample_anchors
+from drafttree.train.regen import RegenConfig, regenerate
+from drafttree.train.trainer import TrainConfig, Trainer
+from tests.tiny import make_target
+
+V = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny tensors: thread wake-ups cost more than the work, worst on a busy machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    """A tiny target (sharp logits: a learnable deterministic pattern) and its own greedy
+    responses to token-id prompts, regenerated through the engine."""
+    root = tmp_path_factory.mktemp("train")
+    target_dir = make_target(root / "target", vocab=V, layers=4, scale=3.0)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(V - 1) for _ in range(rng.randint(2, 6))] for _ in range(48)]
+    write_prompts(root / "prompts.jsonl", prompts)
+    rc = RegenConfig(target=str(target_dir), device="cpu", max_num_seqs=16, max_prompt_tokens=16, max_tokens=48)
+    regenerate(prompts, root / "responses.jsonl", rc, progress=False)
+    target, _ = load_target(target_dir, torch.float32, "cpu")
+    return {"root": root, "target_dir": target_dir, "target": target, "prompts": prompts, "regen": rc,
+            "seqs": read_sequences(root / "responses.jsonl")}
+
+
+def tiny_config(out: Path, **kw) -> TrainConfig:
+    base = {"out": out, "device": "cpu", "block_size": 4, "draft_layers": 1, "intermediate_size": 64,
+            "num_target_features": 2, "anchors_per_seq": 64, "batch_size": 8, "epochs": 100, "lr": 3e-3,
+            "mask_token_id": V - 1, "progress": False, "log_every": 5, "save_dtype": "fp32"}
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_layer_ids_and_gamma():
+    assert default_target_layer_ids(30, 5) == [1, 7, 14, 21, 27]
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(4, 2) == [1, 2]
+    assert default_target_layer_ids(3, 3) == [0, 1, 2]
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+
+
+def test_blocks_pin_anchor_labels_and_context():
+    T, bs, mask_id = 10, 4, 99
+    ids = torch.arange(100, 110)[None]                 # token at position p is 100 + p
+    blocks = build_blocks(ids, torch.tensor([T]), torch.tensor([[3, 6]]), torch.ones(1, 2, dtype=torch.bool),
+                          bs, mask_id)
+    assert blocks.ids.tolist() == [[103, 99, 99, 99, 106, 99, 99, 99]]
+    assert blocks.pos.tolist() == [[3, 4, 5, 6, 6, 7, 8, 9]]
+    assert blocks.labels.tolist() == [[IGNORE, 104, 105, 106, IGNORE, 107, 108, 109]]
+    m = blocks.dense_mask(T)[0]                        # [8 queries, 10 context + 8 block keys]
+    for q in range(8):
+        ctx = m[q, :T].nonzero().squeeze(1).tolist()
+        own = (m[q, T:].nonzero().squeeze(1) // bs).tolist()
+        assert ctx == ([0, 1, 2] if q < 4 else [0, 1, 2, 3, 4, 5])
+        assert own == [q // bs] * bs
+    # labels past the sequence end are ignored
+    short = build_blocks(ids, torch.tensor([8]), torch.tensor([[6]]), torch.ones(1, 1, dtype=torch.bool), bs, 0)
+    assert short.labels.tolist() == [[IGNORE, 107, IGNORE, IGNORE]]
+    assert torch.equal(blocks.ctx_mask(T), blocks.dense_mask(T)[:, :, :T])
+
+
+def test_anchors_are_response_tokens_with_a_label():
+    g = torch.Generator().manual_seed(0)
+    anchors, valid = sample_anchors([5, 3], [12, 40], 4, g)
+    assert valid.all() and anchors.shape == (2, 4)
+    assert all(5 <= a <= 10 for a in anchors[0].tolist()) and all(3 <= a <= 38 for a in anchors[1].tolist())
+    anchors, valid = sample_anchors([5], [8], 16, g)   # only 5 and 6 leave room for a label
+    assert anchors[0, valid[0]].tolist() == [5, 6]
+
+
+@pytest.mark.parametrize("attention", ["dense", "blockwise"])
+def test_train_forward_matches_inference_drafter(tiny, tmp_path, attention):
+    tr = Trainer(tiny_config(tmp_path, draft_layers=2), target=tiny["target"], sequences=tiny["seqs"])
+    d, seq = tr.drafter.eval(), tiny["seqs"][0]
+    ids = torch.tensor([seq.ids])
+    anchors = torch.tensor([[seq.prompt_len, len(seq.ids) - 3]])
+    blocks = build_blocks(ids, torch.tensor([len(seq.ids)]), anchors, torch.ones(1, 2, dtype=torch.bool), 4, V - 1)
+    feats = tr.features(ids)
+    m = d.cfg.model
+    with torch.no_grad():
+        hidden = drafter_train_forward(d, feats, blocks, attention)
+        for n, a in enumerate(anchors[0].tolist()):
+            kv = KVCache.allocate(m.num_layers, 1, a + 4, m.num_kv_heads, m.head_dim, torch.float32, "cpu")
+            ctx_pos, block_pos = torch.arange(a)[None], a + torch.arange(4)[None]
+            meta = attn_meta(torch.tensor([a]), torch.ones(1, 4, 4, dtype=torch.bool), a + 4,
+                             slots=torch.cat([ctx_pos, block_pos], dim=1))
+            ref = d(blocks.ids[:, 4 * n:4 * n + 4], block_pos, feats[:, :a], ctx_pos, meta, kv.k, kv.v)
+            torch.testing.assert_close(hidden[:, 4 * n:4 * n + 4], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_loss_falls_on_a_fixed_batch(tiny, tmp_path):
+    tr = Trainer(tiny_config(tmp_path), target=tiny["target"], sequences=tiny["seqs"])
+    losses = [float(tr.train_step(list(range(8)))[0].loss.detach()) for _ in range(25)]
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_regeneration_resumes_and_matches_the_engine(tiny):
+    path = tiny["root"] / "responses.jsonl"
+    lines = path.read_text().splitlines()
+    assert len(lines) == len(tiny["prompts"])
+    regenerate(tiny["prompts"], path, tiny["regen"], progress=False)     # all done: nothing added
+    assert path.read_text().splitlines() == lines
+    cut = tiny["root"] / "cut.jsonl"                                      # interrupted at once, then resumed
+    regenerate(tiny["prompts"], cut, RegenConfig(**{**vars(tiny["regen"]), "time_limit": 0.0}), progress=False)
+    assert len(cut.read_text().splitlines()) < len(lines)
+    regenerate(tiny["prompts"], cut, tiny["regen"], progress=False)
+    by_i = lambda text: sorted(text.splitlines(), key=lambda ln: json.loads(ln)["i"])
+    assert by_i(cut.read_text()) == by_i(path.read_text())
+    rec = json.loads(lines[0])
+    from drafttree.sampling import SamplingParams
+    from drafttree.train.regen import make_llm
+    out = make_llm(tiny["regen"]).generate(rec["prompt_ids"], SamplingParams(temperature=0, max_tokens=48))[0]
+    assert out.token_ids == rec["response_ids"] and rec["prompt_ids"] == tiny["prompts"][rec["i"]]
+
+
+def test_saved_drafter_loads_and_decodes_losslessly(tiny, tmp_path):
+    from drafttree.llm import LLM
+    from drafttree.sampling import SamplingParams
+
+    tr = Trainer(tiny_config(tmp_path, max_steps=10, save_dtype="bf16"), target=tiny["target"],
+                 sequences=tiny["seqs"])
+    tr.run()
+    out = tmp_path / "drafter"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
+    assert cfg["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": [1, 2]}
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+    assert {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.gate_proj.weight",
+            "layers.0.self_attn.k_norm.weight"} <= names and not any("qkv" in n or "embed" in n for n in names)
+    d = load_drafter(out, tiny["target"], torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(d.fc.weight, tr.drafter.fc.weight.detach().bfloat16().float())
+    prompts = tiny["prompts"][:4]
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    plain = LLM(model=str(tiny["target_dir"]), device="cpu", max_num_seqs=4).generate(prompts, sp)
+    spec = LLM(model=str(tiny["target_dir"]), draft_model=str(out), spec="dflash", device="cpu",
+               max_num_seqs=4).generate(prompts, sp)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_checkpoint_resume_continues_to_the_same_weights(tiny, tmp_path):
+    seqs = tiny["seqs"][:24]
+    ref = Trainer(tiny_config(tmp_path / "ref", epochs=2), target=tiny["target"], sequences=seqs)
+    ref.run()
+    assert ref.step == 6
+    first = Trainer(tiny_config(tmp_path / "cut", epochs=2, stop_at=4), target=tiny["target"], sequences=seqs)
+    first.run()
+    assert first.step == 4 and (tmp_path / "cut" / "checkpoints" / "last.pt").is_file()
+    again = Trainer(tiny_config(tmp_path / "cut", epochs=2, resume=True), target=tiny["target"], sequences=seqs)
+    assert again.step == 4
+    again.run()
+    assert again.step == 6
+    for (name, a), b in zip(ref.drafter.state_dict().items(), again.drafter.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    assert [h["step"] for h in again.history] == [h["step"] for h in ref.history]
+
+
+def test_cli_training_raises_tau_in_the_real_decoder(tiny, tmp_path):
+    """Train through the CLI on the target's own greedy outputs; decode the training prompts
+    with the real DFlash loop: τ must beat the untrained drafter's (an off-by-one would not)."""
+    data = tiny["root"] / "responses.jsonl"
+    eval_prompts = write_prompts(tmp_path / "eval.jsonl", tiny["prompts"][:6])
+    common = ["--target", str(tiny["target_dir"]), "--device", "cpu", "--data", str(data), "--block-size", "4",
+              "--draft-layers", "1", "--intermediate-size", "64", "--num-target-features", "2",
+              "--mask-token-id", str(V - 1), "--anchors-per-seq", "64", "--batch-size", "8", "--lr", "3e-3",
+              "--eval-prompts", str(eval_prompts), "--eval-num", "6", "--eval-max-tokens", "40",
+              "--max-prompt-tokens", "16", "--compare-plain", "--quiet"]
+    assert main(["train", "--out", str(tmp_path / "init"), "--max-steps", "0", *common]) == 0
+    assert main(["train", "--out", str(tmp_path / "trained"), "--epochs", "30", "--max-steps", "150",
+                 *common]) == 0
+    init = json.loads((tmp_path / "init" / "train_log.json").read_text())["eval"]
+    log = json.loads((tmp_path / "trained" / "train_log.json").read_text())
+    assert log["eval"]["mismatches"] == 0 and init["mismatches"] == 0
+    assert log["history"][-1]["loss"] < log["history"][0]["loss"]
+    assert log["eval"]["tau"] > init["tau"] + 0.15, (init["tau"], log["eval"]["tau"])
+
+
+def test_prompt_files_and_truncated_sharegpt(tmp_path):
+    recs = [{"id": str(i), "conversations": [{"from": "human", "value": f"question {i}"},
+                                             {"from": "gpt", "value": "answer"}]} for i in range(60)]
+    text = json.dumps(recs)
+    cut = text[:text.rindex('{"id"') + 20]                # the last record is cut off
+    assert len(list(iter_json_array(cut))) == 59
+    f = tmp_path / "sharegpt.json"
+    f.write_text(cut)
+    train, heldout = load_sharegpt_prompts(limit=10, seed=1, eval_size=5, path=f)
+    train_all, heldout2 = load_sharegpt_prompts(seed=1, eval_size=5, path=f)
+    assert len(train) == 10 and heldout == heldout2 and len(train_all) == 54
+    assert not set(heldout) & set(train_all)
+    p = write_prompts(tmp_path / "p.jsonl", ["hello", [1, 2, 3]])
+    assert read_prompts(p) == ["hello", [1, 2, 3]]
+    seqs = [TrainSequence([1, 2, 3, 4], 1), TrainSequence([5, 6, 7], 2), TrainSequence([8, 9, 10, 11, 12], 2)]
+    back = read_sequences(write_sequences(tmp_path / "s.jsonl", seqs), max_len=4)
+    assert back == [seqs[0], TrainSequence([8, 9, 10, 11], 2)]   # one response token: no anchor fits

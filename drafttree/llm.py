@@ -38,9 +38,11 @@ class LLM:
     def __init__(self, model: str | None = None, draft_model: str | None = None, spec: str | None = None,
                  block_size: int | None = None, budget: int | None = None, dtype: str | None = None,
                  device: str | None = None, max_num_seqs: int = 8, max_model_len: int | None = None,
-                 kv_cache_memory_gb: float | None = None, cuda_graphs: bool | None = None) -> None:
+                 kv_cache_memory_gb: float | None = None, cuda_graphs: bool | None = None,
+                 random_weights: str | None = None, random_drafter: bool = False) -> None:
         self.engine = Engine(EngineConfig(model, draft_model, spec, block_size, budget, dtype, device,
-                                          max_num_seqs, max_model_len, kv_cache_memory_gb, cuda_graphs))
+                                          max_num_seqs, max_model_len, kv_cache_memory_gb, cuda_graphs,
+                                          random_weights, random_drafter))
 
     @property
     def tokenizer(self):

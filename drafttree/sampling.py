@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import torch
 
@@ -103,16 +104,31 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+class SampleMode(IntEnum):
+    """What a batch needs from the sampler, known on the host when the batch is formed."""
+    GREEDY = 0      # every row at temperature 0
+    SAMPLE = 1      # some row samples; no row uses top-k / top-p
+    FILTERED = 2    # some row uses top-k / top-p (also correct for any batch)
+
+    @classmethod
+    def of(cls, params: list[SamplingParams]) -> "SampleMode":
+        sampled = [p for p in params if not p.greedy]
+        if not sampled:
+            return cls.GREEDY
+        return cls.FILTERED if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else cls.SAMPLE
+
+
 def pick_tokens(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor,
-                all_greedy: bool) -> torch.Tensor:
+                mode: SampleMode) -> torch.Tensor:
     """The target's choice at every row/node. logits [R, N, V] float; positions [R, N] are the
     absolute positions of the tokens being chosen. Greedy rows take the argmax."""
     greedy = logits.argmax(dim=-1)
-    if all_greedy:
+    if mode is SampleMode.GREEDY:
         return greedy
     R = logits.shape[0]
     temp = st.temperature[:R]
     scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None, None]
-    scaled = filter_logits(scaled, st.top_k[:R], st.top_p[:R])
+    if mode is SampleMode.FILTERED:
+        scaled = filter_logits(scaled, st.top_k[:R], st.top_p[:R])
     sampled = (scaled + gumbel_noise(st.seed[:R], positions, logits.shape[-1])).argmax(dim=-1)
     return torch.where((temp > 0)[:, None], sampled, greedy)

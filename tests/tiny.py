@@ -80,3 +80,33 @@ def make_drafter(path: Path, target_dir: Path, block_size: int = 4, layers: int 
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
     return path
+
+
+def edit_config(path: Path, **updates) -> Path:
+    """Merge `updates` into a checkpoint's config.json (dict values merge one level deep)."""
+    f = Path(path) / "config.json"
+    cfg = json.loads(f.read_text())
+    for k, v in updates.items():
+        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+            cfg[k] = {**cfg[k], **v}
+        else:
+            cfg[k] = v
+    f.write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+def edit_tensors(path: Path, fn) -> Path:
+    """Rewrite a single-file checkpoint's tensors with fn(dict name -> tensor) -> dict."""
+    from safetensors.torch import load_file
+
+    f = Path(path) / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in fn(load_file(str(f))).items()}, str(f), metadata={"format": "pt"})
+    return path
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """Copy a checkpoint directory (config, weights, anything else) to `dst`."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst

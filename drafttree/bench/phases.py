@@ -17,7 +17,7 @@ import torch
 from drafttree.engine.engine import Engine, EngineConfig
 from drafttree.phases import Phase
 from drafttree.runner.cuda_graph import GraphRunner
-from drafttree.sampling import SamplingParams
+from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.spec import rounds
 from drafttree.spec.tree import build_tree
 
@@ -79,31 +79,31 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
                  "prompt_len": prompt_len, "dtype": str(eng.dtype), "kv_len": kv_len,
                  "widths": {p.value: spec.width(p) for p in spec.round_phases}, "eager_ms": {}, "graph_ms": {}}
     ms = res["eager_ms"]
-    ms["decode"] = timed(lambda: rounds.decode_round(r, B, kv_len, True), reset, dev, iters)
+    ms["decode"] = timed(lambda: rounds.decode_round(r, B, kv_len, SampleMode.GREEDY), reset, dev, iters)
     if spec.speculative:
         box: dict = {}
         ms["draft"] = timed(lambda: box.update(l=rounds.draft(r, B, kv_len)), reset, dev, iters)
         ms["tree_build"] = timed(lambda: box.update(t=rounds.make_tree(r, box["l"], B)), reset, dev, iters)
-        ms["verify"] = timed(lambda: box.update(v=rounds.verify_forward(r, B, kv_len, box["t"], True)),
+        ms["verify"] = timed(lambda: box.update(v=rounds.verify_forward(r, B, kv_len, box["t"], SampleMode.GREEDY)),
                              reset, dev, iters)
         ms["accept_commit"] = timed(lambda: rounds.accept_commit(r, B, box["t"], *box["v"]), reset, dev, iters)
-        ms["round"] = timed(lambda: rounds.spec_round(r, B, kv_len, True), reset, dev, iters)
+        ms["round"] = timed(lambda: rounds.spec_round(r, B, kv_len, SampleMode.GREEDY), reset, dev, iters)
         ms["round_in_decode_steps"] = ms["round"] / ms["decode"]
     if dev.type == "cuda":
         gm = res["graph_ms"]
         pool = torch.cuda.graph_pool_handle()
-        dg = capture(lambda: rounds.decode_round(r, B, kv_len, True), pool)
+        dg = capture(lambda: rounds.decode_round(r, B, kv_len, SampleMode.GREEDY), pool)
         gm["decode"] = timed(dg.replay, reset, dev, iters)
         if spec.speculative:
             gr = GraphRunner(r)
             gr.buckets = [B]
             gr.capture()
             reset()
-            d, v = gr.graphs[(Phase.DRAFT, B, True)], gr.graphs[(Phase.VERIFY, B, True)]
+            d, v = gr.graphs[(Phase.DRAFT, B, SampleMode.GREEDY)], gr.graphs[(Phase.VERIFY, B, SampleMode.GREEDY)]
             gm["draft_and_tree"] = timed(d.replay, reset, dev, iters)
             gm["verify_accept_commit"] = timed(lambda: (d.replay(), v.replay()), reset, dev, iters) \
                 - gm["draft_and_tree"]
-            gm["round"] = timed(lambda: gr.replay(B, True), reset, dev, iters)
+            gm["round"] = timed(lambda: gr.replay(B, SampleMode.GREEDY), reset, dev, iters)
             gm["round_in_decode_steps"] = gm["round"] / gm["decode"]
             lg = torch.randn(1, spec.depth, V, device=dev)
             root = torch.zeros(1, dtype=torch.long, device=dev)

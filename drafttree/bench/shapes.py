@@ -47,10 +47,23 @@ def random_target(shape: str, device: torch.device, dtype: torch.dtype) -> Decod
 
 
 def random_drafter(shape: str, target: DecoderLM, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:
-    tcfg, d = SHAPES[shape]
-    mcfg = ModelConfig(**{**tcfg.__dict__, "num_layers": d["layers"], "arch": "qwen3", "qk_norm": True,
+    d = SHAPES[shape][1]
+    return drafter_for(target, device, dtype, d["block_size"], d["layers"], d["target_layer_ids"],
+                       d["mask_token_id"])
+
+
+def drafter_for(target: DecoderLM, device: torch.device, dtype: torch.dtype, block_size: int = 16,
+                layers: int = 3, layer_ids: tuple[int, ...] | None = None,
+                mask_token_id: int | None = None) -> DFlashDrafter:
+    """An untrained drafter shaped for `target` (timing only)."""
+    from drafttree.train.recipe import default_target_layer_ids
+
+    tcfg = target.cfg
+    mcfg = ModelConfig(**{**tcfg.__dict__, "num_layers": layers, "arch": "qwen3", "qk_norm": True,
                           "tie_word_embeddings": False})
-    cfg = DFlashConfig(mcfg, d["block_size"], d["mask_token_id"], d["target_layer_ids"], tcfg.num_layers)
+    ids = tuple(layer_ids or default_target_layer_ids(tcfg.num_layers, min(5, tcfg.num_layers)))
+    cfg = DFlashConfig(mcfg, block_size, tcfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
+                       ids, tcfg.num_layers)
     cfg.check_fits(tcfg)
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)

@@ -16,7 +16,7 @@ from drafttree.models.dflash import load_drafter
 from drafttree.phases import SpecConfig
 from drafttree.runner.kv_cache import KVCache
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
-from drafttree.sampling import SamplingParams
+from drafttree.sampling import SampleMode, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None   # default: 1 GiB on CPU, 60% of free on CUDA
     cuda_graphs: bool | None = None     # default: on for CUDA
     random_weights: str | None = None   # timing-only: a shape from drafttree.bench.shapes
+    random_drafter: bool = False        # timing-only: an untrained drafter for the given target
 
 
 @dataclass
@@ -69,6 +70,9 @@ class Engine:
             target, tcfg = load_target(self.model_dir, self.dtype, self.device)
             dpath = resolve_drafter(cfg)
             drafter = load_drafter(dpath, target, self.dtype, self.device) if dpath is not None else None
+            if drafter is None and cfg.random_drafter and cfg.spec not in (None, "none"):
+                from drafttree.bench.shapes import drafter_for
+                drafter = drafter_for(target, self.device, self.dtype, cfg.block_size or 16)
         self.spec = resolve_spec(cfg, drafter.cfg if drafter is not None else None)
         if not self.spec.speculative:
             drafter = None
@@ -169,7 +173,7 @@ class Engine:
         if self.running:
             B = len(self.running)
             t0 = time.perf_counter()
-            self.runner.run_round(B, all(s.params.greedy for s in self.running))
+            self.runner.run_round(B, SampleMode.of([s.params for s in self.running]))
             n = self.runner.state.out_n[:B].tolist()       # the round's one host sync
             toks = self.runner.state.out_tokens[:B].tolist()
             self.stats.round_seconds += time.perf_counter() - t0

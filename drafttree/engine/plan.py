@@ -34,8 +34,9 @@ def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
         raise ValueError(f"spec={method!r} needs a draft model (draft_model=... / --draft-model)")
     if method == "none":
         return SpecConfig()
-    bs = cfg.block_size or drafter.block_size
-    return SpecConfig(method, bs, (cfg.budget or 32) if method == "ddtree" else 0)
+    bs = drafter.block_size if cfg.block_size is None else cfg.block_size
+    budget = (32 if cfg.budget is None else cfg.budget) if method == "ddtree" else 0
+    return SpecConfig(method, bs, budget)
 
 
 def describe_plan(cfg: EngineConfig) -> str:
@@ -53,4 +54,4 @@ def describe_plan(cfg: EngineConfig) -> str:
             f"widths per request: " + ", ".join(f"{p.value}={spec.width(p)}" for p in spec.round_phases)
             + f"; prefill runs eagerly\n")
     plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs)
-    return head + format_plan(plan) + "\n(each batch size is captured twice: greedy and sampled)"
+    return head + format_plan(plan)

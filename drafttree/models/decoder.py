@@ -44,12 +44,16 @@ class DecoderLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         captured = []
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, meta, k_cache[i], v_cache[i])
-            if i in capture_layers:
+            if i in capture_layers and i != last:
                 captured.append(x)
+        x = self.norm(x)
+        if last in capture_layers:   # HF's hidden_states[-1] is taken after the final norm
+            captured.append(x)
         aux = torch.cat(captured, dim=-1) if captured else None
-        return self.norm(x), aux
+        return x, aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

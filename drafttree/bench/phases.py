@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--draft-model", default=None)
     p.add_argument("--random-weights", default=None)
+    p.add_argument("--random-drafter", action="store_true", help="an untrained drafter for --model")
     p.add_argument("--spec", default="ddtree")
     p.add_argument("--budget", type=int, default=32)
     p.add_argument("--block-size", type=int, default=None)
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EngineConfig(model=a.model, draft_model=a.draft_model, spec=a.spec, block_size=a.block_size,
                        budget=a.budget, dtype=a.dtype, device=a.device, max_num_seqs=max(a.batch, 1),
                        max_model_len=a.max_model_len, cuda_graphs=False, random_weights=a.random_weights,
+                       random_drafter=a.random_drafter,
                        kv_cache_memory_gb=None)
     res = bench(cfg, a.batch, a.prompt_len, a.iters, [int(x) for x in a.tree_budgets.split(",") if x])
     res["model"] = a.random_weights or a.model or "default"

@@ -173,7 +173,8 @@ class Engine:
         if self.running:
             B = len(self.running)
             t0 = time.perf_counter()
-            self.runner.run_round(B, SampleMode.of([s.params for s in self.running]))
+            self.runner.run_round(B, SampleMode.of([s.params for s in self.running]),
+                                  max(s.length for s in self.running))
             n = self.runner.state.out_n[:B].tolist()       # the round's one host sync
             toks = self.runner.state.out_tokens[:B].tolist()
             self.stats.round_seconds += time.perf_counter() - t0

@@ -78,13 +78,18 @@ class ModelRunner:
 
     # -- rounds ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run_round(self, B: int, mode: SampleMode) -> None:
-        """One round for rows 0..B-1, from CUDA graphs when one fits, else eagerly. Both attend
-        over the whole cache (kv_len = max_len), so they run the same kernels on the same shapes
-        and produce the same tokens."""
-        if self.graphs is not None and self.graphs.replay(B, mode):
+    def run_round(self, B: int, mode: SampleMode, max_length: int) -> None:
+        """One round for rows 0..B-1; `max_length` bounds their committed lengths (host-known).
+
+        With CUDA graphs, a batch no graph fits runs eagerly over the whole cache, the graphs'
+        shapes, so both give the same tokens. Without graphs, attention covers only the used
+        prefix of the cache, rounded up to 256 slots."""
+        if self.graphs is not None:
+            if not self.graphs.replay(B, mode):
+                self.eager_round(B, self.cache_cfg.max_len, mode)
             return
-        self.eager_round(B, self.cache_cfg.max_len, mode)
+        kv_len = min(-(-(max_length + self.spec.kv_headroom) // 256) * 256, self.cache_cfg.max_len)
+        self.eager_round(B, kv_len, mode)
 
     def eager_round(self, B: int, kv_len: int, mode: SampleMode) -> None:
         if self.spec.speculative:

@@ -32,13 +32,7 @@ from tests.tiny import make_target
 V = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny tensors: thread wake-ups cost more than the work, worst on a busy machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

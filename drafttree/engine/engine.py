@@ -13,7 +13,6 @@ from drafttree.config import parse_dtype
 from drafttree.engine.sequence import Sequence, Status
 from drafttree.loader.weights import load_target
 from drafttree.models.dflash import load_drafter
-from drafttree.phases import SpecConfig
 from drafttree.runner.kv_cache import KVCache
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams

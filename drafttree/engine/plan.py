@@ -6,7 +6,7 @@ from pathlib import Path
 from drafttree.config import ModelConfig
 from drafttree.engine.engine import EngineConfig
 from drafttree.models.dflash import DFlashConfig
-from drafttree.phases import Phase, SpecConfig
+from drafttree.phases import SpecConfig
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
@@ -52,6 +52,6 @@ def describe_plan(cfg: EngineConfig) -> str:
     head = (f"spec={spec.method} block_size={spec.block_size} budget={spec.budget} "
             f"max_num_seqs={cfg.max_num_seqs}\n"
             f"widths per request: " + ", ".join(f"{p.value}={spec.width(p)}" for p in spec.round_phases)
-            + f"; prefill runs eagerly\n")
+            + "; prefill runs eagerly\n")
     plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs)
     return head + format_plan(plan)

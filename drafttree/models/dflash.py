@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from drafttree.config import ModelConfig
-from drafttree.models.layers import MLP, Attention, AttnMeta, RMSNorm, Rotary, apply_rope, cached_attention
+from drafttree.models.decoder import DecoderLayer
+from drafttree.models.layers import AttnMeta, RMSNorm, Rotary, apply_rope, cached_attention
 
 
 @dataclass
@@ -64,13 +65,8 @@ class DFlashConfig:
             raise ValueError("drafter does not fit the target: " + "; ".join(problems))
 
 
-class DraftLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+class DraftLayer(DecoderLayer):
+    """A decoder layer whose keys/values also come from the context vectors."""
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_kv, meta: AttnMeta,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,6 @@ class GraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        r = self.r
         jobs = [(B, m) for B in reversed(self.buckets) for m in CAPTURED_MODES]
         log.info("capturing CUDA graphs:\n%s", format_plan(self.plan()))
         self.pool = torch.cuda.graph_pool_handle()

@@ -74,6 +74,16 @@ def _pair_index(budget: int, k: int, device: torch.device) -> tuple[torch.Tensor
     return pair_slot, pair_rank
 
 
+def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best tokens per position and their log-probabilities, [R, L, k] each, descending."""
+    logits = draft_logits.float()
+    top_val, top_idx = logits.topk(k, dim=-1)
+    # logsumexp, reusing the row max that topk already found.
+    row_max = top_val[..., :1]
+    lse = (logits - row_max).exp_().sum(-1, keepdim=True).log_() + row_max
+    return top_val - lse, top_idx
+
+
 def build_tree(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: int) -> DraftTree:
     """Optimal draft tree of `budget` nodes for each request.
 
@@ -93,12 +103,7 @@ def build_tree(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: in
     device = draft_logits.device
     B, K = budget, min(budget, V)
 
-    logits = draft_logits.float()
-    top_val, top_idx = logits.topk(K, dim=-1)  # [R, L, K], sorted descending
-    # logsumexp, reusing the row max that topk already found.
-    row_max = top_val[..., :1]
-    lse = (logits - row_max).exp_().sum(-1, keepdim=True).log_() + row_max
-    top_lp = top_val - lse
+    top_lp, top_idx = top_log_probs(draft_logits, K)
 
     # Each level keeps B prefixes sorted by descending score; slots that hold
     # no prefix have score -inf.

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from drafttree.spec.tree import DraftTree, _pair_index, build_tree
+from drafttree.spec.tree import DraftTree, _pair_index, build_tree, top_log_probs
 
 tl: Any = None  # triton.language, bound by _kernel()
 _KERNELS: dict[bool, Callable[..., Any]] = {}
@@ -254,12 +254,8 @@ def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budg
         return build_tree(draft_logits, root_tokens, budget)
     B, K = budget, min(budget, V)
 
-    # identical ops to build_tree, so the scores match bit for bit
-    logits = draft_logits.float()
-    top_val, top_idx = logits.topk(K, dim=-1)
-    row_max = top_val[..., :1]
-    lse = (logits - row_max).exp_().sum(-1, keepdim=True).log_() + row_max
-    top_lp = (top_val - lse).contiguous()
+    top_lp, top_idx = top_log_probs(draft_logits, K)   # the same scores as build_tree, bit for bit
+    top_lp = top_lp.contiguous()
 
     pairs = _pairs(B, K, device) if L > 1 else torch.zeros(1, dtype=torch.int32, device=device)
     M = pairs.numel()

@@ -67,11 +67,8 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         # Validate every prompt before queuing any: a bad one loses nothing.
-        encoded = [self.engine.encode(p) for p in prompts]
-        for ids, _ in encoded:
-            if not ids or len(ids) >= self.engine.max_model_len:
-                raise ValueError(f"a prompt has {len(ids)} tokens; it must have 1 to "
-                                 f"{self.engine.max_model_len - 1}")
+        for p in prompts:
+            self.engine.check_prompt(self.engine.encode(p)[0])
         seqs = [self.engine.add_request(p, SamplingParams(**asdict(sp))) for p, sp in zip(prompts, params)]
         bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generate")
         done = 0

@@ -127,15 +127,19 @@ class Engine:
             raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {self.model_cfg.vocab_size})")
         return ids, None
 
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                             f"(prompt plus generated tokens), so a prompt may have 1 to "
+                             f"{self.max_model_len - 1} tokens")
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
         params = params or SamplingParams()
         ids, text = self.encode(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
-                             "(prompt plus at least one generated token)")
+        self.check_prompt(ids)
         seq = Sequence(ids, params, prompt=text)
         if request_id is not None:
             seq.request_id = request_id

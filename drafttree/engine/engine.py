@@ -201,15 +201,24 @@ class Engine:
         return kept
 
     def _detokenize(self, seq: Sequence) -> None:
+        """Extend seq.text by the new tokens' text: decode a short window ending at the new tokens
+        (not the whole output) and hold back a trailing partial character."""
         ids = seq.output_ids
         if ids and ids[-1] in self.eos_ids and not seq.params.ignore_eos:
             ids = ids[:-1]
-        seq.text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        for stop in seq.params.stop:
-            i = seq.text.find(stop)
-            if i >= 0:
-                seq.text = seq.text[:i]
-                seq.finish("stop")
+        prefix, read = seq.detok_offsets
+        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
+        after = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and (not after.endswith("\ufffd") or seq.finished):
+            old = len(seq.text)
+            seq.text += after[len(before):]
+            seq.detok_offsets = (max(read, len(ids) - 4), len(ids))
+            for stop in seq.params.stop:
+                i = seq.text.find(stop, max(0, old - len(stop) + 1))
+                if i >= 0:
+                    seq.text = seq.text[:i]
+                    seq.finish("stop")
+                    seq.finish_reason = "stop"   # a stop string in the last tokens outranks the length limit
 
     def _release(self, done: list[Sequence]) -> None:
         for seq in sorted(done, key=lambda s: -s.row):
@@ -220,10 +229,6 @@ class Engine:
                 last.row = seq.row
             self.running.pop()
             seq.row = -1
-
-    def generate_all(self) -> None:
-        while self.has_unfinished():
-            self.step()
 
 
 def _load_tokenizer(path: Path):

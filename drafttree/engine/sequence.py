@@ -48,6 +48,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     seed: int = -1
+    detok_offsets: tuple[int, int] = (0, 0)   # output ids [prefix, read): window already in text
 
     def __post_init__(self) -> None:
         if self.seed < 0:

@@ -9,7 +9,7 @@ from drafttree.spec import rounds
 shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-8b"
 eng = Engine(EngineConfig(spec="none", random_weights=shape, max_num_seqs=1, max_model_len=2048, cuda_graphs=False))
 r = eng.runner
-r.prefill(0, list(range(1, 513)), SamplingParams(temperature=0.0), seed=0)
+r.prefill(0, [list(range(1, 513))], [SamplingParams(temperature=0.0)], [0])
 L = r.cache_cfg.max_len
 with torch.inference_mode():
     for _ in range(3):

@@ -40,9 +40,11 @@ class LLM:
                  device: str | None = None, max_num_seqs: int = 8, max_model_len: int | None = None,
                  kv_cache_memory_gb: float | None = None, cuda_graphs: bool | None = None,
                  random_weights: str | None = None, random_drafter: bool = False) -> None:
-        self.engine = Engine(EngineConfig(model, draft_model, spec, block_size, budget, dtype, device,
-                                          max_num_seqs, max_model_len, kv_cache_memory_gb, cuda_graphs,
-                                          random_weights, random_drafter))
+        self.engine = Engine(EngineConfig(
+            model=model, draft_model=draft_model, spec=spec, block_size=block_size, budget=budget, dtype=dtype,
+            device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            kv_cache_memory_gb=kv_cache_memory_gb, cuda_graphs=cuda_graphs, random_weights=random_weights,
+            random_drafter=random_drafter))
 
     @property
     def tokenizer(self):

@@ -64,9 +64,8 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
     r, dev, spec = eng.runner, eng.device, eng.spec
     V = r.target.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
-    for row in range(batch):
-        r.prefill(row, torch.randint(0, V - 2, (prompt_len,), generator=g).tolist(),
-                  SamplingParams(temperature=0.0), seed=row)
+    r.prefill(0, [torch.randint(0, V - 2, (prompt_len,), generator=g).tolist() for _ in range(batch)],
+              [SamplingParams(temperature=0.0)] * batch, list(range(batch)))
     snap = [t.clone() for t in (r.state.start, r.state.bonus, r.state.ctx_n, r.state.ctx_feat)]
 
     def reset() -> None:

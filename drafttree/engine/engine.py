@@ -33,6 +33,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_memory_gb: float | None = None   # default: 1 GiB on CPU, 60% of free on CUDA
     cuda_graphs: bool | None = None     # default: on for CUDA
+    max_prefill_tokens: int = 8192      # padded tokens in one batched prefill forward
     random_weights: str | None = None   # timing-only: a shape from drafttree.bench.shapes
     random_drafter: bool = False        # timing-only: an untrained drafter for the given target
 
@@ -164,14 +165,16 @@ class Engine:
         out: list[tuple[Sequence, list[int]]] = []
         rows = self.runner.cache_cfg.max_num_seqs
         while self.waiting and len(self.running) < rows:
-            seq = self.waiting.popleft()
-            seq.row, seq.status = len(self.running), Status.RUNNING
-            self.running.append(seq)
+            group = self._prefill_group(rows - len(self.running))
+            first_row = len(self.running)
+            for i, seq in enumerate(group):
+                seq.row, seq.status = first_row + i, Status.RUNNING
+            self.running += group
             t0 = time.perf_counter()
-            self.runner.prefill(seq.row, seq.prompt_ids, seq.params, seq.seed)
-            first = int(self.runner.state.bonus[seq.row])
+            firsts = self.runner.prefill(first_row, [q.prompt_ids for q in group], [q.params for q in group],
+                                         [q.seed for q in group])
             self.stats.prefill_seconds += time.perf_counter() - t0
-            out.append((seq, self._emit(seq, [first])))
+            out += [(seq, self._emit(seq, [tok])) for seq, tok in zip(group, firsts)]
         self._release([s for s in self.running if s.finished])
         if self.running:
             B = len(self.running)
@@ -189,6 +192,19 @@ class Engine:
                 out.append((seq, self._emit(seq, t[:k])))
         self._release([s for s in self.running if s.finished])
         return out
+
+    def _prefill_group(self, free_rows: int) -> list[Sequence]:
+        """Waiting requests for one padded prefill: at most `free_rows`, and at most
+        max_prefill_tokens padded tokens (always at least one request)."""
+        group = [self.waiting.popleft()]
+        longest = len(group[0].prompt_ids)
+        while self.waiting and len(group) < free_rows:
+            nxt = max(longest, len(self.waiting[0].prompt_ids))
+            if nxt * (len(group) + 1) > self.cfg.max_prefill_tokens:
+                break
+            group.append(self.waiting.popleft())
+            longest = nxt
+        return group
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> list[int]:
         limit = min(seq.params.max_tokens, self.max_model_len - len(seq.prompt_ids))

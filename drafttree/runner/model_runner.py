@@ -49,32 +49,40 @@ class ModelRunner:
 
     # -- prefill -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, row: int, prompt: list[int], params: SamplingParams, seed: int) -> None:
-        """Run the prompt through the target in cache row `row`; sample the first token into
-        state.bonus[row] (and state.out_tokens[row, 0])."""
+    def prefill(self, first_row: int, prompts: list[list[int]], params: list[SamplingParams],
+                seeds: list[int]) -> list[int]:
+        """Prefill requests into cache rows first_row, first_row+1, ... in one forward, padded to
+        the longest prompt; sample each first token into state.bonus. Returns the first tokens
+        (the prefill's one host sync). Padding writes K/V only past each prompt's end, where the
+        cache is masked until real tokens overwrite it."""
         s, dev = self.state, self.device
-        P = len(prompt)
-        ids = torch.tensor([prompt], dtype=torch.long, device=dev)
-        pos = torch.arange(P, device=dev)[None]
-        zero = torch.zeros(1, dtype=torch.long, device=dev)
-        meta = attn_meta(zero, causal(1, P, dev), P)
-        kv_row = (self.kv.k[:, row:row + 1], self.kv.v[:, row:row + 1])
-        hidden, aux = self.target(ids, pos, meta, *kv_row, self.capture_layers)
-        s.sampling.set_row(row, params, seed)
-        rs = slice(row, row + 1)
-        st = SamplingTensors(s.sampling.temperature[rs], s.sampling.top_p[rs], s.sampling.top_k[rs],
-                             s.sampling.seed[rs])
-        tok = pick_tokens(self.target.logits(hidden[:, -1:]), st, pos[:, -1:] + 1, SampleMode.of([params]))[0, 0]
-        s.start[row] = P
-        s.bonus[row] = tok
-        s.out_tokens[row, 0] = tok
-        s.out_n[row] = 1
+        n = len(prompts)
+        lens = torch.tensor([len(p) for p in prompts], device=dev)
+        P = max(len(p) for p in prompts)
+        ids = torch.zeros(n, P, dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        pos = torch.arange(P, device=dev).expand(n, P)
+        rows = slice(first_row, first_row + n)
+        meta = attn_meta(torch.zeros(n, dtype=torch.long, device=dev), causal(n, P, dev), P)
+        hidden, aux = self.target(ids, pos, meta, self.kv.k[:, rows], self.kv.v[:, rows], self.capture_layers)
+        for i in range(n):
+            s.sampling.set_row(first_row + i, params[i], seeds[i])
+        st = SamplingTensors(s.sampling.temperature[rows], s.sampling.top_p[rows], s.sampling.top_k[rows],
+                             s.sampling.seed[rows])
+        last = torch.arange(n, device=dev), lens - 1
+        logits = self.target.logits(hidden[last][:, None])
+        tok = pick_tokens(logits, st, lens[:, None], SampleMode.of(params))[:, 0]
+        s.start[rows] = lens
+        s.bonus[rows] = tok
+        s.out_tokens[rows, 0] = tok
+        s.out_n[rows] = 1
         if self.drafter is not None:
-            s.ctx_feat[row, 0] = aux[0, -1]
-            s.ctx_n[row] = 1
+            s.ctx_feat[rows, 0] = aux[last].to(s.ctx_feat.dtype)
+            s.ctx_n[rows] = 1
             if P > 1:
-                self.drafter.write_context(aux[:, :-1], pos[:, :-1], self.dkv.k[:, row:row + 1],
-                                           self.dkv.v[:, row:row + 1])
+                self.drafter.write_context(aux[:, :-1], pos[:, :-1], self.dkv.k[:, rows], self.dkv.v[:, rows])
+        return tok.tolist()
 
     # -- rounds ------------------------------------------------------------------------------
     @torch.inference_mode()

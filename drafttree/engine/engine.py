@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +44,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     rounds: int = 0
-    accept_lengths: list[int] = field(default_factory=list)
+    accept_hist: Counter = field(default_factory=Counter)   # τ -> rounds (bounded, unlike a list)
     round_seconds: float = 0.0
     prefill_seconds: float = 0.0
 
@@ -188,7 +188,7 @@ class Engine:
             for seq, k, t in zip(self.running, n, toks):
                 seq.stats.rounds += 1
                 seq.stats.accept_lengths.append(k)
-                self.stats.accept_lengths.append(k)
+                self.stats.accept_hist[k] += 1
                 out.append((seq, self._emit(seq, t[:k])))
         self._release([s for s in self.running if s.finished])
         return out

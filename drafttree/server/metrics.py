@@ -1,7 +1,7 @@
 """Prometheus metrics of one server, kept in their own registry and fed from the engine thread."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -26,7 +26,7 @@ class _Seen:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     rounds: int = 0
-    accept_lengths: int = 0
+    accept_hist: dict[int, int] = field(default_factory=dict)
     prefill_seconds: float = 0.0
     round_seconds: float = 0.0
     fallbacks: int = 0
@@ -62,8 +62,9 @@ class ServerMetrics:
         self.generated_tokens.inc(s.generated_tokens - seen.generated_tokens)
         new_rounds = s.rounds - seen.rounds
         self.rounds.inc(new_rounds)
-        for k in s.accept_lengths[seen.accept_lengths:]:
-            self.accept_length.observe(k)
+        for k, count in s.accept_hist.items():
+            for _ in range(count - seen.accept_hist.get(k, 0)):
+                self.accept_length.observe(k)
         self.prefill_seconds.inc(max(s.prefill_seconds - seen.prefill_seconds, 0.0))
         spent = max(s.round_seconds - seen.round_seconds, 0.0)
         self.round_seconds.inc(spent)
@@ -75,7 +76,7 @@ class ServerMetrics:
         self.fallbacks.inc(max(fallbacks - seen.fallbacks, 0))
         self.running.set(len(engine.running))
         self.waiting.set(len(engine.waiting))
-        self._seen = _Seen(s.requests, s.prompt_tokens, s.generated_tokens, s.rounds, len(s.accept_lengths),
+        self._seen = _Seen(s.requests, s.prompt_tokens, s.generated_tokens, s.rounds, dict(s.accept_hist),
                            s.prefill_seconds, s.round_seconds, fallbacks)
 
     def request_finished(self, reason: str | None) -> None:

@@ -27,9 +27,10 @@ def test_seed_config_widths_in_plan(pair):
     assert spec.width(Phase.DRAFT) == 8 and spec.width(Phase.VERIFY) == 33
     from drafttree.config import ModelConfig
     t, d = pair
-    plan = {e.phase: e for e in graph_plan(spec, ModelConfig.from_dir(t), None, 8)}
+    plan = {e.phase: e for e in graph_plan(spec, ModelConfig.from_dir(t), None, 8, [1024, 4096])}
     assert plan[Phase.DRAFT].width == 8 and plan[Phase.VERIFY].width == 33
     assert plan[Phase.VERIFY].batch_sizes == (1, 2, 4, 8)
+    assert plan[Phase.VERIFY].kv_lengths == (1024, 4096)
     text = describe_plan(EngineConfig(model=str(t), draft_model=str(d), spec="ddtree", budget=32))
     assert "verify=33" in text and "draft=8" in text
     chain = SpecConfig("dflash", block_size=8)

@@ -72,7 +72,7 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
         for t, v in zip((r.state.start, r.state.bonus, r.state.ctx_n, r.state.ctx_feat), snap):
             t.copy_(v)
 
-    B, kv_len = batch, r.cache_cfg.max_len
+    B, kv_len = batch, r.cache_cfg.kv_bucket(prompt_len + spec.kv_headroom)
     res: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "spec": spec.method, "block_size": spec.block_size, "budget": spec.budget, "batch": B,
                  "prompt_len": prompt_len, "dtype": str(eng.dtype), "kv_len": kv_len,
@@ -95,14 +95,14 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
         gm["decode"] = timed(dg.replay, reset, dev, iters)
         if spec.speculative:
             gr = GraphRunner(r)
-            gr.buckets = [B]
+            gr.buckets, gr.kv_buckets = [B], [kv_len]
             gr.capture()
             reset()
-            d, v = gr.graphs[(Phase.DRAFT, B, SampleMode.GREEDY)], gr.graphs[(Phase.VERIFY, B, SampleMode.GREEDY)]
+            d, v = (gr.graphs[(p, B, SampleMode.GREEDY, kv_len)] for p in (Phase.DRAFT, Phase.VERIFY))
             gm["draft_and_tree"] = timed(d.replay, reset, dev, iters)
             gm["verify_accept_commit"] = timed(lambda: (d.replay(), v.replay()), reset, dev, iters) \
                 - gm["draft_and_tree"]
-            gm["round"] = timed(lambda: gr.replay(B, SampleMode.GREEDY), reset, dev, iters)
+            gm["round"] = timed(lambda: gr.replay(B, SampleMode.GREEDY, kv_len), reset, dev, iters)
             gm["round_in_decode_steps"] = gm["round"] / gm["decode"]
             lg = torch.randn(1, spec.depth, V, device=dev)
             root = torch.zeros(1, dtype=torch.long, device=dev)

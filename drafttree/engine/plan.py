@@ -49,9 +49,12 @@ def describe_plan(cfg: EngineConfig) -> str:
     if dcfg is not None:
         dcfg.check_fits(target)
     spec = resolve_spec(cfg, dcfg)
+    from drafttree.runner.model_runner import CacheConfig
+    cache = CacheConfig(cfg.max_num_seqs, cfg.max_model_len or target.max_position_embeddings, spec.kv_headroom)
+    plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, cache.kv_buckets)
     head = (f"spec={spec.method} block_size={spec.block_size} budget={spec.budget} "
             f"max_num_seqs={cfg.max_num_seqs}\n"
+            f"max_model_len={cache.max_model_len} (the KV budget may lower it at start-up)\n"
             f"widths per request: " + ", ".join(f"{p.value}={spec.width(p)}" for p in spec.round_phases)
             + "; prefill runs eagerly\n")
-    plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs)
     return head + format_plan(plan)

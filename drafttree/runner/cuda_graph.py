@@ -36,11 +36,12 @@ class PlanEntry:
     phase: Phase
     width: int              # tokens per request in this phase's forward
     batch_sizes: tuple[int, ...]
-    est_bytes: int          # activation estimate for the largest bucket, both sampling variants
+    kv_lengths: tuple[int, ...]   # attention lengths captured (KV buckets)
+    est_bytes: int          # activation estimate for the largest batch and KV bucket
 
 
 def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | None,
-               max_num_seqs: int) -> list[PlanEntry]:
+               max_num_seqs: int, kv_lengths: list[int]) -> list[PlanEntry]:
     """What `GraphRunner.capture` will capture; needs no GPU."""
     buckets = tuple(batch_buckets(max_num_seqs))
     B = buckets[-1]
@@ -54,15 +55,18 @@ def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | Non
         per_row = 4 * V * 4 + 2 * 8 * (cfg.hidden_size + cfg.intermediate_size * 2)
         if phase is Phase.DRAFT and spec.method == "ddtree":
             per_row += 4 * V  # log-softmax for the tree build
-        out.append(PlanEntry(phase, W, buckets, 2 * rows * per_row))
+        # attention scores over the longest KV bucket, fp32, for every query row of every head
+        attn = 4 * B * W * cfg.num_heads * kv_lengths[-1]
+        out.append(PlanEntry(phase, W, buckets, tuple(kv_lengths), 2 * rows * per_row + attn))
     return out
 
 
 def format_plan(plan: list[PlanEntry]) -> str:
-    lines = [f"{'phase':<8} {'width':>5}  {'batch sizes':<28} {'est. memory':>11}"]
+    lines = [f"{'phase':<8} {'width':>5}  {'batch sizes':<20} {'kv lengths':<26} {'est. memory':>11}"]
     for e in plan:
         bs = ",".join(map(str, e.batch_sizes))
-        lines.append(f"{e.phase.value:<8} {e.width:>5}  {bs:<28} {e.est_bytes / 2**20:>8.1f} MiB")
+        kv = ",".join(map(str, e.kv_lengths))
+        lines.append(f"{e.phase.value:<8} {e.width:>5}  {bs:<20} {kv:<26} {e.est_bytes / 2**20:>8.1f} MiB")
     modes = ", ".join(m.name.lower() for m in CAPTURED_MODES)
     return "\n".join(lines + [f"each batch size is captured once per sampler mode ({modes})"])
 
@@ -72,41 +76,38 @@ class GraphRunner:
         self.r = runner
         self.spec: SpecConfig = runner.spec
         self.buckets = batch_buckets(runner.cache_cfg.max_num_seqs)
-        self.graphs: dict[tuple[Phase, int, SampleMode], torch.cuda.CUDAGraph] = {}
-        self.trees: dict[tuple[int, SampleMode], object] = {}   # draft outputs feeding verify graphs
+        self.kv_buckets = runner.cache_cfg.kv_buckets
+        self.graphs: dict[tuple[Phase, int, SampleMode, int], torch.cuda.CUDAGraph] = {}
+        self.trees: dict[tuple[int, SampleMode, int], object] = {}   # draft outputs feeding verify graphs
         self.pool = None
         self.fallbacks = 0
         self._warned: set[tuple] = set()
 
-    @property
-    def kv_len(self) -> int:
-        return self.r.cache_cfg.max_len
-
     def plan(self) -> list[PlanEntry]:
         d = self.r.drafter.cfg.model if self.r.drafter is not None else None
-        return graph_plan(self.spec, self.r.target.cfg, d, self.r.cache_cfg.max_num_seqs)
+        return graph_plan(self.spec, self.r.target.cfg, d, self.r.cache_cfg.max_num_seqs, self.kv_buckets)
 
-    def _phase_fns(self, B: int, mode: SampleMode) -> list[tuple[Phase, Callable[[], None]]]:
-        r, L = self.r, self.kv_len
+    def _phase_fns(self, B: int, mode: SampleMode, L: int) -> list[tuple[Phase, Callable[[], None]]]:
+        r = self.r
         if not self.spec.speculative:
             return [(Phase.DECODE, lambda: decode_round(r, B, L, mode))]
 
         def draft() -> None:
-            self.trees[(B, mode)] = draft_phase(r, B, L)
+            self.trees[(B, mode, L)] = draft_phase(r, B, L)
 
         def verify() -> None:
-            verify_phase(r, B, L, self.trees[(B, mode)], mode)
+            verify_phase(r, B, L, self.trees[(B, mode, L)], mode)
         return [(Phase.DRAFT, draft), (Phase.VERIFY, verify)]
 
     @torch.inference_mode()
     def capture(self) -> None:
-        jobs = [(B, m) for B in reversed(self.buckets) for m in CAPTURED_MODES]
+        jobs = [(B, m, L) for L in reversed(self.kv_buckets) for B in reversed(self.buckets) for m in CAPTURED_MODES]
         log.info("capturing CUDA graphs:\n%s", format_plan(self.plan()))
         self.pool = torch.cuda.graph_pool_handle()
         snapshot = [t.clone() for t in self._state_tensors()]
-        for B, mode in tqdm(jobs, desc="capturing CUDA graphs", unit="graph set"):
+        for B, mode, L in tqdm(jobs, desc="capturing CUDA graphs", unit="graph set"):
             self._park(0, B)
-            fns = self._phase_fns(B, mode)
+            fns = self._phase_fns(B, mode, L)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):        # warm-up: allocator, kernels, autotuning
@@ -120,7 +121,7 @@ class GraphRunner:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
                     fn()
-                self.graphs[(phase, B, mode)] = g
+                self.graphs[(phase, B, mode, L)] = g
         for t, saved in zip(self._state_tensors(), snapshot):
             t.copy_(saved)
         torch.cuda.synchronize()
@@ -140,18 +141,20 @@ class GraphRunner:
     def bucket(self, b: int) -> int | None:
         return next((B for B in self.buckets if B >= b), None)
 
-    def replay(self, b: int, mode: SampleMode) -> bool:
-        """Run one round for rows 0..b-1 from graphs; False (counted, warned once) if none fits."""
+    def replay(self, b: int, mode: SampleMode, kv_len: int) -> bool:
+        """Run one round for rows 0..b-1 attending over kv_len cache slots, from graphs;
+        False (counted, warned once per shape) if none fits."""
         B = self.bucket(b)
         if mode is SampleMode.SAMPLE:
             mode = SampleMode.FILTERED   # the filtered graph is exact for unfiltered rows too
-        keys = [(p, B, mode) for p in self.spec.round_phases]
+        keys = [(p, B, mode, kv_len) for p in self.spec.round_phases]
         if B is None or any(k not in self.graphs for k in keys):
             self.fallbacks += 1
             shape = tuple((p.value, self.spec.width(p)) for p in self.spec.round_phases)
-            if (b, mode) not in self._warned:
-                self._warned.add((b, mode))
-                log.warning("no CUDA graph for batch %d (phases %s, %s): running eagerly", b, shape, mode.name)
+            if (b, mode, kv_len) not in self._warned:
+                self._warned.add((b, mode, kv_len))
+                log.warning("no CUDA graph for batch %d (phases %s, %s, kv length %d): running eagerly",
+                            b, shape, mode.name, kv_len)
             return False
         self._park(b, B)
         for k in keys:

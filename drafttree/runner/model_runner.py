@@ -28,6 +28,18 @@ class CacheConfig:
     def max_len(self) -> int:
         return self.max_model_len + self.headroom
 
+    @property
+    def kv_buckets(self) -> list[int]:
+        """Attention lengths rounds run at (graphs are captured for each): 1024 * 4^i, capped."""
+        out, n = [], 1024
+        while n < self.max_len:
+            out.append(n)
+            n *= 4
+        return out + [self.max_len]
+
+    def kv_bucket(self, needed: int) -> int:
+        return next(n for n in self.kv_buckets if n >= min(needed, self.max_len))
+
 
 class ModelRunner:
     def __init__(self, target: DecoderLM, drafter: DFlashDrafter | None, spec: SpecConfig,
@@ -88,16 +100,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run_round(self, B: int, mode: SampleMode, max_length: int) -> None:
         """One round for rows 0..B-1; `max_length` bounds their committed lengths (host-known).
-
-        With CUDA graphs, a batch no graph fits runs eagerly over the whole cache, the graphs'
-        shapes, so both give the same tokens. Without graphs, attention covers only the used
-        prefix of the cache, rounded up to 256 slots."""
-        if self.graphs is not None:
-            if not self.graphs.replay(B, mode):
-                self.eager_round(B, self.cache_cfg.max_len, mode)
-            return
-        kv_len = min(-(-(max_length + self.spec.kv_headroom) // 256) * 256, self.cache_cfg.max_len)
-        self.eager_round(B, kv_len, mode)
+        Attention covers the smallest KV bucket that holds what the round writes; a batch no
+        graph fits runs eagerly at the same shapes, so both give the same tokens."""
+        kv_len = self.cache_cfg.kv_bucket(max_length + self.spec.kv_headroom)
+        if self.graphs is None or not self.graphs.replay(B, mode, kv_len):
+            self.eager_round(B, kv_len, mode)
 
     def eager_round(self, B: int, kv_len: int, mode: SampleMode) -> None:
         if self.spec.speculative:

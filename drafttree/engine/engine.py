@@ -11,8 +11,6 @@ import torch
 
 from drafttree.config import parse_dtype
 from drafttree.engine.sequence import Sequence, Status
-from drafttree.loader.weights import load_target
-from drafttree.models.dflash import load_drafter
 from drafttree.runner.kv_cache import KVCache
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
@@ -51,28 +49,12 @@ class EngineStats:
 
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
-        from drafttree.loader.default_model import resolve_model
-
         self.cfg = cfg
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = parse_dtype(cfg.dtype, str(self.device))
-        from drafttree.engine.plan import resolve_drafter, resolve_spec
-        if cfg.random_weights:
-            from drafttree.bench.shapes import random_drafter, random_target
-            self.model_dir = None
-            target = random_target(cfg.random_weights, self.device, self.dtype)
-            tcfg = target.cfg
-            drafter = None
-            if cfg.spec not in (None, "none"):
-                drafter = random_drafter(cfg.random_weights, target, self.device, self.dtype)
-        else:
-            self.model_dir = resolve_model(cfg.model)
-            target, tcfg = load_target(self.model_dir, self.dtype, self.device)
-            dpath = resolve_drafter(cfg)
-            drafter = load_drafter(dpath, target, self.dtype, self.device) if dpath is not None else None
-            if drafter is None and cfg.random_drafter and cfg.spec not in (None, "none"):
-                from drafttree.bench.shapes import drafter_for
-                drafter = drafter_for(target, self.device, self.dtype, cfg.block_size or 16)
+        from drafttree.engine.plan import load_models, resolve_spec
+        self.model_dir, target, drafter = load_models(cfg, self.device, self.dtype)
+        tcfg = target.cfg
         self.spec = resolve_spec(cfg, drafter.cfg if drafter is not None else None)
         if not self.spec.speculative:
             drafter = None

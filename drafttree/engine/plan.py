@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from drafttree.config import ModelConfig
 from drafttree.engine.engine import EngineConfig
 from drafttree.models.dflash import DFlashConfig
@@ -37,6 +39,27 @@ def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
     bs = drafter.block_size if cfg.block_size is None else cfg.block_size
     budget = (32 if cfg.budget is None else cfg.budget) if method == "ddtree" else 0
     return SpecConfig(method, bs, budget)
+
+
+def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
+    """(model directory or None, target, drafter or None), all checked before anything is kept."""
+    from drafttree.bench.shapes import drafter_for, random_drafter, random_target
+    from drafttree.loader.default_model import resolve_model
+    from drafttree.loader.weights import load_target
+    from drafttree.models.dflash import load_drafter
+
+    wants_drafter = cfg.spec not in (None, "none")
+    if cfg.random_weights:
+        target = random_target(cfg.random_weights, device, dtype)
+        drafter = random_drafter(cfg.random_weights, target, device, dtype) if wants_drafter else None
+        return None, target, drafter
+    model_dir = resolve_model(cfg.model)
+    target, _ = load_target(model_dir, dtype, device)
+    dpath = resolve_drafter(cfg)
+    drafter = load_drafter(dpath, target, dtype, device) if dpath is not None else None
+    if drafter is None and cfg.random_drafter and wants_drafter:
+        drafter = drafter_for(target, device, dtype, cfg.block_size or 16)
+    return model_dir, target, drafter
 
 
 def describe_plan(cfg: EngineConfig) -> str:

@@ -100,3 +100,74 @@ def test_missing_graph_falls_back_eagerly(pair, caplog):
     assert got == want
     assert gr.fallbacks > 0
     assert any("no CUDA graph" in r.message for r in caplog.records)
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    """Stand-ins for CUDA graphs on CPU: a 'capture' records the phase function that runs inside
+    it, replay reruns it. This checks the graph runner's own logic (keys, batch and KV buckets,
+    parked padding rows) without a GPU; the GPU tests above check real capture."""
+    import contextlib
+
+    from drafttree.runner import cuda_graph
+    graphs: list = []
+    capturing = [False]
+
+    class Graph:
+        def __init__(self) -> None:
+            self.fn = None
+            graphs.append(self)
+
+        def replay(self) -> None:
+            self.fn()
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        capturing[0] = True
+        yield
+        capturing[0] = False
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    phase_fns = cuda_graph.GraphRunner._phase_fns
+
+    def recording_phase_fns(self, B, mode, L):
+        def record(fn):
+            def run():
+                if capturing[0]:
+                    graphs[-1].fn = fn
+                fn()
+            return run
+        return [(phase, record(fn)) for phase, fn in phase_fns(self, B, mode, L)]
+
+    monkeypatch.setattr(cuda_graph.GraphRunner, "_phase_fns", recording_phase_fns)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    return graphs
+
+
+@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", None), ("ddtree", 32)])
+def test_graph_runner_logic_on_cpu(pair, fake_cuda_graphs, spec, budget):
+    """Bucketed replay (padding rows parked, batch 3 runs in the bucket of 4) gives eager's tokens."""
+    t, d = pair
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    sp = [SamplingParams(temperature=T, max_tokens=20, seed=i, ignore_eos=True)
+          for i, T in enumerate((0.0, 0.9, 0.0))]
+    kw = dict(model=str(t), draft_model=str(d) if spec != "none" else None, spec=spec, budget=budget,
+              device="cpu", dtype="float32", max_num_seqs=4, max_model_len=128)
+    want = [o.token_ids for o in LLM(**kw, cuda_graphs=False).generate(prompts, sp)]
+    llm = LLM(**kw, cuda_graphs=True)
+    gr = llm.engine.runner.graphs
+    assert all(g.fn is not None for g in fake_cuda_graphs)
+    assert {k[1] for k in gr.graphs} == {1, 2, 4} and len(gr.kv_buckets) == 1
+    # leave a stale, nearly full cache row 3 behind: the bucket of 4 must park it, not run it on
+    llm.generate(prompts + [[i % 50 + 1 for i in range(99)]], sp + [SamplingParams(temperature=0.0, max_tokens=27)])
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert gr.fallbacks == 0

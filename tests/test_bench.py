@@ -1,0 +1,34 @@
+"""drafttree bench end to end on a tiny pair (CPU): results.json and plots."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drafttree.bench.cli import main
+from tests.tiny import make_drafter, make_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_bench_writes_results_and_plots(tmp_path):
+    t = make_target(tmp_path / "t", "llama", vocab=9, layers=2, scale=3.0)
+    d = make_drafter(tmp_path / "d", t, block_size=4, target_layer_ids=[0])
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_ids": [i % 7 + 1, 2, 3]}) for i in range(3)))
+    out = tmp_path / "out"
+    rc = main(["--model", str(t), "--draft-model", str(d), "--prompts", str(prompts), "--num-prompts", "3",
+               "--max-tokens", "12", "--budgets", "2,8", "--temperatures", "0,1", "--device", "cpu",
+               "--dtype", "float32", "--max-model-len", "64", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    runs = {(r["method"], r["budget"], r["temperature"]) for r in res["results"]}
+    assert runs == {(m, b, T) for T in (0.0, 1.0) for m, b in (("ar", None), ("dflash", None),
+                                                                ("ddtree", 2), ("ddtree", 8))}
+    for r in res["results"]:
+        assert r["output_tokens"] == 36 and r["tokens_per_s"] > 0 and r["speedup"] > 0
+        assert sum(r["tau_histogram"].values()) == r["rounds"]
+        if r["method"] == "ar":
+            assert r["tau_mean"] == 1.0 and r["speedup"] == 1.0
+    assert max(r["tau_mean"] for r in res["results"] if r["method"] == "ddtree") > 1.0
+    assert (out / "budget_sweep.png").stat().st_size > 0 and (out / "acceptance_histogram.png").stat().st_size > 0

@@ -87,15 +87,15 @@ def plot(results: list[dict], out: Path) -> list[str]:
     files = []
     temps = sorted({r["temperature"] for r in results})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for T in temps:
+    for i, T in enumerate(temps):
+        color = f"C{i}"
         rs = [r for r in results if r["temperature"] == T and r["method"] == "ddtree"]
-        if rs:
-            axes[0].plot([r["budget"] for r in rs], [r["speedup"] for r in rs], "o-", label=f"DDTree T={T:g}")
-            axes[1].plot([r["budget"] for r in rs], [r["tau_mean"] for r in rs], "o-", label=f"DDTree T={T:g}")
-        for r in results:
-            if r["temperature"] == T and r["method"] == "dflash":
-                axes[0].axhline(r["speedup"], ls="--", color="gray", label=f"DFlash T={T:g}")
-                axes[1].axhline(r["tau_mean"], ls="--", color="gray", label=f"DFlash T={T:g}")
+        for ax, key in zip(axes, ("speedup", "tau_mean")):
+            if rs:
+                ax.plot([r["budget"] for r in rs], [r[key] for r in rs], "o-", color=color, label=f"DDTree T={T:g}")
+            for r in results:
+                if r["temperature"] == T and r["method"] == "dflash":
+                    ax.axhline(r[key], ls="--", color=color, label=f"DFlash T={T:g}")
     for ax, name in zip(axes, ("speedup over AR", "mean accepted length τ")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (tree nodes)")

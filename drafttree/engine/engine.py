@@ -163,8 +163,9 @@ class Engine:
             t0 = time.perf_counter()
             self.runner.run_round(B, SampleMode.of([s.params for s in self.running]),
                                   max(s.length for s in self.running))
-            n = self.runner.state.out_n[:B].tolist()       # the round's one host sync
-            toks = self.runner.state.out_tokens[:B].tolist()
+            st = self.runner.state
+            rows = torch.cat([st.out_n[:B, None], st.out_tokens[:B]], dim=1).tolist()   # the round's one sync
+            n, toks = [r[0] for r in rows], [r[1:] for r in rows]
             self.stats.round_seconds += time.perf_counter() - t0
             self.stats.rounds += 1
             for seq, k, t in zip(self.running, n, toks):

@@ -17,6 +17,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="speculative method (default: ddtree when a drafter is available)")
     g.add_argument("--block-size", type=int, default=None, help="draft width (default: the drafter's)")
     g.add_argument("--budget", type=int, default=None, help="DDTree nodes per round; verify width = budget + 1 (default 32)")
+    g.add_argument("--budget-schedule", default=None,
+                   help="DDTree budget by batch bucket under load, e.g. '8:16,32:4' (batch:budget)")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     g.add_argument("--max-num-seqs", type=int, default=8, help="largest batch (KV cache rows)")
@@ -27,7 +29,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=a.model, draft_model=a.draft_model, spec=a.spec, block_size=a.block_size,
-                        budget=a.budget, dtype=a.dtype, device=a.device, max_num_seqs=a.max_num_seqs,
+                        budget=a.budget, budget_schedule=a.budget_schedule, dtype=a.dtype, device=a.device,
+                        max_num_seqs=a.max_num_seqs,
                         max_model_len=a.max_model_len, kv_cache_memory_gb=a.kv_cache_memory_gb,
                         cuda_graphs=False if a.no_cuda_graphs else None)
 

@@ -39,12 +39,13 @@ class LLM:
                  block_size: int | None = None, budget: int | None = None, dtype: str | None = None,
                  device: str | None = None, max_num_seqs: int = 8, max_model_len: int | None = None,
                  kv_cache_memory_gb: float | None = None, cuda_graphs: bool | None = None,
-                 random_weights: str | None = None, random_drafter: bool = False) -> None:
+                 random_weights: str | None = None, random_drafter: bool = False,
+                 budget_schedule: str | None = None) -> None:
         self.engine = Engine(EngineConfig(
             model=model, draft_model=draft_model, spec=spec, block_size=block_size, budget=budget, dtype=dtype,
             device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             kv_cache_memory_gb=kv_cache_memory_gb, cuda_graphs=cuda_graphs, random_weights=random_weights,
-            random_drafter=random_drafter))
+            random_drafter=random_drafter, budget_schedule=budget_schedule))
 
     @property
     def tokenizer(self):

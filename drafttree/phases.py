@@ -20,11 +20,23 @@ class Phase(str, Enum):
 METHODS = ("none", "dflash", "ddtree")
 
 
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes rounds run at (graphs are captured for each): powers of two, then the max."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return out + [max_num_seqs]
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     method: str = "none"
     block_size: int = 0   # draft width; 0 when no drafter
-    budget: int = 0       # DDTree tree nodes, root excluded
+    budget: int = 0       # DDTree tree nodes, root excluded (at batch 1)
+    # DDTree under load: ((min_batch, budget), ...) — from a batch bucket of min_batch rows on,
+    # use that budget (a wide tree pays at batch 1, not when the GPU is already busy).
+    budget_schedule: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -33,6 +45,36 @@ class SpecConfig:
             raise ValueError(f"block_size must be >= 2 for {self.method}, got {self.block_size}")
         if self.method == "ddtree" and self.budget < 1:
             raise ValueError(f"ddtree needs budget >= 1, got {self.budget}")
+        if self.budget_schedule and self.method != "ddtree":
+            raise ValueError("a budget schedule needs spec ddtree")
+        for b, n in self.budget_schedule:
+            if b < 1 or n < 1:
+                raise ValueError(f"budget schedule entries need batch >= 1 and budget >= 1, got {b}:{n}")
+
+    @staticmethod
+    def parse_schedule(text: str | None) -> tuple[tuple[int, int], ...]:
+        """'8:16,32:4' -> ((8, 16), (32, 4)): batch buckets of 8+ rows use 16 nodes, 32+ use 4."""
+        if not text:
+            return ()
+        try:
+            pairs = [tuple(int(x) for x in item.split(":")) for item in text.split(",") if item.strip()]
+        except ValueError:
+            raise ValueError(f"budget schedule {text!r} is not of the form 'batch:budget,...'") from None
+        if any(len(p) != 2 for p in pairs):
+            raise ValueError(f"budget schedule {text!r} is not of the form 'batch:budget,...'")
+        return tuple(sorted(pairs))  # type: ignore[arg-type]
+
+    def budget_at(self, batch: int) -> int:
+        """DDTree budget for a round over a batch bucket of `batch` rows."""
+        out = self.budget
+        for b, n in self.budget_schedule:
+            if batch >= b:
+                out = n
+        return out
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        return tuple(sorted({self.budget, *(n for _, n in self.budget_schedule)}))
 
     @property
     def speculative(self) -> bool:
@@ -43,13 +85,14 @@ class SpecConfig:
         """Deepest draft position; at most depth + 1 tokens commit per round."""
         return self.block_size - 1 if self.speculative else 0
 
-    def width(self, phase: Phase) -> int:
+    def width(self, phase: Phase, batch: int = 1) -> int:
+        """Tokens per request in this phase's forward, for a batch bucket of `batch` rows."""
         if phase is Phase.DECODE:
             return 1
         if phase is Phase.DRAFT:
             return self.block_size
         if phase is Phase.VERIFY:
-            return self.budget + 1 if self.method == "ddtree" else self.block_size
+            return self.budget_at(batch) + 1 if self.method == "ddtree" else self.block_size
         raise ValueError(f"{phase.value} has no fixed width")
 
     @property
@@ -66,4 +109,5 @@ class SpecConfig:
         """Cache slots a round may write past the committed length (target and drafter)."""
         if not self.speculative:
             return 1
-        return max(self.width(Phase.VERIFY), self.width(Phase.DRAFT))
+        verify = max(self.budgets) + 1 if self.method == "ddtree" else self.block_size
+        return max(verify, self.width(Phase.DRAFT))

@@ -7,8 +7,8 @@ import torch
 from drafttree import LLM, SamplingParams
 from drafttree.engine.engine import EngineConfig
 from drafttree.engine.plan import describe_plan
-from drafttree.phases import Phase, SpecConfig
-from drafttree.runner.cuda_graph import batch_buckets, graph_plan
+from drafttree.phases import Phase, SpecConfig, batch_buckets
+from drafttree.runner.cuda_graph import graph_plan
 from tests.tiny import make_drafter, make_target
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -171,3 +171,44 @@ def test_graph_runner_logic_on_cpu(pair, fake_cuda_graphs, spec, budget):
     llm.generate(prompts + [[i % 50 + 1 for i in range(99)]], sp + [SamplingParams(temperature=0.0, max_tokens=27)])
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
     assert gr.fallbacks == 0
+
+
+def test_budget_schedule_widths_and_plan(pair):
+    spec = SpecConfig("ddtree", block_size=8, budget=32, budget_schedule=SpecConfig.parse_schedule("4:8,8:2"))
+    assert [spec.width(Phase.VERIFY, b) for b in (1, 2, 3, 4, 7, 8, 64)] == [33, 33, 33, 9, 9, 3, 3]
+    assert spec.width(Phase.DRAFT, 8) == 8 and spec.kv_headroom == 33
+    from drafttree.config import ModelConfig
+    t, _ = pair
+    plan = [(e.phase, e.width, e.batch_sizes) for e in graph_plan(spec, ModelConfig.from_dir(t), None, 8, [545])]
+    assert (Phase.VERIFY, 33, (1, 2)) in plan and (Phase.VERIFY, 9, (4,)) in plan and (Phase.VERIFY, 3, (8,)) in plan
+    for bad in ("8", "a:b", "8:0", "0:4"):
+        with pytest.raises(ValueError):
+            SpecConfig("ddtree", 8, 32, SpecConfig.parse_schedule(bad))
+    with pytest.raises(ValueError, match="needs spec ddtree"):
+        SpecConfig("dflash", 8, 0, ((4, 8),))
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_budget_schedule_is_lossless_as_the_batch_shrinks(pair, fake_cuda_graphs, graphs):
+    """Requests finish at different times, so rounds move between batch buckets (and budgets)."""
+    t, d = pair
+    prompts = [[i + 1, 2, 3][: 1 + i % 3] for i in range(6)]
+    sp = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=6 + 5 * i, ignore_eos=True)
+          for i in range(6)]
+    want = [o.token_ids for o in LLM(model=str(t), device="cpu", dtype="float32", max_num_seqs=8,
+                                     max_model_len=128).generate(prompts, sp)]
+    llm = LLM(model=str(t), draft_model=str(d), spec="ddtree", budget=24, budget_schedule="2:6,4:1", device="cpu",
+              dtype="float32", max_num_seqs=8, max_model_len=128, cuda_graphs=graphs)
+    seen = []
+    from drafttree.spec import rounds
+    orig = rounds.build_tree
+
+    def spy(logits, root, budget):
+        seen.append((logits.shape[0], budget))
+        return orig(logits, root, budget)
+    rounds.build_tree = spy
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    finally:
+        rounds.build_tree = orig
+    assert {(4, 1), (2, 6), (1, 24)} <= set(seen) or {(8, 1), (2, 6), (1, 24)} <= set(seen)

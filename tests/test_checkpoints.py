@@ -94,3 +94,20 @@ def test_invalid_sampling_params_refused():
     for kw in ({"temperature": -1}, {"top_p": 0.0}, {"top_p": 1.5}, {"max_tokens": 0}, {"top_k": -2}):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("spec", ["none", "ddtree"])
+def test_chunked_and_batched_prefill_match_one_request_at_a_time(tiny, tmp_path, spec):
+    from tests.tiny import make_drafter
+    d = make_drafter(tmp_path / "d", tiny, block_size=4) if spec == "ddtree" else None
+    prompts = [[(7 * i + j) % 59 + 1 for j in range(n)] for i, n in enumerate((1, 12, 5, 23))]
+    kw = dict(model=str(tiny), draft_model=str(d) if d else None, spec=spec, device="cpu", dtype="float32",
+              max_model_len=64)
+    alone = [LLM(**kw, max_num_seqs=1).generate([p], GREEDY)[0].token_ids for p in prompts]
+    chunked = LLM(**kw, max_num_seqs=4, prefill_chunk=5)
+    assert [o.token_ids for o in chunked.generate(prompts, GREEDY)] == alone
+
+
+def test_unknown_engine_argument_refused(tiny):
+    with pytest.raises(TypeError, match="budgett"):
+        LLM(model=str(tiny), budgett=3)

@@ -32,7 +32,8 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_memory_gb: float | None = None   # default: 1 GiB on CPU, 60% of free on CUDA
     cuda_graphs: bool | None = None     # default: on for CUDA
-    max_prefill_tokens: int = 8192      # padded tokens in one batched prefill forward
+    max_prefill_tokens: int = 8192      # padded tokens in one batched prefill
+    prefill_chunk: int = 2048           # prompt tokens per prefill forward (chunked prefill)
     random_weights: str | None = None   # timing-only: a shape from drafttree.bench.shapes
     random_drafter: bool = False        # timing-only: an untrained drafter for the given target
 
@@ -62,7 +63,9 @@ class Engine:
         self.model_cfg = tcfg
         self.max_model_len, rows = self._size_cache(tcfg, drafter)
         cache = CacheConfig(rows, self.max_model_len, self.spec.kv_headroom)
-        self.runner = ModelRunner(target, drafter, self.spec, cache, self.device, self.dtype)
+        if cfg.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {cfg.prefill_chunk}")
+        self.runner = ModelRunner(target, drafter, self.spec, cache, self.device, self.dtype, cfg.prefill_chunk)
         self.tokenizer = _load_tokenizer(self.model_dir) if self.model_dir is not None else None
         self.eos_ids = set(tcfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

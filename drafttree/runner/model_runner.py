@@ -50,8 +50,9 @@ class CacheConfig:
 
 class ModelRunner:
     def __init__(self, target: DecoderLM, drafter: DFlashDrafter | None, spec: SpecConfig,
-                 cache: CacheConfig, device: torch.device, dtype: torch.dtype) -> None:
+                 cache: CacheConfig, device: torch.device, dtype: torch.dtype, prefill_chunk: int = 2048) -> None:
         self.target, self.drafter, self.spec = target, drafter, spec
+        self.prefill_chunk = prefill_chunk
         self.cache_cfg, self.device, self.dtype = cache, device, dtype
         tc: ModelConfig = target.cfg
         rows, L = cache.max_num_seqs, cache.max_len
@@ -70,10 +71,10 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, first_row: int, prompts: list[list[int]], params: list[SamplingParams],
                 seeds: list[int]) -> list[int]:
-        """Prefill requests into cache rows first_row, first_row+1, ... in one forward, padded to
-        the longest prompt; sample each first token into state.bonus. Returns the first tokens
-        (the prefill's one host sync). Padding writes K/V only past each prompt's end, where the
-        cache is masked until real tokens overwrite it."""
+        """Prefill requests into cache rows first_row, first_row+1, ... together, padded to the
+        longest prompt and run in chunks of `prefill_chunk` tokens; sample each first token into
+        state.bonus. Returns the first tokens (the prefill's one host sync). Padding writes K/V
+        only past each prompt's end, where the cache is masked until real tokens overwrite it."""
         s, dev = self.state, self.device
         n = len(prompts)
         lens = torch.tensor([len(p) for p in prompts], device=dev)
@@ -83,24 +84,36 @@ class ModelRunner:
             ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
         pos = torch.arange(P, device=dev).expand(n, P)
         rows = slice(first_row, first_row + n)
-        meta = attn_meta(torch.zeros(n, dtype=torch.long, device=dev), causal(n, P, dev), P)
-        hidden, aux = self.target(ids, pos, meta, self.kv.k[:, rows], self.kv.v[:, rows], self.capture_layers)
+        kv, dkv = (self.kv.k[:, rows], self.kv.v[:, rows]), None
+        if self.drafter is not None:
+            dkv = (self.dkv.k[:, rows], self.dkv.v[:, rows])
+        last = lens - 1
+        h_last = a_last = None
+        # Chunks of the prompt: each sees the cache written by the chunks before it.
+        for a in range(0, P, self.prefill_chunk):
+            b = min(P, a + self.prefill_chunk)
+            meta = attn_meta(torch.full((n,), a, device=dev), causal(n, b - a, dev), b)
+            hidden, aux = self.target(ids[:, a:b], pos[:, a:b], meta, *kv, self.capture_layers)
+            here = ((last >= a) & (last < b))[:, None]
+            at = (torch.arange(n, device=dev), (last - a).clamp(0, b - a - 1))
+            h_last = hidden[at] if h_last is None else torch.where(here, hidden[at], h_last)
+            if dkv is not None:
+                a_last = aux[at] if a_last is None else torch.where(here, aux[at], a_last)
+                # features past a prompt's end are padding: written where the cache is masked
+                self.drafter.write_context(aux, pos[:, a:b], *dkv)
         for i in range(n):
             s.sampling.set_row(first_row + i, params[i], seeds[i])
         st = SamplingTensors(s.sampling.temperature[rows], s.sampling.top_p[rows], s.sampling.top_k[rows],
                              s.sampling.seed[rows])
-        last = torch.arange(n, device=dev), lens - 1
-        logits = self.target.logits(hidden[last][:, None])
+        logits = self.target.logits(h_last[:, None])
         tok = pick_tokens(logits, st, lens[:, None], SampleMode.of(params))[:, 0]
         s.start[rows] = lens
         s.bonus[rows] = tok
         s.out_tokens[rows, 0] = tok
         s.out_n[rows] = 1
-        if self.drafter is not None:
-            s.ctx_feat[rows, 0] = aux[last].to(s.ctx_feat.dtype)
+        if dkv is not None:
+            s.ctx_feat[rows, 0] = a_last.to(s.ctx_feat.dtype)
             s.ctx_n[rows] = 1
-            if P > 1:
-                self.drafter.write_context(aux[:, :-1], pos[:, :-1], self.dkv.k[:, rows], self.dkv.v[:, rows])
         return tok.tolist()
 
     # -- rounds ------------------------------------------------------------------------------

@@ -212,3 +212,21 @@ def test_budget_schedule_is_lossless_as_the_batch_shrinks(pair, fake_cuda_graphs
     finally:
         rounds.build_tree = orig
     assert {(4, 1), (2, 6), (1, 24)} <= set(seen) or {(8, 1), (2, 6), (1, 24)} <= set(seen)
+
+
+def test_rounds_move_across_kv_buckets(pair, fake_cuda_graphs):
+    """A request that grows past the 1024-slot bucket switches graphs mid-generation."""
+    t, d = pair
+    prompt = [(5 * j) % 57 + 1 for j in range(1000)]
+    sp = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=6, device="cpu", dtype="float32",
+              max_num_seqs=2, max_model_len=1200)
+    want = LLM(**kw, cuda_graphs=False).generate([prompt], sp)[0].token_ids
+    llm = LLM(**kw, cuda_graphs=True)
+    gr = llm.engine.runner.graphs
+    assert gr.kv_buckets == [1024, 1200 + llm.engine.spec.kv_headroom]
+    replayed = []
+    orig = gr.replay
+    gr.replay = lambda b, mode, kv_len: replayed.append(kv_len) or orig(b, mode, kv_len)
+    assert llm.generate([prompt], sp)[0].token_ids == want
+    assert set(replayed) == set(gr.kv_buckets) and gr.fallbacks == 0

@@ -230,3 +230,17 @@ def test_rounds_move_across_kv_buckets(pair, fake_cuda_graphs):
     gr.replay = lambda b, mode, kv_len: replayed.append(kv_len) or orig(b, mode, kv_len)
     assert llm.generate([prompt], sp)[0].token_ids == want
     assert set(replayed) == set(gr.kv_buckets) and gr.fallbacks == 0
+
+
+@cuda
+@pytest.mark.parametrize("spec,budget,schedule", [("none", None, None), ("ddtree", 16, "2:4")])
+def test_gpu_kv_buckets_and_schedule_equal_eager(pair, spec, budget, schedule):
+    t, d = pair
+    prompts = [[(5 * j + i) % 57 + 1 for j in range(1000 - 300 * i)] for i in range(3)]
+    sp = [SamplingParams(temperature=0.0 if i else 0.7, seed=i, max_tokens=50, ignore_eos=True) for i in range(3)]
+    kw = dict(model=str(t), draft_model=str(d) if spec != "none" else None, spec=spec, budget=budget,
+              budget_schedule=schedule, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=1200)
+    want = [o.token_ids for o in LLM(**kw, cuda_graphs=False).generate(prompts, sp)]
+    llm = LLM(**kw, cuda_graphs=True)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert llm.engine.runner.graphs.fallbacks == 0

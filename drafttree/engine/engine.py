@@ -169,6 +169,7 @@ class Engine:
                                   max(s.length for s in self.running))
             st = self.runner.state
             rows = torch.cat([st.out_n[:B, None], st.out_tokens[:B]], dim=1).tolist()   # the round's one sync
+            self.runner.timer.collect()
             n, toks = [r[0] for r in rows], [r[1:] for r in rows]
             self.stats.round_seconds += time.perf_counter() - t0
             self.stats.rounds += 1

@@ -151,5 +151,6 @@ class GraphRunner:
             return False
         self._park(b, B)
         for k in keys:
-            self.graphs[k].replay()
+            with self.r.timer.phase(k[0].value):
+                self.graphs[k].replay()
         return True

@@ -1,7 +1,6 @@
 """Owns the models, the KV caches and the per-row device state; runs prefill and rounds."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -13,9 +12,8 @@ from drafttree.phases import SpecConfig, batch_buckets
 from drafttree.runner.kv_cache import KVCache, attn_meta, causal
 from drafttree.runner.state import RoundState
 from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
-from drafttree.spec.rounds import decode_round, spec_round
-
-log = logging.getLogger(__name__)
+from drafttree.runner.phase_timer import PhaseTimer
+from drafttree.spec.rounds import decode_round, draft_phase, verify_phase
 
 
 @dataclass
@@ -66,6 +64,7 @@ class ModelRunner:
             feat = len(self.capture_layers) * tc.hidden_size
         self.state = RoundState.allocate(rows, spec.max_commit, feat, dtype, device)
         self.graphs = None  # set by the engine when CUDA graphs are captured
+        self.timer = PhaseTimer(torch.device(device))
 
     # -- prefill -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -87,20 +86,8 @@ class ModelRunner:
         kv, dkv = (self.kv.k[:, rows], self.kv.v[:, rows]), None
         if self.drafter is not None:
             dkv = (self.dkv.k[:, rows], self.dkv.v[:, rows])
-        last = lens - 1
-        h_last = a_last = None
-        # Chunks of the prompt: each sees the cache written by the chunks before it.
-        for a in range(0, P, self.prefill_chunk):
-            b = min(P, a + self.prefill_chunk)
-            meta = attn_meta(torch.full((n,), a, device=dev), causal(n, b - a, dev), b)
-            hidden, aux = self.target(ids[:, a:b], pos[:, a:b], meta, *kv, self.capture_layers)
-            here = ((last >= a) & (last < b))[:, None]
-            at = (torch.arange(n, device=dev), (last - a).clamp(0, b - a - 1))
-            h_last = hidden[at] if h_last is None else torch.where(here, hidden[at], h_last)
-            if dkv is not None:
-                a_last = aux[at] if a_last is None else torch.where(here, aux[at], a_last)
-                # features past a prompt's end are padding: written where the cache is masked
-                self.drafter.write_context(aux, pos[:, a:b], *dkv)
+        with self.timer.phase("prefill"):
+            h_last, a_last = self._prefill_chunks(ids, pos, lens, kv, dkv)
         for i in range(n):
             s.sampling.set_row(first_row + i, params[i], seeds[i])
         st = SamplingTensors(s.sampling.temperature[rows], s.sampling.top_p[rows], s.sampling.top_k[rows],
@@ -116,6 +103,26 @@ class ModelRunner:
             s.ctx_n[rows] = 1
         return tok.tolist()
 
+    def _prefill_chunks(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, kv, dkv):
+        """Run the padded prompts in chunks (each sees the cache its predecessors wrote); return
+        the final hidden state and the drafter features at each prompt's last token."""
+        n, P = ids.shape
+        dev = ids.device
+        last = lens - 1
+        h_last = a_last = None
+        for a in range(0, P, self.prefill_chunk):
+            b = min(P, a + self.prefill_chunk)
+            meta = attn_meta(torch.full((n,), a, device=dev), causal(n, b - a, dev), b)
+            hidden, aux = self.target(ids[:, a:b], pos[:, a:b], meta, *kv, self.capture_layers)
+            here = ((last >= a) & (last < b))[:, None]
+            at = (torch.arange(n, device=dev), (last - a).clamp(0, b - a - 1))
+            h_last = hidden[at] if h_last is None else torch.where(here, hidden[at], h_last)
+            if dkv is not None:
+                a_last = aux[at] if a_last is None else torch.where(here, aux[at], a_last)
+                # features past a prompt's end are padding: written where the cache is masked
+                self.drafter.write_context(aux, pos[:, a:b], *dkv)
+        return h_last, a_last
+
     # -- rounds ------------------------------------------------------------------------------
     @torch.inference_mode()
     def run_round(self, B: int, mode: SampleMode, max_length: int) -> None:
@@ -127,10 +134,14 @@ class ModelRunner:
             self.eager_round(B, kv_len, mode)
 
     def eager_round(self, B: int, kv_len: int, mode: SampleMode) -> None:
-        if self.spec.speculative:
-            spec_round(self, B, kv_len, mode)
-        else:
-            decode_round(self, B, kv_len, mode)
+        if not self.spec.speculative:
+            with self.timer.phase("decode"):
+                decode_round(self, B, kv_len, mode)
+            return
+        with self.timer.phase("draft"):
+            tree = draft_phase(self, B, kv_len)
+        with self.timer.phase("verify"):
+            verify_phase(self, B, kv_len, tree, mode)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Keep running requests packed in rows 0..B-1 when one finishes."""

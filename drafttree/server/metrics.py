@@ -30,6 +30,7 @@ class _Seen:
     prefill_seconds: float = 0.0
     round_seconds: float = 0.0
     fallbacks: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
 class ServerMetrics:
@@ -50,6 +51,9 @@ class ServerMetrics:
         self.round_seconds = Counter("drafttree_round_seconds", "Seconds spent in decoding rounds", registry=r)
         self.round_duration = Summary("drafttree_round_duration_seconds", "Duration of one decoding round",
                                       registry=r)
+        self.phase_seconds = Counter("drafttree_phase_seconds", "Seconds spent per phase (prefill, decode, "
+                                     "draft incl. tree build, verify incl. acceptance and commit)", ["phase"],
+                                     registry=r)
         self.running = Gauge("drafttree_requests_running", "Requests holding a KV cache row", registry=r)
         self.waiting = Gauge("drafttree_requests_waiting", "Requests queued for a KV cache row", registry=r)
         self._seen = _Seen()
@@ -74,10 +78,13 @@ class ServerMetrics:
         graphs = getattr(engine.runner, "graphs", None)
         fallbacks = int(graphs.fallbacks) if graphs is not None else 0
         self.fallbacks.inc(max(fallbacks - seen.fallbacks, 0))
+        phases = dict(engine.runner.timer.totals)
+        for name, total in phases.items():
+            self.phase_seconds.labels(phase=name).inc(max(total - seen.phase_seconds.get(name, 0.0), 0.0))
         self.running.set(len(engine.running))
         self.waiting.set(len(engine.waiting))
         self._seen = _Seen(s.requests, s.prompt_tokens, s.generated_tokens, s.rounds, dict(s.accept_hist),
-                           s.prefill_seconds, s.round_seconds, fallbacks)
+                           s.prefill_seconds, s.round_seconds, fallbacks, phases)
 
     def request_finished(self, reason: str | None) -> None:
         self.finished.labels(finish_reason=reason or "unknown").inc()

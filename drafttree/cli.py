@@ -47,6 +47,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                                          add_generation_prompt=True)
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
                             max_tokens=a.max_tokens)
+    eng.stream_text = not a.json
     seq = eng.add_request(prompt, params)
     shown = 0
     while not seq.finished:

@@ -73,6 +73,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # running[i].row == i
         self.stats = EngineStats()
+        self.stream_text = False    # a server streaming text sets this
         use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else self.device.type == "cuda"
         if use_graphs:
             from drafttree.runner.cuda_graph import GraphRunner
@@ -200,7 +201,8 @@ class Engine:
             seq.params.max_tokens = limit
         kept = seq.append(tokens, self.eos_ids)
         self.stats.generated_tokens += len(kept)
-        if self.tokenizer is not None:
+        # Text is kept current every round only when something reads it mid-generation.
+        if self.tokenizer is not None and (self.stream_text or seq.params.stop or seq.finished):
             self._detokenize(seq)
         return kept
 

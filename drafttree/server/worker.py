@@ -111,6 +111,7 @@ class RequestHandle:
 class EngineWorker:
     def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
+        engine.stream_text = True   # deltas are read from seq.text after every step
         self.metrics = metrics
         self._cmds: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._live: dict[str, tuple[Sequence, Deliver]] = {}   # engine thread only

@@ -74,6 +74,15 @@ def _pair_index(budget: int, k: int, device: torch.device) -> tuple[torch.Tensor
     return pair_slot, pair_rank
 
 
+def check_tree_args(draft_logits: torch.Tensor, budget: int) -> tuple[int, int, int]:
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    R, L, V = draft_logits.shape
+    if L < 1:
+        raise ValueError("draft_logits needs at least one position")
+    return R, L, V
+
+
 def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best tokens per position and their log-probabilities, [R, L, k] each, descending."""
     logits = draft_logits.float()
@@ -95,11 +104,7 @@ def build_tree(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: in
     exactly as high as its parent (a log-prob of 0). Prefixes of probability
     zero (from -inf logits) are never valid nodes.
     """
-    if budget < 1:
-        raise ValueError(f"budget must be >= 1, got {budget}")
-    R, L, V = draft_logits.shape
-    if L < 1:
-        raise ValueError("draft_logits needs at least one position")
+    R, L, V = check_tree_args(draft_logits, budget)
     device = draft_logits.device
     B, K = budget, min(budget, V)
 

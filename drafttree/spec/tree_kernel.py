@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from drafttree.spec.tree import DraftTree, _pair_index, build_tree, top_log_probs
+from drafttree.spec.tree import DraftTree, _pair_index, build_tree, check_tree_args, top_log_probs
 
 tl: Any = None  # triton.language, bound by _kernel()
 _KERNELS: dict[bool, Callable[..., Any]] = {}
@@ -244,11 +244,7 @@ def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budg
 
     Falls back to `build_tree` where `available(device)` is False (whatever the budget).
     """
-    if budget < 1:
-        raise ValueError(f"budget must be >= 1, got {budget}")
-    R, L, V = draft_logits.shape
-    if L < 1:
-        raise ValueError("draft_logits needs at least one position")
+    R, L, V = check_tree_args(draft_logits, budget)
     device = draft_logits.device
     if not available(device) or budget >= 1 << 16 or L * budget >= 1 << 29:
         return build_tree(draft_logits, root_tokens, budget)

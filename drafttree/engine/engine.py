@@ -196,10 +196,8 @@ class Engine:
         return group
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> list[int]:
-        limit = min(seq.params.max_tokens, self.max_model_len - len(seq.prompt_ids))
-        if limit < seq.params.max_tokens:
-            seq.params.max_tokens = limit
-        kept = seq.append(tokens, self.eos_ids)
+        # the context bounds the output as max_tokens does (finish reason "length")
+        kept = seq.append(tokens, self.eos_ids, self.max_model_len - len(seq.prompt_ids))
         self.stats.generated_tokens += len(kept)
         # Text is kept current every round only when something reads it mid-generation.
         if self.tokenizer is not None and (self.stream_text or seq.params.stop or seq.finished):

@@ -63,17 +63,18 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def append(self, tokens: list[int], eos_ids: set[int]) -> list[int]:
-        """Add one round's committed tokens, stopping at EOS / stop ids / max_tokens.
-        Returns the tokens actually kept."""
+    def append(self, tokens: list[int], eos_ids: set[int], room: int) -> list[int]:
+        """Add one round's committed tokens, stopping at EOS / stop ids / max_tokens / `room`
+        (what the context leaves). Returns the tokens actually kept."""
         p = self.params
+        limit = min(p.max_tokens, room)
         kept: list[int] = []
         for t in tokens:
             kept.append(t)
             if (t in eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
                 self.finish("stop")
                 break
-            if len(self.output_ids) + len(kept) >= p.max_tokens:
+            if len(self.output_ids) + len(kept) >= limit:
                 self.finish("length")
                 break
         self.output_ids.extend(kept)

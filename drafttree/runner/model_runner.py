@@ -78,9 +78,7 @@ class ModelRunner:
         n = len(prompts)
         lens = torch.tensor([len(p) for p in prompts], device=dev)
         P = max(len(p) for p in prompts)
-        ids = torch.zeros(n, P, dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        ids = torch.tensor([p + [0] * (P - len(p)) for p in prompts], dtype=torch.long, device=dev)
         pos = torch.arange(P, device=dev).expand(n, P)
         rows = slice(first_row, first_row + n)
         kv, dkv = (self.kv.k[:, rows], self.kv.v[:, rows]), None

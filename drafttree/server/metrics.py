@@ -1,7 +1,7 @@
 """Prometheus metrics of one server, kept in their own registry and fed from the engine thread."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -13,24 +13,10 @@ from prometheus_client import (
     generate_latest,
 )
 
-from drafttree.engine.engine import Engine
+from drafttree.engine.engine import Engine, EngineStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 ACCEPT_BUCKETS = tuple(float(i) for i in range(1, 17))
-
-
-@dataclass
-class _Seen:
-    """Engine totals already exported; the next sync adds only what came after."""
-    requests: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    rounds: int = 0
-    accept_hist: dict[int, int] = field(default_factory=dict)
-    prefill_seconds: float = 0.0
-    round_seconds: float = 0.0
-    fallbacks: int = 0
-    phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
 class ServerMetrics:
@@ -56,7 +42,9 @@ class ServerMetrics:
                                      registry=r)
         self.running = Gauge("drafttree_requests_running", "Requests holding a KV cache row", registry=r)
         self.waiting = Gauge("drafttree_requests_waiting", "Requests queued for a KV cache row", registry=r)
-        self._seen = _Seen()
+        self._seen = EngineStats()         # engine totals already exported
+        self._seen_fallbacks = 0
+        self._seen_phases: dict[str, float] = {}
 
     def sync(self, engine: Engine) -> None:
         """Export what the engine counted since the last sync. Call on the engine thread only."""
@@ -77,14 +65,14 @@ class ServerMetrics:
                 self.round_duration.observe(spent / new_rounds)
         graphs = getattr(engine.runner, "graphs", None)
         fallbacks = int(graphs.fallbacks) if graphs is not None else 0
-        self.fallbacks.inc(max(fallbacks - seen.fallbacks, 0))
+        self.fallbacks.inc(max(fallbacks - self._seen_fallbacks, 0))
         phases = dict(engine.runner.timer.totals)
         for name, total in phases.items():
-            self.phase_seconds.labels(phase=name).inc(max(total - seen.phase_seconds.get(name, 0.0), 0.0))
+            self.phase_seconds.labels(phase=name).inc(max(total - self._seen_phases.get(name, 0.0), 0.0))
         self.running.set(len(engine.running))
         self.waiting.set(len(engine.waiting))
-        self._seen = _Seen(s.requests, s.prompt_tokens, s.generated_tokens, s.rounds, dict(s.accept_hist),
-                           s.prefill_seconds, s.round_seconds, fallbacks, phases)
+        self._seen = copy.deepcopy(s)
+        self._seen_fallbacks, self._seen_phases = fallbacks, phases
 
     def request_finished(self, reason: str | None) -> None:
         self.finished.labels(finish_reason=reason or "unknown").inc()

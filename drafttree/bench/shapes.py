@@ -69,6 +69,4 @@ def drafter_for(target: DecoderLM, device: torch.device, dtype: torch.dtype, blo
         drafter = DFlashDrafter(cfg)
     _randomize(drafter, device, dtype, 1)
     drafter.rotary = Rotary(mcfg).to(device)
-    drafter.__dict__["embed"] = target.embed_tokens
-    drafter.__dict__["lm_head"] = target.lm_head
-    return drafter.eval().requires_grad_(False)
+    return drafter.borrow(target.embed_tokens, target.lm_head).eval().requires_grad_(False)

@@ -90,9 +90,14 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(m) for _ in range(m.num_layers))
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.rotary = Rotary(m)
-        # Borrowed from the target; kept out of state_dict (plain attributes, not submodules).
+        self.borrow(embed, lm_head)
+
+    def borrow(self, embed: nn.Embedding | None, lm_head: nn.Linear | None) -> "DFlashDrafter":
+        """Use the target's embedding and LM head: plain attributes, not submodules, so they stay
+        out of state_dict and are never copied."""
         self.__dict__["embed"] = embed
         self.__dict__["lm_head"] = lm_head
+        return self
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         return self.hidden_norm(self.fc(features))
@@ -147,6 +152,4 @@ def load_drafter(path: Path, target: nn.Module, dtype: torch.dtype, device: torc
         drafter = DFlashDrafter(cfg)
     load_into(drafter, state, dtype, device)
     drafter.rotary = Rotary(cfg.model).to(device)
-    drafter.__dict__["embed"] = target.embed_tokens
-    drafter.__dict__["lm_head"] = target.lm_head
-    return drafter.eval().requires_grad_(False)
+    return drafter.borrow(target.embed_tokens, target.lm_head).eval().requires_grad_(False)

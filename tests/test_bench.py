@@ -32,3 +32,13 @@ def test_bench_writes_results_and_plots(tmp_path):
             assert r["tau_mean"] == 1.0 and r["speedup"] == 1.0
     assert max(r["tau_mean"] for r in res["results"] if r["method"] == "ddtree") > 1.0
     assert (out / "budget_sweep.png").stat().st_size > 0 and (out / "acceptance_histogram.png").stat().st_size > 0
+    merged = tmp_path / "merged"
+    halves = []
+    for T in (0.0, 1.0):
+        half = {"meta": res["meta"], "results": [r for r in res["results"] if r["temperature"] == T]}
+        halves.append(tmp_path / f"half{T}.json")
+        halves[-1].write_text(json.dumps(half))
+    assert main(["--from-results", *map(str, halves), "--out", str(merged)]) == 0
+    again = json.loads((merged / "results.json").read_text())["results"]
+    assert [(r["method"], r["budget"], r["temperature"], r["speedup"]) for r in again] == \
+        [(r["method"], r["budget"], r["temperature"], r["speedup"]) for r in res["results"]]

@@ -141,6 +141,15 @@ def test_regeneration_resumes_and_matches_the_engine(tiny):
     assert out.token_ids == rec["response_ids"] and rec["prompt_ids"] == tiny["prompts"][rec["i"]]
 
 
+def test_regeneration_shards_cover_the_prompts_once(tiny, tmp_path):
+    parts = [regenerate(tiny["prompts"], tmp_path / f"s{k}.jsonl", tiny["regen"], progress=False, shard=(k, 3))
+             for k in range(3)]
+    recs = [json.loads(ln) for p in parts for ln in p.read_text().splitlines()]
+    assert sorted(r["i"] for r in recs) == list(range(len(tiny["prompts"])))
+    whole = {json.loads(ln)["i"]: json.loads(ln) for ln in (tiny["root"] / "responses.jsonl").read_text().splitlines()}
+    assert all(r == whole[r["i"]] for r in recs)
+
+
 def test_saved_drafter_loads_and_decodes_losslessly(tiny, tmp_path):
     from drafttree.llm import LLM
     from drafttree.sampling import SamplingParams
@@ -221,3 +230,11 @@ def test_prompt_files_and_truncated_sharegpt(tmp_path):
     seqs = [TrainSequence([1, 2, 3, 4], 1), TrainSequence([5, 6, 7], 2), TrainSequence([8, 9, 10, 11, 12], 2)]
     back = read_sequences(write_sequences(tmp_path / "s.jsonl", seqs), max_len=4)
     assert back == [seqs[0], TrainSequence([8, 9, 10, 11], 2)]   # one response token: no anchor fits
+
+
+def test_time_limit_fits_the_schedule_to_the_clock(tiny, tmp_path):
+    tr = Trainer(tiny_config(tmp_path, epochs=1000, time_limit=3.0), target=tiny["target"], sequences=tiny["seqs"])
+    planned = tr.total_steps
+    tr.run()
+    assert tr.total_steps < planned and tr.step <= tr.total_steps
+    assert tr.sched.get_last_lr()[0] < 0.2 * tr.cfg.lr      # the cosine ran (nearly) to its end

@@ -323,3 +323,20 @@ def test_chain_accept_is_longest_prefix_plus_bonus() -> None:
             assert (acc.tokens[r, n:] == pick[r, n]).all()
             assert acc.path[r].tolist() == list(range(n + 1)) + [n] * (L - n)
 
+
+
+@pytest.mark.parametrize("V,k", [(20_000, 1), (20_000, 32), (40_961, 128), (151_936, 32)])
+def test_chunked_topk_equals_topk(V, k):
+    from drafttree.spec.tree import chunked_topk
+
+    g = torch.Generator().manual_seed(V + k)
+    x = torch.randn(3, 5, V, generator=g)
+    x[0, 0, 7] = x[0, 0, 11] = 50.0                      # a tie at the top
+    x[1, 1] = float("-inf")                              # a row with nothing valid
+    val, idx = chunked_topk(x, k, chunk=1024)
+    ref_val, _ = x.topk(k, dim=-1)
+    torch.testing.assert_close(val, ref_val, atol=0, rtol=0)
+    assert int(idx.max()) < V
+    finite = val.isfinite()
+    torch.testing.assert_close(x.gather(-1, idx)[finite], val[finite], atol=0, rtol=0)
+    assert (idx.sort(-1).values.diff(dim=-1)[finite[..., 1:]] != 0).all()   # distinct where valid

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -39,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--from-results", nargs="+", default=None, metavar="JSON",
+                   help="run nothing: merge these results.json files (e.g. one per GPU) into --out")
     return p
 
 
@@ -121,28 +124,11 @@ def plot(results: list[dict], out: Path) -> list[str]:
     return files + ["acceptance_histogram.png"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = None
-    if a.random_weights:
-        from drafttree.bench.shapes import SHAPES
-        vocab = SHAPES[a.random_weights][0].vocab_size
-    prompts = load_prompts(a.prompts, a.num_prompts, random_vocab=vocab)
-    plan = [(m, b, float(T)) for T in a.temperatures.split(",") for m, b in runs(a)]
-    results = []
-    with tqdm(total=len(plan) * len(prompts), desc="bench", unit="req") as bar:
-        for m, b, T in plan:
-            bar.set_postfix_str(f"{m}{'' if b is None else f' B={b}'} T={T:g}")
-            results.append(run_one(a, m, b, prompts, T, bar))
+def finish(results: list[dict], meta: dict, out: Path) -> None:
+    """Speedups over AR at the same temperature, results.json, plots and the printed table."""
     for r in results:
         ar = next((x for x in results if x["method"] == "ar" and x["temperature"] == r["temperature"]), None)
         r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar else None
-    meta = {"date": time.strftime("%Y-%m-%d"), "command": "drafttree bench " + " ".join(argv or []),
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and a.device != "cpu"
-            else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
-            "prompts": a.prompts, "num_prompts": len(prompts), "max_tokens": a.max_tokens, "batch": a.batch}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     files = plot(results, out)
     print(f"{'method':<8}{'budget':>7}{'T':>4}{'tau':>7}{'tok/s':>9}{'TPOT ms':>9}{'speedup':>9}")
@@ -151,4 +137,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['method']:<8}{r['budget'] or '-':>7}{r['temperature']:>4g}{r['tau_mean']:>7.2f}"
               f"{r['tokens_per_s']:>9.1f}{r['tpot_ms']:>9.2f}{sp:>9}")
     print(f"wrote {out / 'results.json'} and {', '.join(files)}")
+
+
+def merge(paths: list[str], out: Path) -> int:
+    loaded = [json.loads(Path(p).read_text()) for p in paths]
+    meta = dict(loaded[0]["meta"], commands=[d["meta"]["command"] for d in loaded])
+    finish([r for d in loaded for r in d["results"]], meta, out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.from_results:
+        return merge(a.from_results, out)
+    vocab = None
+    if a.random_weights:
+        from drafttree.bench.shapes import SHAPES
+        vocab = SHAPES[a.random_weights][0].vocab_size
+    prompts = load_prompts(a.prompts, a.num_prompts, random_vocab=vocab)
+    plan = [(m, b, float(T)) for T in a.temperatures.split(",") for m, b in runs(a)]
+    meta = {"date": time.strftime("%Y-%m-%d"),
+            "command": "drafttree bench " + " ".join(sys.argv[2:] if argv is None else argv),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and a.device != "cpu"
+            else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+            "prompts": a.prompts, "num_prompts": len(prompts), "max_tokens": a.max_tokens, "batch": a.batch}
+    results = []
+    with tqdm(total=len(plan) * len(prompts), desc="bench", unit="req") as bar:
+        for m, b, T in plan:
+            bar.set_postfix_str(f"{m}{'' if b is None else f' B={b}'} T={T:g}")
+            results.append(run_one(a, m, b, prompts, T, bar))
+            # written after every run, so a run cut short still leaves what it measured
+            (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    finish(results, meta, out)
     return 0

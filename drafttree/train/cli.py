@@ -52,6 +52,9 @@ def _regen_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts of the file")
     g.add_argument("--max-tokens", type=int, default=512, help="response tokens per prompt")
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--shard", default="0/1", metavar="I/N",
+                   help="regenerate only prompts i with i %% N == I, into responses.shardIofN.jsonl "
+                        "(run N processes, e.g. one per GPU, then concatenate)")
     g.add_argument("--regen-time-limit", type=float, default=None,
                    help="stop after this many seconds; unfinished prompts are redone by a later run")
 
@@ -118,6 +121,16 @@ def regen_config(a: argparse.Namespace) -> RegenConfig:
                        time_limit=getattr(a, "regen_time_limit", None))
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise SystemExit(f"--shard must look like I/N (e.g. 0/2), got {text!r}") from None
+    if not 0 <= i < n:
+        raise SystemExit(f"--shard {text}: need 0 <= I < N")
+    return i, n
+
+
 def run_prompts(a: argparse.Namespace) -> None:
     train, heldout = load_sharegpt_prompts(a.limit, a.seed, a.eval_size, max_chars=a.max_prompt_chars)
     write_prompts(a.out / "prompts_train.jsonl", train)
@@ -130,7 +143,9 @@ def run_regenerate(a: argparse.Namespace) -> None:
 
     path = a.prompts or a.out / "prompts_train.jsonl"
     prompts = read_prompts(path, a.num_prompts)
-    out = regenerate(prompts, a.out / "responses.jsonl", regen_config(a), progress=not a.quiet)
+    shard = parse_shard(getattr(a, "shard", "0/1"))
+    name = "responses.jsonl" if shard[1] == 1 else f"responses.shard{shard[0]}of{shard[1]}.jsonl"
+    out = regenerate(prompts, a.out / name, regen_config(a), progress=not a.quiet, shard=shard)
     print(f"responses for {len(prompts)} prompts in {out}")
 
 

@@ -78,11 +78,13 @@ def done_indices(path: Path) -> set[int]:
 
 
 def regenerate(prompts: list[Prompt], out: Path, cfg: RegenConfig, llm=None,
-               progress: bool = True) -> Path:
-    """Generate the target's response to every prompt not yet in `out`; returns `out`."""
+               progress: bool = True, shard: tuple[int, int] = (0, 1)) -> Path:
+    """Generate the target's response to every prompt not yet in `out` (of those i with
+    i % n == k for shard (k, n)); returns `out`."""
     out.parent.mkdir(parents=True, exist_ok=True)
     done = done_indices(out)
-    todo = [i for i in range(len(prompts)) if i not in done]
+    k, n = shard
+    todo = [i for i in range(k, len(prompts), n) if i not in done]
     if not todo:
         return out
     llm = llm or make_llm(cfg)
@@ -122,4 +124,6 @@ def regenerate(prompts: list[Prompt], out: Path, cfg: RegenConfig, llm=None,
                 f.flush()
                 bar.set_postfix(tokens=tokens)
         bar.close()
+        secs = time.perf_counter() - t0
+        log.info("regenerated %d response tokens in %.1f s (%.0f tokens/s)", tokens, secs, tokens / max(secs, 1e-9))
     return out

@@ -36,6 +36,7 @@ from drafttree.train.recipe import (
 )
 
 log = logging.getLogger(__name__)
+_RATE_STEPS = 20          # steps timed before a time limit fits the schedule to the clock
 
 
 @dataclass
@@ -160,8 +161,10 @@ class Trainer:
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps is not None else total
         fused = {"fused": True} if self.device.type == "cuda" else {}
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
-        warm = max(1, round(cfg.warmup * self.total_steps))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, cosine_lambda(self.total_steps, warm))
+        self.warm = max(1, round(cfg.warmup * self.total_steps))
+        # the schedule reads self.total_steps at each step: a time limit may shorten it (see run)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: cosine_lambda(self.total_steps, self.warm)(s))
         self.anchor_gen = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
         self.history: list[dict[str, Any]] = []
@@ -176,6 +179,7 @@ class Trainer:
         self.opt.load_state_dict(ckpt["optimizer"])
         self.sched.load_state_dict(ckpt["scheduler"])
         self.step, self.history = ckpt["step"], ckpt["history"]
+        self.total_steps = ckpt.get("total_steps", self.total_steps)
         self.anchor_gen.set_state(ckpt["rng"]["anchors"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         log.info("resumed from %s at step %d", self.cfg.checkpoint, self.step)
@@ -185,6 +189,7 @@ class Trainer:
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "step": self.step, "history": self.history,
+                 "total_steps": self.total_steps,
                  "drafter_config": self.config_dict, "num_sequences": len(self.seqs),
                  "batch_size": self.cfg.batch_size,
                  "rng": {"anchors": self.anchor_gen.get_state(), "torch": torch.get_rng_state()}}
@@ -251,6 +256,10 @@ class Trainer:
                     acc = self._zero_acc()
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     self.save_checkpoint()
+                if self.step - start_step == 5:
+                    t5 = time.perf_counter()
+                if cfg.time_limit is not None and self.step - start_step == 5 + _RATE_STEPS:
+                    end = self._fit_schedule(end, t0, t5, bar)
                 if self.step >= end or out_of_time():
                     break
         if self.step < end:
@@ -270,6 +279,19 @@ class Trainer:
                    "history": self.history}
         write_log(cfg.out, summary)
         return summary
+
+    def _fit_schedule(self, end: int, t0: float, t5: float, bar: tqdm) -> int:
+        """Shorten the cosine schedule so that it ends when the time limit does: a schedule cut
+        off by the clock would stop at a high learning rate. Timed after 5 warm-up steps."""
+        now = time.perf_counter()
+        rate = (now - t5) / _RATE_STEPS
+        fits = self.step + int((self.cfg.time_limit - (now - t0)) / rate * 0.97)
+        if fits < self.total_steps:
+            log.info("time limit: the schedule now ends at step %d (%.3f s/step)", fits, rate)
+            self.total_steps = max(self.step + 1, fits)
+            self.warm = min(self.warm, max(1, round(self.cfg.warmup * self.total_steps)))
+            bar.total = self.total_steps
+        return min(end, self.total_steps)
 
     def _zero_acc(self) -> dict[str, Any]:
         bs, dev = self.dcfg.block_size, self.device

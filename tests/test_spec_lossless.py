@@ -440,8 +440,11 @@ def test_admit_min_batches_admissions(zoo, spec, block_size, budget):
                   block_size=block_size, budget=budget, device="cpu", dtype="float32", max_num_seqs=4,
                   max_model_len=128, admit_min=admit_min)
         n = [0]
-        real = llm.engine.runner.prefill
-        llm.engine.runner.prefill = lambda *a, **k: (n.__setitem__(0, n[0] + 1), real(*a, **k))[1]
+
+        def counted(*a, real=llm.engine.runner.prefill, n=n, **k):
+            n[0] += 1
+            return real(*a, **k)
+        llm.engine.runner.prefill = counted
         outs = llm.generate(prompts, [greedy(m) for m in max_tokens])
         for p, m, out in zip(prompts, max_tokens, outs):
             assert out.token_ids == pair.plain(p, m)

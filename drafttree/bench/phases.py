@@ -107,8 +107,12 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
             lg = torch.randn(1, spec.depth, V, device=dev)
             root = torch.zeros(1, dtype=torch.long, device=dev)
             for nb in budgets_tree:
-                tg = capture(lambda nb=nb: build_tree(lg, root, nb), pool)
+                # the builder the engine uses at this budget, and plain torch ops for reference
+                engine_build = rounds.tree_builder(dev, nb)
+                tg = capture(lambda nb=nb, f=engine_build: f(lg, root, nb), pool)
                 gm[f"tree_build_alone_b{nb}"] = timed(tg.replay, lambda: None, dev, iters)
+                tg = capture(lambda nb=nb: build_tree(lg, root, nb), pool)
+                gm[f"tree_build_torch_ops_b{nb}"] = timed(tg.replay, lambda: None, dev, iters)
     return res
 
 

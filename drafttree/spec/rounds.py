@@ -59,10 +59,16 @@ def make_tree(r: "ModelRunner", draft_logits: torch.Tensor, B: int) -> DraftTree
     if r.spec.method == "ddtree":
         # the budget follows the batch bucket, so a graph and its eager fallback agree
         budget = r.spec.budget_at(r.cache_cfg.batch_bucket(B))
-        if os.environ.get("DRAFTTREE_FUSED_TREE", "1") != "0" and fused_tree_ok(draft_logits.device, budget):
-            return build_tree_fused(draft_logits, bonus, budget)
-        return build_tree(draft_logits, bonus, budget)
+        return tree_builder(draft_logits.device, budget)(draft_logits, bonus, budget)
     return chain_tree(draft_logits.argmax(dim=-1), bonus)
+
+
+def tree_builder(device: torch.device, budget: int):
+    """The DDTree builder a round uses: the fused kernel where it is the faster choice
+    (DRAFTTREE_FUSED_TREE=0 turns it off), else `build_tree`; both give a valid top-B tree."""
+    if os.environ.get("DRAFTTREE_FUSED_TREE", "1") != "0" and fused_tree_ok(device, budget):
+        return build_tree_fused
+    return build_tree
 
 
 def draft_phase(r: "ModelRunner", B: int, kv_len: int) -> DraftTree:

@@ -1,5 +1,5 @@
-"""The DFlash training recipe as pure tensor functions: target layers, anchors, blocks, labels,
-the training attention mask and the per-position loss weights.
+"""The DFlash training recipe as pure functions: target layers, anchors, blocks, labels, the
+training attention mask, the per-position loss weights, the batching and the LR schedule.
 
 Layout: a batch row holds N blocks of `bs` tokens, flattened to W = N*bs query positions.
 Block n of row b is [ids[a], MASK * (bs-1)] at positions a..a+bs-1 with a = anchors[b, n];
@@ -126,3 +126,22 @@ def block_mask(anchors: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
     blk = torch.arange(N * block_size, device=anchors.device) // block_size
     own = (blk[:, None] == blk[None, :]).expand(B, -1, -1)
     return torch.cat([context_mask(anchors, T, block_size), own], dim=2)
+
+
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Shuffled batches of similar lengths (sorted within groups of 32 batches)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    perm = torch.randperm(len(lengths), generator=g).tolist()
+    group, batches = 32 * batch_size, []
+    for s in range(0, len(perm), group):
+        chunk = sorted(perm[s:s + group], key=lambda i: lengths[i])
+        batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def cosine_lambda(total: int, warmup: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+    return f

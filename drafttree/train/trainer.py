@@ -29,8 +29,10 @@ from drafttree.train.model import (
 )
 from drafttree.train.recipe import (
     build_blocks,
+    cosine_lambda,
     default_gamma,
     default_target_layer_ids,
+    epoch_batches,
     position_weights,
     sample_anchors,
 )
@@ -99,25 +101,6 @@ def eager():
     if hasattr(torch.compiler, "set_stance"):
         return torch.compiler.set_stance("force_eager")
     return contextlib.nullcontext()
-
-
-def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """Shuffled batches of similar lengths (sorted within groups of 32 batches)."""
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    perm = torch.randperm(len(lengths), generator=g).tolist()
-    group, batches = 32 * batch_size, []
-    for s in range(0, len(perm), group):
-        chunk = sorted(perm[s:s + group], key=lambda i: lengths[i])
-        batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
-    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
-
-
-def cosine_lambda(total: int, warmup: int):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-    return f
 
 
 class Trainer:

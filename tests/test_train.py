@@ -238,3 +238,15 @@ def test_time_limit_fits_the_schedule_to_the_clock(tiny, tmp_path):
     tr.run()
     assert tr.total_steps < planned and tr.step <= tr.total_steps
     assert tr.sched.get_last_lr()[0] < 0.2 * tr.cfg.lr      # the cosine ran (nearly) to its end
+
+
+def test_time_limit_with_max_steps_stops_and_resumes(tiny, tmp_path):
+    """With max_steps the schedule stays fixed: the clock only stops the run, and a resumed
+    run carries on to the same end."""
+    cut = Trainer(tiny_config(tmp_path, max_steps=400, time_limit=1.0), target=tiny["target"], sequences=tiny["seqs"])
+    cut.run()
+    assert cut.total_steps == 400 and 0 < cut.step < 400
+    again = Trainer(tiny_config(tmp_path, max_steps=400, resume=True), target=tiny["target"], sequences=tiny["seqs"])
+    assert again.step == cut.step
+    again.run()
+    assert again.step == 400 and again.sched.get_last_lr()[0] == 0.0

@@ -86,7 +86,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last.pt")
     g.add_argument("--save-dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
-    g.add_argument("--train-time-limit", type=float, default=None, help="stop training after this many seconds")
+    g.add_argument("--train-time-limit", type=float, default=None,
+                   help="stop training after this many seconds: without --max-steps the cosine schedule is "
+                        "fitted to the time; with it, the run stops checkpointed and --resume carries on")
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:

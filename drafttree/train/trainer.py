@@ -241,7 +241,9 @@ class Trainer:
                     self.save_checkpoint()
                 if self.step - start_step == 5:
                     t5 = time.perf_counter()
-                if cfg.time_limit is not None and self.step - start_step == 5 + _RATE_STEPS:
+                # an explicit max_steps fixes the schedule: the time limit then only stops (resumable)
+                if cfg.time_limit is not None and cfg.max_steps is None \
+                        and self.step - start_step == 5 + _RATE_STEPS:
                     end = self._fit_schedule(end, t0, t5, bar)
                 if self.step >= end or out_of_time():
                     break

@@ -3,6 +3,7 @@ against the inference drafter, learning, checkpoint/resume, the published format
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -24,7 +25,13 @@ from drafttree.train.data import (
     write_sequences,
 )
 from drafttree.train.forward import drafter_train_forward
-from drafttree.train.recipe import IGNORE, build_blocks, default_gamma, default_target_layer_ids, sample_anchors
+from drafttree.train.recipe import (
+    IGNORE,
+    build_blocks,
+    default_gamma,
+    default_target_layer_ids,
+    sample_anchors,
+)
 from drafttree.train.regen import RegenConfig, regenerate
 from drafttree.train.trainer import TrainConfig, Trainer
 from tests.tiny import make_target
@@ -250,3 +257,43 @@ def test_time_limit_with_max_steps_stops_and_resumes(tiny, tmp_path):
     assert again.step == cut.step
     again.run()
     assert again.step == 400 and again.sched.get_last_lr()[0] == 0.0
+
+
+def _rank_worker(rank: int, world: int, port: int, root: str, target_dir: str, out: str) -> None:
+    import os
+
+    from drafttree.train.parallel import close_group, init_group
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    group = init_group()
+    cfg = tiny_config(Path(out), target=target_dir, max_steps=8, save_every=4)
+    tr = Trainer(cfg, sequences=read_sequences(Path(root) / "responses.jsonl"), group=group)
+    tr.run()
+    flat = torch.cat([p.detach().flatten() for p in tr.drafter.parameters()])
+    torch.save({"params": flat, "step": tr.step, "steps_per_epoch": tr.steps_per_epoch}, Path(out) / f"rank{rank}.pt")
+    close_group(group)
+
+
+def test_two_ranks_train_in_step(tiny, tmp_path):
+    """Data-parallel training (gloo, two processes): each rank takes half the batches, the
+    averaged gradients keep both drafters identical, and rank 0 writes the checkpoint."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ddp"
+    mp.spawn(_rank_worker, args=(2, port, str(tiny["root"]), str(tiny["target_dir"]), str(out)), nprocs=2)
+    r0, r1 = (torch.load(out / f"rank{k}.pt") for k in (0, 1))
+    assert r0["step"] == r1["step"] == 8
+    single = math.ceil(len(tiny["seqs"]) / 8)
+    assert r0["steps_per_epoch"] == single // 2
+    torch.testing.assert_close(r0["params"], r1["params"], atol=0, rtol=0)
+    init = Trainer(tiny_config(tmp_path / "init", target=str(tiny["target_dir"])), sequences=tiny["seqs"])
+    before = torch.cat([p.detach().flatten() for p in init.drafter.parameters()])
+    assert not torch.equal(before, r0["params"])                     # it trained
+    ckpt = torch.load(out / "checkpoints" / "last.pt", weights_only=False)
+    assert ckpt["world"] == 2 and len(ckpt["rng"]["anchors"]) == 2 and ckpt["step"] == 8
+    assert (out / "drafter" / "model.safetensors").is_file()

@@ -163,8 +163,10 @@ def run_train(a: argparse.Namespace) -> dict[str, Any]:
                       grad_clip=a.grad_clip, gamma=a.gamma, max_len=a.max_len, save_every=a.save_every,
                       log_every=a.log_every, resume=a.resume, save_dtype=a.save_dtype, seed=a.seed,
                       time_limit=a.train_time_limit, progress=not a.quiet)
-    summary = Trainer(cfg).run()
+    summary = Trainer(cfg, group=a.group).run()
     last = summary["history"][-1] if summary["history"] else {}
+    if a.group is not None and not a.group.main:
+        return summary
     print(f"trained {summary['step']} steps ({summary['seconds_per_step'] * 1e3:.1f} ms/step), "
           f"{summary['parameters'] / 1e6:.2f} M parameters -> {cfg.drafter_dir}; "
           f"last loss {last.get('loss', float('nan')):.3f}, training τ {last.get('tau_train', float('nan')):.2f}")
@@ -197,14 +199,20 @@ def main(argv: list[str] | None = None) -> int:
     elif a.stage == "regenerate":
         run_regenerate(a)
     elif a.stage == "train":
+        # under torchrun (one process per GPU) the ranks train together; rank 0 then evaluates
+        from drafttree.train.parallel import close_group, init_group
+        a.group = init_group()
         run_train(a)
-        run_eval(a)
+        close_group(a.group)
+        if a.group.main:
+            run_eval(a)
     elif a.stage == "eval":
         run_eval(a)
     else:
         if a.prompts is None and not (a.out / "prompts_train.jsonl").is_file():
             run_prompts(a)
         run_regenerate(a)
+        a.group = None
         run_train(a)
         run_eval(a)
     return 0

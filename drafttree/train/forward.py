@@ -7,6 +7,7 @@ keys = [context projections for all T positions ; all blocks' projections] (SDPA
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -148,3 +149,11 @@ def block_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.nn.Linear, p
         lead = full.view(-1, bs)[:, 1:].long().cumprod(dim=1).sum(dim=1)
         has = (labels.view(-1, bs) != IGNORE).any(dim=1)
     return LossOutput(loss, correct, count, lead[has].sum(), has.sum())
+
+
+def eager():
+    """Run the models' compiled inference pieces eagerly: in training they would recompile for
+    every grad-mode / autocast / dtype mix and hit Dynamo's recompile limit."""
+    if hasattr(torch.compiler, "set_stance"):
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()

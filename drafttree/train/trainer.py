@@ -2,7 +2,6 @@
 cosine schedule, checkpoints that resume exactly, and the final published-format drafter."""
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -17,8 +16,13 @@ from tqdm import tqdm
 
 from drafttree.config import parse_dtype
 from drafttree.models.decoder import DecoderLM
-from drafttree.train.data import TrainSequence, read_sequences
-from drafttree.train.forward import FeatureExtractor, block_loss, drafter_train_forward
+from drafttree.train.data import TrainSequence, read_sequences, unused_token
+from drafttree.train.forward import (
+    FeatureExtractor,
+    block_loss,
+    drafter_train_forward,
+    eager,
+)
 from drafttree.train.model import (
     DrafterSpec,
     config_from_dict,
@@ -27,6 +31,7 @@ from drafttree.train.model import (
     new_drafter,
     save_drafter,
 )
+from drafttree.train.parallel import Group
 from drafttree.train.recipe import (
     build_blocks,
     cosine_lambda,
@@ -84,33 +89,14 @@ class TrainConfig:
         return self.out / "checkpoints" / "last.pt"
 
 
-def unused_token(seqs: list[TrainSequence], vocab: int) -> int:
-    """The largest token id absent from the data (else the largest of the rarest)."""
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for s in seqs:
-        counts += torch.bincount(torch.tensor(s.ids, dtype=torch.long), minlength=vocab)[:vocab]
-    rarest = (counts == counts.min()).nonzero()
-    if counts.min() > 0:
-        log.warning("every token id appears in the data; mask token = rarest id %d", int(rarest[-1]))
-    return int(rarest[-1])
-
-
-def eager():
-    """Run the models' compiled inference pieces eagerly: in training they would recompile for
-    every grad-mode / autocast / dtype mix and hit Dynamo's recompile limit."""
-    if hasattr(torch.compiler, "set_stance"):
-        return torch.compiler.set_stance("force_eager")
-    return contextlib.nullcontext()
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, target: DecoderLM | None = None,
-                 sequences: list[TrainSequence] | None = None) -> None:
+                 sequences: list[TrainSequence] | None = None, group: Group | None = None) -> None:
         from drafttree.loader.default_model import resolve_model
         from drafttree.loader.weights import load_target
 
-        self.cfg = cfg
-        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.cfg, self.group = cfg, group or Group()
+        self.device = self.group.device(cfg.device)
         if target is None:
             target, _ = load_target(resolve_model(cfg.target), parse_dtype(cfg.dtype, str(self.device)),
                                     self.device)
@@ -133,13 +119,14 @@ class Trainer:
         self.dcfg.check_fits(tcfg)
         torch.manual_seed(cfg.seed)
         self.drafter = new_drafter(self.dcfg, target, init_from_target=cfg.init_from_target).train()
+        self.group.broadcast_module(self.drafter)
         self.features = FeatureExtractor(target, self.dcfg.target_layer_ids, cfg.batch_size,
                                          max(len(s.ids) for s in self.seqs))
         self.attention = cfg.attention if cfg.attention != "auto" else \
             ("blockwise" if self.device.type == "cuda" else "dense")
         bs = self.dcfg.block_size
         self.pos_weights = position_weights(bs, cfg.gamma or default_gamma(bs)).to(self.device)
-        self.steps_per_epoch = math.ceil(len(self.seqs) / cfg.batch_size)
+        self.steps_per_epoch = self.group.steps_per_epoch(math.ceil(len(self.seqs) / cfg.batch_size))
         total = cfg.epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps is not None else total
         fused = {"fused": True} if self.device.type == "cuda" else {}
@@ -148,7 +135,7 @@ class Trainer:
         # the schedule reads self.total_steps at each step: a time limit may shorten it (see run)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: cosine_lambda(self.total_steps, self.warm)(s))
-        self.anchor_gen = torch.Generator().manual_seed(cfg.seed)
+        self.anchor_gen = torch.Generator().manual_seed(cfg.seed + self.group.rank)
         self.step = 0
         self.history: list[dict[str, Any]] = []
         if ckpt is not None:
@@ -156,26 +143,33 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def _restore(self, ckpt: dict[str, Any]) -> None:
-        if ckpt["num_sequences"] != len(self.seqs) or ckpt["batch_size"] != self.cfg.batch_size:
-            raise ValueError("the checkpoint was made with other data or batch size; cannot resume")
+        if ckpt["num_sequences"] != len(self.seqs) or ckpt["batch_size"] != self.cfg.batch_size \
+                or ckpt.get("world", 1) != self.group.world:
+            raise ValueError("the checkpoint was made with other data, batch size or number of ranks; "
+                             "cannot resume")
         self.drafter.load_state_dict(ckpt["drafter"])
         self.opt.load_state_dict(ckpt["optimizer"])
         self.sched.load_state_dict(ckpt["scheduler"])
         self.step, self.history = ckpt["step"], ckpt["history"]
         self.total_steps = ckpt.get("total_steps", self.total_steps)
-        self.anchor_gen.set_state(ckpt["rng"]["anchors"])
+        states = ckpt["rng"]["anchors"]
+        self.anchor_gen.set_state(states[self.group.rank] if isinstance(states, list) else states)
         torch.set_rng_state(ckpt["rng"]["torch"])
         log.info("resumed from %s at step %d", self.cfg.checkpoint, self.step)
 
     def save_checkpoint(self) -> Path:
+        """Collective: every rank calls it (each one's anchor sampler state is kept); rank 0 writes."""
         path = self.cfg.checkpoint
+        anchors = self.group.gather(self.anchor_gen.get_state())
+        if not self.group.main:
+            return path
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "step": self.step, "history": self.history,
                  "total_steps": self.total_steps,
                  "drafter_config": self.config_dict, "num_sequences": len(self.seqs),
-                 "batch_size": self.cfg.batch_size,
-                 "rng": {"anchors": self.anchor_gen.get_state(), "torch": torch.get_rng_state()}}
+                 "batch_size": self.cfg.batch_size, "world": self.group.world,
+                 "rng": {"anchors": anchors, "torch": torch.get_rng_state()}}
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
         os.replace(tmp, path)
@@ -206,6 +200,7 @@ class Trainer:
             hidden = drafter_train_forward(self.drafter, feats, blocks, self.attention)
             out = block_loss(hidden, blocks, self.target.lm_head, self.pos_weights)
         out.loss.backward()
+        self.group.average_grads(self.drafter.parameters())
         gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
         self.opt.step()
         self.sched.step()
@@ -218,13 +213,15 @@ class Trainer:
         cfg = self.cfg
         lengths = [len(s.ids) for s in self.seqs]
         end = min(self.total_steps, cfg.stop_at) if cfg.stop_at is not None else self.total_steps
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", disable=not cfg.progress, unit="step")
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                   disable=not (cfg.progress and self.group.main))
         acc = self._zero_acc()
         t0, start_step = time.perf_counter(), self.step
-        out_of_time = lambda: cfg.time_limit is not None and time.perf_counter() - t0 > cfg.time_limit
+        out_of_time = lambda: cfg.time_limit is not None and bool(self.group.decide(
+            int(time.perf_counter() - t0 > cfg.time_limit), self.device))
         while self.step < end and not out_of_time():
             epoch, first = divmod(self.step, self.steps_per_epoch)
-            for idx in epoch_batches(lengths, cfg.batch_size, cfg.seed, epoch)[first:]:
+            for idx in self.group.shard(epoch_batches(lengths, cfg.batch_size, cfg.seed, epoch))[first:]:
                 out, gnorm = self.train_step(idx)
                 for k, v in (("loss", out.loss.detach()), ("correct", out.correct), ("count", out.count),
                              ("accepted", out.accepted), ("blocks", out.blocks), ("gnorm", gnorm.detach())):
@@ -255,14 +252,16 @@ class Trainer:
         seconds = time.perf_counter() - t0
         if cfg.save_every or cfg.stop_at is not None or self.step < self.total_steps:
             self.save_checkpoint()
-        save_drafter(self.drafter, self.config_dict, cfg.drafter_dir, parse_dtype(cfg.save_dtype))
+        if self.group.main:
+            save_drafter(self.drafter, self.config_dict, cfg.drafter_dir, parse_dtype(cfg.save_dtype))
         summary = {"step": self.step, "total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
                    "sequences": len(self.seqs), "train_seconds": seconds,
                    "seconds_per_step": seconds / max(1, self.step - start_step),
                    "parameters": count_parameters(self.config_dict), "drafter_config": self.config_dict,
                    "train_config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
                    "history": self.history}
-        write_log(cfg.out, summary)
+        if self.group.main:
+            write_log(cfg.out, summary)
         return summary
 
     def _fit_schedule(self, end: int, t0: float, t5: float, bar: tqdm) -> int:
@@ -270,7 +269,7 @@ class Trainer:
         off by the clock would stop at a high learning rate. Timed after 5 warm-up steps."""
         now = time.perf_counter()
         rate = (now - t5) / _RATE_STEPS
-        fits = self.step + int((self.cfg.time_limit - (now - t0)) / rate * 0.97)
+        fits = self.group.decide(self.step + int((self.cfg.time_limit - (now - t0)) / rate * 0.97), self.device)
         if fits < self.total_steps:
             log.info("time limit: the schedule now ends at step %d (%.3f s/step)", fits, rate)
             self.total_steps = max(self.step + 1, fits)

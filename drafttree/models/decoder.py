@@ -17,8 +17,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, rope, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.residual_mlp(x, self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache))
+
+    def residual_mlp(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: residual add, norm, MLP, residual add."""
+        x, h = self.post_attention_layernorm.add_and_norm(x, attn_out)
+        return x + self.mlp(h)
 
 
 class DecoderLM(nn.Module):

@@ -75,8 +75,8 @@ class DraftLayer(DecoderLayer):
         _, kc, vc = attn.project(ctx)          # the context vector is not layer-normed here
         k = apply_rope(torch.cat([kc, kb], dim=1), *rope_kv)
         v = torch.cat([vc, vb], dim=1)
-        x = x + attn.o_proj(cached_attention(apply_rope(q, *rope_q), k, v, meta, k_cache, v_cache))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out = cached_attention(apply_rope(q, *rope_q), k, v, meta, k_cache, v_cache)
+        return self.residual_mlp(x, attn.o_proj(out))
 
 
 class DFlashDrafter(nn.Module):

@@ -21,13 +21,26 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): a residual add and the next norm in one kernel."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
-@fused
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+rms_norm = fused(_rms_norm)
+
+
+@fused
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x + delta
+    return x, _rms_norm(x, weight, eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -103,8 +103,7 @@ def drafter_train_forward(drafter: DFlashDrafter, ctx_feat: torch.Tensor, blocks
             o = dense_attention(q, torch.cat([kc, kb], dim=1), torch.cat([vc, vb], dim=1), mask)
         else:
             o = blockwise_attention(q, kc, vc, kb, vb, mask, blocks.block_size)
-        x = x + attn.o_proj(o)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = layer.residual_mlp(x, attn.o_proj(o))
     return drafter.norm(x)
 
 

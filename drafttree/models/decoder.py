@@ -16,11 +16,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, rope, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
-        return self.residual_mlp(x, self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope, meta: AttnMeta, k_cache,
+                v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the residual stream before the previous layer's MLP output `delta` is added
+        (None for the first layer): each residual add runs in the kernel of the norm after it.
+        Returns (the stream before this layer's MLP output, that output)."""
+        x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, rope, meta, k_cache, v_cache))
+        return x, self.mlp(h)
 
     def residual_mlp(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """The layer after attention: residual add, norm, MLP, residual add."""
+        """The layer after attention, residuals added at once: add, norm, MLP, add."""
         x, h = self.post_attention_layernorm.add_and_norm(x, attn_out)
         return x + self.mlp(h)
 
@@ -49,11 +55,12 @@ class DecoderLM(nn.Module):
         rope = self.rotary(positions, x.dtype)
         captured = []
         last = len(self.layers) - 1
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, meta, k_cache[i], v_cache[i])
+            x, delta = layer(x, delta, rope, meta, k_cache[i], v_cache[i])
             if i in capture_layers and i != last:
-                captured.append(x)
-        x = self.norm(x)
+                captured.append(x + delta)
+        _, x = self.norm.add_and_norm(x, delta)
         if last in capture_layers:   # HF's hidden_states[-1] is taken after the final norm
             captured.append(x)
         aux = torch.cat(captured, dim=-1) if captured else None

@@ -46,3 +46,21 @@ def test_small_attention_equals_sdpa(dtype):
                                                             scale=hd ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@needs_cc
+def test_qk_pieces_compile_and_match_eager(monkeypatch, one_thread):
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(2, 5, 4, 16, generator=g), torch.randn(2, 5, 2, 16, generator=g)
+    qw, kw = torch.randn(16, generator=g), torch.randn(16, generator=g)
+    ang = torch.randn(2, 5, 1, 16, generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    outs = {}
+    for mode in ("0", "cpu"):
+        monkeypatch.setenv("DRAFTTREE_COMPILE", mode)
+        outs[mode] = (*layers.rope_qk(q, k, cos, sin), *layers.norm_rope_qk(q, k, qw, kw, 1e-6, cos, sin))
+    want = (layers._rope(q, cos, sin), layers._rope(k, cos, sin),
+            layers._rope(layers._rms_norm(q, qw, 1e-6), cos, sin), layers._rope(layers._rms_norm(k, kw, 1e-6), cos, sin))
+    for got in outs.values():
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

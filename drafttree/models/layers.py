@@ -72,11 +72,26 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-@fused
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin
+
+
+apply_rope = fused(_rope)
+
+
+@fused
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rope(q, cos, sin), _rope(k, cos, sin)
+
+
+@fused
+def norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head q/k RMSNorm and rope, for q and k, in one kernel."""
+    return _rope(_rms_norm(q, q_weight, eps), cos, sin), _rope(_rms_norm(k, k_weight, eps), cos, sin)
 
 
 @dataclass
@@ -172,19 +187,23 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, W, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.h * self.hd, self.hkv * self.hd, self.hkv * self.hd], dim=-1)
-        q = q.view(B, W, self.h, self.hd)
-        k = k.view(B, W, self.hkv, self.hd)
-        v = v.view(B, W, self.hkv, self.hd)
+        return q.view(B, W, self.h, self.hd), k.view(B, W, self.hkv, self.hd), v.view(B, W, self.hkv, self.hd)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (q/k-normed where the model has it, no rope yet) and v."""
+        q, k, v = self._split(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttnMeta,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project(x)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._split(x)
+        if self.q_norm is not None:
+            q, k = norm_rope_qk(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope)
+        else:
+            q, k = rope_qk(q, k, *rope)
         return self.o_proj(cached_attention(q, k, v, meta, k_cache, v_cache))

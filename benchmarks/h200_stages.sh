@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # H200 work, two GPUs, in stages run back to back on the same machine (state passes through /tmp;
-# the 98 MB GGUF travels as three parts, one per call, beside the ~20 MB tree). Each stage writes
-# at most 8 files into $OUT.
+# the 98 MB GGUF is uploaded in three 40 MiB parts, one with each of the first three stages).
+# Each stage writes at most 8 files into $OUT.
 #   graphs : needs .parts/gguf.part.aa. GPU 0: the CUDA-graph GPU tests; GPU 1: per-phase latency,
 #            eager vs graphed, on random-weight Qwen3-8B and SmolLM2-135M shapes.
 #   kernels: needs .parts/gguf.part.ab. GPU 0: the tree-kernel and tree GPU tests; GPU 1: a

@@ -9,7 +9,7 @@
 #   regen  : needs .parts/gguf.part.ac, .parts/gguf.sha256, runs/smollm2-dflash (prompt files).
 #            Assembles the GGUF; regenerates responses, one shard per GPU.
 #   train  : trains the drafter data-parallel on both GPUs for TRAIN_S seconds, checkpointed;
-#            repeat the stage to continue (each call resumes) until TRAIN_STEPS.
+#            repeat the stage to continue (each run resumes) until TRAIN_STEPS.
 #   bench  : the drafter's parts land in $OUT; `drafttree bench` at T=0 (GPU 0) and T=1 (GPU 1).
 #   load   : needs the drafter under drafttree/assets/. Bench under load (batch 16) and the
 #            real pair's phases.
@@ -89,9 +89,9 @@ PY
     grep -h "tokens/s" "$OUT"/regen_*.log ;;   # (at most 8 files come back: 4 logs here)
 
   train)
-    # repeatable: each call trains up to TRAIN_S seconds and checkpoints; the next call resumes.
+    # repeatable: each run trains up to TRAIN_S seconds and checkpoints; the next run resumes.
     # Data-parallel over both GPUs (torchrun; 16 sequences per rank and step). The cosine
-    # schedule spans TRAIN_STEPS (0.28 s per step measured on one GPU at batch 16: 1600 fit one call).
+    # schedule spans TRAIN_STEPS (0.28 s per step measured on one GPU at batch 16: 1600 fit one 480 s run).
     python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m drafttree.cli train-drafter train \
       --out /tmp/train0 --data $RUN/responses.jsonl --target "$GGUF" --draft-layers 3 --intermediate-size 1024 \
       --block-size 16 --batch-size 16 --lr ${LR:-1.5e-3} --epochs 100 --max-steps ${TRAIN_STEPS:-1600} \

@@ -20,6 +20,24 @@ class Phase(str, Enum):
 METHODS = ("none", "dflash", "ddtree")
 
 
+# Tokens one verify forward may carry, all requests together, before it stops costing about what
+# a decode step does: a GEMM over M tokens does ~M FLOPs per weight byte read, and an H200 does
+# ~200 FLOPs in the time it reads a byte. A roofline figure, not a measured one.
+AUTO_VERIFY_TOKENS = 256
+
+
+def auto_schedule(budget: int) -> tuple[tuple[int, int], ...]:
+    """Budgets that keep batch * (budget + 1) within AUTO_VERIFY_TOKENS from batch 2 on
+    (budget 1 at the least)."""
+    out, b = [], 2
+    while b <= 4096:
+        n = max(1, AUTO_VERIFY_TOKENS // b - 1)
+        if n < budget and (not out or n < out[-1][1]):
+            out.append((b, n))
+        b *= 2
+    return tuple(out)
+
+
 def batch_buckets(max_num_seqs: int) -> list[int]:
     """Batch sizes rounds run at (graphs are captured for each): powers of two, then the max."""
     out, b = [], 1
@@ -52,10 +70,13 @@ class SpecConfig:
                 raise ValueError(f"budget schedule entries need batch >= 1 and budget >= 1, got {b}:{n}")
 
     @staticmethod
-    def parse_schedule(text: str | None) -> tuple[tuple[int, int], ...]:
-        """'8:16,32:4' -> ((8, 16), (32, 4)): batch buckets of 8+ rows use 16 nodes, 32+ use 4."""
+    def parse_schedule(text: str | None, budget: int = 0) -> tuple[tuple[int, int], ...]:
+        """'8:16,32:4' -> ((8, 16), (32, 4)): batch buckets of 8+ rows use 16 nodes, 32+ use 4.
+        'auto': `auto_schedule(budget)`."""
         if not text:
             return ()
+        if text.strip() == "auto":
+            return auto_schedule(budget)
         try:
             pairs = [tuple(int(x) for x in item.split(":")) for item in text.split(",") if item.strip()]
         except ValueError:

@@ -188,6 +188,17 @@ def test_budget_schedule_widths_and_plan(pair):
         SpecConfig("dflash", 8, 0, ((4, 8),))
 
 
+def test_auto_schedule_keeps_verify_tokens_bounded():
+    from drafttree.phases import AUTO_VERIFY_TOKENS, batch_buckets
+    spec = SpecConfig("ddtree", block_size=16, budget=32, budget_schedule=SpecConfig.parse_schedule("auto", 32))
+    assert spec.budget_at(1) == 32 and spec.budget_at(2) == 32
+    for b in batch_buckets(512)[1:]:
+        n = spec.budget_at(b)
+        assert n <= 32 and (b * (n + 1) <= AUTO_VERIFY_TOKENS or n == 1), (b, n)
+    assert [spec.budget_at(b) for b in (8, 16, 32, 64, 128, 512)] == [31, 15, 7, 3, 1, 1]
+    assert SpecConfig.parse_schedule("auto", 4) == ((64, 3), (128, 1))
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_budget_schedule_is_lossless_as_the_batch_shrinks(pair, fake_cuda_graphs, graphs):
     """Requests finish at different times, so rounds move between batch buckets (and budgets)."""

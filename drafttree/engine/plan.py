@@ -45,7 +45,7 @@ def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
         return SpecConfig()
     bs = drafter.block_size if cfg.block_size is None else cfg.block_size
     budget = (32 if cfg.budget is None else cfg.budget) if method == "ddtree" else 0
-    return SpecConfig(method, bs, budget, SpecConfig.parse_schedule(cfg.budget_schedule))
+    return SpecConfig(method, bs, budget, SpecConfig.parse_schedule(cfg.budget_schedule, budget))
 
 
 def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype):

@@ -114,7 +114,8 @@ PY
   load)
     on 0 python3 -m drafttree.cli generate "Write quicksort in Python." --spec ddtree --max-tokens 128 2>&1 | tail -4 | tee "$OUT/generate_default.txt"
     on 0 timeout 280 python3 -m drafttree.cli bench --prompts humaneval --num-prompts 64 \
-      --max-tokens 256 --batch 16 --budgets 8,32 --temperatures 0 --out /tmp/bench_b16 > /tmp/bench_b16.log 2>&1 &
+      --max-tokens 256 --batch 16 --budgets 8,32 --budget-schedule auto --temperatures 0 --out /tmp/bench_b16 \
+      > /tmp/bench_b16.log 2>&1 &
     ( for spec in "ddtree --budget 32" "dflash" "none"; do
         on 1 python3 -m drafttree.bench.phases --spec $spec --prompt-len 512 --iters 50 \
           --out /tmp/rp_$(echo $spec | tr -d ' -').json > /dev/null 2>> "$OUT/real_phases_err.log"

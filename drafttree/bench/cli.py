@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="ar,dflash,ddtree")
     p.add_argument("--budgets", default="8,16,32,64,128")
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--budget-schedule", default=None, help="DDTree budget by batch bucket (see drafttree generate)")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--batch", type=int, default=1, help="concurrent requests (max_num_seqs)")
     p.add_argument("--device", default=None)
@@ -59,7 +60,9 @@ def runs(a: argparse.Namespace) -> list[tuple[str, int | None]]:
 
 def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar) -> dict:
     llm = LLM(model=a.model, draft_model=a.draft_model, spec="none" if method == "ar" else method,
-              budget=budget, block_size=a.block_size, dtype=a.dtype, device=a.device, max_num_seqs=a.batch,
+              budget=budget, block_size=a.block_size,
+              budget_schedule=a.budget_schedule if method == "ddtree" else None,
+              dtype=a.dtype, device=a.device, max_num_seqs=a.batch,
               max_model_len=a.max_model_len, cuda_graphs=False if a.no_cuda_graphs else None,
               random_weights=a.random_weights, random_drafter=a.random_drafter)
     eng = llm.engine
@@ -75,7 +78,8 @@ def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar
     n = sum(len(o.token_ids) for o in outs)
     taus = [t for o in outs for t in o.metrics["accept_lengths"]]
     tpot = [(o.metrics["total_s"] - o.metrics["ttft_s"]) / max(len(o.token_ids) - 1, 1) for o in outs]
-    return {"method": method, "budget": budget, "block_size": eng.spec.block_size, "temperature": temperature,
+    return {"method": method, "budget": budget, "budget_schedule": eng.spec.budget_schedule,
+            "block_size": eng.spec.block_size, "temperature": temperature,
             "output_tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
             "tpot_ms": 1e3 * sum(tpot) / len(tpot), "tau_mean": sum(taus) / max(len(taus), 1),
             "tau_histogram": dict(sorted(Counter(taus).items())), "rounds": len(taus),

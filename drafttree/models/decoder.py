@@ -59,8 +59,9 @@ class DecoderLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, rope, meta, k_cache[i], v_cache[i])
             if i in capture_layers and i != last:
-                captured.append(x + delta)
-        _, x = self.norm.add_and_norm(x, delta)
+                x, delta = x + delta, None     # the next norm then has nothing to add
+                captured.append(x)
+        x = self.norm(x) if delta is None else self.norm.add_and_norm(x, delta)[1]
         if last in capture_layers:   # HF's hidden_states[-1] is taken after the final norm
             captured.append(x)
         aux = torch.cat(captured, dim=-1) if captured else None

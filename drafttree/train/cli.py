@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from drafttree.train.data import load_sharegpt_prompts, read_prompts, write_prompts
+from drafttree.train.parallel import Group, close_group, init_group
 from drafttree.train.regen import RegenConfig
 
 STAGES = ("prompts", "regenerate", "train", "eval", "all")
@@ -151,7 +152,7 @@ def run_regenerate(a: argparse.Namespace) -> None:
     print(f"responses for {len(prompts)} prompts in {out}")
 
 
-def run_train(a: argparse.Namespace) -> dict[str, Any]:
+def run_train(a: argparse.Namespace, group: Group | None = None) -> dict[str, Any]:
     from drafttree.train.trainer import TrainConfig, Trainer
 
     cfg = TrainConfig(out=a.out, data=a.data, target=a.target, device=a.device, dtype=a.dtype,
@@ -163,9 +164,9 @@ def run_train(a: argparse.Namespace) -> dict[str, Any]:
                       grad_clip=a.grad_clip, gamma=a.gamma, max_len=a.max_len, save_every=a.save_every,
                       log_every=a.log_every, resume=a.resume, save_dtype=a.save_dtype, seed=a.seed,
                       time_limit=a.train_time_limit, progress=not a.quiet)
-    summary = Trainer(cfg, group=a.group).run()
+    summary = Trainer(cfg, group=group).run()
     last = summary["history"][-1] if summary["history"] else {}
-    if a.group is not None and not a.group.main:
+    if group is not None and not group.main:
         return summary
     print(f"trained {summary['step']} steps ({summary['seconds_per_step'] * 1e3:.1f} ms/step), "
           f"{summary['parameters'] / 1e6:.2f} M parameters -> {cfg.drafter_dir}; "
@@ -200,11 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         run_regenerate(a)
     elif a.stage == "train":
         # under torchrun (one process per GPU) the ranks train together; rank 0 then evaluates
-        from drafttree.train.parallel import close_group, init_group
-        a.group = init_group()
-        run_train(a)
-        close_group(a.group)
-        if a.group.main:
+        group = init_group()
+        run_train(a, group)
+        close_group(group)
+        if group.main:
             run_eval(a)
     elif a.stage == "eval":
         run_eval(a)
@@ -212,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
         if a.prompts is None and not (a.out / "prompts_train.jsonl").is_file():
             run_prompts(a)
         run_regenerate(a)
-        a.group = None
         run_train(a)
         run_eval(a)
     return 0

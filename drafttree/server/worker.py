@@ -27,15 +27,11 @@ class Admitted:
 
 
 @dataclass(frozen=True)
-class Rejected:
-    """The engine refused the request (bad prompt); answered as a 400."""
-    message: str
-
-
-@dataclass(frozen=True)
 class Failed:
-    """The engine failed while running the request; answered as a 500."""
+    """The engine refused the request (`bad_request`: a bad prompt, answered as a 400) or failed
+    while running it (a 500)."""
     message: str
+    bad_request: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,7 +48,7 @@ class Snapshot:
         return self.finish_reason is not None
 
 
-Message = Admitted | Rejected | Failed | Snapshot
+Message = Admitted | Failed | Snapshot
 Deliver = Callable[[Message], None]
 
 
@@ -91,7 +87,7 @@ class RequestHandle:
         while not self._queue.empty():
             msgs.append(self._queue.get_nowait())
         for m in msgs:
-            if isinstance(m, (Failed, Rejected)):
+            if isinstance(m, Failed):
                 self.finished = True
                 raise EngineError(m.message)
         snap = msgs[-1]
@@ -156,10 +152,8 @@ class EngineWorker:
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
-        if isinstance(first, Rejected):
-            raise ValueError(first.message)
         if isinstance(first, Failed):
-            raise EngineError(first.message)
+            raise (ValueError if first.bad_request else EngineError)(first.message)
         assert isinstance(first, Admitted)
         return RequestHandle(self, request_id, first.prompt_tokens, q)
 
@@ -190,7 +184,7 @@ class EngineWorker:
             try:
                 seq = self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
             except ValueError as e:
-                cmd.deliver(Rejected(str(e)))
+                cmd.deliver(Failed(str(e), bad_request=True))
                 return
             except Exception as e:
                 log.exception("add_request failed")

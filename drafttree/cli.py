@@ -16,7 +16,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec", choices=["none", "dflash", "ddtree"], default=None,
                    help="speculative method (default: ddtree when a drafter is available)")
     g.add_argument("--block-size", type=int, default=None, help="draft width (default: the drafter's)")
-    g.add_argument("--budget", type=int, default=None, help="DDTree nodes per round; verify width = budget + 1 (default 32)")
+    g.add_argument("--budget", type=int, default=None, help="DDTree nodes per round; verify width = budget + 1 (default: the drafter config's ddtree_default_budget, else 32)")
     g.add_argument("--budget-schedule", default=None,
                    help="DDTree budget by batch bucket under load, e.g. '8:16,32:4' (batch:budget), or 'auto' "
                         "(batch * (budget + 1) <= 256 verify tokens per forward, a roofline figure)")

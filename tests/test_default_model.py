@@ -19,6 +19,8 @@ from drafttree.loader.default_model import (
     resolve_model,
 )
 from drafttree.loader.gguf_convert import convert_gguf_to_hf
+from drafttree.engine.engine import EngineConfig
+from drafttree.models.dflash import DFlashConfig
 
 PROMPT = "The capital of France is"
 
@@ -262,4 +264,7 @@ def test_shipped_drafter_is_lossless_and_accepts(converted_dir: Path) -> None:
         taus = [t for o in outs for t in o.metrics["accept_lengths"]]
         assert sum(taus) / len(taus) > 1.15, (method, sum(taus) / len(taus))
     default = LLM(**common)
-    assert default.engine.spec.method == ("ddtree" if plan.SHIPPED_DRAFTER_BY_DEFAULT else "none")
+    assert default.engine.spec.method == "none"          # the CPU decodes plainly by default
+    on_cuda = EngineConfig(device="cuda")                 # resolved without loading anything
+    assert plan.resolve_drafter(on_cuda) == plan.SHIPPED_DRAFTER
+    assert plan.resolve_spec(on_cuda, DFlashConfig.from_dir(plan.SHIPPED_DRAFTER)).budget == 8

@@ -108,6 +108,22 @@ def test_config_without_dflash_fields(target, good_drafter, tmp_path):
         build(target, d)
 
 
+@pytest.mark.parametrize("value,ok", [(5, True), (0, False), ("8", False)])
+def test_default_budget_from_drafter_config(target, good_drafter, tmp_path, value, ok):
+    """A drafter may name its measured-best DDTree budget; --budget still wins; a bad one is refused."""
+    d = copy_checkpoint(good_drafter, tmp_path / "d")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["ddtree_default_budget"] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    if not ok:
+        with pytest.raises(ValueError, match="ddtree_default_budget must be a positive integer"):
+            build(target, d, spec="ddtree")
+        return
+    assert build(target, d, spec="ddtree").engine.spec.budget == value
+    assert build(target, d, spec="ddtree", budget=3).engine.spec.budget == 3
+    assert build(target, good_drafter, spec="ddtree").engine.spec.budget == 32
+
+
 def test_drafter_without_weights(target, good_drafter, tmp_path):
     d = copy_checkpoint(good_drafter, tmp_path / "d")
     (d / "model.safetensors").unlink()
@@ -235,7 +251,7 @@ def reference_draft_logits(hf, drafter_dir, committed: list[int], bonus: int, bl
 
 
 @pytest.mark.parametrize("ids,mask,block_size,budget", [([0, 1], 2, None, None), ([1], VOCAB - 1, 7, None),
-                                                       ([0, 1], 5, 4, 40)])
+                                                       ([0, 1], 5, 4, 40), ([0, 1], 5, 7, 3)])
 def test_draft_matches_reference_implementation(target, tmp_path, monkeypatch, ids, mask, block_size, budget):
     """The engine's drafts in every round of a generation (the first right after the prefill)
     equal the reference drafter's on the same committed tokens: fc, hidden_norm, the layer
@@ -267,7 +283,7 @@ def test_draft_matches_reference_implementation(target, tmp_path, monkeypatch, i
     seq = prompt + out.token_ids
     assert len(calls) == out.metrics["rounds"] >= 3
     assert calls[0][0] == len(prompt)
-    if budget:
+    if budget and budget >= VOCAB:
         assert min(out.metrics["accept_lengths"]) >= 2
     for start, bonus, got in calls:
         assert got.shape == (bs - 1, VOCAB)

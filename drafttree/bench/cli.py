@@ -78,10 +78,14 @@ def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar
     n = sum(len(o.token_ids) for o in outs)
     taus = [t for o in outs for t in o.metrics["accept_lengths"]]
     tpot = [(o.metrics["total_s"] - o.metrics["ttft_s"]) / max(len(o.token_ids) - 1, 1) for o in outs]
+    after_first = sum(o.metrics["total_s"] - o.metrics["ttft_s"] for o in outs)
     return {"method": method, "budget": budget, "budget_schedule": eng.spec.budget_schedule,
             "block_size": eng.spec.block_size, "temperature": temperature,
             "output_tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
             "tpot_ms": 1e3 * sum(tpot) / len(tpot), "tau_mean": sum(taus) / max(len(taus), 1),
+            "ttft_ms": 1e3 * sum(o.metrics["ttft_s"] for o in outs) / len(outs),
+            # tokens after each request's first, over the time they took: TPOT weighted by length
+            "decode_tokens_per_s": sum(len(o.token_ids) - 1 for o in outs) / max(after_first, 1e-9),
             "tau_histogram": dict(sorted(Counter(taus).items())), "rounds": len(taus),
             "graph_fallbacks": eng.runner.graphs.fallbacks if eng.runner.graphs is not None else None}
 
@@ -135,11 +139,12 @@ def finish(results: list[dict], meta: dict, out: Path) -> None:
         r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar else None
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     files = plot(results, out)
-    print(f"{'method':<8}{'budget':>7}{'T':>4}{'tau':>7}{'tok/s':>9}{'TPOT ms':>9}{'speedup':>9}")
+    print(f"{'method':<8}{'budget':>7}{'T':>4}{'tau':>7}{'tok/s':>9}{'TPOT ms':>9}{'TTFT ms':>9}{'speedup':>9}")
     for r in results:
         sp = f"{r['speedup']:.2f}" if r["speedup"] else "-"
+        ttft = f"{r['ttft_ms']:.1f}" if "ttft_ms" in r else "-"   # absent from older results files
         print(f"{r['method']:<8}{r['budget'] or '-':>7}{r['temperature']:>4g}{r['tau_mean']:>7.2f}"
-              f"{r['tokens_per_s']:>9.1f}{r['tpot_ms']:>9.2f}{sp:>9}")
+              f"{r['tokens_per_s']:>9.1f}{r['tpot_ms']:>9.2f}{ttft:>9}{sp:>9}")
     print(f"wrote {out / 'results.json'} and {', '.join(files)}")
 
 

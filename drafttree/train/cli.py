@@ -70,6 +70,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="explicit target layer ids")
     g.add_argument("--mask-token-id", type=int, default=None, help="default: largest id absent from the data")
     g.add_argument("--init-from-target", action="store_true", help="start draft layers from the target's last layers")
+    g.add_argument("--init-from-drafter", type=Path, default=None,
+                   help="continue training a published drafter (its config and weights; shape flags are ignored)")
     g.add_argument("--attention", default="auto", choices=["auto", "dense", "blockwise"],
                    help="training attention (auto: blockwise on CUDA, dense on CPU)")
     g = p.add_argument_group("training")
@@ -158,7 +160,8 @@ def run_train(a: argparse.Namespace, group: Group | None = None) -> dict[str, An
     cfg = TrainConfig(out=a.out, data=a.data, target=a.target, device=a.device, dtype=a.dtype,
                       draft_layers=a.draft_layers, intermediate_size=a.intermediate_size, block_size=a.block_size,
                       num_target_features=a.num_target_features, target_layer_ids=a.target_layer_ids,
-                      mask_token_id=a.mask_token_id, init_from_target=a.init_from_target, attention=a.attention,
+                      mask_token_id=a.mask_token_id, init_from_target=a.init_from_target,
+                      init_from_drafter=a.init_from_drafter, attention=a.attention,
                       anchors_per_seq=a.anchors_per_seq, batch_size=a.batch_size, epochs=a.epochs,
                       max_steps=a.max_steps, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
                       grad_clip=a.grad_clip, gamma=a.gamma, max_len=a.max_len, save_every=a.save_every,

@@ -60,6 +60,7 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None      # default: the largest id absent from the data
     init_from_target: bool = False
+    init_from_drafter: Path | None = None  # continue from a published drafter: its shape and weights
     attention: str = "auto"               # dense | blockwise; auto: blockwise on CUDA, dense on CPU
     anchors_per_seq: int = 512
     batch_size: int = 8
@@ -108,8 +109,12 @@ class Trainer:
             raise ValueError(f"no training sequences with a response in {data}")
         ckpt = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False) \
             if cfg.resume and cfg.checkpoint.is_file() else None
+        warm = cfg.init_from_drafter if ckpt is None else None
         if ckpt is not None:
             self.config_dict = ckpt["drafter_config"]
+        elif warm is not None:
+            self.config_dict = {k: v for k, v in json.loads((Path(warm) / "config.json").read_text()).items()
+                                if k != "ddtree_default_budget"}   # a budget measured for the old weights
         else:
             ids = cfg.target_layer_ids or default_target_layer_ids(tcfg.num_layers, cfg.num_target_features)
             mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else unused_token(self.seqs, tcfg.vocab_size)
@@ -119,6 +124,10 @@ class Trainer:
         self.dcfg.check_fits(tcfg)
         torch.manual_seed(cfg.seed)
         self.drafter = new_drafter(self.dcfg, target, init_from_target=cfg.init_from_target).train()
+        if warm is not None:
+            from drafttree.models.dflash import load_drafter
+            src = load_drafter(Path(warm), target, torch.float32, self.device)
+            self.drafter.load_state_dict(src.state_dict())
         self.group.broadcast_module(self.drafter)
         self.features = FeatureExtractor(target, self.dcfg.target_layer_ids, cfg.batch_size,
                                          max(len(s.ids) for s in self.seqs))

@@ -450,3 +450,19 @@ def test_admit_min_batches_admissions(zoo, spec, block_size, budget):
             assert out.token_ids == pair.plain(p, m)
         calls.append(n[0])
     assert calls[1] < calls[0], calls
+
+
+@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", None), ("ddtree", 8)])
+def test_few_row_attention_path_on_the_cache(zoo, monkeypatch, spec, budget):
+    """The attention that CUDA takes for decode, draft and verify (two matmuls over views of the
+    cache), forced on CPU: same tokens as plain greedy through SDPA, batched."""
+    from drafttree.models import layers
+    pair = zoo("qwen3")
+    prompts = make_prompts(pair.vocab)
+    want = [pair.plain(p) for p in prompts]
+    calls = []
+    monkeypatch.setattr(layers, "few_rows", lambda q: calls.append(q.shape[-2]) or q.shape[-2] <= 128)
+    llm = LLM(model=str(pair.target), draft_model=None if spec == "none" else str(pair.drafter), spec=spec,
+              budget=budget, device="cpu", dtype="float32", max_num_seqs=3, max_model_len=128)
+    assert [o.token_ids for o in llm.generate(prompts, greedy())] == want
+    assert sum(n <= 128 for n in calls) > MAX_TOKENS   # the path really ran, every round

@@ -138,11 +138,16 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     # GQA without repeating K/V: the g query heads of a group become g*W query rows.
     qg = q.view(B, W, Hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * W, hd)
     mask = meta.grouped_mask(g)
-    if q.is_cuda and g * W <= 128:
+    if few_rows(qg):
         out = small_attention(qg, kc, vc, mask, 1.0 / math.sqrt(hd))
     else:
         out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=1.0 / math.sqrt(hd))
     return out.view(B, Hkv, g, W, hd).permute(0, 3, 1, 2, 4).reshape(B, W, H * hd)
+
+
+def few_rows(q: torch.Tensor) -> bool:
+    """Whether attention takes the few-query-row path (decode, draft, verify on CUDA)."""
+    return q.is_cuda and q.shape[-2] <= 128
 
 
 def small_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -45,6 +45,12 @@ class CacheConfig:
     def kv_bucket(self, needed: int) -> int:
         return next(n for n in self.kv_buckets if n >= min(needed, self.max_len))
 
+    def kv_tight(self, needed: int) -> int:
+        """Attention length for CPU rounds (never graphed): the next multiple of 128, so attention
+        does not sweep a mostly-masked 1024-slot bucket. On CUDA, eager rounds keep the buckets,
+        so a graph and its eager fallback run the same shapes."""
+        return min(-(-needed // 128) * 128, self.max_len)
+
 
 class ModelRunner:
     def __init__(self, target: DecoderLM, drafter: DFlashDrafter | None, spec: SpecConfig,
@@ -127,9 +133,14 @@ class ModelRunner:
         """One round for rows 0..B-1; `max_length` bounds their committed lengths (host-known).
         Attention covers the smallest KV bucket that holds what the round writes; a batch no
         graph fits runs eagerly at the same shapes, so both give the same tokens."""
-        kv_len = self.cache_cfg.kv_bucket(max_length + self.spec.kv_headroom)
+        kv_len = self.round_kv_len(max_length)
         if self.graphs is None or not self.graphs.replay(B, mode, kv_len):
             self.eager_round(B, kv_len, mode)
+
+    def round_kv_len(self, max_length: int) -> int:
+        """Attention length of a round over rows whose committed lengths are <= max_length."""
+        needed = max_length + self.spec.kv_headroom
+        return self.cache_cfg.kv_tight(needed) if self.device.type == "cpu" else self.cache_cfg.kv_bucket(needed)
 
     def eager_round(self, B: int, kv_len: int, mode: SampleMode) -> None:
         if not self.spec.speculative:

@@ -5,7 +5,8 @@
 # Each stage writes at most 8 files into $OUT.
 #   graphs : needs .parts/gguf.part.00. GPU 0: the CUDA-graph GPU tests, then the tree-kernel,
 #            tree and fused-op GPU tests; GPU 1: per-phase latency, eager vs graphed, on
-#            random-weight Qwen3-8B and SmolLM2-135M shapes, then a decode-step kernel profile.
+#            random-weight Qwen3-8B (batch 1 and 16) and SmolLM2-135M shapes, then a decode-step
+#            kernel profile.
 #   regen  : needs .parts/gguf.part.01, .parts/gguf.sha256, runs/smollm2-dflash (prompt files).
 #            Assembles the GGUF; regenerates responses, one shard per GPU, and brings them back
 #            xz-compressed. With .parts/responses.jsonl.xz.* carried, it unpacks those instead.
@@ -36,10 +37,11 @@ case "${1:?stage}" in
     ( on 0 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
       on 0 python3 -m pytest tests/test_tree_kernel.py tests/test_tree.py tests/test_fused.py -q -p no:cacheprovider \
         > "$OUT/gpu_tests_kernels.log" 2>&1 ) &
-    ( for shape in "qwen3-8b 30" "smollm2-135m 50"; do set -- $shape
+    ( for run in "qwen3-8b 30 1" "qwen3-8b 20 16" "smollm2-135m 50 1"; do set -- $run
         for spec in "ddtree --budget 32" "dflash" "none"; do
-          name=$1_$(echo $spec | tr -d ' -')
-          on 1 python3 -m drafttree.bench.phases --random-weights $1 --spec $spec --block-size 16 \
+          [ $3 = 16 ] && [ "$spec" = dflash ] && continue
+          name=$1_b$3_$(echo $spec | tr -d ' -')
+          on 1 python3 -m drafttree.bench.phases --random-weights $1 --spec $spec --block-size 16 --batch $3 \
             --prompt-len 512 --max-model-len 2048 --iters $2 --out /tmp/phases_$name.json > /dev/null \
             2>> "$OUT/phases_err.log" || echo "FAILED $name" >> "$OUT/phases_err.log"
         done

@@ -46,7 +46,7 @@ class CacheConfig:
         return next(n for n in self.kv_buckets if n >= min(needed, self.max_len))
 
     def kv_tight(self, needed: int) -> int:
-        """Attention length for CPU rounds (never graphed): the next multiple of 128, so attention
+        """Attention length for CPU rounds without a graph runner: the next multiple of 128, so attention
         does not sweep a mostly-masked 1024-slot bucket. On CUDA, eager rounds keep the buckets,
         so a graph and its eager fallback run the same shapes."""
         return min(-(-needed // 128) * 128, self.max_len)
@@ -140,7 +140,8 @@ class ModelRunner:
     def round_kv_len(self, max_length: int) -> int:
         """Attention length of a round over rows whose committed lengths are <= max_length."""
         needed = max_length + self.spec.kv_headroom
-        return self.cache_cfg.kv_tight(needed) if self.device.type == "cpu" else self.cache_cfg.kv_bucket(needed)
+        tight = self.graphs is None and self.device.type == "cpu"
+        return self.cache_cfg.kv_tight(needed) if tight else self.cache_cfg.kv_bucket(needed)
 
     def eager_round(self, B: int, kv_len: int, mode: SampleMode) -> None:
         if not self.spec.speculative:

@@ -128,3 +128,18 @@ def count_parameters(config: dict[str, Any]) -> int:
     inter, n = config["intermediate_size"], len(config["dflash_config"]["target_layer_ids"])
     layer = D * (H + 2 * Hkv) * hd + H * hd * D + 3 * D * inter + 2 * D + 2 * hd
     return n * D * D + 2 * D + config["num_hidden_layers"] * layer
+
+
+def published_config(path: str | Path) -> dict[str, Any]:
+    """A published drafter's config, to continue training it. Its ddtree_default_budget is
+    dropped: that was measured for the old weights."""
+    d = json.loads((Path(path) / "config.json").read_text())
+    return {k: v for k, v in d.items() if k != "ddtree_default_budget"}
+
+
+@torch.no_grad()
+def load_published_weights(drafter: DFlashDrafter, path: str | Path, target: DecoderLM) -> None:
+    """Copy a published drafter's weights into `drafter` (same shape; fp32 training copy)."""
+    from drafttree.models.dflash import load_drafter
+    dev = target.embed_tokens.weight.device
+    drafter.load_state_dict(load_drafter(Path(path), target, torch.float32, dev).state_dict())

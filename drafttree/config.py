@@ -19,6 +19,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device asked for, or CUDA when there is one, else the CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def parse_dtype(dtype: str | torch.dtype | None, device: str = "cpu") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype

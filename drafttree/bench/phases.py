@@ -72,9 +72,7 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
         for t, v in zip((r.state.start, r.state.bonus, r.state.ctx_n, r.state.ctx_feat), snap):
             t.copy_(v)
 
-    # graphed timings below use the KV bucket, as the engine with graphs does
-    B, kv_len = batch, (r.cache_cfg.kv_bucket if dev.type == "cuda" else r.cache_cfg.kv_tight)(
-        prompt_len + spec.kv_headroom)
+    B, kv_len = batch, r.round_kv_len(prompt_len)   # the attention length the engine's rounds use
     res: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "spec": spec.method, "block_size": spec.block_size, "budget": spec.budget, "batch": B,
                  "prompt_len": prompt_len, "dtype": str(eng.dtype), "kv_len": kv_len,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from drafttree.config import parse_dtype
+from drafttree.config import parse_dtype, resolve_device
 from drafttree.engine.sequence import Sequence, Status
 from drafttree.runner.kv_cache import KVCache
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
@@ -54,7 +54,7 @@ class EngineStats:
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(cfg.device)
         self.dtype = parse_dtype(cfg.dtype, str(self.device))
         from drafttree.engine.plan import load_models, resolve_spec
         self.model_dir, target, drafter = load_models(cfg, self.device, self.dtype)

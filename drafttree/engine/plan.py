@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from drafttree.config import ModelConfig
+from drafttree.config import ModelConfig, resolve_device
 from drafttree.engine.engine import EngineConfig
 from drafttree.models.dflash import DFlashConfig
 from drafttree.phases import SpecConfig
@@ -21,8 +21,7 @@ SHIPPED_DRAFTER_BY_DEFAULT_ON = ("cuda",)
 
 
 def shipped_drafter_by_default(cfg: EngineConfig) -> bool:
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device).type in SHIPPED_DRAFTER_BY_DEFAULT_ON
+    return resolve_device(cfg.device).type in SHIPPED_DRAFTER_BY_DEFAULT_ON
 
 
 DEFAULT_BUDGET = 32   # DDTree nodes per round, unless the drafter's config names its own

@@ -154,9 +154,8 @@ def write_sequences(path: Path, seqs: list[TrainSequence]) -> Path:
 
 def unused_token(seqs: list[TrainSequence], vocab: int) -> int:
     """The largest token id absent from the data (else the largest of the rarest)."""
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for s in seqs:
-        counts += torch.bincount(torch.tensor(s.ids, dtype=torch.long), minlength=vocab)[:vocab]
+    ids = torch.tensor([t for s in seqs for t in s.ids], dtype=torch.long)
+    counts = torch.bincount(ids, minlength=vocab)[:vocab]     # one count, not one per sequence
     rarest = (counts == counts.min()).nonzero()
     if counts.min() > 0:
         log.warning("every token id appears in the data; mask token = rarest id %d", int(rarest[-1]))

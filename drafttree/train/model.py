@@ -135,11 +135,3 @@ def published_config(path: str | Path) -> dict[str, Any]:
     dropped: that was measured for the old weights."""
     d = json.loads((Path(path) / "config.json").read_text())
     return {k: v for k, v in d.items() if k != "ddtree_default_budget"}
-
-
-@torch.no_grad()
-def load_published_weights(drafter: DFlashDrafter, path: str | Path, target: DecoderLM) -> None:
-    """Copy a published drafter's weights into `drafter` (same shape; fp32 training copy)."""
-    from drafttree.models.dflash import load_drafter
-    dev = target.embed_tokens.weight.device
-    drafter.load_state_dict(load_drafter(Path(path), target, torch.float32, dev).state_dict())

@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from drafttree.config import resolve_device
+
 T = TypeVar("T")
 
 
@@ -31,7 +33,7 @@ class Group:
         return self.rank == 0
 
     def device(self, requested: str | None) -> torch.device:
-        dev = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dev = resolve_device(requested)
         if dev.type == "cuda" and self.world > 1:
             return torch.device("cuda", self.local_rank)
         return dev

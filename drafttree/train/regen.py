@@ -36,10 +36,8 @@ class RegenConfig:
 
 
 def default_rows(device: str | None) -> int:
-    import torch
-
-    cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    return 64 if cuda else 8
+    from drafttree.config import resolve_device
+    return 64 if resolve_device(device).type == "cuda" else 8
 
 
 def make_llm(cfg: RegenConfig, draft_model: str | None = None, spec: str | None = None,

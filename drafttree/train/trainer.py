@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from drafttree.config import parse_dtype
 from drafttree.models.decoder import DecoderLM
+from drafttree.models.dflash import load_drafter
 from drafttree.train.data import TrainSequence, read_sequences, unused_token
 from drafttree.train.forward import (
     FeatureExtractor,
@@ -28,7 +29,6 @@ from drafttree.train.model import (
     config_from_dict,
     count_parameters,
     drafter_config_dict,
-    load_published_weights,
     new_drafter,
     published_config,
     save_drafter,
@@ -124,9 +124,10 @@ class Trainer:
         self.dcfg = config_from_dict(self.config_dict)
         self.dcfg.check_fits(tcfg)
         torch.manual_seed(cfg.seed)
-        self.drafter = new_drafter(self.dcfg, target, init_from_target=cfg.init_from_target).train()
-        if warm is not None:
-            load_published_weights(self.drafter, warm, target)
+        if warm is not None:   # the published weights, as a trainable fp32 copy
+            self.drafter = load_drafter(Path(warm), target, torch.float32, self.device).train().requires_grad_(True)
+        else:
+            self.drafter = new_drafter(self.dcfg, target, init_from_target=cfg.init_from_target).train()
         self.group.broadcast_module(self.drafter)
         self.features = FeatureExtractor(target, self.dcfg.target_layer_ids, cfg.batch_size,
                                          max(len(s.ids) for s in self.seqs))

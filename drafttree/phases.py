@@ -106,6 +106,11 @@ class SpecConfig:
         """Deepest draft position; at most depth + 1 tokens commit per round."""
         return self.block_size - 1 if self.speculative else 0
 
+    def depth_at(self, batch: int = 1) -> int:
+        """Draft positions whose logits a round uses: a tree of n nodes is at most n deep, so
+        DDTree at budget n < block_size - 1 needs the drafter's LM head on n positions only."""
+        return min(self.depth, self.budget_at(batch)) if self.method == "ddtree" else self.depth
+
     def width(self, phase: Phase, batch: int = 1) -> int:
         """Tokens per request in this phase's forward, for a batch bucket of `batch` rows."""
         if phase is Phase.DECODE:

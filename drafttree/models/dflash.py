@@ -16,7 +16,7 @@ from torch import nn
 
 from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLayer
-from drafttree.models.layers import AttnMeta, RMSNorm, Rotary, apply_rope, cached_attention
+from drafttree.models.layers import AttnMeta, RMSNorm, Rotary, apply_rope, cached_attention, write_kv
 
 
 @dataclass
@@ -127,12 +127,13 @@ class DFlashDrafter(nn.Module):
         rows = torch.arange(ctx.shape[0], device=ctx.device)[:, None]
         for i, layer in enumerate(self.layers):
             _, k, v = layer.self_attn.project(ctx)
-            k_cache[i].index_put_((rows, ctx_pos), apply_rope(k, cos, sin))
-            v_cache[i].index_put_((rows, ctx_pos), v)
+            write_kv(k_cache[i], rows, ctx_pos, apply_rope(k, cos, sin))
+            write_kv(v_cache[i], rows, ctx_pos, v)
 
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Block positions 1..bs-1 predict the tokens at those same positions: [B, bs-1, V]."""
-        return self.lm_head(hidden[:, 1:]).float()
+    def draft_logits(self, hidden: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+        """Block positions 1..depth (default bs-1) predict the tokens at those same positions:
+        [B, depth, V]."""
+        return self.lm_head(hidden[:, 1:None if depth is None else 1 + depth]).float()
 
 
 def load_drafter(path: Path, target: nn.Module, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:

@@ -121,18 +121,25 @@ class AttnMeta:
         return self._grouped[g]
 
 
+def write_kv(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """cache [rows, Hkv, max_len, hd]; x [B, W, Hkv, hd] goes to cache[rows[b], :, slots[b, i]]."""
+    cache[rows, :, slots] = x
+
+
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """q [B, W, H, hd]; k, v [B, Wk, Hkv, hd] written at meta.slots; returns [B, W, H*hd].
 
-    k_cache / v_cache: one layer's cache, [rows, max_len, Hkv, hd].
+    k_cache / v_cache: one layer's cache, [rows, Hkv, max_len, hd]. Head-major, so that rows and
+    heads fold into one batch stride and the matmuls read the cache in place: a token-major cache
+    made torch copy it for every batch above 1 (benchmarks/attn_layouts.py: 8x slower at batch 16).
     """
     B, W, H, hd = q.shape
-    k_cache.index_put_((meta.rows, meta.slots), k)
-    v_cache.index_put_((meta.rows, meta.slots), v)
+    write_kv(k_cache, meta.rows, meta.slots, k)
+    write_kv(v_cache, meta.rows, meta.slots, v)
     L = meta.kv_len
-    kc = k_cache[:B, :L].transpose(1, 2)  # [B, Hkv, L, hd], a view: no copy of the cache
-    vc = v_cache[:B, :L].transpose(1, 2)
+    kc = k_cache[:B, :, :L]  # [B, Hkv, L, hd], a view
+    vc = v_cache[:B, :, :L]
     Hkv = kc.shape[1]
     g = H // Hkv
     # GQA without repeating K/V: the g query heads of a group become g*W query rows.

@@ -14,13 +14,13 @@ from drafttree.models.layers import AttnMeta
 
 @dataclass
 class KVCache:
-    k: torch.Tensor  # [layers, rows, max_len, Hkv, hd]
+    k: torch.Tensor  # [layers, rows, Hkv, max_len, hd]: head-major, see models.layers.cached_attention
     v: torch.Tensor
 
     @classmethod
     def allocate(cls, layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> "KVCache":
-        shape = (layers, rows, max_len, kv_heads, head_dim)
+        shape = (layers, rows, kv_heads, max_len, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
     @staticmethod
@@ -33,7 +33,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """For rows 0..B-1, move entries src[b, i] -> dst[b, i] in every layer ([B, T] each).
@@ -41,12 +41,12 @@ class KVCache:
         B = src.shape[0]
         rows = torch.arange(B, device=src.device)[:, None]
         for t in (self.k, self.v):
-            moved = t[:, rows, src]            # [layers, B, T, Hkv, hd]
-            t[:, rows, dst] = moved
+            moved = t[:, rows, :, src]         # [B, T, layers, Hkv, hd]
+            t[:, rows, :, dst] = moved
 
     def move_row(self, src: int, dst: int, length: int) -> None:
-        self.k[:, dst, :length] = self.k[:, src, :length]
-        self.v[:, dst, :length] = self.v[:, src, :length]
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
 def attn_meta(start: torch.Tensor, intra: torch.Tensor, kv_len: int,

@@ -36,7 +36,8 @@ def decode_round(r: "ModelRunner", B: int, kv_len: int, mode: SampleMode) -> Non
 
 
 def draft(r: "ModelRunner", B: int, kv_len: int) -> torch.Tensor:
-    """Write the new context into the drafter's cache and draft one block: [B, bs-1, V] logits."""
+    """Write the new context into the drafter's cache and draft one block: [B, D, V] logits for
+    block positions 1..D, D = spec.depth_at(batch bucket)."""
     s, spec, d = r.state, r.spec, r.drafter
     bs, C = spec.width(Phase.DRAFT), s.ctx_feat.shape[1]
     start, n = s.start[:B], s.ctx_n[:B]
@@ -51,7 +52,7 @@ def draft(r: "ModelRunner", B: int, kv_len: int) -> torch.Tensor:
     full = torch.ones(B, bs, bs, dtype=torch.bool, device=dev)
     meta = attn_meta(start, full, kv_len, slots=torch.cat([ctx_pos, block_pos], dim=1))
     hidden = d(block_ids, block_pos, ctx_feat, ctx_pos, meta, r.dkv.k, r.dkv.v)
-    return d.draft_logits(hidden)
+    return d.draft_logits(hidden, spec.depth_at(r.cache_cfg.batch_bucket(B)))
 
 
 def make_tree(r: "ModelRunner", draft_logits: torch.Tensor, B: int) -> DraftTree:

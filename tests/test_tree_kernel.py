@@ -190,3 +190,38 @@ def test_cuda_full_vocab_graphed(R: int) -> None:
         assert_same(build_tree_fused(logits, roots, budget), ref)
         print(f"\nR={R} budget={budget}: build_tree {ref_us:.1f} us, build_tree_fused {fused_us:.1f} us"
               " (CUDA graph replay)")
+
+
+@pytest.mark.parametrize("V,k,chunk", [(1000, 8, 256), (777, 5, 128), (300, 32, 64), (50, 50, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_kernel_matches_a_stable_sort(V, k, chunk, dtype):
+    """The two-launch top-K and normalizer: the k best ids, equal values to the smaller id first
+    (coarse integer logits make many ties), log-probs against torch's log_softmax; -inf
+    entries and a whole -inf chunk included."""
+    from drafttree.spec.topk_kernel import top_log_probs_fused
+    g = torch.Generator().manual_seed(V + k)
+    x = torch.randint(-6, 6, (2, 3, V), generator=g).float().to(dtype)
+    x[0, 0, :chunk] = float("-inf")
+    x[1, 2, 7] = float("-inf")
+    x = x.to(DEVICE)
+    lp, idx = top_log_probs_fused(x, k, interpret=_CPU, chunk=chunk)
+    xf = x.float()
+    want_val, want_idx = torch.sort(xf, dim=-1, descending=True, stable=True)
+    assert torch.equal(idx, want_idx[..., :k])
+    want_lp = want_val[..., :k] - torch.logsumexp(xf, dim=-1, keepdim=True)
+    finite = torch.isfinite(want_lp)
+    assert torch.equal(finite, torch.isfinite(lp))
+    torch.testing.assert_close(lp[finite], want_lp[finite], atol=1e-5, rtol=1e-5)
+
+
+def test_topk_kernel_feeds_the_tree_builders():
+    """Both tree builders take their scores from the kernel where it runs, so they still agree."""
+    from drafttree.spec import tree
+    logits = make_logits(torch.Generator().manual_seed(5), "int", 1, 3, 200).to(DEVICE)
+    lp, idx = tree.top_log_probs(logits, 16)
+    want_val = torch.sort(logits.float(), dim=-1, descending=True).values[..., :16]
+    assert torch.equal(logits.float().gather(-1, idx), want_val)        # ids of the top values
+    root = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    a, b = build_tree(logits, root, 16), build_tree_fused(logits, root, 16)
+    for f in FIELDS:
+        assert torch.equal(getattr(a, f), getattr(b, f)), f

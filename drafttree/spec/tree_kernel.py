@@ -43,7 +43,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _interpret() -> bool:
+def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
@@ -68,7 +68,7 @@ def available(device: torch.device | str, budget: int | None = None) -> bool:
     if budget is not None and budget > MAX_FUSED_BUDGET:
         return False
     cuda = dev.type == "cuda" and torch.cuda.is_available()
-    if not (cuda or (_interpret() and dev.type in ("cpu", "cuda"))):
+    if not (cuda or (interpreting() and dev.type in ("cpu", "cuda"))):
         return False
     return _triton_importable()
 
@@ -266,7 +266,7 @@ def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budg
     scratch = torch.empty(3, R, L * B, dtype=torch.int32, device=device)
     bi = min(64, _next_pow2(N))
     bj = min(256, _next_pow2(N))
-    _kernel(_interpret())[(R,)](
+    _kernel(interpreting())[(R,)](
         top_lp, top_idx.contiguous(), pairs, root_tokens.contiguous(), tokens, parents, depth,
         valid, visible, scratch, R, L=L, K=K, M=M, N=N, B=B, B_PAD=b_pad,
         LOG_B=b_pad.bit_length() - 1, M_PAD=m_pad, LOG_M=m_pad.bit_length() - 1,

@@ -1,0 +1,101 @@
+"""The vocabulary top-K and the log-softmax normalizer of the draft logits, in two Triton launches.
+
+`top_log_probs` in torch ops costs a float copy, a pad, two top-K passes and a separate
+exp-sum pass over [R, L, V]. Here the logits are read once:
+
+1. one program per (row, chunk of CHUNK tokens): the chunk's max, its sum of exp(x - max), and
+   its top K2 entries (K2 = K rounded up to a power of two);
+2. one program per row: the logsumexp from the chunk partials, and the top K of the chunks'
+   candidates.
+
+Entries are compared as int64 keys: the order-preserving int32 of the float32 value in the high
+half, INT32_MAX - token id in the low half. So values tie-break towards the smaller token id,
+like a stable sort, and ids come back without a separate gather. The top values are the logits
+themselves; the normalizer sums in another order than torch, so log-probs agree to rounding.
+
+Triton is imported on first use; with TRITON_INTERPRET=1 set before that, it runs on CPU.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+tl: Any = None  # triton.language, bound by _kernels()
+_KERNELS: dict[bool, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+INT32_MAX = 2**31 - 1
+
+
+def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, V, NC, CHUNK: tl.constexpr, K2: tl.constexpr):
+    row, c = tl.program_id(0), tl.program_id(1)
+    tok = c * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + row.to(tl.int64) * V + tok, mask=tok < V, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    s = tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - m)), axis=0)
+    out = row * NC + c
+    tl.store(m_ptr + out, m)
+    tl.store(s_ptr + out, s)
+    # the key: order-preserving int32 of the value (-0.0 as 0.0) << 32 | INT32_MAX - token id
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = (ordered.to(tl.int64) << 32) | (2147483647 - tok).to(tl.int64)
+    tl.store(key_ptr + out * K2 + tl.arange(0, K2), tl.topk(key, K2))
+
+
+def _merge_kernel(key_ptr, m_ptr, s_ptr, lp_ptr, idx_ptr, NC, K, NC_PAD: tl.constexpr,
+                  K2: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.arange(0, NC_PAD)
+    m = tl.load(m_ptr + row * NC + c, mask=c < NC, other=float("-inf"))
+    s = tl.load(s_ptr + row * NC + c, mask=c < NC, other=0.0)
+    top = tl.max(m, axis=0)
+    lse = top + tl.log(tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - top)), axis=0))
+    j = tl.arange(0, NC_PAD * K2)
+    keys = tl.load(key_ptr + row * NC * K2 + j, mask=j < NC * K2, other=-(2**63))
+    best = tl.topk(keys, K2)
+    ordered = (best >> 32).to(tl.int32)
+    value = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    tok = 2147483647 - (best & 0xFFFFFFFF)
+    k = tl.arange(0, K2)
+    tl.store(lp_ptr + row * K + k, value - lse, mask=k < K)
+    tl.store(idx_ptr + row * K + k, tok, mask=k < K)
+
+
+def _kernels(interpret: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    global tl
+    if interpret not in _KERNELS:
+        import triton
+        import triton.language
+        from triton.runtime.interpreter import InterpretedFunction
+
+        tl = triton.language
+        wrap = InterpretedFunction if interpret else triton.JITFunction
+        _KERNELS[interpret] = (wrap(_chunk_kernel), wrap(_merge_kernel))
+    return _KERNELS[interpret]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
+                        chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tree.top_log_probs` in two launches: [R, L, k] log-probs (float32, descending) and token
+    ids (int64) of the k best tokens of each position of logits [R, L, V] (any float dtype)."""
+    R, L, V = logits.shape
+    if k > V or V >= INT32_MAX:
+        raise ValueError(f"top-{k} of a vocabulary of {V}")
+    x = logits.contiguous()
+    rows, k2 = R * L, _next_pow2(k)
+    nc = -(-V // chunk)
+    dev = logits.device
+    keys = torch.empty(rows, nc, k2, dtype=torch.int64, device=dev)
+    m = torch.empty(rows, nc, dtype=torch.float32, device=dev)
+    s = torch.empty_like(m)
+    lp = torch.empty(R, L, k, dtype=torch.float32, device=dev)
+    idx = torch.empty(R, L, k, dtype=torch.int64, device=dev)
+    chunk_kernel, merge_kernel = _kernels(interpret)
+    chunk_kernel[(rows, nc)](x, keys, m, s, V, nc, CHUNK=chunk, K2=k2, num_warps=8)
+    merge_kernel[(rows,)](keys, m, s, lp, idx, nc, k, NC_PAD=_next_pow2(nc), K2=k2, num_warps=4)
+    return lp, idx

@@ -17,13 +17,13 @@ Triton is imported on first use; with TRITON_INTERPRET=1 set before that, it run
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-tl: Any = None  # triton.language, bound by _kernels()
-_KERNELS: dict[bool, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+from drafttree.spec.tree_kernel import next_pow2, jit_kernel
+
+tl: Any = None  # triton.language, bound by tree_kernel.jit_kernel()
 INT32_MAX = 2**31 - 1
 
 
@@ -62,23 +62,6 @@ def _merge_kernel(key_ptr, m_ptr, s_ptr, lp_ptr, idx_ptr, NC, K, NC_PAD: tl.cons
     tl.store(idx_ptr + row * K + k, tok, mask=k < K)
 
 
-def _kernels(interpret: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    global tl
-    if interpret not in _KERNELS:
-        import triton
-        import triton.language
-        from triton.runtime.interpreter import InterpretedFunction
-
-        tl = triton.language
-        wrap = InterpretedFunction if interpret else triton.JITFunction
-        _KERNELS[interpret] = (wrap(_chunk_kernel), wrap(_merge_kernel))
-    return _KERNELS[interpret]
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
                         chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """`tree.top_log_probs` in two launches: [R, L, k] log-probs (float32, descending) and token
@@ -87,7 +70,7 @@ def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
     if k > V or V >= INT32_MAX:
         raise ValueError(f"top-{k} of a vocabulary of {V}")
     x = logits.contiguous()
-    rows, k2 = R * L, _next_pow2(k)
+    rows, k2 = R * L, next_pow2(k)
     nc = -(-V // chunk)
     dev = logits.device
     keys = torch.empty(rows, nc, k2, dtype=torch.int64, device=dev)
@@ -95,7 +78,7 @@ def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
     s = torch.empty_like(m)
     lp = torch.empty(R, L, k, dtype=torch.float32, device=dev)
     idx = torch.empty(R, L, k, dtype=torch.int64, device=dev)
-    chunk_kernel, merge_kernel = _kernels(interpret)
+    chunk_kernel, merge_kernel = jit_kernel(_chunk_kernel, interpret), jit_kernel(_merge_kernel, interpret)
     chunk_kernel[(rows, nc)](x, keys, m, s, V, nc, CHUNK=chunk, K2=k2, num_warps=8)
-    merge_kernel[(rows,)](keys, m, s, lp, idx, nc, k, NC_PAD=_next_pow2(nc), K2=k2, num_warps=4)
+    merge_kernel[(rows,)](keys, m, s, lp, idx, nc, k, NC_PAD=next_pow2(nc), K2=k2, num_warps=4)
     return lp, idx

@@ -29,8 +29,8 @@ import torch
 
 from drafttree.spec.tree import DraftTree, _pair_index, build_tree, check_tree_args, top_log_probs
 
-tl: Any = None  # triton.language, bound by _kernel()
-_KERNELS: dict[bool, Callable[..., Any]] = {}
+tl: Any = None  # triton.language, bound by jit_kernel()
+_KERNELS: dict[tuple[Callable[..., Any], bool], Callable[..., Any]] = {}
 _TRITON_OK: bool | None = None
 _PAIRS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
@@ -39,7 +39,7 @@ _PAIRS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 MAX_FUSED_BUDGET = 128
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
@@ -214,16 +214,22 @@ def _tree_kernel(lp_ptr, idx_ptr, pair_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr,
                      mask=(rows[:, None] < N) & (cols[None, :] < N))
 
 
-def _kernel(interpret: bool) -> Callable[..., Any]:
-    global tl
-    if interpret not in _KERNELS:
+def jit_kernel(fn: Callable[..., Any], interpret: bool) -> Callable[..., Any]:
+    """`fn` as a Triton kernel (interpreted on CPU when `interpret`), made once. Triton is
+    imported here, on first use, and bound as `tl` in the kernel's own module."""
+    key = (fn, interpret)
+    if key not in _KERNELS:
         import triton
         import triton.language
         from triton.runtime.interpreter import InterpretedFunction
 
-        tl = triton.language
-        _KERNELS[interpret] = (InterpretedFunction if interpret else triton.JITFunction)(_tree_kernel)
-    return _KERNELS[interpret]
+        fn.__globals__["tl"] = triton.language
+        _KERNELS[key] = (InterpretedFunction if interpret else triton.JITFunction)(fn)
+    return _KERNELS[key]
+
+
+def _kernel(interpret: bool) -> Callable[..., Any]:
+    return jit_kernel(_tree_kernel, interpret)
 
 
 def _pairs(budget: int, k: int, device: torch.device) -> torch.Tensor:
@@ -255,8 +261,8 @@ def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budg
 
     pairs = _pairs(B, K, device) if L > 1 else torch.zeros(1, dtype=torch.int32, device=device)
     M = pairs.numel()
-    b_pad = max(2, _next_pow2(B))
-    m_pad = max(b_pad, _next_pow2(M))
+    b_pad = max(2, next_pow2(B))
+    m_pad = max(b_pad, next_pow2(M))
     N = B + 1
     tokens = torch.empty(R, N, dtype=torch.long, device=device)
     parents = torch.empty_like(tokens)
@@ -264,13 +270,13 @@ def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budg
     valid = torch.empty(R, N, dtype=torch.uint8, device=device)
     visible = torch.empty(R, N, N, dtype=torch.uint8, device=device)
     scratch = torch.empty(3, R, L * B, dtype=torch.int32, device=device)
-    bi = min(64, _next_pow2(N))
-    bj = min(256, _next_pow2(N))
+    bi = min(64, next_pow2(N))
+    bj = min(256, next_pow2(N))
     _kernel(interpreting())[(R,)](
         top_lp, top_idx.contiguous(), pairs, root_tokens.contiguous(), tokens, parents, depth,
         valid, visible, scratch, R, L=L, K=K, M=M, N=N, B=B, B_PAD=b_pad,
         LOG_B=b_pad.bit_length() - 1, M_PAD=m_pad, LOG_M=m_pad.bit_length() - 1,
-        N_PAD=_next_pow2(N), BI=bi, BJ=bj, num_warps=_num_warps(m_pad),
+        N_PAD=next_pow2(N), BI=bi, BJ=bj, num_warps=_num_warps(m_pad),
     )
     return DraftTree(tokens, parents, depth, valid.view(torch.bool), visible.view(torch.bool))
 

@@ -4,7 +4,7 @@
 exp-sum pass over [R, L, V]. Here the logits are read once:
 
 1. one program per (row, chunk of CHUNK tokens): the chunk's max, its sum of exp(x - max), and
-   its top K2 entries (K2 = K rounded up to a power of two);
+   its top K2 entries (K2 = K rounded up to a power of two, at least 2);
 2. one program per row: the logsumexp from the chunk partials, and the top K of the chunks'
    candidates.
 
@@ -70,7 +70,8 @@ def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
     if k > V or V >= INT32_MAX:
         raise ValueError(f"top-{k} of a vocabulary of {V}")
     x = logits.contiguous()
-    rows, k2 = R * L, next_pow2(k)
+    # K2 >= 2: Triton's top-k of one element reduces its hypercube to a scalar and fails to compile
+    rows, k2 = R * L, max(2, next_pow2(k))
     nc = -(-V // chunk)
     dev = logits.device
     keys = torch.empty(rows, nc, k2, dtype=torch.int64, device=dev)

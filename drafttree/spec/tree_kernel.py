@@ -21,41 +21,20 @@ before triton is first imported, the kernel runs (slowly) on CPU tensors.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from drafttree.triton_jit import interpreting, jit_kernel, kernels_run_on, next_pow2
 from drafttree.spec.tree import DraftTree, _pair_index, build_tree, check_tree_args, top_log_probs
 
 tl: Any = None  # triton.language, bound by jit_kernel()
-_KERNELS: dict[tuple[Callable[..., Any], bool], Callable[..., Any]] = {}
-_TRITON_OK: bool | None = None
 _PAIRS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 # Largest budget for which `available(device, budget)` prefers the kernel: on an H200 at
 # V = 151,936 and L = 15 it beat build_tree at budgets 32 and 128 but not at 512.
 MAX_FUSED_BUDGET = 128
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-def _triton_importable() -> bool:
-    global _TRITON_OK
-    if _TRITON_OK is None:
-        try:
-            import triton  # noqa: F401
-            _TRITON_OK = True
-        except ImportError:
-            _TRITON_OK = False
-    return _TRITON_OK
 
 
 def available(device: torch.device | str, budget: int | None = None) -> bool:
@@ -64,13 +43,9 @@ def available(device: torch.device | str, budget: int | None = None) -> bool:
 
     With `budget`, also whether the kernel is the faster choice (budget <= MAX_FUSED_BUDGET).
     """
-    dev = torch.device(device)
     if budget is not None and budget > MAX_FUSED_BUDGET:
         return False
-    cuda = dev.type == "cuda" and torch.cuda.is_available()
-    if not (cuda or (interpreting() and dev.type in ("cpu", "cuda"))):
-        return False
-    return _triton_importable()
+    return kernels_run_on(device)
 
 
 def _tree_kernel(lp_ptr, idx_ptr, pair_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr, valid_ptr,
@@ -212,20 +187,6 @@ def _tree_kernel(lp_ptr, idx_ptr, pair_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr,
                 hit = hit | (cur[:, None] == cols[None, :])
             tl.store(vis_ptr + pid * N * N + rows[:, None] * N + cols[None, :], hit.to(tl.uint8),
                      mask=(rows[:, None] < N) & (cols[None, :] < N))
-
-
-def jit_kernel(fn: Callable[..., Any], interpret: bool) -> Callable[..., Any]:
-    """`fn` as a Triton kernel (interpreted on CPU when `interpret`), made once. Triton is
-    imported here, on first use, and bound as `tl` in the kernel's own module."""
-    key = (fn, interpret)
-    if key not in _KERNELS:
-        import triton
-        import triton.language
-        from triton.runtime.interpreter import InterpretedFunction
-
-        fn.__globals__["tl"] = triton.language
-        _KERNELS[key] = (InterpretedFunction if interpret else triton.JITFunction)(fn)
-    return _KERNELS[key]
 
 
 def _kernel(interpret: bool) -> Callable[..., Any]:

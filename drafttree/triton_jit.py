@@ -1,0 +1,57 @@
+"""Triton, optional and imported on first use, for the hand-written kernels.
+
+With TRITON_INTERPRET=1 set before triton is first imported, kernels run (slowly) on CPU
+tensors: that is how CI tests them.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_KERNELS: dict[tuple[Callable[..., Any], bool], Callable[..., Any]] = {}
+_TRITON_OK: bool | None = None
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def triton_importable() -> bool:
+    global _TRITON_OK
+    if _TRITON_OK is None:
+        try:
+            import triton  # noqa: F401
+            _TRITON_OK = True
+        except ImportError:
+            _TRITON_OK = False
+    return _TRITON_OK
+
+
+def kernels_run_on(device: torch.device | str) -> bool:
+    """CUDA with triton installed, or CPU/CUDA under TRITON_INTERPRET=1 (slow; for tests)."""
+    dev = torch.device(device)
+    cuda = dev.type == "cuda" and torch.cuda.is_available()
+    if not (cuda or (interpreting() and dev.type in ("cpu", "cuda"))):
+        return False
+    return triton_importable()
+
+
+def jit_kernel(fn: Callable[..., Any], interpret: bool) -> Callable[..., Any]:
+    """`fn` as a Triton kernel (interpreted on CPU when `interpret`), made once. Triton is
+    imported here, on first use, and bound as `tl` in the kernel's own module."""
+    key = (fn, interpret)
+    if key not in _KERNELS:
+        import triton
+        import triton.language
+        from triton.runtime.interpreter import InterpretedFunction
+
+        fn.__globals__["tl"] = triton.language
+        _KERNELS[key] = (InterpretedFunction if interpret else triton.JITFunction)(fn)
+    return _KERNELS[key]

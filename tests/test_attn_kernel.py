@@ -1,0 +1,81 @@
+"""The few-row attention kernel against softmax attention in torch, and on the decode path.
+
+Without CUDA the kernel runs under the Triton interpreter on CPU (set up by test_tree_kernel).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_tree_kernel import _CPU, DEVICE, triton  # noqa: F401  (interpreter set-up)
+from drafttree.models import attn_kernel
+from tests.test_spec_lossless import zoo  # noqa: F401  (fixture)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    if _CPU:
+        if type(triton.language.standard.flip).__name__ != "InterpretedFunction":
+            pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(attn_kernel, "ENABLED", True)
+
+
+def reference(q, k, v, mask, scale):
+    B, Hkv, M, hd = q.shape
+    W = mask.shape[2]
+    grouped = mask.expand(B, M // W, W, mask.shape[-1]).reshape(B, 1, M, -1)
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    return (s.masked_fill(~grouped, float("-inf")).softmax(-1) @ v.double())
+
+
+@pytest.mark.parametrize("B,Hkv,g,W,L,hd", [
+    (1, 2, 4, 1, 200, 16),     # decode, several splits, a ragged last block
+    (3, 1, 2, 33, 130, 32),    # verify-wide: 66 rows take two row blocks
+    (2, 2, 1, 5, 64, 16),      # one key block
+    (1, 1, 3, 7, 700, 64),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_softmax_attention(B, Hkv, g, W, L, hd, dtype):
+    if dtype == torch.bfloat16 and _CPU:
+        pytest.skip("bf16 dots are a GPU case")
+    gen = torch.Generator().manual_seed(B * 1000 + L)
+    rows, max_len = B + 2, L + 50   # the kernel reads views of a larger cache
+    k_cache = torch.randn(rows, Hkv, max_len, hd, generator=gen).to(dtype).to(DEVICE)
+    v_cache = torch.randn(rows, Hkv, max_len, hd, generator=gen).to(dtype).to(DEVICE)
+    q = torch.randn(B, Hkv, g * W, hd, generator=gen).to(dtype).to(DEVICE)
+    mask = torch.rand(B, 1, W, L, generator=gen) < 0.3
+    mask[..., L // 2:] = False                          # whole blocks nobody sees
+    mask[:, :, torch.arange(W), torch.arange(W) * 3 % L] = True   # every row sees something
+    mask = mask.to(DEVICE)
+    k, v = k_cache[:B, :, :L], v_cache[:B, :, :L]
+    out = attn_kernel.few_row_attention(q, k, v, mask, hd ** -0.5)
+    want = reference(q, k, v, mask, hd ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+def test_refuses_a_mask_that_does_not_fit():
+    q = torch.zeros(1, 1, 6, 16, device=DEVICE)
+    k = torch.zeros(1, 1, 32, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="few_row_attention"):
+        attn_kernel.few_row_attention(q, k, k, torch.ones(1, 1, 4, 32, dtype=torch.bool, device=DEVICE), 1.0)
+
+
+@pytest.mark.parametrize("spec,budget", [("none", None), ("ddtree", 4)])
+def test_decode_through_the_kernel_is_lossless(zoo, monkeypatch, spec, budget):
+    """Decode, draft and verify through the kernel give plain greedy's tokens."""
+    from drafttree.llm import LLM
+    from drafttree.models import layers
+    from tests.test_spec_lossless import greedy, make_prompts
+    pair = zoo("qwen3")
+    prompts = make_prompts(pair.vocab)[:2]
+    want = [pair.plain(p, 8) for p in prompts]
+    ran = []
+    monkeypatch.setattr(layers, "few_rows", lambda q: True)
+    real = attn_kernel.few_row_attention
+    monkeypatch.setattr(attn_kernel, "few_row_attention", lambda *a: ran.append(1) or real(*a))
+    llm = LLM(model=str(pair.target), draft_model=None if spec == "none" else str(pair.drafter), spec=spec,
+              budget=budget, device=DEVICE, dtype="float32", max_num_seqs=2, max_model_len=128)
+    assert [o.token_ids for o in llm.generate(prompts, greedy(8))] == want
+    assert ran

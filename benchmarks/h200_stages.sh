@@ -3,10 +3,11 @@
 # the 98 MB GGUF is uploaded in two halves, one with each of the first two stages; the shipped
 # drafter is kept out of the uploaded tree for these calls so that a half fits beside it).
 # Each stage writes at most 8 files into $OUT.
-#   graphs : needs .parts/gguf.part.00. GPU 0: the CUDA-graph GPU tests, then the tree-kernel,
-#            tree and fused-op GPU tests; GPU 1: per-phase latency, eager vs graphed, on
-#            random-weight Qwen3-8B (batch 1 and 16) and SmolLM2-135M shapes, Qwen3-8B again without
-#            the Triton attention, then kernel profiles of a graphed decode step and DDTree round.
+#   graphs : keeps .parts/gguf.part.00, if carried, for regen. GPU 0: the CUDA-graph GPU tests,
+#            then the tree-kernel, tree, fused-op and attention-kernel GPU tests (KERNEL_TESTS=<files>
+#            narrows them); GPU 1: per-phase latency, eager vs graphed, on random-weight Qwen3-8B
+#            (batch 1 and 16) and SmolLM2-135M shapes, Qwen3-8B again without the Triton
+#            attention (DRAFTTREE_ATTN_KERNEL=0), the attention kernel alone, then kernel profiles of a graphed decode step and DDTree round.
 #   regen  : needs .parts/gguf.part.01, .parts/gguf.sha256, runs/smollm2-dflash (prompt files).
 #            Assembles the GGUF; regenerates responses, one shard per GPU, and brings them back
 #            xz-compressed. With .parts/responses.jsonl.xz.* carried, it unpacks those instead.
@@ -37,7 +38,7 @@ case "${1:?stage}" in
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
       python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
     ( on 0 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
-      on 0 python3 -m pytest tests/test_tree_kernel.py tests/test_tree.py tests/test_fused.py tests/test_attn_kernel.py -q -p no:cacheprovider \
+      on 0 python3 -m pytest ${KERNEL_TESTS:-tests/test_tree_kernel.py tests/test_tree.py tests/test_fused.py tests/test_attn_kernel.py} -q -p no:cacheprovider \
         > "$OUT/gpu_tests_kernels.log" 2>&1 ) &
     # "attn0": the same with DRAFTTREE_ATTN_KERNEL=0 (cuBLAS + fused softmax instead of the
     # Triton few-row attention), for the A/B
@@ -53,6 +54,7 @@ case "${1:?stage}" in
             2>> "$OUT/phases_err.log" || echo "FAILED $name" >> "$OUT/phases_err.log"
         done
       done
+      on 1 timeout 120 python3 benchmarks/attn_kernel_bench.py > "$OUT/attn_kernel_bench.txt" 2>&1
       for spec in none ddtree; do
         on 1 timeout 120 python3 benchmarks/profile_decode.py qwen3-8b $spec > "$OUT/profile_$spec.txt" 2>&1
       done ) &
@@ -66,6 +68,7 @@ for k, r in out.items():
           "\n  graph", {a: round(b, 3) for a, b in r["graph_ms"].items()})
 PY
     tail -n 3 "$OUT/gpu_tests.log" "$OUT/gpu_tests_kernels.log"; grep -h "^FAILED" "$OUT"/gpu_tests*.log
+    cat "$OUT/attn_kernel_bench.txt"
     for spec in none ddtree; do head -1 "$OUT/profile_$spec.txt"; grep -A30 -- "-----" "$OUT/profile_$spec.txt" | cut -c1-100,180-240 | head -32; done ;;
 
   regen)

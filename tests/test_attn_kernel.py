@@ -79,3 +79,20 @@ def test_decode_through_the_kernel_is_lossless(zoo, monkeypatch, spec, budget):
               budget=budget, device=DEVICE, dtype="float32", max_num_seqs=2, max_model_len=128)
     assert [o.token_ids for o in llm.generate(prompts, greedy(8))] == want
     assert ran
+
+
+def test_write_kv_matches_index_put():
+    """One launch for K and V, against the indexed assignment, with V a strided view (as from the
+    fused QKV projection) and rows that are not 0..B-1."""
+    gen = torch.Generator().manual_seed(3)
+    B, W, Hkv, hd, rows_n, L = 3, 5, 3, 16, 6, 40
+    k = torch.randn(B, W, Hkv, hd, generator=gen).to(DEVICE)
+    v = torch.randn(B, W, 2 * Hkv, hd, generator=gen).to(DEVICE)[:, :, Hkv:]
+    rows = torch.tensor([[4], [0], [2]], device=DEVICE)
+    slots = torch.stack([torch.randperm(L, generator=gen)[:W] for _ in range(B)]).to(DEVICE)
+    kc, vc = torch.zeros(2, rows_n, Hkv, L, hd, device=DEVICE)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k[rows, :, slots] = k
+    want_v[rows, :, slots] = v
+    attn_kernel.write_kv(kc, vc, rows, slots, k, v)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)

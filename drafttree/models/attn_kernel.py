@@ -1,5 +1,5 @@
 """Few-query-row attention (decode, draft, verify) over the head-major KV cache, in two Triton
-launches: split-K flash-decoding, then a merge of the splits.
+launches: split-K flash-decoding, then a merge of the splits; and the KV write before it in one.
 
 Replaces QKᵀ, the masked softmax and PV (three kernels, and a [rows, L] score matrix written to
 and read back from memory) at every layer of every decode, draft and verify step. Key blocks
@@ -25,13 +25,16 @@ tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 ENABLED = os.environ.get("DRAFTTREE_ATTN_KERNEL", "1") != "0"
 BLOCK_N = 64          # keys per inner step
 MAX_BLOCK_M = 64      # query rows per program; more rows take more programs
-# Keys per split program: a fixed number, so that the split kernel compiles once per model and
-# row block, whatever the KV bucket; a 1,024-slot bucket at batch 1 makes 4 splits per KV head.
-SPLIT_LEN = 4 * BLOCK_N
+# Splits are sized so that a launch has about TARGET_PROGRAMS programs: a decode at batch 1 has
+# only Hkv programs per split, and one program's key blocks run one after another (a block's
+# mask, then its K and V, then the dots), so few long programs are latency-bound. Blocks per
+# split is a power of two up to MAX_SPLIT_BLOCKS: a handful of compiled variants per model.
+TARGET_PROGRAMS = 264  # two waves of an H200's 132 SMs
+MAX_SPLIT_BLOCKS = 16
 
 
 def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, M, W, L, NS, NMB,
-                  skr, skh, skl, svr, svh, svl, smb, smw, scale, S_LEN: tl.constexpr,
+                  skr, skh, skl, svr, svh, svl, smb, smw, scale, SPLIT_BLOCKS: tl.constexpr,
                   HKV: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   PREC: tl.constexpr):
     pid, sp = tl.program_id(0), tl.program_id(1)
@@ -47,13 +50,14 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, M, W, L, NS, N
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, HD], tl.float32)
-    for j in range(0, S_LEN, BN):   # S_LEN is whole blocks: splits do not overlap
-        n = sp * S_LEN + j + tl.arange(0, BN)
+    for j in range(SPLIT_BLOCKS):   # splits are whole blocks and do not overlap
+        n = (sp * SPLIT_BLOCKS + j) * BN + tl.arange(0, BN)
         n_ok = n < L
         vis = tl.load(mask_ptr + b * smb + w[:, None] * smw + n[None, :],
                       mask=m_ok[:, None] & n_ok[None, :], other=0) != 0
         if tl.max(tl.max(vis.to(tl.int32), 1), 0) > 0:   # a block no row sees is not read
             k = tl.load(k_base + n[:, None] * skl + d[None, :], mask=n_ok[:, None], other=0.0)
+            v = tl.load(v_base + n[:, None] * svl + d[None, :], mask=n_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -61,11 +65,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, M, W, L, NS, N
             alpha = tl.exp(m_i - m_ref)
             p = tl.exp(s - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + n[:, None] * svl + d[None, :], mask=n_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
             m_i = m_new
     part = (bh * NS + sp) * M + m
-    tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=m_ok[:, None])
+    seen = m_ok & (m_i > float("-inf"))   # the merge reads acc only where the split saw a key
+    tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=seen[:, None])
     tl.store(ml_ptr + part * 2, m_i, mask=m_ok)
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=m_ok)
 
@@ -81,16 +85,53 @@ def _merge_kernel(acc_ptr, ml_ptr, o_ptr, M, NS, NS_PAD: tl.constexpr, HD: tl.co
     top = tl.max(m_s, 0)
     f = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - top))
     d = tl.arange(0, HD)
-    acc = tl.load(acc_ptr + part[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0)
+    acc = tl.load(acc_ptr + part[:, None] * HD + d[None, :], mask=(f > 0)[:, None], other=0.0)
     out = tl.sum(f[:, None] * acc, 0) / tl.sum(f * l_s, 0)
     tl.store(o_ptr + row * HD + d, out.to(o_ptr.dtype.element_ty))
 
 
+def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, row_ptr, slot_ptr, W, HKV,
+                     skb, skw, skh, svb, svw, svh, kcr, kch, kcl, vcr, vch, vcl,
+                     HKV_PAD: tl.constexpr, HD: tl.constexpr):
+    t = tl.program_id(0)   # token (b, i) of the forward, t = b * W + i
+    b, i = t // W, t % W
+    row = tl.load(row_ptr + b).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, HKV_PAD)[:, None]
+    d = tl.arange(0, HD)[None, :]
+    ok = h < HKV
+    k = tl.load(k_ptr + b * skb + i * skw + h * skh + d, mask=ok)
+    v = tl.load(v_ptr + b * svb + i * svw + h * svh + d, mask=ok)
+    tl.store(kc_ptr + row * kcr + h * kch + slot * kcl + d, k, mask=ok)
+    tl.store(vc_ptr + row * vcr + h * vch + slot * vcl + d, v, mask=ok)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """k_cache[rows[b], :, slots[b, i]] = k[b, i] and the same for v, in one launch.
+    Caches [rows, Hkv, max_len, hd]; k, v [B, W, Hkv, hd] (last dim contiguous); rows [B, 1]."""
+    B, W, Hkv, hd = k.shape
+    slots = slots.contiguous()
+    jit_kernel(_kv_write_kernel, interpreting())[(B * W,)](
+        k, v, k_cache, v_cache, rows.reshape(B).contiguous(), slots, W, Hkv,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HKV_PAD=next_pow2(Hkv), HD=hd, num_warps=1)
+
+
 def usable(q: torch.Tensor) -> bool:
-    """Whether `few_row_attention` runs for q [B, Hkv, M, hd]: enabled, Triton there, and a
-    head dim `tl.dot` takes (a power of two, at least 16)."""
+    """Whether `few_row_attention` and `write_kv` run for q (or k) [..., hd]: enabled, Triton
+    there, and a head dim `tl.dot` takes (a power of two, at least 16)."""
     hd = q.shape[-1]
     return ENABLED and hd >= 16 and hd == next_pow2(hd) and kernels_run_on(q.device)
+
+
+def plan_split_blocks(programs: int, L: int) -> int:
+    """Key blocks per split for `programs` (batch x KV heads x row blocks) over L keys."""
+    blocks = -(-L // BLOCK_N)
+    per_split = -(-blocks * programs // TARGET_PROGRAMS)
+    return min(MAX_SPLIT_BLOCKS, next_pow2(per_split))
 
 
 def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -105,7 +146,8 @@ def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     mask = mask.contiguous().view(torch.uint8)
     bm = min(MAX_BLOCK_M, max(16, next_pow2(M)))
     nmb = -(-M // bm)
-    ns = -(-L // SPLIT_LEN)
+    split_blocks = plan_split_blocks(B * Hkv * nmb, L)
+    ns = -(-L // (split_blocks * BLOCK_N))
     acc = torch.empty(B * Hkv * ns * M, hd, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * Hkv * ns * M, 2, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -113,7 +155,7 @@ def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     jit_kernel(_split_kernel, interpret)[(B * Hkv * nmb, ns)](
         q, k, v, mask, acc, ml, M, W, L, ns, nmb,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        mask.stride(0), mask.stride(2), scale, S_LEN=SPLIT_LEN, HKV=Hkv, HD=hd, BM=bm, BN=BLOCK_N,
+        mask.stride(0), mask.stride(2), scale, SPLIT_BLOCKS=split_blocks, HKV=Hkv, HD=hd, BM=bm, BN=BLOCK_N,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)  # fp32 stays fp32
     jit_kernel(_merge_kernel, interpret)[(B * Hkv * M,)](acc, ml, out, M, ns, NS_PAD=max(2, next_pow2(ns)),
                                                          HD=hd, num_warps=2)

@@ -127,8 +127,7 @@ class DFlashDrafter(nn.Module):
         rows = torch.arange(ctx.shape[0], device=ctx.device)[:, None]
         for i, layer in enumerate(self.layers):
             _, k, v = layer.self_attn.project(ctx)
-            write_kv(k_cache[i], rows, ctx_pos, apply_rope(k, cos, sin))
-            write_kv(v_cache[i], rows, ctx_pos, v)
+            write_kv(k_cache[i], v_cache[i], rows, ctx_pos, apply_rope(k, cos, sin), v)
 
     def draft_logits(self, hidden: torch.Tensor, depth: int | None = None) -> torch.Tensor:
         """Block positions 1..depth (default bs-1) predict the tokens at those same positions:

@@ -122,9 +122,14 @@ class AttnMeta:
         return self._grouped[g]
 
 
-def write_kv(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """cache [rows, Hkv, max_len, hd]; x [B, W, Hkv, hd] goes to cache[rows[b], :, slots[b, i]]."""
-    cache[rows, :, slots] = x
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Caches [rows, Hkv, max_len, hd]; k, v [B, W, Hkv, hd] go to cache[rows[b], :, slots[b, i]]."""
+    if attn_kernel.usable(k) and k.stride(-1) == 1 and v.stride(-1) == 1:
+        attn_kernel.write_kv(k_cache, v_cache, rows, slots, k, v)
+    else:
+        k_cache[rows, :, slots] = k
+        v_cache[rows, :, slots] = v
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
@@ -136,8 +141,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     made torch copy it for every batch above 1 (benchmarks/attn_layouts.py: 8x slower at batch 16).
     """
     B, W, H, hd = q.shape
-    write_kv(k_cache, meta.rows, meta.slots, k)
-    write_kv(v_cache, meta.rows, meta.slots, v)
+    write_kv(k_cache, v_cache, meta.rows, meta.slots, k, v)
     L = meta.kv_len
     kc = k_cache[:B, :, :L]  # [B, Hkv, L, hd], a view
     vc = v_cache[:B, :, :L]

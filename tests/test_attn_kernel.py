@@ -55,6 +55,18 @@ def test_matches_softmax_attention(B, Hkv, g, W, L, hd, dtype):
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
+def test_split_plan():
+    """About TARGET_PROGRAMS programs where the batch is small, whole chunks where it is large,
+    and never more than MAX_SPLITS splits to merge, however long the context."""
+    bn = attn_kernel.BLOCK_N
+    assert attn_kernel.plan_split_blocks(8, 1024) == 1                  # batch 1: 16 splits
+    assert attn_kernel.plan_split_blocks(384, 1024) == attn_kernel.MAX_SPLIT_BLOCKS
+    for programs in (1, 8, 384):
+        for L in (64, 1024, 2048, 65536, 131072, 1 << 20):
+            per = attn_kernel.plan_split_blocks(programs, L)
+            assert per & (per - 1) == 0 and -(-L // (per * bn)) <= attn_kernel.MAX_SPLITS
+
+
 def test_refuses_a_mask_that_does_not_fit():
     q = torch.zeros(1, 1, 6, 16, device=DEVICE)
     k = torch.zeros(1, 1, 32, 16, device=DEVICE)

@@ -31,6 +31,7 @@ MAX_BLOCK_M = 64      # query rows per program; more rows take more programs
 # split is a power of two up to MAX_SPLIT_BLOCKS: a handful of compiled variants per model.
 TARGET_PROGRAMS = 264  # two waves of an H200's 132 SMs
 MAX_SPLIT_BLOCKS = 16
+MAX_SPLITS = 64       # the merge holds [splits, hd] partials per query row
 
 
 def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, M, W, L, NS, NMB,
@@ -128,10 +129,11 @@ def usable(q: torch.Tensor) -> bool:
 
 
 def plan_split_blocks(programs: int, L: int) -> int:
-    """Key blocks per split for `programs` (batch x KV heads x row blocks) over L keys."""
+    """Key blocks per split for `programs` (batch x KV heads x row blocks) over L keys; past
+    MAX_SPLITS splits (very long contexts) the splits grow, so that the merge stays small."""
     blocks = -(-L // BLOCK_N)
     per_split = -(-blocks * programs // TARGET_PROGRAMS)
-    return min(MAX_SPLIT_BLOCKS, next_pow2(per_split))
+    return max(min(MAX_SPLIT_BLOCKS, next_pow2(per_split)), next_pow2(-(-blocks // MAX_SPLITS)))
 
 
 def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -6,29 +6,11 @@ the one-launch KV write against two indexed assignments; each timed as a CUDA gr
 """
 import torch
 
+from drafttree.bench.graph_timer import graphed_us
 from drafttree.models import attn_kernel, layers
 
 Hkv, g, hd, L, SEEN = 8, 4, 128, 1024, 513
 dev, dt = "cuda", torch.bfloat16
-
-
-def graphed_us(fn, n: int = 50) -> float:
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (10 * n)
 
 
 print(f"{'shape':>22} {'cuBLAS+softmax':>15} " + " ".join(f"{'tgt ' + str(t):>9}" for t in (132, 264, 528, 1056))

@@ -5,41 +5,22 @@ logits [R, 15, 151,936] bf16; each timed as a CUDA graph of 20 calls. Outputs mu
 """
 import torch
 
+from drafttree.bench.graph_timer import graphed_us
 from drafttree.spec.topk_kernel import top_log_probs_fused
 from drafttree.spec.tree import chunked_topk
 
 CHUNKS = (512, 1024, 2048, 4096, 8192)
 
-
-def graphed_us(fn, n: int = 20) -> float:
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (10 * n)
-
-
 print(f"{'R':>3} {'k':>4} {'torch topk':>11} " + " ".join(f"{'chunk ' + str(c):>11}" for c in CHUNKS) + "  (us per call)")
 for R, k in ((1, 8), (1, 32), (1, 128), (16, 8), (16, 32)):
     x = torch.randn(R, 15, 151936, device="cuda").to(torch.bfloat16)
     ref = top_log_probs_fused(x, k)
-    row = [graphed_us(lambda: chunked_topk(x.float(), k))]
+    row = [graphed_us(lambda: chunked_topk(x.float(), k), 20)]
     for c in CHUNKS:
         try:   # small chunks give the merge program many candidates: it may not compile
             lp, idx = top_log_probs_fused(x, k, chunk=c)
             assert torch.equal(idx, ref[1]) and torch.allclose(lp, ref[0], atol=1e-5), c
-            row.append(graphed_us(lambda c=c: top_log_probs_fused(x, k, chunk=c)))
+            row.append(graphed_us(lambda c=c: top_log_probs_fused(x, k, chunk=c), 20))
         except Exception as e:  # noqa: BLE001
             print(f"R={R} k={k} chunk={c}: {type(e).__name__}")
             row.append(float("nan"))

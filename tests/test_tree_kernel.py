@@ -157,23 +157,8 @@ def test_availability_and_fallback() -> None:
 
 
 def graphed_us(fn, iters: int = 200) -> tuple[float, DraftTree]:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters, out
+    from drafttree.bench.graph_timer import graphed
+    return graphed(fn, n=1, replays=iters)
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ tensors: that is how CI tests them.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +42,20 @@ def kernels_run_on(device: torch.device | str) -> bool:
     if not (cuda or (interpreting() and dev.type in ("cpu", "cuda"))):
         return False
     return triton_importable()
+
+
+@functools.lru_cache(maxsize=None)
+def _ampere_or_newer(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def dots_run_on(device: torch.device | str) -> bool:
+    """`kernels_run_on`, for kernels with `tl.dot` in 16-bit floats: on CUDA, Ampere or newer
+    (older GPUs keep the torch ops)."""
+    dev = torch.device(device)
+    if not kernels_run_on(dev):
+        return False
+    return dev.type != "cuda" or interpreting() or _ampere_or_newer(dev.index)
 
 
 def jit_kernel(fn: Callable[..., Any], interpret: bool) -> Callable[..., Any]:

@@ -108,3 +108,14 @@ def test_write_kv_matches_index_put():
     want_v[rows, :, slots] = v
     attn_kernel.write_kv(kc, vc, rows, slots, k, v)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+def test_kernels_keep_off_gpus_older_than_ampere(monkeypatch):
+    """bf16 tl.dot needs sm80+: an older CUDA device keeps the torch ops, without a compile error."""
+    from drafttree import triton_jit
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(triton_jit, "kernels_run_on", lambda device: True)
+    monkeypatch.setattr(triton_jit, "_ampere_or_newer", lambda index: False)
+    assert not triton_jit.dots_run_on("cuda:0")
+    monkeypatch.setattr(triton_jit, "_ampere_or_newer", lambda index: True)
+    assert triton_jit.dots_run_on("cuda:0")

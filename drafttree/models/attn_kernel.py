@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from drafttree.triton_jit import interpreting, jit_kernel, kernels_run_on, next_pow2
+from drafttree.triton_jit import dots_run_on, interpreting, jit_kernel, next_pow2
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -123,9 +123,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, s
 
 def usable(q: torch.Tensor) -> bool:
     """Whether `few_row_attention` and `write_kv` run for q (or k) [..., hd]: enabled, Triton
-    there, and a head dim `tl.dot` takes (a power of two, at least 16)."""
+    there (Ampere or newer on CUDA), and a head dim `tl.dot` takes (a power of two, at least 16)."""
     hd = q.shape[-1]
-    return ENABLED and hd >= 16 and hd == next_pow2(hd) and kernels_run_on(q.device)
+    return ENABLED and hd >= 16 and hd == next_pow2(hd) and dots_run_on(q.device)
 
 
 def plan_split_blocks(programs: int, L: int) -> int:

@@ -7,17 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_tree_kernel import _CPU, DEVICE, triton  # noqa: F401  (interpreter set-up)
+from tests.test_tree_kernel import _CPU, DEVICE, interpreted_on_cpu
 from drafttree.models import attn_kernel
 from tests.test_spec_lossless import zoo  # noqa: F401  (fixture)
 
 
 @pytest.fixture(autouse=True)
 def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    if _CPU:
-        if type(triton.language.standard.flip).__name__ != "InterpretedFunction":
-            pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpreted_on_cpu(monkeypatch)
     monkeypatch.setattr(attn_kernel, "ENABLED", True)
 
 

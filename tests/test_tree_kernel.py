@@ -43,12 +43,17 @@ DEVICE = "cpu" if _CPU else "cuda"
 FIELDS = ("tokens", "parents", "depth", "valid", "visible")
 
 
-@pytest.fixture(autouse=True)
-def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
+def interpreted_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CUDA, run Triton kernels under the interpreter (skip if triton came in without it)."""
     if _CPU:
         if type(triton.language.standard.flip).__name__ != "InterpretedFunction":
             pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    interpreted_on_cpu(monkeypatch)
     assert available(DEVICE)
 
 

@@ -159,9 +159,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     return out.view(B, Hkv, g, W, hd).permute(0, 3, 1, 2, 4).reshape(B, W, H * hd)
 
 
-# Query rows (query heads per KV head x tokens) up to which CUDA attention runs as two matmuls and
-# a fused softmax. 256 covers DDTree's verify at budget 32 with 4 query heads per KV head (132 rows,
-# Qwen3-8B), which at the former 128 fell to SDPA's masked kernels.
+# Query rows (query heads per KV head x tokens) up to which CUDA attention takes the few-row path
+# (the Triton kernel, else two matmuls around a fused softmax) instead of SDPA. 256 covers DDTree's
+# verify at budget 32 with 4 query heads per KV head (132 rows, Qwen3-8B).
 FEW_ROWS = 256
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from drafttree.triton_jit import interpreting, kernels_run_on
+
 
 @dataclass
 class DraftTree:
@@ -105,9 +107,7 @@ MAX_FUSED_TOPK = 128
 
 def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best tokens per position and their log-probabilities, [R, L, k] each, descending."""
-    from drafttree.spec import tree_kernel
-    from drafttree.triton_jit import interpreting
-    if draft_logits.is_cuda and k <= MAX_FUSED_TOPK and tree_kernel.available(draft_logits.device):
+    if draft_logits.is_cuda and k <= MAX_FUSED_TOPK and kernels_run_on(draft_logits.device):
         from drafttree.spec.topk_kernel import top_log_probs_fused
         return top_log_probs_fused(draft_logits, k, interpret=interpreting())
     logits = draft_logits.float()

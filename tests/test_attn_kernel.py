@@ -19,11 +19,15 @@ def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def reference(q, k, v, mask, scale):
-    B, Hkv, M, hd = q.shape
-    W = mask.shape[2]
-    grouped = mask.expand(B, M // W, W, mask.shape[-1]).reshape(B, 1, M, -1)
-    s = (q.double() @ k.double().transpose(-1, -2)) * scale
-    return (s.masked_fill(~grouped, float("-inf")).softmax(-1) @ v.double())
+    """q [B, W, H, hd] token-major, as the kernel takes it; the same layout out."""
+    B, W, H, hd = q.shape
+    Hkv = k.shape[1]
+    g = H // Hkv
+    qg = q.view(B, W, Hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * W, hd)
+    grouped = mask.expand(B, g, W, mask.shape[-1]).reshape(B, 1, g * W, -1)
+    s = (qg.double() @ k.double().transpose(-1, -2)) * scale
+    out = s.masked_fill(~grouped, float("-inf")).softmax(-1) @ v.double()
+    return out.view(B, Hkv, g, W, hd).permute(0, 3, 1, 2, 4).reshape(B, W, H, hd)
 
 
 @pytest.mark.parametrize("B,Hkv,g,W,L,hd", [
@@ -40,7 +44,9 @@ def test_matches_softmax_attention(B, Hkv, g, W, L, hd, dtype):
     rows, max_len = B + 2, L + 50   # the kernel reads views of a larger cache
     k_cache = torch.randn(rows, Hkv, max_len, hd, generator=gen).to(dtype).to(DEVICE)
     v_cache = torch.randn(rows, Hkv, max_len, hd, generator=gen).to(dtype).to(DEVICE)
-    q = torch.randn(B, Hkv, g * W, hd, generator=gen).to(dtype).to(DEVICE)
+    # q strided as a slice of a fused QKV projection's output
+    qkv = torch.randn(B, W, (g + 2) * Hkv, hd, generator=gen).to(dtype).to(DEVICE)
+    q = qkv[:, :, :g * Hkv]
     mask = torch.rand(B, 1, W, L, generator=gen) < 0.3
     mask[..., L // 2:] = False                          # whole blocks nobody sees
     mask[:, :, torch.arange(W), torch.arange(W) * 3 % L] = True   # every row sees something
@@ -49,6 +55,7 @@ def test_matches_softmax_attention(B, Hkv, g, W, L, hd, dtype):
     out = attn_kernel.few_row_attention(q, k, v, mask, hd ** -0.5)
     want = reference(q, k, v, mask, hd ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.shape == (B, W, g * Hkv, hd) and out.is_contiguous()
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
@@ -65,7 +72,7 @@ def test_split_plan():
 
 
 def test_refuses_a_mask_that_does_not_fit():
-    q = torch.zeros(1, 1, 6, 16, device=DEVICE)
+    q = torch.zeros(1, 6, 2, 16, device=DEVICE)
     k = torch.zeros(1, 1, 32, 16, device=DEVICE)
     with pytest.raises(ValueError, match="few_row_attention"):
         attn_kernel.few_row_attention(q, k, k, torch.ones(1, 1, 4, 32, dtype=torch.bool, device=DEVICE), 1.0)
@@ -81,7 +88,7 @@ def test_decode_through_the_kernel_is_lossless(zoo, monkeypatch, spec, budget):
     prompts = make_prompts(pair.vocab)[:2]
     want = [pair.plain(p, 8) for p in prompts]
     ran = []
-    monkeypatch.setattr(layers, "few_rows", lambda q: True)
+    monkeypatch.setattr(layers, "few_rows", lambda q, rows: True)
     real = attn_kernel.few_row_attention
     monkeypatch.setattr(attn_kernel, "few_row_attention", lambda *a: ran.append(1) or real(*a))
     llm = LLM(model=str(pair.target), draft_model=None if spec == "none" else str(pair.drafter), spec=spec,

@@ -6,8 +6,9 @@ and read back from memory) at every layer of every decode, draft and verify step
 that no query row may see are skipped, so a graph captured at a 2,048-slot bucket reads only
 the cache a request has filled.
 
-Layout (see `layers.cached_attention`): q [B, Hkv, M, hd], where the M = g * W query rows of a
-KV head are its g query heads times W tokens, row m being token m % W; the cache is
+Layout: q and the output stay token-major, [B, W, H, hd], as the projections make and take
+them (no permute copies); a KV head's M = g * W query rows are its g query heads times W
+tokens, row m being token m % W of query head h * g + m // W. The cache is
 [rows, Hkv, max_len, hd]; mask [B, 1, W, L] bool, True where a token may see a cache entry.
 """
 from __future__ import annotations
@@ -34,8 +35,9 @@ MAX_SPLIT_BLOCKS = 16
 MAX_SPLITS = 64       # the merge holds [splits, hd] partials per query row
 
 
-def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, M, W, L, NS, NMB,
-                  skr, skh, skl, svr, svh, svl, smb, smw, scale, SPLIT_BLOCKS: tl.constexpr,
+def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, M, W, G, L, NS, NMB,
+                  sqb, sqw, sqh, skr, skh, skl, svr, svh, svl, smb, smw, scale,
+                  SPLIT_BLOCKS: tl.constexpr,
                   HKV: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   PREC: tl.constexpr):
     pid, sp = tl.program_id(0), tl.program_id(1)
@@ -44,8 +46,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, M, W, L, NS, N
     m = mb * BM + tl.arange(0, BM)
     m_ok = m < M
     d = tl.arange(0, HD)
-    q = tl.load(q_ptr + (bh * M + m[:, None]) * HD + d[None, :], mask=m_ok[:, None], other=0.0)
-    w = m % W
+    w = m % W                     # row m is token w of query head h * G + m // W
+    q = tl.load(q_ptr + b * sqb + w[:, None] * sqw + (h * G + m[:, None] // W) * sqh + d[None, :],
+                mask=m_ok[:, None], other=0.0)
     k_base = k_ptr + b.to(tl.int64) * skr + h * skh
     v_base = v_ptr + b.to(tl.int64) * svr + h * svh
     m_i = tl.full([BM], float("-inf"), tl.float32)
@@ -75,9 +78,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, M, W, L, NS, N
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=m_ok)
 
 
-def _merge_kernel(acc_ptr, ml_ptr, o_ptr, M, NS, NS_PAD: tl.constexpr, HD: tl.constexpr):
+def _merge_kernel(acc_ptr, ml_ptr, o_ptr, M, W, G, HKV, NS, NS_PAD: tl.constexpr,
+                  HD: tl.constexpr):
     row = tl.program_id(0)          # (b * Hkv + h) * M + m
     bh, m = row // M, row % M
+    b, h = bh // HKV, bh % HKV
     sp = tl.arange(0, NS_PAD)
     part = (bh * NS + sp) * M + m
     ok = sp < NS
@@ -88,7 +93,8 @@ def _merge_kernel(acc_ptr, ml_ptr, o_ptr, M, NS, NS_PAD: tl.constexpr, HD: tl.co
     d = tl.arange(0, HD)
     acc = tl.load(acc_ptr + part[:, None] * HD + d[None, :], mask=(f > 0)[:, None], other=0.0)
     out = tl.sum(f[:, None] * acc, 0) / tl.sum(f * l_s, 0)
-    tl.store(o_ptr + row * HD + d, out.to(o_ptr.dtype.element_ty))
+    head = h * G + m // W            # out [B, W, H, hd], contiguous
+    tl.store(o_ptr + ((b * W + m % W) * HKV * G + head) * HD + d, out.to(o_ptr.dtype.element_ty))
 
 
 def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, row_ptr, slot_ptr, W, HKV,
@@ -138,13 +144,16 @@ def plan_split_blocks(programs: int, L: int) -> int:
 
 def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """softmax(q kᵀ * scale, masked) v for q [B, Hkv, M, hd]; k, v [B, Hkv, L, hd] views of the
-    cache (last dim contiguous); mask [B, 1, W, L] bool with M a multiple of W. -> [B, Hkv, M, hd]."""
-    B, Hkv, M, hd = q.shape
-    L, W = k.shape[2], mask.shape[2]
-    if M % W or mask.shape[-1] != L or k.stride(-1) != 1 or v.stride(-1) != 1:
+    """softmax(q kᵀ * scale, masked) v with grouped query heads, read and written token-major:
+    q [B, W, H, hd] (any strides, last dim contiguous); k, v [B, Hkv, L, hd] views of the cache
+    (last dim contiguous); mask [B, 1, W, L] bool. -> [B, W, H, hd], contiguous."""
+    B, W, H, hd = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    if H % Hkv or tuple(mask.shape) != (B, 1, W, L) or q.stride(-1) != 1 or k.stride(-1) != 1 \
+            or v.stride(-1) != 1:
         raise ValueError(f"few_row_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, mask {tuple(mask.shape)}")
-    q = q.contiguous()
+    G = H // Hkv
+    M = G * W
     mask = mask.contiguous().view(torch.uint8)
     bm = min(MAX_BLOCK_M, max(16, next_pow2(M)))
     nmb = -(-M // bm)
@@ -152,13 +161,14 @@ def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     ns = -(-L // (split_blocks * BLOCK_N))
     acc = torch.empty(B * Hkv * ns * M, hd, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * Hkv * ns * M, 2, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    out = torch.empty(B, W, H, hd, dtype=q.dtype, device=q.device)
     interpret = interpreting()
     jit_kernel(_split_kernel, interpret)[(B * Hkv * nmb, ns)](
-        q, k, v, mask, acc, ml, M, W, L, ns, nmb,
+        q, k, v, mask, acc, ml, M, W, G, L, ns, nmb, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), mask.stride(2), scale, SPLIT_BLOCKS=split_blocks, HKV=Hkv, HD=hd, BM=bm, BN=BLOCK_N,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)  # fp32 stays fp32
-    jit_kernel(_merge_kernel, interpret)[(B * Hkv * M,)](acc, ml, out, M, ns, NS_PAD=max(2, next_pow2(ns)),
+    jit_kernel(_merge_kernel, interpret)[(B * Hkv * M,)](acc, ml, out, M, W, G, Hkv, ns,
+                                                         NS_PAD=max(2, next_pow2(ns)),
                                                          HD=hd, num_warps=2)
     return out

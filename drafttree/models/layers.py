@@ -147,12 +147,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     vc = v_cache[:B, :, :L]
     Hkv = kc.shape[1]
     g = H // Hkv
+    scale = 1.0 / math.sqrt(hd)
+    if few_rows(q, g * W) and attn_kernel.usable(q):
+        return attn_kernel.few_row_attention(q, kc, vc, meta.mask, scale).view(B, W, H * hd)
     # GQA without repeating K/V: the g query heads of a group become g*W query rows.
     qg = q.view(B, W, Hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * W, hd)
-    scale = 1.0 / math.sqrt(hd)
-    if few_rows(qg) and attn_kernel.usable(qg):
-        out = attn_kernel.few_row_attention(qg, kc, vc, meta.mask, scale)
-    elif few_rows(qg):
+    if few_rows(qg, g * W):
         out = small_attention(qg, kc, vc, meta.grouped_mask(g), scale)
     else:
         out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.grouped_mask(g), scale=scale)
@@ -165,9 +165,10 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
 FEW_ROWS = 256
 
 
-def few_rows(q: torch.Tensor) -> bool:
-    """Whether attention takes the few-query-row path (decode, draft, verify on CUDA)."""
-    return q.is_cuda and q.shape[-2] <= FEW_ROWS
+def few_rows(q: torch.Tensor, rows: int) -> bool:
+    """Whether attention with `rows` query rows per KV head takes the few-query-row path
+    (decode, draft, verify on CUDA)."""
+    return q.is_cuda and rows <= FEW_ROWS
 
 
 def small_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

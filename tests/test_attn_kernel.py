@@ -78,15 +78,20 @@ def test_refuses_a_mask_that_does_not_fit():
         attn_kernel.few_row_attention(q, k, k, torch.ones(1, 1, 4, 32, dtype=torch.bool, device=DEVICE), 1.0)
 
 
-@pytest.mark.parametrize("spec,budget", [("none", None), ("ddtree", 4)])
-def test_decode_through_the_kernel_is_lossless(zoo, monkeypatch, spec, budget):
-    """Decode, draft and verify through the kernel give plain greedy's tokens."""
+@pytest.mark.parametrize("shape,spec,budget", [("qwen3", "none", None), ("qwen3", "ddtree", 4),
+                                               ("llama", "dflash", None)])
+def test_decode_through_the_kernels_is_lossless(zoo, monkeypatch, shape, spec, budget):
+    """Prefill's KV writes, and decode, draft and verify attention, through the kernels (q/k
+    norm where the shape has it, rope, KV write, attention) give plain greedy's tokens through
+    the torch ops."""
     from drafttree.llm import LLM
     from drafttree.models import layers
     from tests.test_spec_lossless import greedy, make_prompts
-    pair = zoo("qwen3")
+    pair = zoo(shape)
     prompts = make_prompts(pair.vocab)[:2]
-    want = [pair.plain(p, 8) for p in prompts]
+    with monkeypatch.context() as torch_ops:
+        torch_ops.setattr(attn_kernel, "ENABLED", False)
+        want = [pair.plain(p, 8) for p in prompts]
     ran = []
     monkeypatch.setattr(layers, "few_rows", lambda q, rows: True)
     real = attn_kernel.few_row_attention
@@ -123,3 +128,32 @@ def test_kernels_keep_off_gpus_older_than_ampere(monkeypatch):
     assert not triton_jit.dots_run_on("cuda:0")
     monkeypatch.setattr(triton_jit, "_ampere_or_newer", lambda index: True)
     assert triton_jit.dots_run_on("cuda:0")
+
+
+@pytest.mark.parametrize("heads,kv_heads,hd,norm", [(4, 2, 16, True), (3, 1, 32, False), (8, 8, 16, True)])
+def test_qk_rope_write_kv_matches_the_torch_ops(heads, kv_heads, hd, norm):
+    """q/k norm, rope and the cache write in one launch, against layers' torch ops."""
+    from drafttree.models import layers
+    from drafttree.models.rope_kernel import qk_rope_write_kv
+    gen = torch.Generator().manual_seed(heads * 10 + hd)
+    B, W, L = 2, 5, 24
+    qkv = torch.randn(B, W, (heads + 2 * kv_heads) * hd, generator=gen).to(DEVICE)
+    qw, kw = (1 + torch.randn(2, hd, generator=gen) / 4).to(DEVICE)
+    pos = torch.randint(0, 1000, (B, W), generator=gen).to(DEVICE)
+    ang = pos[..., None].float() * (1.0 / 10000 ** (torch.arange(0, hd, 2, device=DEVICE) / hd))
+    emb = torch.cat((ang, ang), -1)[:, :, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    rows = torch.tensor([[1], [0]], device=DEVICE)
+    slots = torch.stack([torch.randperm(L, generator=gen)[:W] for _ in range(B)]).to(DEVICE)
+    kc, vc = torch.zeros(2, 3, kv_heads, L, hd, device=DEVICE)
+    q = qk_rope_write_kv(qkv, heads, kv_heads, qw if norm else None, kw if norm else None, 1e-6, cos, sin,
+                         kc, vc, rows, slots)
+    wq, wk, wv = qkv.view(B, W, -1, hd).split([heads, kv_heads, kv_heads], dim=2)
+    if norm:
+        wq, wk = layers._rms_norm(wq, qw, 1e-6), layers._rms_norm(wk, kw, 1e-6)
+    wq, wk = layers._rope(wq, cos, sin), layers._rope(wk, cos, sin)
+    want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    want_k[rows, :, slots], want_v[rows, :, slots] = wk, wv
+    torch.testing.assert_close(q, wq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kc, want_k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(vc, want_v)

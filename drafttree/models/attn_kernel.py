@@ -127,10 +127,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, s
         HKV_PAD=next_pow2(Hkv), HD=hd, num_warps=1)
 
 
-def usable(q: torch.Tensor) -> bool:
-    """Whether `few_row_attention` and `write_kv` run for q (or k) [..., hd]: enabled, Triton
-    there (Ampere or newer on CUDA), and a head dim `tl.dot` takes (a power of two, at least 16)."""
-    hd = q.shape[-1]
+def usable(q: torch.Tensor, hd: int | None = None) -> bool:
+    """Whether the kernels here run for q (or k) [..., hd] (or any tensor on the device, with
+    `hd`): enabled, Triton there (Ampere or newer on CUDA), and a head dim `tl.dot` takes (a
+    power of two, at least 16)."""
+    hd = q.shape[-1] if hd is None else hd
     return ENABLED and hd >= 16 and hd == next_pow2(hd) and dots_run_on(q.device)
 
 

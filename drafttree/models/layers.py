@@ -11,6 +11,7 @@ from torch import nn
 from drafttree.config import ModelConfig
 from drafttree.models import attn_kernel
 from drafttree.models.fused import fused
+from drafttree.models.rope_kernel import qk_rope_write_kv
 
 
 class RMSNorm(nn.Module):
@@ -140,8 +141,13 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     heads fold into one batch stride and the matmuls read the cache in place: a token-major cache
     made torch copy it for every batch above 1 (benchmarks/attn_layouts.py: 8x slower at batch 16).
     """
-    B, W, H, hd = q.shape
     write_kv(k_cache, v_cache, meta.rows, meta.slots, k, v)
+    return attend(q, meta, k_cache, v_cache)
+
+
+def attend(q: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """The attention of `cached_attention` once K/V are in the cache: q [B, W, H, hd] -> [B, W, H*hd]."""
+    B, W, H, hd = q.shape
     L = meta.kv_len
     kc = k_cache[:B, :, :L]  # [B, Hkv, L, hd], a view
     vc = v_cache[:B, :, :L]
@@ -227,6 +233,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttnMeta,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        if attn_kernel.usable(x, self.hd):   # norm, rope and the KV write in one launch
+            norm = self.q_norm is not None
+            q = qk_rope_write_kv(self.qkv_proj(x), self.h, self.hkv, self.q_norm.weight if norm else None,
+                                 self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
+                                 *rope, k_cache, v_cache, meta.rows, meta.slots)
+            return self.o_proj(attend(q, meta, k_cache, v_cache))
         q, k, v = self._split(x)
         if self.q_norm is not None:
             q, k = norm_rope_qk(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope)

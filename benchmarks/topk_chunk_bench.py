@@ -1,20 +1,24 @@
-"""The vocabulary top-K kernel (`spec/topk_kernel.py`) at several chunk sizes, on DDTree's draft
-logits [R, 15, 151,936] bf16; each timed as a CUDA graph of 20 calls. Outputs must agree.
+"""The vocabulary top-K kernel (`spec/topk_kernel.py`) at several chunk sizes, with and without the
+group-maxima filter, on DDTree's draft logits [R, 15, 151,936] bf16; each timed as a CUDA graph
+of 20 calls. Outputs must agree.
 
     python benchmarks/topk_chunk_bench.py     (CUDA)
 """
 import torch
 
 from drafttree.bench.graph_timer import graphed_us
+from drafttree.spec import topk_kernel
 from drafttree.spec.topk_kernel import top_log_probs_fused
 from drafttree.spec.tree import chunked_topk
 
-CHUNKS = (512, 1024, 2048, 4096, 8192)
+CHUNKS = (1024, 2048, 4096, 8192)
 
-print(f"{'R':>3} {'k':>4} {'torch topk':>11} " + " ".join(f"{'chunk ' + str(c):>11}" for c in CHUNKS) + "  (us per call)")
-for R, k in ((1, 8), (1, 32), (1, 128), (16, 8), (16, 32)):
+print(f"{'filter':>6} {'R':>3} {'k':>4} {'torch topk':>11} " + " ".join(f"{'chunk ' + str(c):>11}" for c in CHUNKS) + "  (us per call)")
+for filtered, R, k in [(f, R, k) for R, k in ((1, 8), (1, 32), (16, 8), (1, 128)) for f in (True, False)]:
     x = torch.randn(R, 15, 151936, device="cuda").to(torch.bfloat16)
+    topk_kernel.FILTERED = False    # the reference: whole chunks sorted
     ref = top_log_probs_fused(x, k)
+    topk_kernel.FILTERED = filtered
     row = [graphed_us(lambda: chunked_topk(x.float(), k), 20)]
     for c in CHUNKS:
         try:   # small chunks give the merge program many candidates: it may not compile
@@ -24,4 +28,4 @@ for R, k in ((1, 8), (1, 32), (1, 128), (16, 8), (16, 32)):
         except Exception as e:  # noqa: BLE001
             print(f"R={R} k={k} chunk={c}: {type(e).__name__}")
             row.append(float("nan"))
-    print(f"{R:>3} {k:>4} " + " ".join(f"{t:11.1f}" for t in row), flush=True)
+    print(f"{filtered!s:>6} {R:>3} {k:>4} " + " ".join(f"{t:11.1f}" for t in row), flush=True)

@@ -184,11 +184,14 @@ def test_cuda_full_vocab_graphed(R: int) -> None:
 
 @pytest.mark.parametrize("V,k,chunk", [(1000, 8, 256), (777, 5, 128), (300, 32, 64), (50, 50, 64), (400, 1, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_topk_kernel_matches_a_stable_sort(V, k, chunk, dtype):
+@pytest.mark.parametrize("filtered", [True, False])
+def test_topk_kernel_matches_a_stable_sort(V, k, chunk, dtype, filtered, monkeypatch):
     """The two-launch top-K and normalizer: the k best ids, equal values to the smaller id first
     (coarse integer logits make many ties), log-probs against torch's log_softmax; -inf
     entries and a whole -inf chunk included."""
+    from drafttree.spec import topk_kernel
     from drafttree.spec.topk_kernel import top_log_probs_fused
+    monkeypatch.setattr(topk_kernel, "FILTERED", filtered)
     g = torch.Generator().manual_seed(V + k)
     x = torch.randint(-6, 6, (2, 3, V), generator=g).float().to(dtype)
     x[0, 0, :chunk] = float("-inf")
@@ -202,6 +205,27 @@ def test_topk_kernel_matches_a_stable_sort(V, k, chunk, dtype):
     finite = torch.isfinite(want_lp)
     assert torch.equal(finite, torch.isfinite(lp))
     torch.testing.assert_close(lp[finite], want_lp[finite], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k,chunk", [(8, 1024), (32, 512), (100, 2048)])
+def test_topk_kernel_filtered_path_on_distinct_logits(k, chunk):
+    """Distinct logits, where (checked here) every chunk has at most CAP entries at or above its
+    threshold, so the group-maxima filter, not the fallback sort, picks each chunk's top K."""
+    from drafttree.spec import topk_kernel
+    from drafttree.spec.topk_kernel import top_log_probs_fused
+    assert topk_kernel.FILTERED   # the default
+    V = 3 * chunk + 77
+    x = torch.randn(2, 2, V, generator=torch.Generator().manual_seed(k))
+    k2 = max(2, 1 << (k - 1).bit_length())
+    groups, cap = topk_kernel.filter_plan(k2, chunk)
+    padded = torch.cat([x, torch.full((2, 2, 4 * chunk - V), float("-inf"))], -1).view(2, 2, 4, chunk)
+    gmax = padded.view(2, 2, 4, -1, groups).amax(-2)       # group j: entries j, j + groups, ...
+    threshold = gmax.topk(k2, dim=-1).values[..., -1:]
+    assert (((padded >= threshold) & (padded > float("-inf"))).sum(-1) <= cap).all()
+    lp, idx = top_log_probs_fused(x.to(DEVICE), k, interpret=_CPU, chunk=chunk)
+    want_val, want_idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    assert torch.equal(idx.cpu(), want_idx[..., :k])
+    torch.testing.assert_close(lp.cpu(), want_val[..., :k] - torch.logsumexp(x, -1, keepdim=True))
 
 
 def test_topk_kernel_feeds_the_tree_builders():

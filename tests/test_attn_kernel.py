@@ -186,3 +186,9 @@ def test_decode_through_the_gemv_is_lossless(zoo, monkeypatch):
               device=DEVICE, dtype="float32", max_num_seqs=2, max_model_len=128)
     assert [o.token_ids for o in llm.generate(prompts, greedy(8))] == want
     assert ran
+
+
+def test_jit_kernel_refuses_an_unknown_argument_name():
+    from drafttree.triton_jit import jit_kernel
+    with pytest.raises(ValueError, match="no argument"):
+        jit_kernel(attn_kernel._merge_kernel, True, ("NOT_AN_ARG",))

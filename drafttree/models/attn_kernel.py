@@ -119,7 +119,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, s
     Caches [rows, Hkv, max_len, hd]; k, v [B, W, Hkv, hd] (last dim contiguous); rows [B, 1]."""
     B, W, Hkv, hd = k.shape
     slots = slots.contiguous()
-    jit_kernel(_kv_write_kernel, interpreting())[(B * W,)](
+    jit_kernel(_kv_write_kernel, interpreting(), ("W", "HKV"))[(B * W,)](
         k, v, k_cache, v_cache, rows.reshape(B).contiguous(), slots, W, Hkv,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -164,12 +164,12 @@ def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     ml = torch.empty(B * Hkv * ns * M, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(B, W, H, hd, dtype=q.dtype, device=q.device)
     interpret = interpreting()
-    jit_kernel(_split_kernel, interpret)[(B * Hkv * nmb, ns)](
+    jit_kernel(_split_kernel, interpret, ("M", "W", "G", "L", "NS", "NMB"))[(B * Hkv * nmb, ns)](
         q, k, v, mask, acc, ml, M, W, G, L, ns, nmb, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), mask.stride(2), scale, SPLIT_BLOCKS=split_blocks, HKV=Hkv, HD=hd, BM=bm, BN=BLOCK_N,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)  # fp32 stays fp32
-    jit_kernel(_merge_kernel, interpret)[(B * Hkv * M,)](acc, ml, out, M, W, G, Hkv, ns,
+    jit_kernel(_merge_kernel, interpret, ("M", "W", "G", "HKV", "NS"))[(B * Hkv * M,)](acc, ml, out, M, W, G, Hkv, ns,
                                                          NS_PAD=max(2, next_pow2(ns)),
                                                          HD=hd, num_warps=2)
     return out

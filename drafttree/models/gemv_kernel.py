@@ -78,10 +78,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     interpret = interpreting()
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    jit_kernel(_gemv_kernel, interpret)[(-(-N // BLOCK_N), splits)](
+    jit_kernel(_gemv_kernel, interpret, ("M",))[(-(-N // BLOCK_N), splits)](
         x2, weight, ws, M, N, K, x2.stride(0), weight.stride(0), K_SPLIT=k_split, BM=MAX_ROWS,
         BN=BLOCK_N, BK=BLOCK_K, PREC=prec, num_warps=4, num_stages=4)
-    jit_kernel(_reduce_kernel, interpret)[(-(-N // BLOCK_N),)](
+    jit_kernel(_reduce_kernel, interpret, ("M",))[(-(-N // BLOCK_N),)](
         ws, bias if bias is not None else y, y, M, N, S=splits, BM=MAX_ROWS, BN=BLOCK_N,
         HAS_BIAS=bias is not None, num_warps=4)
     return y.view(*lead, N)

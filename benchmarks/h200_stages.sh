@@ -12,6 +12,8 @@
 #            TOPK_BENCH=1 adds benchmarks/topk_chunk_bench.py on GPU 0 after its tests, GEMV_BENCH=1
 #            benchmarks/gemv_bench.py (both into topk_chunk_bench.txt). With the
 #            full test list the call takes ~9 minutes: give it the 600 s limit.
+#            On a one-GPU machine both sides run on GPU 0: pick one per call with PART=tests or
+#            PART=phases (RUNS="qwen3-8b 30 1,qwen3-8b 20 16 attn0" narrows the phase runs).
 #   regen  : needs .parts/gguf.part.01, .parts/gguf.sha256, runs/smollm2-dflash (prompt files).
 #            Assembles the GGUF; regenerates responses, one shard per GPU, and brings them back
 #            xz-compressed. With .parts/responses.jsonl.xz.* carried, it unpacks those instead.
@@ -34,22 +36,26 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=/tmp/drafttree-cache
 RUN=/tmp/runs/smollm2-dflash
-on() { local gpu=$1; shift; CUDA_VISIBLE_DEVICES=$gpu "$@"; }
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+# "on 1" means the second GPU where there is one, else the only one
+on() { local gpu=$1; shift; [ "$NGPU" -lt 2 ] && gpu=0; CUDA_VISIBLE_DEVICES=$gpu "$@"; }
+want() { [ -z "${PART:-}" ] || [ "$PART" = "$1" ]; }
 
 case "${1:?stage}" in
   graphs)
     cp .parts/gguf.part.00 /tmp/g/part.00
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
       python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu_tests.log"
-    ( on 0 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider >> "$OUT/gpu_tests.log" 2>&1
+    want tests && ( on 0 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider >> "$OUT/gpu_tests.log" 2>&1
       on 0 python3 -m pytest ${KERNEL_TESTS:-tests/test_tree_kernel.py tests/test_tree.py tests/test_fused.py tests/test_attn_kernel.py} -q -p no:cacheprovider \
         > "$OUT/gpu_tests_kernels.log" 2>&1
       [ -n "${TOPK_BENCH:-}" ] && on 0 timeout 240 python3 benchmarks/topk_chunk_bench.py > "$OUT/topk_chunk_bench.txt" 2>&1
       [ -n "${GEMV_BENCH:-}" ] && on 0 timeout 120 python3 benchmarks/gemv_bench.py >> "$OUT/topk_chunk_bench.txt" 2>&1 ) &
     # "attn0": the same with DRAFTTREE_ATTN_KERNEL=0 (cuBLAS + fused softmax instead of the
     # Triton kernels); "gemv": with DRAFTTREE_GEMV=1 (the Triton GEMV for the projections)
-    ( for run in "qwen3-8b 30 1" "qwen3-8b 20 16" "smollm2-135m 50 1" "qwen3-8b 30 1 attn0" "qwen3-8b 20 16 attn0" \
-                 ${GEMV_BENCH:+"qwen3-8b 30 1 gemv"}; do
+    DEFAULT_RUNS='qwen3-8b 30 1,qwen3-8b 20 16,smollm2-135m 50 1,qwen3-8b 30 1 attn0,qwen3-8b 20 16 attn0'
+    want phases && ( IFS=, read -ra runs <<< "${RUNS:-$DEFAULT_RUNS}${GEMV_BENCH:+,qwen3-8b 30 1 gemv}"
+      for run in "${runs[@]}"; do
         set -- $run
         for spec in "ddtree --budget 32" "dflash" "none"; do
           [ $3 = 16 ] && [ "$spec" = dflash ] && continue

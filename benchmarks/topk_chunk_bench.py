@@ -2,8 +2,10 @@
 group-maxima filter, on DDTree's draft logits [R, 15, 151,936] bf16; each timed as a CUDA graph
 of 20 calls. Outputs must agree.
 
-    python benchmarks/topk_chunk_bench.py     (CUDA)
+    python benchmarks/topk_chunk_bench.py [RxK ...] [--chunks 4096,8192]    (CUDA)
 """
+import argparse
+
 import torch
 
 from drafttree.bench.graph_timer import graphed_us
@@ -11,10 +13,15 @@ from drafttree.spec import topk_kernel
 from drafttree.spec.topk_kernel import top_log_probs_fused
 from drafttree.spec.tree import chunked_topk
 
-CHUNKS = (1024, 2048, 4096, 8192)
+ap = argparse.ArgumentParser()
+ap.add_argument("cases", nargs="*", default=["1x8", "1x32", "16x8", "1x128"], help="rows x k")
+ap.add_argument("--chunks", default="1024,2048,4096,8192")
+args = ap.parse_args()
+CHUNKS = tuple(int(c) for c in args.chunks.split(","))
+CASES = [tuple(int(n) for n in c.split("x")) for c in args.cases]
 
 print(f"{'filter':>6} {'R':>3} {'k':>4} {'torch topk':>11} " + " ".join(f"{'chunk ' + str(c):>11}" for c in CHUNKS) + "  (us per call)")
-for filtered, R, k in [(f, R, k) for R, k in ((1, 8), (1, 32), (16, 8), (1, 128)) for f in (True, False)]:
+for filtered, R, k in [(f, R, k) for R, k in CASES for f in (True, False)]:
     x = torch.randn(R, 15, 151936, device="cuda").to(torch.bfloat16)
     topk_kernel.FILTERED = False    # the reference: whole chunks sorted
     ref = top_log_probs_fused(x, k)

@@ -466,3 +466,23 @@ def test_few_row_attention_path_on_the_cache(zoo, monkeypatch, spec, budget):
               budget=budget, device="cpu", dtype="float32", max_num_seqs=3, max_model_len=128)
     assert [o.token_ids for o in llm.generate(prompts, greedy())] == want
     assert sum(n <= 128 for n in calls) > MAX_TOKENS   # the path really ran, every round
+
+
+@pytest.mark.parametrize("spec,budget", [("dflash", None), ("ddtree", 8)])
+def test_parked_rows_write_inside_the_cache(zoo, monkeypatch, spec, budget):
+    """A graph runs its whole batch bucket, rows without a request parked. Their round must write
+    only cache slots that exist: the KV-write kernel has no bounds check, and a slot of -1 wrote
+    before the cache (an illegal address on the GPU at batch 16)."""
+    from drafttree.models import layers
+    from drafttree.sampling import SampleMode
+    llm = zoo("qwen3").llm(spec, budget=budget)
+    r = llm.engine.runner
+    seen = []
+    real = layers.write_kv
+    monkeypatch.setattr(layers, "write_kv", lambda kc, vc, rows, slots, k, v:
+                        seen.append((int(slots.min()), int(slots.max()), kc.shape[-2])) or real(kc, vc, rows, slots, k, v))
+    R = r.state.start.shape[0]
+    r.state.park(0, R)
+    rounds.spec_round(r, R, 64, SampleMode.GREEDY)
+    assert seen and all(0 <= lo and hi < L for lo, hi, L in seen), seen
+    assert bool((r.state.start >= r.state.ctx_n).all())

@@ -124,12 +124,7 @@ class GraphRunner:
         return [s.start, s.bonus, s.ctx_n, s.ctx_feat, s.out_tokens, s.out_n]
 
     def _park(self, b: int, B: int) -> None:
-        """Rows b..B-1 hold no request: give them a harmless state (no host sync)."""
-        if b < B:
-            s = self.r.state
-            s.start[b:B].zero_()
-            s.bonus[b:B].zero_()
-            s.ctx_n[b:B].fill_(1)
+        self.r.state.park(b, B)
 
     def bucket(self, b: int) -> int | None:
         return next((B for B in self.buckets if B >= b), None)

@@ -13,7 +13,8 @@ class RoundState:
     """Row b: committed tokens x[0:start[b]) have K/V in the cache; bonus[b] is the target's
     pick at position start[b], not yet run through the target. For a drafter, the features of
     the last ctx_n[b] committed positions (start-ctx_n .. start-1) wait in ctx_feat[b, :ctx_n]
-    to be written into its context cache (ctx_n >= 1 always)."""
+    to be written into its context cache (ctx_n >= 1 always, and start >= ctx_n: those slots
+    exist; the cache kernels do no bounds checks, and a slot of -1 would write before the row)."""
     start: torch.Tensor          # [R] long
     bonus: torch.Tensor          # [R] long
     ctx_feat: torch.Tensor       # [R, C, n*D]; C = max tokens committed per round
@@ -26,9 +27,18 @@ class RoundState:
     def allocate(cls, rows: int, commit: int, feat_dim: int, dtype: torch.dtype,
                  device: torch.device | str) -> "RoundState":
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
-        return cls(z(rows), z(rows), torch.zeros(rows, commit, max(feat_dim, 1), dtype=dtype, device=device),
-                   torch.ones(rows, dtype=torch.long, device=device), SamplingTensors.empty(rows, device),
-                   z(rows, commit), z(rows))
+        state = cls(z(rows), z(rows), torch.zeros(rows, commit, max(feat_dim, 1), dtype=dtype, device=device),
+                    z(rows), SamplingTensors.empty(rows, device), z(rows, commit), z(rows))
+        state.park(0, rows)
+        return state
+
+    def park(self, b: int, B: int) -> None:
+        """Rows b..B-1 hold no request: a harmless state that a round may run on (no host sync).
+        One committed token, whose feature is the drafter's context: its slot is 0."""
+        if b < B:
+            self.start[b:B].fill_(1)
+            self.bonus[b:B].zero_()
+            self.ctx_n[b:B].fill_(1)
 
     def copy_row(self, src: int, dst: int) -> None:
         for t in (self.start, self.bonus, self.ctx_feat, self.ctx_n, self.out_tokens, self.out_n):

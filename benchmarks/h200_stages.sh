@@ -9,8 +9,7 @@
 #            (batch 1 and 16) and SmolLM2-135M shapes, Qwen3-8B again without the Triton
 #            attention (DRAFTTREE_ATTN_KERNEL=0), the attention kernel alone, then kernel profiles
 #            of a graphed decode step and DDTree round (PROFILES="none ddtree"; "" for none).
-#            TOPK_BENCH=1 adds benchmarks/topk_chunk_bench.py on GPU 0 after its tests, GEMV_BENCH=1
-#            benchmarks/gemv_bench.py (both into topk_chunk_bench.txt). With the
+#            TOPK_BENCH=1 adds benchmarks/topk_chunk_bench.py on GPU 0 after its tests. With the
 #            full test list the call takes ~9 minutes: give it the 600 s limit.
 #            On a one-GPU machine both sides run on GPU 0: pick one per call with PART=tests or
 #            PART=phases (RUNS="qwen3-8b 30 1,qwen3-8b 20 16 attn0" narrows the phase runs).
@@ -49,19 +48,18 @@ case "${1:?stage}" in
     want tests && ( on 0 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider >> "$OUT/gpu_tests.log" 2>&1
       on 0 python3 -m pytest ${KERNEL_TESTS:-tests/test_tree_kernel.py tests/test_tree.py tests/test_fused.py tests/test_attn_kernel.py} -q -p no:cacheprovider \
         > "$OUT/gpu_tests_kernels.log" 2>&1
-      [ -n "${TOPK_BENCH:-}" ] && on 0 timeout 240 python3 benchmarks/topk_chunk_bench.py > "$OUT/topk_chunk_bench.txt" 2>&1
-      [ -n "${GEMV_BENCH:-}" ] && on 0 timeout 120 python3 benchmarks/gemv_bench.py >> "$OUT/topk_chunk_bench.txt" 2>&1 ) &
+      [ -n "${TOPK_BENCH:-}" ] && on 0 timeout 240 python3 benchmarks/topk_chunk_bench.py > "$OUT/topk_chunk_bench.txt" 2>&1 ) &
     # "attn0": the same with DRAFTTREE_ATTN_KERNEL=0 (cuBLAS + fused softmax instead of the
-    # Triton kernels); "gemv": with DRAFTTREE_GEMV=1 (the Triton GEMV for the projections)
+    # Triton kernels)
     DEFAULT_RUNS='qwen3-8b 30 1,qwen3-8b 20 16,smollm2-135m 50 1,qwen3-8b 30 1 attn0,qwen3-8b 20 16 attn0'
-    want phases && ( IFS=, read -ra runs <<< "${RUNS:-$DEFAULT_RUNS}${GEMV_BENCH:+,qwen3-8b 30 1 gemv}"
+    want phases && ( IFS=, read -ra runs <<< "${RUNS:-$DEFAULT_RUNS}"
       for run in "${runs[@]}"; do
         set -- $run
         for spec in "ddtree --budget 32" "dflash" "none"; do
           [ $3 = 16 ] && [ "$spec" = dflash ] && continue
           [ -n "${4:-}" ] && [ "$spec" = dflash ] && continue
           name=$1_b$3_$(echo $spec | tr -d ' -')${4:+_$4}
-          DRAFTTREE_ATTN_KERNEL=$([ "${4:-}" = attn0 ] && echo 0 || echo 1) DRAFTTREE_GEMV=$([ "${4:-}" = gemv ] && echo 1 || echo 0) \
+          DRAFTTREE_ATTN_KERNEL=$([ "${4:-}" = attn0 ] && echo 0 || echo 1) \
           on 1 python3 -m drafttree.bench.phases \
             --random-weights $1 --spec $spec --block-size 16 --batch $3 \
             --prompt-len 512 --max-model-len 2048 --iters $2 --out /tmp/phases_$name.json > /dev/null \

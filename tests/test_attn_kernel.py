@@ -159,35 +159,6 @@ def test_qk_rope_write_kv_matches_the_torch_ops(heads, kv_heads, hd, norm):
     assert torch.equal(vc, want_v)
 
 
-@pytest.mark.parametrize("M,N,K,bias", [(1, 200, 300, False), (4, 64, 128, True), (16, 130, 1000, True)])
-def test_gemv_matches_linear(M, N, K, bias):
-    """The opt-in split-K GEMV against F.linear (ragged column blocks and K splits)."""
-    from drafttree.models import gemv_kernel
-    gen = torch.Generator().manual_seed(M * N)
-    x = torch.randn(M, K, generator=gen).to(DEVICE)
-    w = torch.randn(N, K, generator=gen).to(DEVICE)
-    b = torch.randn(N, generator=gen).to(DEVICE) if bias else None
-    torch.testing.assert_close(gemv_kernel.linear(x[None], w, b)[0], torch.nn.functional.linear(x, w, b),
-                               atol=1e-4, rtol=1e-4)
-
-
-def test_decode_through_the_gemv_is_lossless(zoo, monkeypatch):
-    from drafttree.llm import LLM
-    from drafttree.models import gemv_kernel
-    from tests.test_spec_lossless import greedy, make_prompts
-    pair = zoo("qwen3")
-    prompts = make_prompts(pair.vocab)[:2]
-    want = [pair.plain(p, 8) for p in prompts]
-    monkeypatch.setattr(gemv_kernel, "ENABLED", True)
-    ran = []
-    real = gemv_kernel.linear
-    monkeypatch.setattr(gemv_kernel, "linear", lambda *a: ran.append(1) or real(*a))
-    llm = LLM(model=str(pair.target), draft_model=str(pair.drafter), spec="ddtree", budget=4,
-              device=DEVICE, dtype="float32", max_num_seqs=2, max_model_len=128)
-    assert [o.token_ids for o in llm.generate(prompts, greedy(8))] == want
-    assert ran
-
-
 def test_jit_kernel_refuses_an_unknown_argument_name():
     from drafttree.triton_jit import jit_kernel
     with pytest.raises(ValueError, match="no argument"):

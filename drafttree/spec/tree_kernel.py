@@ -21,7 +21,6 @@ before triton is first imported, the kernel runs (slowly) on CPU tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -189,10 +188,6 @@ def _tree_kernel(lp_ptr, idx_ptr, pair_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr,
                      mask=(rows[:, None] < N) & (cols[None, :] < N))
 
 
-def _kernel(interpret: bool) -> Callable[..., Any]:
-    return jit_kernel(_tree_kernel, interpret)
-
-
 def _pairs(budget: int, k: int, device: torch.device) -> torch.Tensor:
     """The candidate (slot, rank) pairs of `build_tree`, in its order, as slot << 16 | rank."""
     key = (budget, k, device)
@@ -233,7 +228,7 @@ def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budg
     scratch = torch.empty(3, R, L * B, dtype=torch.int32, device=device)
     bi = min(64, next_pow2(N))
     bj = min(256, next_pow2(N))
-    _kernel(interpreting())[(R,)](
+    jit_kernel(_tree_kernel, interpreting())[(R,)](
         top_lp, top_idx.contiguous(), pairs, root_tokens.contiguous(), tokens, parents, depth,
         valid, visible, scratch, R, L=L, K=K, M=M, N=N, B=B, B_PAD=b_pad,
         LOG_B=b_pad.bit_length() - 1, M_PAD=m_pad, LOG_M=m_pad.bit_length() - 1,

@@ -32,6 +32,7 @@ FILTERED = True
 # benchmarks/topk_chunk_bench.py (H200, vocabulary 151,936, bf16): with the filter 8,192 is the
 # best chunk at k = 8 / 32 / 128 (35 / 43 / 87 us per 15 positions), against 4,096 without it
 CHUNK = 8192
+CHUNK_WARPS = 8
 
 
 def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.constexpr, K2: tl.constexpr,
@@ -98,7 +99,7 @@ def filter_plan(k2: int, chunk: int) -> tuple[int, int]:
 
 
 def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
-                        chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                        chunk: int = CHUNK, warps: int = CHUNK_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """`tree.top_log_probs` in two launches: [R, L, k] log-probs (float32, descending) and token
     ids (int64) of the k best tokens of each position of logits [R, L, V] (any float dtype)."""
     R, L, V = logits.shape
@@ -118,6 +119,6 @@ def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
     groups, cap = filter_plan(k2, chunk)
     scratch = torch.empty(rows * nc * cap if FILTERED else 1, dtype=torch.int64, device=dev)
     chunk_kernel[(rows, nc)](x, keys, m, s, scratch, V, nc, CHUNK=chunk, K2=k2, FILTER=FILTERED,
-                             GROUPS=groups, CAP=cap, num_warps=8)
+                             GROUPS=groups, CAP=cap, num_warps=warps)
     merge_kernel[(rows,)](keys, m, s, lp, idx, nc, k, NC_PAD=next_pow2(nc), K2=k2, num_warps=4)
     return lp, idx

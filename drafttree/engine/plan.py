@@ -13,10 +13,11 @@ from drafttree.phases import SpecConfig
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
 # Devices on which the default model decodes with DDTree and the shipped drafter when no flags
-# are given: where the pair was measured faster than plain decoding. On the H200 it is 1.2x
-# plain decoding at batch 1 and 1.65x at batch 16; on 2 CPU cores the wider verify forward costs
-# more than the ~1.9 tokens a round accepts, so the CPU decodes plainly unless asked
-# (benchmarks/results/2026-11-30_shipped_pair_v2.md). `--spec ddtree` / `dflash` use it anywhere.
+# are given: where the pair was measured faster than plain decoding. On the H200 it is 1.19x
+# plain decoding at batch 1 (1.44x at budget 32) and 0.96x at batch 16; on 2 CPU cores the wider
+# verify forward costs more than the ~1.9 tokens a round accepts, so the CPU decodes plainly
+# unless asked (benchmarks/results/2026-11-30_h200_run7.md, ..._shipped_pair_v2.md).
+# `--spec ddtree` / `dflash` use it anywhere.
 SHIPPED_DRAFTER_BY_DEFAULT_ON = ("cuda",)
 
 

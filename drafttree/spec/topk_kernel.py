@@ -33,6 +33,7 @@ FILTERED = True
 # best chunk at k = 8 / 32 / 128 (35 / 43 / 87 us per 15 positions), against 4,096 without it
 CHUNK = 8192
 CHUNK_WARPS = 8
+MERGE_WARPS = 4
 
 
 def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.constexpr, K2: tl.constexpr,
@@ -120,5 +121,5 @@ def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
     scratch = torch.empty(rows * nc * cap if FILTERED else 1, dtype=torch.int64, device=dev)
     chunk_kernel[(rows, nc)](x, keys, m, s, scratch, V, nc, CHUNK=chunk, K2=k2, FILTER=FILTERED,
                              GROUPS=groups, CAP=cap, num_warps=warps)
-    merge_kernel[(rows,)](keys, m, s, lp, idx, nc, k, NC_PAD=next_pow2(nc), K2=k2, num_warps=4)
+    merge_kernel[(rows,)](keys, m, s, lp, idx, nc, k, NC_PAD=next_pow2(nc), K2=k2, num_warps=MERGE_WARPS)
     return lp, idx

@@ -237,5 +237,13 @@ def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budg
     return DraftTree(tokens, parents, depth, valid.view(torch.bool), visible.view(torch.bool))
 
 
+# num_warps of the tree kernel; None: 4 up to 256 candidate pairs, else 8. Its bitonic steps are
+# one element per thread at 4 warps, so the upper axes cross warps (shared memory and a barrier
+# per step); benchmarks/tree_build_bench.py sweeps fewer warps.
+TREE_WARPS: int | None = None
+
+
 def _num_warps(m_pad: int) -> int:
+    if TREE_WARPS is not None:
+        return TREE_WARPS
     return 4 if m_pad <= 256 else 8

@@ -52,8 +52,9 @@ class SpecConfig:
     method: str = "none"
     block_size: int = 0   # draft width; 0 when no drafter
     budget: int = 0       # DDTree tree nodes, root excluded (at batch 1)
-    # DDTree under load: ((min_batch, budget), ...) — from a batch bucket of min_batch rows on,
-    # use that budget (a wide tree pays at batch 1, not when the GPU is already busy).
+    # Under load: ((min_batch, budget), ...) — from a batch bucket of min_batch rows on, use that
+    # DDTree budget (a wide tree pays at batch 1, not when the GPU is already busy); budget 0
+    # turns speculation off there (plain decode rounds, DFlash or DDTree), until a later entry.
     budget_schedule: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
@@ -63,16 +64,19 @@ class SpecConfig:
             raise ValueError(f"block_size must be >= 2 for {self.method}, got {self.block_size}")
         if self.method == "ddtree" and self.budget < 1:
             raise ValueError(f"ddtree needs budget >= 1, got {self.budget}")
-        if self.budget_schedule and self.method != "ddtree":
-            raise ValueError("a budget schedule needs spec ddtree")
+        if self.budget_schedule and not self.speculative:
+            raise ValueError("a budget schedule needs spec ddtree or dflash")
         for b, n in self.budget_schedule:
-            if b < 1 or n < 1:
-                raise ValueError(f"budget schedule entries need batch >= 1 and budget >= 1, got {b}:{n}")
+            if b < 1 or n < 0:
+                raise ValueError(f"budget schedule entries need batch >= 1 and budget >= 0, got {b}:{n}")
+            if self.method == "dflash" and n != 0:
+                raise ValueError(f"dflash has no budget: its schedule entries can only turn it off "
+                                 f"(batch:0), got {b}:{n}")
 
     @staticmethod
     def parse_schedule(text: str | None, budget: int = 0) -> tuple[tuple[int, int], ...]:
         """'8:16,32:4' -> ((8, 16), (32, 4)): batch buckets of 8+ rows use 16 nodes, 32+ use 4.
-        'auto': `auto_schedule(budget)`."""
+        '16:0': no speculation from 16 rows on. 'auto': `auto_schedule(budget)`."""
         if not text:
             return ()
         if text.strip() == "auto":
@@ -85,17 +89,30 @@ class SpecConfig:
             raise ValueError(f"budget schedule {text!r} is not of the form 'batch:budget,...'")
         return tuple(sorted(pairs))  # type: ignore[arg-type]
 
-    def budget_at(self, batch: int) -> int:
-        """DDTree budget for a round over a batch bucket of `batch` rows."""
-        out = self.budget
+    def _scheduled(self, batch: int) -> int | None:
+        out = None
         for b, n in self.budget_schedule:
             if batch >= b:
                 out = n
         return out
 
+    def budget_at(self, batch: int) -> int:
+        """DDTree budget for a round over a batch bucket of `batch` rows (0: no speculation)."""
+        n = self._scheduled(batch)
+        return self.budget if n is None else n
+
+    def speculates_at(self, batch: int) -> bool:
+        """Whether rounds over a batch bucket of `batch` rows draft and verify (else decode)."""
+        return self.speculative and self._scheduled(batch) != 0
+
+    def phases_at(self, batch: int) -> tuple[Phase, ...]:
+        """The phases of a round over a batch bucket of `batch` rows, in order."""
+        return (Phase.DRAFT, Phase.VERIFY) if self.speculates_at(batch) else (Phase.DECODE,)
+
     @property
     def budgets(self) -> tuple[int, ...]:
-        return tuple(sorted({self.budget, *(n for _, n in self.budget_schedule)}))
+        """The DDTree budgets rounds may use (0, speculation off, is not one)."""
+        return tuple(sorted({self.budget, *(n for _, n in self.budget_schedule)} - {0}))
 
     @property
     def speculative(self) -> bool:
@@ -123,7 +140,8 @@ class SpecConfig:
 
     @property
     def round_phases(self) -> tuple[Phase, ...]:
-        return (Phase.DRAFT, Phase.VERIFY) if self.speculative else (Phase.DECODE,)
+        """The phases of a round at batch 1."""
+        return self.phases_at(1)
 
     @property
     def max_commit(self) -> int:

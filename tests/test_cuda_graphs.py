@@ -181,11 +181,26 @@ def test_budget_schedule_widths_and_plan(pair):
     t, _ = pair
     plan = [(e.phase, e.width, e.batch_sizes) for e in graph_plan(spec, ModelConfig.from_dir(t), None, 8, [545])]
     assert (Phase.VERIFY, 33, (1, 2)) in plan and (Phase.VERIFY, 9, (4,)) in plan and (Phase.VERIFY, 3, (8,)) in plan
-    for bad in ("8", "a:b", "8:0", "0:4"):
+    for bad in ("8", "a:b", "8:-1", "0:4"):
         with pytest.raises(ValueError):
             SpecConfig("ddtree", 8, 32, SpecConfig.parse_schedule(bad))
-    with pytest.raises(ValueError, match="needs spec ddtree"):
+    with pytest.raises(ValueError, match="dflash has no budget"):
         SpecConfig("dflash", 8, 0, ((4, 8),))
+    with pytest.raises(ValueError, match="needs spec ddtree or dflash"):
+        SpecConfig("none", 0, 0, ((4, 0),))
+
+
+def test_schedule_turns_speculation_off_from_a_batch_size(pair):
+    """'4:0': from 4 rows on, rounds are plain decode steps; the plan captures decode graphs there."""
+    from drafttree.config import ModelConfig
+    t, _ = pair
+    spec = SpecConfig("ddtree", block_size=8, budget=32, budget_schedule=SpecConfig.parse_schedule("2:8,4:0"))
+    assert [spec.phases_at(b) for b in (1, 2, 4, 8)] == [(Phase.DRAFT, Phase.VERIFY)] * 2 + [(Phase.DECODE,)] * 2
+    assert spec.budgets == (8, 32) and spec.kv_headroom == 33 and spec.round_phases == (Phase.DRAFT, Phase.VERIFY)
+    plan = [(e.phase, e.width, e.batch_sizes) for e in graph_plan(spec, ModelConfig.from_dir(t), None, 8, [545])]
+    assert plan == [(Phase.DECODE, 1, (4, 8)), (Phase.DRAFT, 8, (1, 2)), (Phase.VERIFY, 33, (1,)), (Phase.VERIFY, 9, (2,))]
+    chain = SpecConfig("dflash", block_size=8, budget_schedule=SpecConfig.parse_schedule("2:0"))
+    assert chain.phases_at(1) == (Phase.DRAFT, Phase.VERIFY) and chain.phases_at(2) == (Phase.DECODE,)
 
 
 def test_auto_schedule_keeps_verify_tokens_bounded():
@@ -225,6 +240,49 @@ def test_budget_schedule_is_lossless_as_the_batch_shrinks(pair, fake_cuda_graphs
     assert {(4, 1), (2, 6), (1, 24)} <= set(seen) or {(8, 1), (2, 6), (1, 24)} <= set(seen)
 
 
+@pytest.mark.parametrize("spec,schedule", [("ddtree", "2:0"), ("dflash", "2:0"), ("ddtree", "2:3,4:0")])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_speculation_off_under_load_is_lossless(pair, fake_cuda_graphs, spec, schedule, graphs):
+    """Six requests start together with speculation off (plain decode rounds keep the drafter's
+    context), then drafting resumes as they finish and the batch shrinks: plain decoding's tokens."""
+    t, d = pair
+    prompts = [[i + 1, 2, 3][: 1 + i % 3] for i in range(6)]
+    sp = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=6 + 5 * i, ignore_eos=True)
+          for i in range(6)]
+    want = [o.token_ids for o in LLM(model=str(t), device="cpu", dtype="float32", max_num_seqs=8,
+                                     max_model_len=128).generate(prompts, sp)]
+    llm = LLM(model=str(t), draft_model=str(d), spec=spec, budget=24 if spec == "ddtree" else None,
+              budget_schedule=schedule, device="cpu", dtype="float32", max_num_seqs=8, max_model_len=128,
+              cuda_graphs=graphs)
+    drafter, calls = llm.engine.runner.drafter, {"context": 0, "draft": 0}
+    write_context = drafter.write_context
+
+    def counting_write(*args):
+        calls["context"] += 1
+        write_context(*args)
+    drafter.write_context = counting_write
+    drafter.register_forward_hook(lambda *_: calls.__setitem__("draft", calls["draft"] + 1))
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert calls["context"] > 6 and calls["draft"] > 0, calls   # decode rounds, then drafts
+
+
+def test_speculation_off_writes_the_drafter_context_prefill_would(pair):
+    """After decode rounds with speculation off, the drafter's cache holds, at every flushed
+    position, what a prefill of the same tokens writes there."""
+    t, d = pair
+    prompt = [3, 1, 4, 1, 5]
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=6, device="cpu", dtype="float32",
+              max_num_seqs=1, max_model_len=128)
+    off = LLM(**kw, budget_schedule="1:0")
+    out = off.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].token_ids
+    ref = LLM(**kw)
+    ref.generate([prompt + out[:-1]], SamplingParams(temperature=0.0, max_tokens=1))
+    n = len(prompt) + len(out) - 2      # positions flushed: all but the last one through the target
+    for a, b in ((off.engine.runner.dkv.k, ref.engine.runner.dkv.k), (off.engine.runner.dkv.v, ref.engine.runner.dkv.v)):
+        torch.testing.assert_close(a[:, 0, :, :n], b[:, 0, :, :n], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(off.engine.runner.dkv.k[:, 0, :, n - 1], torch.zeros(()))
+
+
 def test_rounds_move_across_kv_buckets(pair, fake_cuda_graphs):
     """A request that grows past the 1024-slot bucket switches graphs mid-generation."""
     t, d = pair
@@ -244,7 +302,8 @@ def test_rounds_move_across_kv_buckets(pair, fake_cuda_graphs):
 
 
 @cuda
-@pytest.mark.parametrize("spec,budget,schedule", [("none", None, None), ("ddtree", 16, "2:4")])
+@pytest.mark.parametrize("spec,budget,schedule", [("none", None, None), ("ddtree", 16, "2:4"), ("ddtree", 16, "2:0"),
+                                                   ("dflash", None, "2:0")])
 def test_gpu_kv_buckets_and_schedule_equal_eager(pair, spec, budget, schedule):
     t, d = pair
     prompts = [[(5 * j + i) % 57 + 1 for j in range(1000 - 300 * i)] for i in range(3)]

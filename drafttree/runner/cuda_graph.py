@@ -37,11 +37,12 @@ def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | Non
     """What `GraphRunner.capture` will capture; needs no GPU."""
     buckets = batch_buckets(max_num_seqs)
     out = []
-    for phase in spec.round_phases:
+    for phase in (Phase.DECODE, Phase.DRAFT, Phase.VERIFY):
         cfg = drafter if phase is Phase.DRAFT and drafter is not None else target
         V = target.vocab_size
-        for W in sorted({spec.width(phase, b) for b in buckets}, reverse=True):
-            bs = tuple(b for b in buckets if spec.width(phase, b) == W)
+        having = [b for b in buckets if phase in spec.phases_at(b)]
+        for W in sorted({spec.width(phase, b) for b in having}, reverse=True):
+            bs = tuple(b for b in having if spec.width(phase, b) == W)
             B = bs[-1]
             rows = B * (W - 1 if phase is Phase.DRAFT else W)
             # logits (fp32) with sort/noise temporaries + a few hidden-size activations per token
@@ -82,7 +83,7 @@ class GraphRunner:
 
     def _phase_fns(self, B: int, mode: SampleMode, L: int) -> list[tuple[Phase, Callable[[], None]]]:
         r = self.r
-        if not self.spec.speculative:
+        if not self.spec.speculates_at(B):
             return [(Phase.DECODE, lambda: decode_round(r, B, L, mode))]
 
         def draft() -> None:
@@ -135,10 +136,11 @@ class GraphRunner:
         B = self.bucket(b)
         if mode is SampleMode.SAMPLE:
             mode = SampleMode.FILTERED   # the filtered graph is exact for unfiltered rows too
-        keys = [(p, B, mode, kv_len) for p in self.spec.round_phases]
+        phases = self.spec.phases_at(B or b)
+        keys = [(p, B, mode, kv_len) for p in phases]
         if B is None or any(k not in self.graphs for k in keys):
             self.fallbacks += 1
-            shape = tuple((p.value, self.spec.width(p, B or b)) for p in self.spec.round_phases)
+            shape = tuple((p.value, self.spec.width(p, B or b)) for p in phases)
             if (b, mode, kv_len) not in self._warned:
                 self._warned.add((b, mode, kv_len))
                 log.warning("no CUDA graph for batch %d (phases %s, %s, kv length %d): running eagerly",

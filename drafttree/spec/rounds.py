@@ -1,6 +1,6 @@
 """One decoding round for rows 0..B-1, as pure device work on the runner's static buffers.
 
-decode: target forward of width 1.
+decode: target forward of width 1 (with a drafter, its context is kept current too).
 dflash / ddtree: draft (width block_size) -> chain or tree -> verify (width
 spec.width(VERIFY)) -> target picks -> acceptance walk -> commit (KV compaction, drafter
 context, bonus). No host sync anywhere: the engine reads `out_tokens`/`out_n` afterwards.
@@ -23,11 +23,19 @@ if TYPE_CHECKING:
 
 
 def decode_round(r: "ModelRunner", B: int, kv_len: int, mode: SampleMode) -> None:
+    """One target token per row. With a drafter (speculation off at this batch size), the
+    drafter's context stays current: the pending features go into its cache, and the new
+    token's features become the pending ones, so that drafting can resume at any round."""
     s = r.state
     start, bonus = s.start[:B], s.bonus[:B]
     ones = torch.ones(B, 1, 1, dtype=torch.bool, device=start.device)
     meta = attn_meta(start, ones, kv_len)
-    hidden, _ = r.target(bonus[:, None], start[:, None], meta, r.kv.k, r.kv.v)
+    if r.drafter is not None:
+        r.drafter.write_context(*pending_context(r, B), r.dkv.k, r.dkv.v)
+    hidden, aux = r.target(bonus[:, None], start[:, None], meta, r.kv.k, r.kv.v, r.capture_layers)
+    if r.drafter is not None:
+        s.ctx_feat[:B, 0] = aux[:, 0].to(s.ctx_feat.dtype)
+        s.ctx_n[:B] = 1
     picks = pick_tokens(r.target.logits(hidden), s.sampling, start[:, None] + 1, mode)[:, 0]
     s.out_tokens[:B, 0] = picks
     s.out_n[:B] = 1
@@ -35,17 +43,23 @@ def decode_round(r: "ModelRunner", B: int, kv_len: int, mode: SampleMode) -> Non
     s.start[:B] += 1
 
 
+def pending_context(r: "ModelRunner", B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The features waiting for the drafter's cache and their positions, [B, C, F] and [B, C]:
+    padded to C entries by repeating the last real one (same slot, same value)."""
+    s = r.state
+    C, start, n = s.ctx_feat.shape[1], s.start[:B], s.ctx_n[:B]
+    idx = torch.minimum(torch.arange(C, device=start.device)[None, :], n[:, None] - 1)
+    ctx_feat = s.ctx_feat[:B].gather(1, idx[..., None].expand(B, C, s.ctx_feat.shape[2]))
+    return ctx_feat, start[:, None] - n[:, None] + idx
+
+
 def draft(r: "ModelRunner", B: int, kv_len: int) -> torch.Tensor:
     """Write the new context into the drafter's cache and draft one block: [B, D, V] logits for
     block positions 1..D, D = spec.depth_at(batch bucket)."""
     s, spec, d = r.state, r.spec, r.drafter
-    bs, C = spec.width(Phase.DRAFT), s.ctx_feat.shape[1]
-    start, n = s.start[:B], s.ctx_n[:B]
+    bs, start = spec.width(Phase.DRAFT), s.start[:B]
     dev = start.device
-    # Pad the context to C entries by repeating the last real one (same slot, same value).
-    idx = torch.minimum(torch.arange(C, device=dev)[None, :], n[:, None] - 1)
-    ctx_pos = start[:, None] - n[:, None] + idx
-    ctx_feat = s.ctx_feat[:B].gather(1, idx[..., None].expand(B, C, s.ctx_feat.shape[2]))
+    ctx_feat, ctx_pos = pending_context(r, B)
     block_pos = start[:, None] + torch.arange(bs, device=dev)
     block_ids = torch.full((B, bs), d.cfg.mask_token_id, dtype=torch.long, device=dev)
     block_ids[:, 0] = s.bonus[:B]

@@ -2,9 +2,10 @@
 time of its kernels, then a Python profile of one; on a random-weight shape, or with shape
 "default" on the default model and its shipped drafter.
 
-    python benchmarks/profile_prefill.py [shape|default] [spec] [prompt_len ...]     (CUDA)
+    [PREFILL_GRAPHS=1] python benchmarks/profile_prefill.py [shape|default] [spec] [prompt_len ...]     (CUDA)
 """
 import cProfile
+import os
 import pstats
 import sys
 import time
@@ -20,7 +21,8 @@ spec = sys.argv[2] if len(sys.argv) > 2 else "ddtree"
 lens = [int(n) for n in sys.argv[3:]] or [64, 200, 500]
 extra = dict(block_size=16, budget=32) if spec != "none" else {}
 weights = {} if shape == "default" else dict(random_weights=shape)
-eng = Engine(EngineConfig(spec=spec, max_num_seqs=1, max_model_len=2048, **weights, **extra))
+graphs = os.environ.get("PREFILL_GRAPHS", "0") == "1"   # PREFILL_GRAPHS=1: the graphed prefill
+eng = Engine(EngineConfig(spec=spec, max_num_seqs=1, max_model_len=2048, prefill_graphs=graphs, **weights, **extra))
 r = eng.runner
 sp = [SamplingParams(temperature=0.0)]
 

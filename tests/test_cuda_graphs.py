@@ -131,18 +131,22 @@ def fake_cuda_graphs(monkeypatch):
         def wait_stream(self, other) -> None:
             pass
 
+    from drafttree.runner import prefill_graph
     phase_fns = cuda_graph.GraphRunner._phase_fns
+    forward_fn = prefill_graph.PrefillGraphs.forward_fn
+
+    def record(fn):
+        def run():
+            if capturing[0]:
+                graphs[-1].fn = fn
+            fn()
+        return run
 
     def recording_phase_fns(self, B, mode, L):
-        def record(fn):
-            def run():
-                if capturing[0]:
-                    graphs[-1].fn = fn
-                fn()
-            return run
         return [(phase, record(fn)) for phase, fn in phase_fns(self, B, mode, L)]
 
     monkeypatch.setattr(cuda_graph.GraphRunner, "_phase_fns", recording_phase_fns)
+    monkeypatch.setattr(prefill_graph.PrefillGraphs, "forward_fn", lambda self, buf: record(forward_fn(self, buf)))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
@@ -314,3 +318,45 @@ def test_gpu_kv_buckets_and_schedule_equal_eager(pair, spec, budget, schedule):
     llm = LLM(**kw, cuda_graphs=True)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
     assert llm.engine.runner.graphs.fallbacks == 0
+
+
+def _graphed_prefill_case(t, d, spec, budget, **kw):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 59, (n,), generator=g).tolist() for n in (5, 9, 14, 3, 16, 11, 7, 20, 2, 33)]
+    sp = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=4 + 3 * i, ignore_eos=True)
+          for i in range(len(prompts))]
+    # alone first: (1 prompt, 16 slots) is captured at row 0; then, in a batch of 2, replayed at row 1
+    calls = [([0], [0]), ([1, 2, 3] + list(range(4, 10)), [1, 2, 3] + list(range(4, 10)))]
+    sp[1] = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    kw = dict(model=str(t), draft_model=str(d) if spec != "none" else None, spec=spec, budget=budget,
+              dtype="float32", max_num_seqs=2, max_model_len=128, **kw)
+    eager = LLM(**kw, cuda_graphs=False)
+    want = [[o.token_ids for o in eager.generate([prompts[i] for i in ps], [sp[i] for i in ss])] for ps, ss in calls]
+    llm = LLM(**kw, cuda_graphs=True, prefill_graphs=True)
+    pg, runs = llm.engine.runner.prefill_graphs, []
+    run = pg.run
+    pg.run = lambda first_row, ids, lens: runs.append((first_row, ids.shape[0])) or run(first_row, ids, lens)
+    got = [[o.token_ids for o in llm.generate([prompts[i] for i in ps], [sp[i] for i in ss])] for ps, ss in calls]
+    assert got == want
+    # graphs were reused for other prompts, and the one-prompt graph at other cache rows
+    assert len(runs) > len(pg.graphs) > 1 and {r for r, n in runs if n == 1} >= {0, 1}, (runs, list(pg.graphs))
+
+@pytest.mark.parametrize("spec,budget", [("none", None), ("ddtree", 8), ("dflash", None)])
+def test_graphed_prefill_logic_on_cpu(pair, fake_cuda_graphs, spec, budget):
+    """A replay reruns the closure captured at the first use of its (prompts, length bucket) on
+    later requests' ids, lengths and rows: a value baked in at capture would change tokens."""
+    t, d = pair
+    _graphed_prefill_case(t, d, spec, budget, device="cpu")
+
+
+def test_graphed_prefill_needs_graphs(pair):
+    t, _ = pair
+    with pytest.raises(ValueError, match="prefill_graphs needs CUDA graphs"):
+        LLM(model=str(t), device="cpu", cuda_graphs=False, prefill_graphs=True)
+
+
+@cuda
+@pytest.mark.parametrize("spec,budget", [("none", None), ("ddtree", 8), ("dflash", None)])
+def test_gpu_graphed_prefill_equals_eager(pair, spec, budget):
+    t, d = pair
+    _graphed_prefill_case(t, d, spec, budget, device="cuda")

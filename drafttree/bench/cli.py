@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--prefill-graphs", action="store_true", help="graphed prefill (experimental)")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--from-results", nargs="+", default=None, metavar="JSON",
                    help="run nothing: merge these results.json files (e.g. one per GPU) into --out")
@@ -65,7 +66,7 @@ def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar
               budget_schedule=a.budget_schedule if method == "ddtree" else None,
               dtype=a.dtype, device=a.device, max_num_seqs=a.batch,
               max_model_len=a.max_model_len, cuda_graphs=False if a.no_cuda_graphs else None,
-              random_weights=a.random_weights, random_drafter=a.random_drafter)
+              prefill_graphs=a.prefill_graphs, random_weights=a.random_weights, random_drafter=a.random_drafter)
     eng = llm.engine
     texts = [p if isinstance(p, list) or llm.tokenizer is None else llm.apply_chat_template(
         [{"role": "user", "content": p}]) for p in prompts]

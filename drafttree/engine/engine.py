@@ -32,6 +32,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_memory_gb: float | None = None   # default: 1 GiB on CPU, 60% of free on CUDA
     cuda_graphs: bool | None = None     # default: on for CUDA
+    prefill_graphs: bool = False        # graphed prefill per (prompts, length bucket), captured at first use
     max_prefill_tokens: int = 8192      # padded tokens in one batched prefill
     prefill_chunk: int = 2048           # prompt tokens per prefill forward (chunked prefill)
     admit_min: int = 1                  # while requests run, admit waiting ones only once this many
@@ -79,10 +80,15 @@ class Engine:
         self.stats = EngineStats()
         self.stream_text = False    # a server streaming text sets this
         use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else self.device.type == "cuda"
+        if cfg.prefill_graphs and not use_graphs:
+            raise ValueError("prefill_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
         if use_graphs:
             from drafttree.runner.cuda_graph import GraphRunner
             self.runner.graphs = GraphRunner(self.runner)
             self.runner.graphs.capture()
+        if cfg.prefill_graphs:
+            from drafttree.runner.prefill_graph import PrefillGraphs
+            self.runner.prefill_graphs = PrefillGraphs(self.runner)
 
     def _size_cache(self, tcfg, drafter) -> tuple[int, int]:
         bpt = KVCache.bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, self.dtype)

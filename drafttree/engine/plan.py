@@ -97,5 +97,6 @@ def describe_plan(cfg: EngineConfig) -> str:
             f"max_num_seqs={cfg.max_num_seqs}\n"
             f"max_model_len={cache.max_model_len} (the KV budget may lower it at start-up)\n"
             f"widths per request at batch 1: " + ", ".join(f"{p.value}={spec.width(p)}" for p in spec.round_phases)
-            + "; prefill runs eagerly\n")
+            + ("; prefill graphed per (prompts, length bucket), captured at first use\n" if cfg.prefill_graphs
+               else "; prefill runs eagerly\n"))
     return head + format_plan(plan)

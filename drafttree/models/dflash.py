@@ -119,12 +119,14 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, rope_q, rope_kv, meta, k_cache[i], v_cache[i])
         return self.norm(x)
 
-    def write_context(self, ctx_feat: torch.Tensor, ctx_pos: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """Project context features into the cache only (no queries): used after prefill."""
+    def write_context(self, ctx_feat: torch.Tensor, ctx_pos: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Project context features into the cache only (no queries), at cache rows `rows`
+        ([B, 1]; default 0..B-1): after prefill, and in decode rounds without speculation."""
         ctx = self.context(ctx_feat.to(self.fc.weight.dtype))
         cos, sin = self.rotary(ctx_pos, ctx.dtype)
-        rows = torch.arange(ctx.shape[0], device=ctx.device)[:, None]
+        if rows is None:
+            rows = torch.arange(ctx.shape[0], device=ctx.device)[:, None]
         for i, layer in enumerate(self.layers):
             _, k, v = layer.self_attn.project(ctx)
             write_kv(k_cache[i], v_cache[i], rows, ctx_pos, apply_rope(k, cos, sin), v)

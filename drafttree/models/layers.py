@@ -106,6 +106,7 @@ class AttnMeta:
     slots: torch.Tensor      # [B, W] long
     mask: torch.Tensor       # [B, 1, W, kv_len] bool
     rows: torch.Tensor       # [B, 1] long, arange(B)
+    gather_rows: bool = False   # rows are any cache rows (a graphed prefill's): attention gathers them
 
     _grouped: dict = field(default_factory=dict, repr=False)
 
@@ -149,8 +150,11 @@ def attend(q: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor, v_cache: torc
     """The attention of `cached_attention` once K/V are in the cache: q [B, W, H, hd] -> [B, W, H*hd]."""
     B, W, H, hd = q.shape
     L = meta.kv_len
-    kc = k_cache[:B, :, :L]  # [B, Hkv, L, hd], a view
-    vc = v_cache[:B, :, :L]
+    if meta.gather_rows:
+        kc, vc = k_cache[meta.rows[:, 0], :, :L], v_cache[meta.rows[:, 0], :, :L]   # copies
+    else:
+        kc = k_cache[:B, :, :L]  # [B, Hkv, L, hd], a view
+        vc = v_cache[:B, :, :L]
     Hkv = kc.shape[1]
     g = H // Hkv
     scale = 1.0 / math.sqrt(hd)

@@ -70,6 +70,7 @@ class ModelRunner:
             feat = len(self.capture_layers) * tc.hidden_size
         self.state = RoundState.allocate(rows, spec.max_commit, feat, dtype, device)
         self.graphs = None  # set by the engine when CUDA graphs are captured
+        self.prefill_graphs = None   # a PrefillGraphs, when the engine is asked for them
         self.timer = PhaseTimer(torch.device(device))
 
     # -- prefill -----------------------------------------------------------------------------
@@ -91,7 +92,8 @@ class ModelRunner:
         if self.drafter is not None:
             dkv = (self.dkv.k[:, rows], self.dkv.v[:, rows])
         with self.timer.phase("prefill"):
-            h_last, a_last = self._prefill_chunks(ids, pos, lens, kv, dkv)
+            graphed = self.prefill_graphs.run(first_row, ids, lens) if self.prefill_graphs is not None else None
+            h_last, a_last = graphed if graphed is not None else self._prefill_chunks(ids, pos, lens, kv, dkv)
         for i in range(n):
             s.sampling.set_row(first_row + i, params[i], seeds[i])
         st = SamplingTensors(s.sampling.temperature[rows], s.sampling.top_p[rows], s.sampling.top_k[rows],

@@ -1,0 +1,105 @@
+"""CUDA graphs for prefill (opt-in while measured: `prefill_graphs=True`, `--prefill-graphs`).
+
+An eager prefill of a small model is host-bound: on the H200 machine, the default model and its
+drafter took 52–62 ms per prefill for 1.0–1.7 ms of GPU work
+(benchmarks/results/2026-11-30_h200_run7.md). Here the forward over n prompts, padded to a
+length bucket Pb (a power of two, at least MIN_LEN), is captured once per (n, Pb) at its first
+use and replayed from static buffers: token ids, lengths and the cache rows the requests take.
+
+Padding to Pb does what the eager path already does for prompts of unequal length: pad tokens
+write K/V (and drafter context) past each prompt's end, where the cache stays masked until real
+tokens overwrite it. Prefills above MAX_TOKENS (n * Pb) stay eager: they are GPU-bound.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from drafttree.runner.kv_cache import attn_meta, causal
+from drafttree.triton_jit import next_pow2
+
+MIN_LEN = 16
+MAX_TOKENS = 2048
+
+
+@dataclass
+class PrefillBuffers:
+    ids: torch.Tensor               # [n, Pb] long, zero past each prompt
+    lens: torch.Tensor              # [n] long
+    rows: torch.Tensor              # [n, 1] long: the cache rows the prompts go to
+    h_last: torch.Tensor            # [n, D]: final hidden state at each prompt's last token
+    a_last: torch.Tensor | None     # [n, F]: the drafter's features there
+
+
+class PrefillGraphs:
+    def __init__(self, runner, max_tokens: int = MAX_TOKENS) -> None:
+        self.r = runner
+        self.max_tokens = min(max_tokens, runner.prefill_chunk)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, PrefillBuffers]] = {}
+        self.pool = None
+
+    def bucket(self, n: int, P: int) -> int | None:
+        """The padded length of a graphed prefill of n prompts of at most P tokens, or None."""
+        Pb = max(MIN_LEN, next_pow2(P))
+        return Pb if n * Pb <= self.max_tokens and Pb <= self.r.cache_cfg.max_len else None
+
+    def forward_fn(self, buf: PrefillBuffers) -> Callable[[], None]:
+        """The prefill forward over the buffers: what is captured, and what the warm-up runs."""
+        r = self.r
+        n, Pb = buf.ids.shape
+        dev = buf.ids.device
+
+        def run() -> None:
+            pos = torch.arange(Pb, device=dev).expand(n, Pb)
+            meta = attn_meta(torch.zeros(n, dtype=torch.long, device=dev), causal(n, Pb, dev), Pb)
+            meta = dataclasses.replace(meta, rows=buf.rows, gather_rows=True)
+            hidden, aux = r.target(buf.ids, pos, meta, r.kv.k, r.kv.v, r.capture_layers)
+            at = (torch.arange(n, device=dev), buf.lens - 1)
+            buf.h_last.copy_(hidden[at])
+            if r.drafter is not None:
+                buf.a_last.copy_(aux[at])
+                r.drafter.write_context(aux, pos, r.dkv.k, r.dkv.v, rows=buf.rows)
+        return run
+
+    def run(self, first_row: int, ids: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Prefill ids [n, P] (zero-padded) into cache rows first_row.. from a graph; returns
+        (h_last, a_last), static buffers valid until the next prefill, or None if no bucket fits."""
+        n, P = ids.shape
+        Pb = self.bucket(n, P)
+        if Pb is None:
+            return None
+        new = (n, Pb) not in self.graphs
+        buf = self._buffers(n, Pb) if new else self.graphs[(n, Pb)][1]
+        buf.ids.zero_()
+        buf.ids[:, :P].copy_(ids)
+        buf.lens.copy_(lens)
+        buf.rows.copy_(first_row + torch.arange(n, device=ids.device)[:, None])
+        if new:   # the warm-up runs are real prefills of these rows: they write what the replay does
+            self.graphs[(n, Pb)] = (self._capture(self.forward_fn(buf)), buf)
+        self.graphs[(n, Pb)][0].replay()
+        return buf.h_last, buf.a_last
+
+    def _buffers(self, n: int, Pb: int) -> PrefillBuffers:
+        r, dev = self.r, self.r.device
+        feat = r.state.ctx_feat.shape[2]
+        zeros = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
+        return PrefillBuffers(zeros(n, Pb), zeros(n), zeros(n, 1),
+                              torch.zeros(n, r.target.cfg.hidden_size, dtype=r.dtype, device=dev),
+                              torch.zeros(n, feat, dtype=r.dtype, device=dev) if r.drafter is not None else None)
+
+    def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()   # apart from the rounds' pool
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):   # warm-up: allocator, kernels, compiles
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        return graph

@@ -3,7 +3,11 @@ merge, `spec/topk_kernel.py`) and the tree kernel (`spec/tree_kernel.py`) on dra
 [1, 15, 151,936] bf16 (Qwen3-8B's vocabulary, block 16); each timed as a CUDA graph of 50 calls.
 Every variant's tree must equal the default's.
 
-    python benchmarks/tree_build_bench.py [--budgets 32,128] [--tree-warps 1,2,4] [--merge-warps 1,2,4]   (CUDA)
+    python benchmarks/tree_build_bench.py [--budgets 32,128] [--tree-warps 1,2,4] [--merge-warps 1,2,4]
+                                          [--select bitonic,rank]   (CUDA)
+
+"rank" is the tree kernel's rank-by-count level selection (tree_kernel.RANK_SELECT), which
+applies up to tree_kernel.RANK_MAX_PAIRS padded pairs (budget 32; not 128).
 """
 import argparse
 
@@ -18,6 +22,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--budgets", default="32,128")
 ap.add_argument("--tree-warps", default="1,2,4")
 ap.add_argument("--merge-warps", default="1,2,4")
+ap.add_argument("--select", default="bitonic,rank")
 args = ap.parse_args()
 
 x = torch.randn(1, 15, 151936, device="cuda").mul_(4).to(torch.bfloat16)
@@ -29,10 +34,13 @@ for B in (int(b) for b in args.budgets.split(",")):
         topk_kernel.MERGE_WARPS = w
         print(f"  top-K (chunk kernel + merge), merge at {w} warps: {graphed_us(lambda: top_log_probs(x, B)):7.1f}")
     topk_kernel.MERGE_WARPS = 4
-    for w in (int(v) for v in args.tree_warps.split(",")):
-        tree_kernel.TREE_WARPS = w
-        got = build_tree_fused(x, root, B)
-        same = all(torch.equal(getattr(got, f), getattr(ref, f)) for f in ("tokens", "parents", "depth", "valid", "visible"))
-        print(f"  whole build, tree kernel at {w} warps: {graphed_us(lambda: build_tree_fused(x, root, B)):7.1f}"
-              f"   same tree: {same}", flush=True)
-    tree_kernel.TREE_WARPS = None
+    for sel in args.select.split(","):
+        tree_kernel.RANK_SELECT = sel == "rank"
+        for w in (int(v) for v in args.tree_warps.split(",")):
+            tree_kernel.TREE_WARPS = w
+            got = build_tree_fused(x, root, B)
+            same = all(torch.equal(getattr(got, f), getattr(ref, f))
+                       for f in ("tokens", "parents", "depth", "valid", "visible"))
+            print(f"  whole build, {sel} selection, tree kernel at {w} warps: "
+                  f"{graphed_us(lambda: build_tree_fused(x, root, B)):7.1f}   same tree: {same}", flush=True)
+    tree_kernel.TREE_WARPS, tree_kernel.RANK_SELECT = None, False

@@ -218,15 +218,21 @@ def test_auto_schedule_keeps_verify_tokens_bounded():
     assert SpecConfig.parse_schedule("auto", 4) == ((64, 3), (128, 1))
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_budget_schedule_is_lossless_as_the_batch_shrinks(pair, fake_cuda_graphs, graphs):
-    """Requests finish at different times, so rounds move between batch buckets (and budgets)."""
-    t, d = pair
+def _finishing_at_different_times(t):
+    """Six requests of different lengths (mixed T = 0 and 0.8), and plain decoding's tokens."""
     prompts = [[i + 1, 2, 3][: 1 + i % 3] for i in range(6)]
     sp = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=6 + 5 * i, ignore_eos=True)
           for i in range(6)]
     want = [o.token_ids for o in LLM(model=str(t), device="cpu", dtype="float32", max_num_seqs=8,
                                      max_model_len=128).generate(prompts, sp)]
+    return prompts, sp, want
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_budget_schedule_is_lossless_as_the_batch_shrinks(pair, fake_cuda_graphs, graphs):
+    """Requests finish at different times, so rounds move between batch buckets (and budgets)."""
+    t, d = pair
+    prompts, sp, want = _finishing_at_different_times(t)
     llm = LLM(model=str(t), draft_model=str(d), spec="ddtree", budget=24, budget_schedule="2:6,4:1", device="cpu",
               dtype="float32", max_num_seqs=8, max_model_len=128, cuda_graphs=graphs)
     seen = []
@@ -250,20 +256,16 @@ def test_speculation_off_under_load_is_lossless(pair, fake_cuda_graphs, spec, sc
     """Six requests start together with speculation off (plain decode rounds keep the drafter's
     context), then drafting resumes as they finish and the batch shrinks: plain decoding's tokens."""
     t, d = pair
-    prompts = [[i + 1, 2, 3][: 1 + i % 3] for i in range(6)]
-    sp = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=6 + 5 * i, ignore_eos=True)
-          for i in range(6)]
-    want = [o.token_ids for o in LLM(model=str(t), device="cpu", dtype="float32", max_num_seqs=8,
-                                     max_model_len=128).generate(prompts, sp)]
+    prompts, sp, want = _finishing_at_different_times(t)
     llm = LLM(model=str(t), draft_model=str(d), spec=spec, budget=24 if spec == "ddtree" else None,
               budget_schedule=schedule, device="cpu", dtype="float32", max_num_seqs=8, max_model_len=128,
               cuda_graphs=graphs)
     drafter, calls = llm.engine.runner.drafter, {"context": 0, "draft": 0}
     write_context = drafter.write_context
 
-    def counting_write(*args):
+    def counting_write(*args, **kw):
         calls["context"] += 1
-        write_context(*args)
+        write_context(*args, **kw)
     drafter.write_context = counting_write
     drafter.register_forward_hook(lambda *_: calls.__setitem__("draft", calls["draft"] + 1))
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want

@@ -119,15 +119,23 @@ class ModelRunner:
         for a in range(0, P, self.prefill_chunk):
             b = min(P, a + self.prefill_chunk)
             meta = attn_meta(torch.full((n,), a, device=dev), causal(n, b - a, dev), b)
-            hidden, aux = self.target(ids[:, a:b], pos[:, a:b], meta, *kv, self.capture_layers)
             here = ((last >= a) & (last < b))[:, None]
-            at = (torch.arange(n, device=dev), (last - a).clamp(0, b - a - 1))
-            h_last = hidden[at] if h_last is None else torch.where(here, hidden[at], h_last)
-            if dkv is not None:
-                a_last = aux[at] if a_last is None else torch.where(here, aux[at], a_last)
-                # features past a prompt's end are padding: written where the cache is masked
-                self.drafter.write_context(aux, pos[:, a:b], *dkv)
+            h, f = self.prefill_forward(ids[:, a:b], pos[:, a:b], meta, kv, dkv, (last - a).clamp(0, b - a - 1))
+            h_last = h if h_last is None else torch.where(here, h, h_last)
+            if f is not None:
+                a_last = f if a_last is None else torch.where(here, f, a_last)
         return h_last, a_last
+
+    def prefill_forward(self, ids: torch.Tensor, pos: torch.Tensor, meta, kv, dkv, at: torch.Tensor):
+        """One prefill forward of the target over [n, W] tokens, the drafter's context written
+        from it (when dkv); returns the hidden state and the drafter features at column at[b]
+        of each row. Features past a prompt's end are padding, written where the cache is masked."""
+        hidden, aux = self.target(ids, pos, meta, *kv, self.capture_layers)
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        if dkv is None:
+            return hidden[rows, at], None
+        self.drafter.write_context(aux, pos, *dkv, rows=meta.rows if meta.gather_rows else None)
+        return hidden[rows, at], aux[rows, at]
 
     # -- rounds ------------------------------------------------------------------------------
     @torch.inference_mode()

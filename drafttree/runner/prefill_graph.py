@@ -56,12 +56,11 @@ class PrefillGraphs:
             pos = torch.arange(Pb, device=dev).expand(n, Pb)
             meta = attn_meta(torch.zeros(n, dtype=torch.long, device=dev), causal(n, Pb, dev), Pb)
             meta = dataclasses.replace(meta, rows=buf.rows, gather_rows=True)
-            hidden, aux = r.target(buf.ids, pos, meta, r.kv.k, r.kv.v, r.capture_layers)
-            at = (torch.arange(n, device=dev), buf.lens - 1)
-            buf.h_last.copy_(hidden[at])
-            if r.drafter is not None:
-                buf.a_last.copy_(aux[at])
-                r.drafter.write_context(aux, pos, r.dkv.k, r.dkv.v, rows=buf.rows)
+            dkv = (r.dkv.k, r.dkv.v) if r.drafter is not None else None
+            h, f = r.prefill_forward(buf.ids, pos, meta, (r.kv.k, r.kv.v), dkv, buf.lens - 1)
+            buf.h_last.copy_(h)
+            if f is not None:
+                buf.a_last.copy_(f)
         return run
 
     def run(self, first_row: int, ids: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -2,7 +2,7 @@
 time of its kernels, then a Python profile of one; on a random-weight shape, or with shape
 "default" on the default model and its shipped drafter.
 
-    [PREFILL_GRAPHS=1] python benchmarks/profile_prefill.py [shape|default] [spec] [prompt_len ...]     (CUDA)
+    [PREFILL_GRAPHS=0] python benchmarks/profile_prefill.py [shape|default] [spec] [prompt_len ...]     (CUDA)
 """
 import cProfile
 import os
@@ -21,7 +21,7 @@ spec = sys.argv[2] if len(sys.argv) > 2 else "ddtree"
 lens = [int(n) for n in sys.argv[3:]] or [64, 200, 500]
 extra = dict(block_size=16, budget=32) if spec != "none" else {}
 weights = {} if shape == "default" else dict(random_weights=shape)
-graphs = os.environ.get("PREFILL_GRAPHS", "0") == "1"   # PREFILL_GRAPHS=1: the graphed prefill
+graphs = os.environ.get("PREFILL_GRAPHS", "1") == "1"   # PREFILL_GRAPHS=0: the eager prefill
 eng = Engine(EngineConfig(spec=spec, max_num_seqs=1, max_model_len=2048, prefill_graphs=graphs, **weights, **extra))
 r = eng.runner
 sp = [SamplingParams(temperature=0.0)]
@@ -34,7 +34,10 @@ def prefill(n: int) -> None:
 with torch.inference_mode():
     print(f"{shape}, spec {spec}: prefill of one request (ms)")
     for n in lens:
-        for _ in range(3):
+        t0 = time.perf_counter()
+        prefill(n)   # graphed: the capture of this length bucket
+        first = (time.perf_counter() - t0) * 1e3
+        for _ in range(2):
             prefill(n)
         t0 = time.perf_counter()
         for _ in range(5):
@@ -45,7 +48,7 @@ with torch.inference_mode():
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 prefill(n)
             gpu = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
-        print(f"  {n:5d} tokens: wall {wall:7.2f}   GPU kernels {gpu:7.2f}", flush=True)
+        print(f"  {n:5d} tokens: wall {wall:7.2f}   GPU kernels {gpu:7.2f}   first call {first:8.1f}", flush=True)
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(5):

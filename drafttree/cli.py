@@ -27,8 +27,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length per request")
     g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache budget")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run every phase eagerly")
-    g.add_argument("--prefill-graphs", action="store_true",
-                   help="graph prefills too, per (prompts, length bucket), captured at first use (experimental)")
+    g.add_argument("--no-prefill-graphs", action="store_true",
+                   help="run prefill eagerly (default with CUDA graphs: graphed per (prompts, length bucket), "
+                        "captured at first use)")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -36,7 +37,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         budget=a.budget, budget_schedule=a.budget_schedule, dtype=a.dtype, device=a.device,
                         max_num_seqs=a.max_num_seqs,
                         max_model_len=a.max_model_len, kv_cache_memory_gb=a.kv_cache_memory_gb,
-                        cuda_graphs=False if a.no_cuda_graphs else None, prefill_graphs=a.prefill_graphs)
+                        cuda_graphs=False if a.no_cuda_graphs else None,
+                        prefill_graphs=False if a.no_prefill_graphs else None)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -322,7 +322,7 @@ def test_gpu_kv_buckets_and_schedule_equal_eager(pair, spec, budget, schedule):
     assert llm.engine.runner.graphs.fallbacks == 0
 
 
-def _graphed_prefill_case(t, d, spec, budget, **kw):
+def _graphed_prefill_case(t, d, spec, budget, max_tokens=None, **kw):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 59, (n,), generator=g).tolist() for n in (5, 9, 14, 3, 16, 11, 7, 20, 2, 33)]
     sp = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=4 + 3 * i, ignore_eos=True)
@@ -336,10 +336,15 @@ def _graphed_prefill_case(t, d, spec, budget, **kw):
     want = [[o.token_ids for o in eager.generate([prompts[i] for i in ps], [sp[i] for i in ss])] for ps, ss in calls]
     llm = LLM(**kw, cuda_graphs=True, prefill_graphs=True)
     pg, runs = llm.engine.runner.prefill_graphs, []
-    run = pg.run
-    pg.run = lambda first_row, ids, lens: runs.append((first_row, ids.shape[0])) or run(first_row, ids, lens)
+    if max_tokens is not None:
+        pg.max_tokens = max_tokens
+    run = pg._replay
+    pg._replay = lambda first_row, ids, lens, Pb: runs.append((first_row, ids.shape[0])) or run(first_row, ids, lens, Pb)
     got = [[o.token_ids for o in llm.generate([prompts[i] for i in ps], [sp[i] for i in ss])] for ps, ss in calls]
     assert got == want
+    if max_tokens is not None:   # batches of 2 prompts over 16 slots went in groups of one
+        assert set(pg.graphs) == {(1, 16)} and {r for r, _ in runs} == {0, 1}, (runs, list(pg.graphs))
+        return
     # graphs were reused for other prompts, and the one-prompt graph at other cache rows
     assert len(runs) > len(pg.graphs) > 1 and {r for r, n in runs if n == 1} >= {0, 1}, (runs, list(pg.graphs))
 
@@ -349,6 +354,14 @@ def test_graphed_prefill_logic_on_cpu(pair, fake_cuda_graphs, spec, budget):
     later requests' ids, lengths and rows: a value baked in at capture would change tokens."""
     t, d = pair
     _graphed_prefill_case(t, d, spec, budget, device="cpu")
+
+
+@pytest.mark.parametrize("spec,budget", [("none", None), ("ddtree", 8)])
+def test_graphed_prefill_in_groups_on_cpu(pair, fake_cuda_graphs, spec, budget):
+    """A batch over the graphed token limit runs as several groups, each replaying a graph at its
+    own cache rows; outputs of a group are kept before the next group replays the same graph."""
+    t, d = pair
+    _graphed_prefill_case(t, d, spec, budget, max_tokens=16, device="cpu")
 
 
 def test_graphed_prefill_needs_graphs(pair):

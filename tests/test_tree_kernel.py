@@ -133,20 +133,6 @@ def test_matches_stable_build_tree_with_ties(kind: str, monkeypatch: pytest.Monk
             assert_same(build_tree_fused(logits, roots, budget), build_tree(logits, roots, budget))
 
 
-@pytest.mark.parametrize("kind", ["normal", "dup", "masked"])
-def test_rank_select_builds_the_same_trees(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rank-by-count level selection (RANK_SELECT) against build_tree, ties included
-    (with a stable topk in build_tree, as above); budgets past RANK_MAX_PAIRS keep the bitonic path."""
-    from drafttree.spec import tree_kernel
-    monkeypatch.setattr(tree_kernel, "RANK_SELECT", True)
-    monkeypatch.setattr(torch.Tensor, "topk", stable_topk)
-    gen = torch.Generator().manual_seed(20 + KINDS.index(kind))
-    rng = random.Random(20 + KINDS.index(kind))
-    for _ in range(TIE_CASES if kind != "normal" else RANDOM_CASES // 2):
-        logits, roots, budget = random_case(rng, gen, kind)
-        assert_same(build_tree_fused(logits, roots, budget), build_tree(logits, roots, budget))
-
-
 def _cpu(tree: DraftTree) -> DraftTree:
     return DraftTree(*(getattr(tree, name).cpu() for name in FIELDS))
 

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from drafttree.bench.prompts import load_prompts
 from drafttree.llm import LLM
+from drafttree.phases import SpecConfig
 from drafttree.sampling import SamplingParams
 
 
@@ -33,14 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="ar,dflash,ddtree")
     p.add_argument("--budgets", default="8,16,32,64,128")
     p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--budget-schedule", default=None, help="DDTree budget by batch bucket (see drafttree generate)")
+    p.add_argument("--budget-schedule", default=None,
+                   help="DDTree budget by batch bucket (see drafttree generate); DFlash takes it when all its "
+                        "entries are batch:0")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--batch", type=int, default=1, help="concurrent requests (max_num_seqs)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--prefill-graphs", action="store_true", help="graphed prefill (experimental)")
+    p.add_argument("--no-prefill-graphs", action="store_true", help="eager prefill")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--from-results", nargs="+", default=None, metavar="JSON",
                    help="run nothing: merge these results.json files (e.g. one per GPU) into --out")
@@ -59,14 +62,25 @@ def runs(a: argparse.Namespace) -> list[tuple[str, int | None]]:
     return out
 
 
+def schedule_for(method: str, text: str | None) -> str | None:
+    """The --budget-schedule a method takes: all of it for DDTree; for DFlash only its
+    speculation-off entries ('16:0'), when it has nothing else; none for plain decoding."""
+    if method == "ddtree":
+        return text
+    if method != "dflash" or not text or text.strip() == "auto":
+        return None
+    return text if all(n == 0 for _, n in SpecConfig.parse_schedule(text)) else None
+
+
 def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar) -> tuple[dict, list[list[int]]]:
     """One method at one temperature over all prompts: its figures, and its outputs' token ids."""
     llm = LLM(model=a.model, draft_model=a.draft_model, spec="none" if method == "ar" else method,
               budget=budget, block_size=a.block_size,
-              budget_schedule=a.budget_schedule if method == "ddtree" else None,
+              budget_schedule=schedule_for(method, a.budget_schedule),
               dtype=a.dtype, device=a.device, max_num_seqs=a.batch,
               max_model_len=a.max_model_len, cuda_graphs=False if a.no_cuda_graphs else None,
-              prefill_graphs=a.prefill_graphs, random_weights=a.random_weights, random_drafter=a.random_drafter)
+              prefill_graphs=False if a.no_prefill_graphs else None,
+              random_weights=a.random_weights, random_drafter=a.random_drafter)
     eng = llm.engine
     texts = [p if isinstance(p, list) or llm.tokenizer is None else llm.apply_chat_template(
         [{"role": "user", "content": p}]) for p in prompts]

@@ -32,7 +32,8 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_memory_gb: float | None = None   # default: 1 GiB on CPU, 60% of free on CUDA
     cuda_graphs: bool | None = None     # default: on for CUDA
-    prefill_graphs: bool = False        # graphed prefill per (prompts, length bucket), captured at first use
+    prefill_graphs: bool | None = None  # graphed prefill per (prompts, length bucket), captured at
+                                        # first use; default: on with CUDA graphs
     max_prefill_tokens: int = 8192      # padded tokens in one batched prefill
     prefill_chunk: int = 2048           # prompt tokens per prefill forward (chunked prefill)
     admit_min: int = 1                  # while requests run, admit waiting ones only once this many
@@ -86,7 +87,7 @@ class Engine:
             from drafttree.runner.cuda_graph import GraphRunner
             self.runner.graphs = GraphRunner(self.runner)
             self.runner.graphs.capture()
-        if cfg.prefill_graphs:
+        if use_graphs and cfg.prefill_graphs is not False:
             from drafttree.runner.prefill_graph import PrefillGraphs
             self.runner.prefill_graphs = PrefillGraphs(self.runner)
 

@@ -26,6 +26,9 @@ tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 ENABLED = os.environ.get("DRAFTTREE_ATTN_KERNEL", "1") != "0"
 BLOCK_N = 64          # keys per inner step
 MAX_BLOCK_M = 64      # query rows per program; more rows take more programs
+# fp32 (exact `ieee` dots) at 64 rows made a graphed DFlash round of the SmolLM2 shape 6.9 ms
+# against 2.6 at 16 (H200, benchmarks/results/2026-11-30_h200_run8.md)
+MAX_BLOCK_M_FP32 = 16
 # Splits are sized so that a launch has about TARGET_PROGRAMS programs: a decode at batch 1 has
 # only Hkv programs per split, and one program's key blocks run one after another (a block's
 # mask, then its K and V, then the dots), so few long programs are latency-bound. Blocks per
@@ -156,7 +159,7 @@ def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     G = H // Hkv
     M = G * W
     mask = mask.contiguous().view(torch.uint8)
-    bm = min(MAX_BLOCK_M, max(16, next_pow2(M)))
+    bm = min(MAX_BLOCK_M_FP32 if q.dtype == torch.float32 else MAX_BLOCK_M, max(16, next_pow2(M)))
     nmb = -(-M // bm)
     split_blocks = plan_split_blocks(B * Hkv * nmb, L)
     ns = -(-L // (split_blocks * BLOCK_N))

@@ -1,14 +1,15 @@
-"""CUDA graphs for prefill (opt-in while measured: `prefill_graphs=True`, `--prefill-graphs`).
+"""CUDA graphs for prefill (on with CUDA graphs; `prefill_graphs=False`, `--no-prefill-graphs` to turn off).
 
-An eager prefill of a small model is host-bound: on the H200 machine, the default model and its
-drafter took 52–62 ms per prefill for 1.0–1.7 ms of GPU work
-(benchmarks/results/2026-11-30_h200_run7.md). Here the forward over n prompts, padded to a
+An eager prefill of a small model is host-bound: on an H200, the SmolLM2 shape with a drafter
+took 21–37 ms per prefill of 64–500 tokens for 0.9–1.7 ms of GPU work, and 1.7–3.4 ms graphed
+(benchmarks/results/2026-11-30_h200_run8.md). Here the forward over n prompts, padded to a
 length bucket Pb (a power of two, at least MIN_LEN), is captured once per (n, Pb) at its first
 use and replayed from static buffers: token ids, lengths and the cache rows the requests take.
 
 Padding to Pb does what the eager path already does for prompts of unequal length: pad tokens
 write K/V (and drafter context) past each prompt's end, where the cache stays masked until real
-tokens overwrite it. Prefills above MAX_TOKENS (n * Pb) stay eager: they are GPU-bound.
+tokens overwrite it. A batch of n * Pb > MAX_TOKENS runs as several graphed groups of
+MAX_TOKENS // Pb prompts; a prompt longer than MAX_TOKENS stays eager (it is GPU-bound).
 """
 from __future__ import annotations
 
@@ -41,10 +42,10 @@ class PrefillGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, PrefillBuffers]] = {}
         self.pool = None
 
-    def bucket(self, n: int, P: int) -> int | None:
-        """The padded length of a graphed prefill of n prompts of at most P tokens, or None."""
+    def bucket(self, P: int) -> int | None:
+        """The padded length of a graphed prefill of prompts of at most P tokens, or None."""
         Pb = max(MIN_LEN, next_pow2(P))
-        return Pb if n * Pb <= self.max_tokens and Pb <= self.r.cache_cfg.max_len else None
+        return Pb if Pb <= self.max_tokens and Pb <= self.r.cache_cfg.max_len else None
 
     def forward_fn(self, buf: PrefillBuffers) -> Callable[[], None]:
         """The prefill forward over the buffers: what is captured, and what the warm-up runs."""
@@ -64,12 +65,24 @@ class PrefillGraphs:
         return run
 
     def run(self, first_row: int, ids: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Prefill ids [n, P] (zero-padded) into cache rows first_row.. from a graph; returns
-        (h_last, a_last), static buffers valid until the next prefill, or None if no bucket fits."""
+        """Prefill ids [n, P] (zero-padded) into cache rows first_row.. from graphs, in groups of
+        at most max_tokens // Pb prompts; returns (h_last, a_last), or None if no bucket fits.
+        For one group these are static buffers, valid until the next prefill."""
         n, P = ids.shape
-        Pb = self.bucket(n, P)
+        Pb = self.bucket(P)
         if Pb is None:
             return None
+        g = self.max_tokens // Pb
+        if n <= g:
+            return self._replay(first_row, ids, lens, Pb)
+        # a later group may replay the same graph: copy each group's outputs before it does
+        parts = [tuple(None if t is None else t.clone() for t in
+                       self._replay(first_row + a, ids[a:a + g], lens[a:a + g], Pb)) for a in range(0, n, g)]
+        h = torch.cat([p[0] for p in parts])
+        return h, None if parts[0][1] is None else torch.cat([p[1] for p in parts])
+
+    def _replay(self, first_row: int, ids: torch.Tensor, lens: torch.Tensor, Pb: int):
+        n, P = ids.shape
         new = (n, Pb) not in self.graphs
         buf = self._buffers(n, Pb) if new else self.graphs[(n, Pb)][1]
         buf.ids.zero_()

@@ -3,8 +3,7 @@
 The vocabulary top-K and the log-softmax normalizer come from `tree.top_log_probs`
 (on CUDA, the kernels of `topk_kernel.py`), shared verbatim with `build_tree`.
 Everything after them runs in one program per request: the L level selections
-(a bitonic top-B over the candidate pairs, or opt-in a rank-by-count,
-RANK_SELECT), the final best-first order (a running bitonic merge of each level
+(a bitonic top-B over the candidate pairs), the final best-first order (a running bitonic merge of each level
 into the best B so far), parents, depths and the ancestor mask.
 
 Order and ties. Every comparison is on a 64-bit key: the float32 score in the
@@ -49,10 +48,10 @@ def available(device: torch.device | str, budget: int | None = None) -> bool:
 
 
 def _tree_kernel(lp_ptr, idx_ptr, pair_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr, valid_ptr,
-                 vis_ptr, scratch_ptr, sel_ptr, R, L: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
+                 vis_ptr, scratch_ptr, R, L: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
                  N: tl.constexpr, B: tl.constexpr, B_PAD: tl.constexpr, LOG_B: tl.constexpr,
                  M_PAD: tl.constexpr, LOG_M: tl.constexpr, N_PAD: tl.constexpr,
-                 BI: tl.constexpr, BJ: tl.constexpr, RANK: tl.constexpr):
+                 BI: tl.constexpr, BJ: tl.constexpr):
     pid = tl.program_id(0)
     neg_inf = float("-inf")
     low_top = 1 << 30  # low half of a tree key: low_top - (depth - 1) * B - slot
@@ -95,49 +94,38 @@ def _tree_kernel(lp_ptr, idx_ptr, pair_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr,
         tok_next = tl.load(idx_ptr + off, mask=p_ok & (d + 1 < L), other=0).to(tl.int32)
         cand = tl.gather(score, B_PAD - 1 - p_slot, 0) + lp
         c = tl.where(cand == 0.0, 0.0, cand).to(tl.int32, bitcast=True)
-        # padding pairs get distinct low halves too (every key distinct: ranks below are unique)
+        # padding pairs get distinct low halves too (every key distinct)
         ckey = tl.where(p_ok, ((c ^ ((c >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32), pad_key) | (M_PAD - p)
 
-        if RANK:
-            # Rank by count: a key's rank is how many keys exceed it (all distinct); the top B_PAD
-            # land in scratch by rank, read back ascending like the bitonic result. One
-            # [M_PAD, M_PAD] compare instead of LOG_B (LOG_B + 1) / 2 + (LOG_M - LOG_B)(LOG_B + 1)
-            # compare-exchange steps.
-            rank = tl.sum((ckey[None, :] > ckey[:, None]).to(tl.int32), axis=1)
-            tl.store(sel_ptr + pid * B_PAD + rank, ckey, mask=rank < B_PAD)
-            tl.debug_barrier()
-            top = tl.load(sel_ptr + pid * B_PAD + slot)
-            tl.debug_barrier()
-        else:
-            # Bitonic top-k on the hypercube [2] * LOG_M: sort runs of B_PAD keys in alternating
-            # directions, then halve (pairwise max of an ascending and a descending run is a
-            # bitonic sequence holding the top B_PAD of both) and re-merge, last merge ascending.
-            # A compare-exchange along an axis of size 2 puts each pair's max where take_max.
-            h = tl.reshape(ckey, [2] * LOG_M)
-            for stage in tl.static_range(1, LOG_B + 1):
-                if stage < LOG_M:
-                    flip = tl.reshape(tl.arange(0, 2), [1] * (LOG_M - 1 - stage) + [2] + [1] * stage)
-                else:
-                    flip = tl.zeros([1] * LOG_M, tl.int32)
-                for i in tl.static_range(stage):
-                    right = tl.reshape(tl.arange(0, 2),
-                                       [1] * (LOG_M - stage + i) + [2] + [1] * (stage - 1 - i))
-                    take_max = (right ^ flip) == 1
-                    h = tl.where(take_max, tl.max(h, LOG_M - stage + i, keep_dims=True),
-                                 tl.min(h, LOG_M - stage + i, keep_dims=True))
-            for r in tl.static_range(LOG_M - LOG_B):
-                h = tl.max(h, LOG_M - 1 - r - LOG_B)
-                if LOG_B < LOG_M - 1 - r:
-                    flip = tl.reshape(tl.arange(0, 2), [1] * (LOG_M - 2 - r - LOG_B) + [2] + [1] * LOG_B)
-                else:
-                    flip = tl.zeros([1] * LOG_B, tl.int32)
-                for i in tl.static_range(LOG_B):
-                    right = tl.reshape(tl.arange(0, 2),
-                                       [1] * (LOG_M - 1 - r - LOG_B + i) + [2] + [1] * (LOG_B - 1 - i))
-                    take_max = (right ^ flip) == 1
-                    h = tl.where(take_max, tl.max(h, LOG_M - 1 - r - LOG_B + i, keep_dims=True),
-                                 tl.min(h, LOG_M - 1 - r - LOG_B + i, keep_dims=True))
-            top = tl.reshape(h, [B_PAD])
+        # Bitonic top-k on the hypercube [2] * LOG_M: sort runs of B_PAD keys in alternating
+        # directions, then halve (pairwise max of an ascending and a descending run is a
+        # bitonic sequence holding the top B_PAD of both) and re-merge, last merge ascending.
+        # A compare-exchange along an axis of size 2 puts each pair's max where take_max.
+        h = tl.reshape(ckey, [2] * LOG_M)
+        for stage in tl.static_range(1, LOG_B + 1):
+            if stage < LOG_M:
+                flip = tl.reshape(tl.arange(0, 2), [1] * (LOG_M - 1 - stage) + [2] + [1] * stage)
+            else:
+                flip = tl.zeros([1] * LOG_M, tl.int32)
+            for i in tl.static_range(stage):
+                right = tl.reshape(tl.arange(0, 2),
+                                   [1] * (LOG_M - stage + i) + [2] + [1] * (stage - 1 - i))
+                take_max = (right ^ flip) == 1
+                h = tl.where(take_max, tl.max(h, LOG_M - stage + i, keep_dims=True),
+                             tl.min(h, LOG_M - stage + i, keep_dims=True))
+        for r in tl.static_range(LOG_M - LOG_B):
+            h = tl.max(h, LOG_M - 1 - r - LOG_B)
+            if LOG_B < LOG_M - 1 - r:
+                flip = tl.reshape(tl.arange(0, 2), [1] * (LOG_M - 2 - r - LOG_B) + [2] + [1] * LOG_B)
+            else:
+                flip = tl.zeros([1] * LOG_B, tl.int32)
+            for i in tl.static_range(LOG_B):
+                right = tl.reshape(tl.arange(0, 2),
+                                   [1] * (LOG_M - 1 - r - LOG_B + i) + [2] + [1] * (LOG_B - 1 - i))
+                take_max = (right ^ flip) == 1
+                h = tl.where(take_max, tl.max(h, LOG_M - 1 - r - LOG_B + i, keep_dims=True),
+                             tl.min(h, LOG_M - 1 - r - LOG_B + i, keep_dims=True))
+        top = tl.reshape(h, [B_PAD])
 
         hi = (top >> 32).to(tl.int32)
         score = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
@@ -238,31 +226,14 @@ def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budg
     valid = torch.empty(R, N, dtype=torch.uint8, device=device)
     visible = torch.empty(R, N, N, dtype=torch.uint8, device=device)
     scratch = torch.empty(3, R, L * B, dtype=torch.int32, device=device)
-    select = torch.empty(R, b_pad, dtype=torch.int64, device=device)
     bi = min(64, next_pow2(N))
     bj = min(256, next_pow2(N))
     jit_kernel(_tree_kernel, interpreting())[(R,)](
         top_lp, top_idx.contiguous(), pairs, root_tokens.contiguous(), tokens, parents, depth,
-        valid, visible, scratch, select, R, L=L, K=K, M=M, N=N, B=B, B_PAD=b_pad,
+        valid, visible, scratch, R, L=L, K=K, M=M, N=N, B=B, B_PAD=b_pad,
         LOG_B=b_pad.bit_length() - 1, M_PAD=m_pad, LOG_M=m_pad.bit_length() - 1,
-        N_PAD=next_pow2(N), BI=bi, BJ=bj, RANK=RANK_SELECT and m_pad <= RANK_MAX_PAIRS,
-        num_warps=_num_warps(m_pad),
+        N_PAD=next_pow2(N), BI=bi, BJ=bj,
+        # budget 32 on an H200: 63 us for the whole build at 4 warps, 74 at 2, 109 at 1 (run 8)
+        num_warps=4 if m_pad <= 256 else 8,
     )
     return DraftTree(tokens, parents, depth, valid.view(torch.bool), visible.view(torch.bool))
-
-
-# Each level's top B by rank-by-count (one [pairs, pairs] compare, up to RANK_MAX_PAIRS padded
-# pairs: budget 32 has 128) instead of the bitonic network; both give the same tree.
-# benchmarks/tree_build_bench.py times the two.
-RANK_SELECT = False
-RANK_MAX_PAIRS = 256
-# num_warps of the tree kernel; None: 4 up to 256 candidate pairs, else 8. Its bitonic steps are
-# one element per thread at 4 warps, so the upper axes cross warps (shared memory and a barrier
-# per step); benchmarks/tree_build_bench.py sweeps fewer warps.
-TREE_WARPS: int | None = None
-
-
-def _num_warps(m_pad: int) -> int:
-    if TREE_WARPS is not None:
-        return TREE_WARPS
-    return 4 if m_pad <= 256 else 8

@@ -20,7 +20,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget-schedule", default=None,
                    help="DDTree budget by batch bucket under load, e.g. '8:16,32:4' (batch:budget), or 'auto' "
                         "(batch * (budget + 1) <= 256 verify tokens per forward, a roofline figure); "
-                        "budget 0 decodes plainly from that batch size on ('16:0', DFlash too)")
+                        "budget 0 decodes plainly from that batch size on ('16:0', DFlash too); default: the "
+                        "drafter config's ddtree_default_budget_schedule, if any ('none' clears it)")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     g.add_argument("--max-num-seqs", type=int, default=8, help="largest batch (KV cache rows)")

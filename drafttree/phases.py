@@ -38,6 +38,16 @@ def auto_schedule(budget: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def schedule_for(method: str, text: str | None) -> str | None:
+    """The part of a budget schedule a method takes: all of it for DDTree; for DFlash (no budget)
+    only a schedule whose entries all turn speculation off ('16:0'); none for plain decoding."""
+    if method == "ddtree":
+        return text
+    if method != "dflash" or not text or text.strip() in ("auto", "none"):
+        return None
+    return text if all(n == 0 for _, n in SpecConfig.parse_schedule(text)) else None
+
+
 def batch_buckets(max_num_seqs: int) -> list[int]:
     """Batch sizes rounds run at (graphs are captured for each): powers of two, then the max."""
     out, b = [], 1
@@ -76,8 +86,8 @@ class SpecConfig:
     @staticmethod
     def parse_schedule(text: str | None, budget: int = 0) -> tuple[tuple[int, int], ...]:
         """'8:16,32:4' -> ((8, 16), (32, 4)): batch buckets of 8+ rows use 16 nodes, 32+ use 4.
-        '16:0': no speculation from 16 rows on. 'auto': `auto_schedule(budget)`."""
-        if not text:
+        '16:0': no speculation from 16 rows on. 'auto': `auto_schedule(budget)`. 'none': ()."""
+        if not text or text.strip() == "none":
             return ()
         if text.strip() == "auto":
             return auto_schedule(budget)

@@ -48,7 +48,7 @@ def test_bench_writes_results_and_plots(tmp_path):
 
 
 def test_budget_schedule_goes_where_it_applies():
-    from drafttree.bench.cli import schedule_for
+    from drafttree.phases import schedule_for
     assert schedule_for("ddtree", "8:16,32:0") == "8:16,32:0" and schedule_for("ddtree", "auto") == "auto"
     assert schedule_for("dflash", "16:0") == "16:0"
     assert schedule_for("dflash", "8:16,32:0") is None and schedule_for("dflash", "auto") is None

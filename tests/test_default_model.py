@@ -267,4 +267,5 @@ def test_shipped_drafter_is_lossless_and_accepts(converted_dir: Path) -> None:
     assert default.engine.spec.method == "none"          # the CPU decodes plainly by default
     on_cuda = EngineConfig(device="cuda")                 # resolved without loading anything
     assert plan.resolve_drafter(on_cuda) == plan.SHIPPED_DRAFTER
-    assert plan.resolve_spec(on_cuda, DFlashConfig.from_dir(plan.SHIPPED_DRAFTER)).budget == 8
+    shipped = plan.resolve_spec(on_cuda, DFlashConfig.from_dir(plan.SHIPPED_DRAFTER))
+    assert shipped.budget == 32 and shipped.budget_schedule == ((16, 0),)   # its config's, as measured

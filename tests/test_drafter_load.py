@@ -124,6 +124,25 @@ def test_default_budget_from_drafter_config(target, good_drafter, tmp_path, valu
     assert build(target, good_drafter, spec="ddtree").engine.spec.budget == 32
 
 
+@pytest.mark.parametrize("value,ok", [("16:0", True), ("4:8,16:0", True), ("16", False), (16, False)])
+def test_default_schedule_from_drafter_config(target, good_drafter, tmp_path, value, ok):
+    """A drafter may name its measured-best budget schedule; --budget-schedule (or 'none') wins;
+    DFlash takes it only when it just turns speculation off; a bad one is refused."""
+    d = copy_checkpoint(good_drafter, tmp_path / "d")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["ddtree_default_budget_schedule"] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    if not ok:
+        with pytest.raises(ValueError, match="ddtree_default_budget_schedule must be"):
+            build(target, d, spec="ddtree")
+        return
+    want = tuple(tuple(int(x) for x in e.split(":")) for e in value.split(","))
+    assert build(target, d, spec="ddtree").engine.spec.budget_schedule == want
+    assert build(target, d, spec="ddtree", budget_schedule="8:2").engine.spec.budget_schedule == ((8, 2),)
+    assert build(target, d, spec="ddtree", budget_schedule="none").engine.spec.budget_schedule == ()
+    assert build(target, d, spec="dflash").engine.spec.budget_schedule == (want if value == "16:0" else ())
+
+
 def test_drafter_without_weights(target, good_drafter, tmp_path):
     d = copy_checkpoint(good_drafter, tmp_path / "d")
     (d / "model.safetensors").unlink()

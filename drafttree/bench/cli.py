@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from drafttree.bench.prompts import load_prompts
 from drafttree.llm import LLM
-from drafttree.phases import SpecConfig
+from drafttree.phases import schedule_for
 from drafttree.sampling import SamplingParams
 
 
@@ -60,16 +60,6 @@ def runs(a: argparse.Namespace) -> list[tuple[str, int | None]]:
         else:
             raise ValueError(f"unknown method {m!r} (ar, dflash, ddtree)")
     return out
-
-
-def schedule_for(method: str, text: str | None) -> str | None:
-    """The --budget-schedule a method takes: all of it for DDTree; for DFlash only its
-    speculation-off entries ('16:0'), when it has nothing else; none for plain decoding."""
-    if method == "ddtree":
-        return text
-    if method != "dflash" or not text or text.strip() == "auto":
-        return None
-    return text if all(n == 0 for _, n in SpecConfig.parse_schedule(text)) else None
 
 
 def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar) -> tuple[dict, list[list[int]]]:

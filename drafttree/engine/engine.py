@@ -25,7 +25,8 @@ class EngineConfig:
     spec: str | None = None             # none | dflash | ddtree; default ddtree with a drafter
     block_size: int | None = None       # default: the drafter's
     budget: int | None = None           # DDTree nodes; default: the drafter's ddtree_default_budget, else 32
-    budget_schedule: str | None = None  # DDTree budget by batch bucket, e.g. "8:16,32:4"
+    budget_schedule: str | None = None  # DDTree budget by batch bucket, e.g. "8:16,32:4"; default: the
+                                        # drafter config's, if any ("none": no schedule)
     dtype: str | None = None            # auto: bf16 on CUDA, fp32 on CPU
     device: str | None = None           # auto: cuda if available
     max_num_seqs: int = 8

@@ -8,15 +8,16 @@ import torch
 from drafttree.config import ModelConfig, resolve_device
 from drafttree.engine.engine import EngineConfig
 from drafttree.models.dflash import DFlashConfig
-from drafttree.phases import SpecConfig
+from drafttree.phases import SpecConfig, schedule_for
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
 # Devices on which the default model decodes with DDTree and the shipped drafter when no flags
-# are given: where the pair was measured faster than plain decoding. On the H200 it is 1.19x
-# plain decoding at batch 1 (1.44x at budget 32) and 0.96x at batch 16; on 2 CPU cores the wider
+# are given: where the pair was measured faster than plain decoding. On the H200 it is 1.63x
+# plain decoding at batch 1 (its config's budget 32; 1.26x at 8) and 1.03x at batch 16, where its
+# config's schedule '16:0' decodes plainly until the batch shrinks; on 2 CPU cores the wider
 # verify forward costs more than the ~1.9 tokens a round accepts, so the CPU decodes plainly
-# unless asked (benchmarks/results/2026-11-30_h200_run7.md, ..._shipped_pair_v2.md).
+# unless asked (benchmarks/results/2026-11-30_h200_run8.md, ..._shipped_pair_v2.md).
 # `--spec ddtree` / `dflash` use it anywhere.
 SHIPPED_DRAFTER_BY_DEFAULT_ON = ("cuda",)
 
@@ -55,7 +56,8 @@ def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
     bs = drafter.block_size if cfg.block_size is None else cfg.block_size
     default = drafter.default_budget or DEFAULT_BUDGET
     budget = (default if cfg.budget is None else cfg.budget) if method == "ddtree" else 0
-    return SpecConfig(method, bs, budget, SpecConfig.parse_schedule(cfg.budget_schedule, budget))
+    schedule = cfg.budget_schedule if cfg.budget_schedule is not None else schedule_for(method, drafter.default_schedule)
+    return SpecConfig(method, bs, budget, SpecConfig.parse_schedule(schedule, budget))
 
 
 def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype):

@@ -16,6 +16,7 @@ from torch import nn
 
 from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLayer
+from drafttree.phases import SpecConfig
 from drafttree.models.layers import AttnMeta, RMSNorm, Rotary, apply_rope, cached_attention, write_kv
 
 
@@ -27,6 +28,7 @@ class DFlashConfig:
     target_layer_ids: tuple[int, ...]
     num_target_layers: int | None
     default_budget: int | None = None   # the DDTree budget measured fastest for this pair, if known
+    default_schedule: str | None = None  # likewise its budget schedule under load ('16:0'), if known
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "DFlashConfig":
@@ -48,7 +50,14 @@ class DFlashConfig:
         budget = d.get("ddtree_default_budget")
         if budget is not None and (type(budget) is not int or budget < 1):
             raise ValueError(f"{f}: ddtree_default_budget must be a positive integer, got {budget!r}")
-        return cls(model, int(bs), int(dc["mask_token_id"]), ids, d.get("num_target_layers"), budget)
+        schedule = d.get("ddtree_default_budget_schedule")
+        if schedule is not None:
+            try:
+                SpecConfig.parse_schedule(schedule)
+            except (ValueError, AttributeError):
+                raise ValueError(f"{f}: ddtree_default_budget_schedule must be 'batch:budget,...', "
+                                 f"got {schedule!r}") from None
+        return cls(model, int(bs), int(dc["mask_token_id"]), ids, d.get("num_target_layers"), budget, schedule)
 
     def check_fits(self, target: ModelConfig) -> None:
         """Refuse a drafter that cannot work with this target, naming the mismatch."""

@@ -8,8 +8,8 @@
 #   fp32    : DFlash phases of the SmolLM2 shape in fp32 at attention row blocks of 64 and 16, and
 #             in bf16.
 #   pair    : needs the default model's GGUF assembled at $GGUF and .whl/. The real pair at batch
-#             1 (prefill graphed by default) and at batch 16 with speculation off from 16 rows
-#             (--budget-schedule 16:0).
+#             1 (prefill graphed by default), at batch 16 with speculation off from 16 rows
+#             (--budget-schedule 16:0), and at batches 4 and 8 (the default budget 32).
 # Usage: OUT=dir bash benchmarks/h200_checks.sh tests|tree|fp32|pair
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -47,5 +47,9 @@ from drafttree.bench.phases import main; sys.exit(main())" --random-weights smol
     timeout 200 $B --num-prompts 16 --budgets 8,32 --out "$OUT/b1" > "$OUT/b1.log" 2>&1
     timeout 250 $B --num-prompts 64 --batch 16 --methods ar,ddtree --budgets 32 --budget-schedule 16:0 \
       --out "$OUT/b16_off" > "$OUT/b16.log" 2>&1
-    grep -v "bench:\|capturing" "$OUT/b1.log" "$OUT/b16.log" | tail -n 12 ;;
+    for b in 4 8; do   # the default (budget 32, speculating below 16 rows) where it is not yet measured
+      timeout 120 $B --num-prompts $((4 * b)) --batch $b --methods ar,dflash,ddtree --budgets 32 \
+        --out "$OUT/b$b" > "$OUT/b$b.log" 2>&1
+    done
+    grep -hv "bench:\|capturing\|transformers" "$OUT"/b*.log | tail -n 24 ;;
 esac

@@ -364,10 +364,44 @@ def test_graphed_prefill_in_groups_on_cpu(pair, fake_cuda_graphs, spec, budget):
     _graphed_prefill_case(t, d, spec, budget, max_tokens=16, device="cpu")
 
 
+def test_prefill_graph_out_of_memory_falls_back_to_eager(pair, fake_cuda_graphs, monkeypatch, caplog):
+    """A capture that runs out of memory costs no request: that prefill and all later ones run
+    eagerly, with one warning, and give the tokens eager prefill gives."""
+    from drafttree.runner import prefill_graph
+    t, d = pair
+    prompts = [[3, 5, 7], [(7 * j) % 50 + 1 for j in range(20)], [2, 4, 6, 8, 10]]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
+              max_num_seqs=1, max_model_len=64)
+    want = [o.token_ids for o in LLM(**kw, cuda_graphs=False).generate(prompts, sp)]
+    capture, calls = prefill_graph.PrefillGraphs._capture, []
+
+    def capture_once(self, fn):
+        calls.append(1)
+        if len(calls) > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return capture(self, fn)
+    monkeypatch.setattr(prefill_graph.PrefillGraphs, "_capture", capture_once)
+    llm = LLM(**kw, cuda_graphs=True)
+    with caplog.at_level("WARNING"):
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    pg = llm.engine.runner.prefill_graphs
+    assert pg.failed and pg.graphs == {} and len(calls) == 2
+    assert sum("out of memory capturing a prefill graph" in r.message for r in caplog.records) == 1
+
+
 def test_graphed_prefill_needs_graphs(pair):
     t, _ = pair
     with pytest.raises(ValueError, match="prefill_graphs needs CUDA graphs"):
         LLM(model=str(t), device="cpu", cuda_graphs=False, prefill_graphs=True)
+    assert LLM(model=str(t), device="cpu").engine.runner.prefill_graphs is None   # no graphs on CPU
+
+
+def test_graphed_prefill_is_on_with_graphs(pair, fake_cuda_graphs):
+    t, _ = pair
+    kw = dict(model=str(t), device="cpu", dtype="float32", max_num_seqs=2, max_model_len=64, cuda_graphs=True)
+    assert LLM(**kw).engine.runner.prefill_graphs is not None
+    assert LLM(**kw, prefill_graphs=False).engine.runner.prefill_graphs is None
 
 
 @cuda

@@ -108,13 +108,19 @@ def test_config_without_dflash_fields(target, good_drafter, tmp_path):
         build(target, d)
 
 
+def with_config_entry(drafter, dst, key: str, value):
+    """A copy of the drafter whose config.json has `key` set to `value`."""
+    d = copy_checkpoint(drafter, dst)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
 @pytest.mark.parametrize("value,ok", [(5, True), (0, False), ("8", False)])
 def test_default_budget_from_drafter_config(target, good_drafter, tmp_path, value, ok):
     """A drafter may name its measured-best DDTree budget; --budget still wins; a bad one is refused."""
-    d = copy_checkpoint(good_drafter, tmp_path / "d")
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["ddtree_default_budget"] = value
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = with_config_entry(good_drafter, tmp_path / "d", "ddtree_default_budget", value)
     if not ok:
         with pytest.raises(ValueError, match="ddtree_default_budget must be a positive integer"):
             build(target, d, spec="ddtree")
@@ -128,10 +134,7 @@ def test_default_budget_from_drafter_config(target, good_drafter, tmp_path, valu
 def test_default_schedule_from_drafter_config(target, good_drafter, tmp_path, value, ok):
     """A drafter may name its measured-best budget schedule; --budget-schedule (or 'none') wins;
     DFlash takes it only when it just turns speculation off; a bad one is refused."""
-    d = copy_checkpoint(good_drafter, tmp_path / "d")
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["ddtree_default_budget_schedule"] = value
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = with_config_entry(good_drafter, tmp_path / "d", "ddtree_default_budget_schedule", value)
     if not ok:
         with pytest.raises(ValueError, match="ddtree_default_budget_schedule must be"):
             build(target, d, spec="ddtree")

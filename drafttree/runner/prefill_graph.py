@@ -14,6 +14,7 @@ MAX_TOKENS // Pb prompts; a prompt longer than MAX_TOKENS stays eager (it is GPU
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +25,7 @@ from drafttree.triton_jit import next_pow2
 
 MIN_LEN = 16
 MAX_TOKENS = 2048
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class PrefillGraphs:
         self.max_tokens = min(max_tokens, runner.prefill_chunk)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, PrefillBuffers]] = {}
         self.pool = None
+        self.failed = False   # a capture ran out of memory: prefill stays eager from then on
 
     def bucket(self, P: int) -> int | None:
         """The padded length of a graphed prefill of prompts of at most P tokens, or None."""
@@ -70,14 +73,20 @@ class PrefillGraphs:
         For one group these are static buffers, valid until the next prefill."""
         n, P = ids.shape
         Pb = self.bucket(P)
-        if Pb is None:
+        if Pb is None or self.failed:
             return None
         g = self.max_tokens // Pb
-        if n <= g:
-            return self._replay(first_row, ids, lens, Pb)
-        # a later group may replay the same graph: copy each group's outputs before it does
-        parts = [tuple(None if t is None else t.clone() for t in
-                       self._replay(first_row + a, ids[a:a + g], lens[a:a + g], Pb)) for a in range(0, n, g)]
+        try:
+            if n <= g:
+                return self._replay(first_row, ids, lens, Pb)
+            # a later group may replay the same graph: copy each group's outputs before it does
+            parts = [tuple(None if t is None else t.clone() for t in
+                           self._replay(first_row + a, ids[a:a + g], lens[a:a + g], Pb)) for a in range(0, n, g)]
+        except torch.cuda.OutOfMemoryError:   # the eager prefill then writes these rows again
+            self.failed, self.graphs, self.pool = True, {}, None
+            log.warning("out of memory capturing a prefill graph (%d prompts, %d tokens): prefill runs "
+                        "eagerly from now on", min(n, g), Pb)
+            return None
         h = torch.cat([p[0] for p in parts])
         return h, None if parts[0][1] is None else torch.cat([p[1] for p in parts])
 

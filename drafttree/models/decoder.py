@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from drafttree.config import ModelConfig
+from drafttree.models import gemv_kernel
 from drafttree.models.layers import MLP, Attention, AttnMeta, RMSNorm, Rotary
 
 
@@ -21,9 +22,20 @@ class DecoderLayer(nn.Module):
         """x is the residual stream before the previous layer's MLP output `delta` is added
         (None for the first layer): each residual add runs in the kernel of the norm after it.
         Returns (the stream before this layer's MLP output, that output)."""
+        if gemv_kernel.usable(x):
+            return self._one_token(x, delta, rope, meta, k_cache, v_cache)
         x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta)
         x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, rope, meta, k_cache, v_cache))
         return x, self.mlp(h)
+
+    def _one_token(self, x: torch.Tensor, delta: torch.Tensor | None, rope, meta: AttnMeta, k_cache,
+                   v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for one token, each norm (and SiLU·up) run inside the projection after it."""
+        ln, post, attn, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
+        x, qkv = gemv_kernel.norm_gemv(x, delta, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        x, gu = gemv_kernel.norm_gemv(x, attn.from_qkv(qkv, rope, meta, k_cache, v_cache), post.weight, post.eps,
+                                      mlp.gate_up_proj.weight)
+        return x, gemv_kernel.silu_gemv(gu, mlp.down_proj.weight)
 
     def residual_mlp(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The layer after attention, residuals added at once: add, norm, MLP, add."""

@@ -223,27 +223,32 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        B, W, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.h * self.hd, self.hkv * self.hd, self.hkv * self.hd], dim=-1)
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, W, _ = qkv.shape
+        q, k, v = qkv.split([self.h * self.hd, self.hkv * self.hd, self.hkv * self.hd], dim=-1)
         return q.view(B, W, self.h, self.hd), k.view(B, W, self.hkv, self.hd), v.view(B, W, self.hkv, self.hd)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (q/k-normed where the model has it, no rope yet) and v."""
-        q, k, v = self._split(x)
+        q, k, v = self._split(self.qkv_proj(x))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttnMeta,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        if attn_kernel.usable(x, self.hd):   # norm, rope and the KV write in one launch
+        return self.from_qkv(self.qkv_proj(x), rope, meta, k_cache, v_cache)
+
+    def from_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttnMeta,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The attention output (o-projected) from the fused QKV projection's output."""
+        if attn_kernel.usable(qkv, self.hd):   # norm, rope and the KV write in one launch
             norm = self.q_norm is not None
-            q = qk_rope_write_kv(self.qkv_proj(x), self.h, self.hkv, self.q_norm.weight if norm else None,
+            q = qk_rope_write_kv(qkv, self.h, self.hkv, self.q_norm.weight if norm else None,
                                  self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
                                  *rope, k_cache, v_cache, meta.rows, meta.slots)
             return self.o_proj(attend(q, meta, k_cache, v_cache))
-        q, k, v = self._split(x)
+        q, k, v = self._split(qkv)
         if self.q_norm is not None:
             q, k = norm_rope_qk(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope)
         else:

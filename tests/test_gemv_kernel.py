@@ -1,0 +1,116 @@
+"""The one-token projections with fused prologues against the torch ops they replace, and a
+decode through them. Without CUDA the kernels run under the Triton interpreter on CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drafttree.models import gemv_kernel
+from drafttree.models.layers import add_rms_norm, rms_norm, silu_mul
+from tests.test_spec_lossless import zoo  # noqa: F401  (fixture)
+from tests.test_tree_kernel import DEVICE, interpreted_on_cpu
+
+
+@pytest.fixture(autouse=True)
+def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    interpreted_on_cpu(monkeypatch)
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("K,N", [(300, 40), (256, 16), (64, 7)])   # ragged K and N blocks too
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta,with_bias", [(True, False), (False, True)])
+def test_norm_gemv_matches_the_torch_ops(K, N, dtype, with_delta, with_bias):
+    gen = torch.Generator().manual_seed(K + N)
+    x, delta = (torch.randn(1, 1, K, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    g = (1 + torch.rand(K, generator=gen)).to(dtype).to(DEVICE)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(DEVICE)
+    b = torch.randn(N, generator=gen).to(dtype).to(DEVICE) if with_bias else None
+    if with_delta:
+        want_x, h = add_rms_norm(x, delta, g, 1e-6)
+    else:
+        want_x, h = x, rms_norm(x, g, 1e-6)
+    got_x, y = gemv_kernel.norm_gemv(x, delta if with_delta else None, g, 1e-6, w, b)
+    assert y.shape == (1, 1, N) and y.dtype == dtype
+    if dtype == torch.float32 or DEVICE == "cuda":
+        assert torch.equal(got_x, want_x)
+    else:   # the interpreter rounds fp32 -> bf16 toward zero: one bf16 step apart at most
+        torch.testing.assert_close(got_x, want_x, atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(y.float(), F.linear(h, w, b).float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("K,N", [(300, 40), (64, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_gemv_matches_the_torch_ops(K, N, dtype):
+    gen = torch.Generator().manual_seed(K * N)
+    gu = torch.randn(1, 1, 2 * K, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(DEVICE)
+    y = gemv_kernel.silu_gemv(gu, w)
+    torch.testing.assert_close(y.float(), F.linear(silu_mul(gu), w).float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_refuses_more_than_one_row():
+    x = torch.zeros(2, 1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="one row"):
+        gemv_kernel.norm_gemv(x, None, torch.ones(64, device=DEVICE), 1e-6, torch.zeros(8, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="one row"):
+        gemv_kernel.silu_gemv(torch.zeros(2, 1, 128, device=DEVICE), torch.zeros(8, 64, device=DEVICE))
+
+
+def test_usable_only_for_one_16_bit_token(monkeypatch):
+    monkeypatch.setattr(gemv_kernel, "ENABLED", True)
+    one = torch.zeros(1, 1, 64, dtype=torch.bfloat16, device=DEVICE)
+    assert gemv_kernel.usable(one)
+    assert not gemv_kernel.usable(one.float())                 # fp32 keeps cuBLAS: decode == verify
+    assert not gemv_kernel.usable(torch.zeros(1, 2, 64, dtype=torch.bfloat16, device=DEVICE))
+    monkeypatch.setattr(gemv_kernel, "ENABLED", False)
+    assert not gemv_kernel.usable(one)
+
+
+@pytest.mark.parametrize("shape", ["qwen3", "qwen2", "llama"])   # q/k norm; QKV bias; neither
+def test_decode_through_the_kernels(zoo, monkeypatch, shape):
+    """Plain greedy decoding with every one-token layer through the fused projections gives the
+    torch ops' tokens (fp32 let in here, on tiny models; the engine takes them for 16-bit only)."""
+    from drafttree.llm import LLM
+    from tests.test_spec_lossless import greedy, make_prompts
+    pair = zoo(shape)
+    prompts = make_prompts(pair.vocab)[:2]
+    want = [pair.plain(p, 8) for p in prompts]
+    calls = []
+    real = gemv_kernel.silu_gemv
+    monkeypatch.setattr(gemv_kernel, "usable", lambda x: x.shape[0] * x.shape[1] == 1)
+    monkeypatch.setattr(gemv_kernel, "silu_gemv", lambda *a: calls.append(1) or real(*a))
+    llm = LLM(model=str(pair.target), spec="none", device=DEVICE, dtype="float32", max_num_seqs=1,
+              max_model_len=128, cuda_graphs=False)
+    assert [o.token_ids for o in llm.generate(prompts, greedy(8))] == want
+    assert len(calls) >= 7 * 3   # 7 one-token steps per prompt, 3 layers each
+
+
+@pytest.mark.parametrize("shape", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("first", [False, True])   # the first layer has no MLP output to add
+def test_one_token_layer_equals_the_layer(zoo, monkeypatch, shape, first):
+    """The layer's one-token path against its usual path, with random norm weights and biases
+    (the tiny models' norms are ones and their biases small); attention is the same stand-in in
+    both, so this checks what goes into and comes out of each fused projection."""
+    from drafttree.config import ModelConfig
+    from drafttree.models.decoder import DecoderLayer
+    from drafttree.models.layers import Attention
+    cfg = ModelConfig.from_dir(zoo(shape).target)
+    torch.manual_seed(5)
+    layer = DecoderLayer(cfg).to(DEVICE)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.3)
+    monkeypatch.setattr(Attention, "from_qkv", lambda self, qkv, *a: self.o_proj(qkv[..., : self.h * self.hd]))
+    x, delta = torch.randn(2, 1, 1, cfg.hidden_size, device=DEVICE)
+    delta = None if first else delta
+    with torch.no_grad():
+        monkeypatch.setattr(gemv_kernel, "usable", lambda x: False)
+        want = layer(x, delta, None, None, None, None)
+        monkeypatch.setattr(gemv_kernel, "usable", lambda x: True)
+        got = layer(x, delta, None, None, None, None)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

@@ -122,7 +122,7 @@ def fake_cuda_graphs(monkeypatch):
             self.fn()
 
     @contextlib.contextmanager
-    def graph(g, pool=None):
+    def graph(g, pool=None, capture_error_mode="global"):
         capturing[0] = True
         yield
         capturing[0] = False

@@ -121,6 +121,7 @@ class PrefillGraphs:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # captured while serving, at first use: CUDA calls of other threads stay allowed
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             fn()
         return graph

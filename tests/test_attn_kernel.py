@@ -59,6 +59,24 @@ def test_matches_softmax_attention(B, Hkv, g, W, L, hd, dtype):
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("target_programs", [1, 10_000])   # one split (no merge launch); many
+def test_one_split_skips_the_merge(monkeypatch, target_programs):
+    gen = torch.Generator().manual_seed(target_programs)
+    B, Hkv, g, W, L, hd = 2, 2, 3, 9, 300, 32
+    k, v = (torch.randn(B, Hkv, L, hd, generator=gen).to(DEVICE) for _ in range(2))
+    q = torch.randn(B, W, g * Hkv, hd, generator=gen).to(DEVICE)
+    mask = torch.rand(B, 1, W, L, generator=gen) < 0.5
+    mask[..., 0] = True
+    mask = mask.to(DEVICE)
+    monkeypatch.setattr(attn_kernel, "TARGET_PROGRAMS", target_programs)
+    launched = []
+    jit = attn_kernel.jit_kernel
+    monkeypatch.setattr(attn_kernel, "jit_kernel", lambda fn, *a: launched.append(fn.__name__) or jit(fn, *a))
+    out = attn_kernel.few_row_attention(q, k, v, mask, hd ** -0.5)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask, hd ** -0.5), atol=1e-5, rtol=1e-5)
+    assert ("_merge_kernel" in launched) == (target_programs > 1), launched
+
+
 def test_split_plan():
     """About TARGET_PROGRAMS programs where the batch is small, whole chunks where it is large,
     and never more than MAX_SPLITS splits to merge, however long the context."""

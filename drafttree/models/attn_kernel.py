@@ -38,11 +38,11 @@ MAX_SPLIT_BLOCKS = 16
 MAX_SPLITS = 64       # the merge holds [splits, hd] partials per query row
 
 
-def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, M, W, G, L, NS, NMB,
+def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G, L, NS, NMB,
                   sqb, sqw, sqh, skr, skh, skl, svr, svh, svl, smb, smw, scale,
                   SPLIT_BLOCKS: tl.constexpr,
                   HKV: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  PREC: tl.constexpr):
+                  PREC: tl.constexpr, DIRECT: tl.constexpr):
     pid, sp = tl.program_id(0), tl.program_id(1)
     bh, mb = pid // NMB, pid % NMB
     b, h = bh // HKV, bh % HKV
@@ -74,11 +74,16 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, M, W, G, L, NS
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
             m_i = m_new
-    part = (bh * NS + sp) * M + m
-    seen = m_ok & (m_i > float("-inf"))   # the merge reads acc only where the split saw a key
-    tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=seen[:, None])
-    tl.store(ml_ptr + part * 2, m_i, mask=m_ok)
-    tl.store(ml_ptr + part * 2 + 1, l_i, mask=m_ok)
+    if DIRECT:   # one split: what the merge would compute (f = 1), written token-major
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # rows past M (masked) saw nothing
+        tl.store(o_ptr + ((b * W + w[:, None]) * HKV * G + h * G + m[:, None] // W) * HD + d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+    else:
+        part = (bh * NS + sp) * M + m
+        seen = m_ok & (m_i > float("-inf"))   # the merge reads acc only where the split saw a key
+        tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=seen[:, None])
+        tl.store(ml_ptr + part * 2, m_i, mask=m_ok)
+        tl.store(ml_ptr + part * 2 + 1, l_i, mask=m_ok)
 
 
 def _merge_kernel(acc_ptr, ml_ptr, o_ptr, M, W, G, HKV, NS, NS_PAD: tl.constexpr,
@@ -163,17 +168,20 @@ def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     nmb = -(-M // bm)
     split_blocks = plan_split_blocks(B * Hkv * nmb, L)
     ns = -(-L // (split_blocks * BLOCK_N))
-    acc = torch.empty(B * Hkv * ns * M, hd, dtype=torch.float32, device=q.device)
-    ml = torch.empty(B * Hkv * ns * M, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(B, W, H, hd, dtype=q.dtype, device=q.device)
+    direct = ns == 1   # large batches: one split per program, no merge launch
+    acc = out if direct else torch.empty(B * Hkv * ns * M, hd, dtype=torch.float32, device=q.device)
+    ml = out if direct else torch.empty(B * Hkv * ns * M, 2, dtype=torch.float32, device=q.device)
     interpret = interpreting()
     # L (a KV bucket: few values) stays specialized: with it unspecialized and q token-major, a
     # batch-16 verify took 102 us against 56 before both changes (run 6); not yet split apart
     jit_kernel(_split_kernel, interpret, ("M", "W", "G", "NS", "NMB"))[(B * Hkv * nmb, ns)](
-        q, k, v, mask, acc, ml, M, W, G, L, ns, nmb, q.stride(0), q.stride(1), q.stride(2),
+        q, k, v, mask, acc, ml, out, M, W, G, L, ns, nmb, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), mask.stride(2), scale, SPLIT_BLOCKS=split_blocks, HKV=Hkv, HD=hd, BM=bm, BN=BLOCK_N,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)  # fp32 stays fp32
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, num_warps=4)  # fp32 stays fp32
+    if direct:
+        return out
     jit_kernel(_merge_kernel, interpret, ("M", "W", "G", "HKV", "NS"))[(B * Hkv * M,)](acc, ml, out, M, W, G, Hkv, ns,
                                                          NS_PAD=max(2, next_pow2(ns)),
                                                          HD=hd, num_warps=2)

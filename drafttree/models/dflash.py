@@ -16,8 +16,8 @@ from torch import nn
 
 from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLayer
-from drafttree.phases import SpecConfig
 from drafttree.models.layers import AttnMeta, RMSNorm, Rotary, apply_rope, cached_attention, write_kv
+from drafttree.phases import SpecConfig
 
 
 @dataclass
@@ -53,8 +53,10 @@ class DFlashConfig:
         schedule = d.get("ddtree_default_budget_schedule")
         if schedule is not None:
             try:
+                if not isinstance(schedule, str):
+                    raise ValueError
                 SpecConfig.parse_schedule(schedule)
-            except (ValueError, AttributeError):
+            except ValueError:
                 raise ValueError(f"{f}: ddtree_default_budget_schedule must be 'batch:budget,...', "
                                  f"got {schedule!r}") from None
         return cls(model, int(bs), int(dc["mask_token_id"]), ids, d.get("num_target_layers"), budget, schedule)

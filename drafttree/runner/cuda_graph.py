@@ -2,7 +2,7 @@
 
 Every width comes from `SpecConfig.width(phase)`; nothing here chooses a token count. Graphs
 read and write the runner's persistent buffers (state, KV caches), so a replay needs no input
-copies. Rows between the real batch size and the bucket are parked (start 0) first.
+copies. Rows between the real batch size and the bucket are parked first (`RoundState.park`).
 """
 from __future__ import annotations
 
@@ -100,17 +100,17 @@ class GraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         snapshot = [t.clone() for t in self._state_tensors()]
         for B, mode, L in tqdm(jobs, desc="capturing CUDA graphs", unit="graph set"):
-            self._park(0, B)
+            self.r.state.park(0, B)
             fns = self._phase_fns(B, mode, L)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):        # warm-up: allocator, kernels, autotuning
                 for _ in range(2):
-                    self._park(0, B)
+                    self.r.state.park(0, B)
                     for _, fn in fns:
                         fn()
             torch.cuda.current_stream().wait_stream(stream)
-            self._park(0, B)
+            self.r.state.park(0, B)
             for phase, fn in fns:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
@@ -123,9 +123,6 @@ class GraphRunner:
     def _state_tensors(self) -> list[torch.Tensor]:
         s = self.r.state
         return [s.start, s.bonus, s.ctx_n, s.ctx_feat, s.out_tokens, s.out_n]
-
-    def _park(self, b: int, B: int) -> None:
-        self.r.state.park(b, B)
 
     def bucket(self, b: int) -> int | None:
         return next((B for B in self.buckets if B >= b), None)
@@ -146,7 +143,7 @@ class GraphRunner:
                 log.warning("no CUDA graph for batch %d (phases %s, %s, kv length %d): running eagerly",
                             b, shape, mode.name, kv_len)
             return False
-        self._park(b, B)
+        self.r.state.park(b, B)
         for k in keys:
             with self.r.timer.phase(k[0].value):
                 self.graphs[k].replay()

@@ -86,14 +86,10 @@ class ModelRunner:
         lens = torch.tensor([len(p) for p in prompts], device=dev)
         P = max(len(p) for p in prompts)
         ids = torch.tensor([p + [0] * (P - len(p)) for p in prompts], dtype=torch.long, device=dev)
-        pos = torch.arange(P, device=dev).expand(n, P)
         rows = slice(first_row, first_row + n)
-        kv, dkv = (self.kv.k[:, rows], self.kv.v[:, rows]), None
-        if self.drafter is not None:
-            dkv = (self.dkv.k[:, rows], self.dkv.v[:, rows])
         with self.timer.phase("prefill"):
             graphed = self.prefill_graphs.run(first_row, ids, lens) if self.prefill_graphs is not None else None
-            h_last, a_last = graphed if graphed is not None else self._prefill_chunks(ids, pos, lens, kv, dkv)
+            h_last, a_last = graphed if graphed is not None else self._prefill_chunks(ids, lens, rows)
         for i in range(n):
             s.sampling.set_row(first_row + i, params[i], seeds[i])
         st = SamplingTensors(s.sampling.temperature[rows], s.sampling.top_p[rows], s.sampling.top_k[rows],
@@ -104,16 +100,20 @@ class ModelRunner:
         s.bonus[rows] = tok
         s.out_tokens[rows, 0] = tok
         s.out_n[rows] = 1
-        if dkv is not None:
+        if a_last is not None:
             s.ctx_feat[rows, 0] = a_last.to(s.ctx_feat.dtype)
             s.ctx_n[rows] = 1
         return tok.tolist()
 
-    def _prefill_chunks(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, kv, dkv):
-        """Run the padded prompts in chunks (each sees the cache its predecessors wrote); return
-        the final hidden state and the drafter features at each prompt's last token."""
+    def _prefill_chunks(self, ids: torch.Tensor, lens: torch.Tensor, rows: slice):
+        """Run the padded prompts in chunks into cache rows `rows` (each chunk sees the cache its
+        predecessors wrote); return the final hidden state and the drafter features at each
+        prompt's last token."""
         n, P = ids.shape
         dev = ids.device
+        pos = torch.arange(P, device=dev).expand(n, P)
+        kv = (self.kv.k[:, rows], self.kv.v[:, rows])
+        dkv = (self.dkv.k[:, rows], self.dkv.v[:, rows]) if self.drafter is not None else None
         last = lens - 1
         h_last = a_last = None
         for a in range(0, P, self.prefill_chunk):

@@ -3,8 +3,9 @@
 The vocabulary top-K and the log-softmax normalizer come from `tree.top_log_probs`
 (on CUDA, the kernels of `topk_kernel.py`), shared verbatim with `build_tree`.
 Everything after them runs in one program per request: the L level selections
-(a bitonic top-B over the candidate pairs), the final best-first order (a running bitonic merge of each level
-into the best B so far), parents, depths and the ancestor mask.
+(a bitonic top-B over the candidate pairs), the final best-first order (a running
+bitonic merge of each level into the best B so far), parents, depths and the
+ancestor mask.
 
 Order and ties. Every comparison is on a 64-bit key: the float32 score in the
 high half, mapped to an order-preserving integer, and an index in the low

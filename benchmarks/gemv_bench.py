@@ -1,29 +1,41 @@
 """The one-token fused projections (`models/gemv_kernel.py`) against the torch ops they replace,
-on Qwen3-8B's layer shapes, bf16, batch 1; each timed as a CUDA graph of 48 calls cycling over 8
-weight copies (so the weights come from HBM, not L2). Sweeps the kernels' BLOCK_N and BLOCK_K.
+on one model's layer shapes (`drafttree.bench.shapes`), bf16, batch 1; each timed as a CUDA graph of 48 calls cycling over 8
+weight copies (so the weights come from HBM, not L2). Sweeps each kernel's block shape (rows per
+program, columns per step, warps) and writes the fastest per kernel (summed over its shapes).
 
-    python benchmarks/gemv_bench.py [--block-n 8,16,32] [--block-k 128,256,512]     (CUDA)
+    python benchmarks/gemv_bench.py [--shape qwen3-8b] [--block-n 4,8,16] [--block-k 256,512,1024]
+                                    [--warps 4,8] [--out best.json]                        (CUDA)
 """
 import argparse
+import itertools
+import json
 
 import torch
 import torch.nn.functional as F
 
 from drafttree.bench.graph_timer import graphed_us
+from drafttree.bench.shapes import SHAPES
 from drafttree.models import gemv_kernel
 from drafttree.models.layers import add_rms_norm, silu_mul
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--block-n", default="8,16,32")
-ap.add_argument("--block-k", default="128,256,512")
+ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+ap.add_argument("--block-n", default="4,8,16")
+ap.add_argument("--block-k", default="256,512,1024")
+ap.add_argument("--warps", default="4,8")
+ap.add_argument("--out", default="")
 args = ap.parse_args()
 
-dev, dt, D, I = "cuda", torch.bfloat16, 4096, 12288
+cfg = SHAPES[args.shape][0]
+dev, dt, D, I, HD = "cuda", torch.bfloat16, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
 COPIES = 8
 x, delta = (torch.randn(1, 1, D, device=dev, dtype=dt) for _ in range(2))
 g = torch.ones(D, device=dev, dtype=dt)
 gu = torch.randn(1, 1, 2 * I, device=dev, dtype=dt)
-shapes = {"qkv (norm prologue)": (6144, D), "gate_up (norm prologue)": (2 * I, D), "down (silu prologue)": (D, I)}
+attn = torch.randn(1, 1, HD, device=dev, dtype=dt)
+# name: (kernel, N, K)
+shapes = {"qkv": ("norm", HD + 2 * cfg.num_kv_heads * cfg.head_dim, D), "o": ("plain", D, HD),
+          "gate_up": ("norm", 2 * I, D), "down": ("silu", D, I)}
 
 
 def cycling(make):
@@ -36,21 +48,41 @@ def cycling(make):
     return call
 
 
-for name, (N, K) in shapes.items():
+def calls(kind, ws):
+    """(the torch ops, the fused kernel) for one shape."""
+    if kind == "silu":
+        return (cycling(lambda i: F.linear(silu_mul(gu), ws[i])),
+                cycling(lambda i: gemv_kernel.silu_gemv(gu, ws[i])))
+    if kind == "plain":
+        return cycling(lambda i: F.linear(attn, ws[i])), cycling(lambda i: gemv_kernel.gemv(attn, ws[i]))
+    return (cycling(lambda i: F.linear(add_rms_norm(x, delta, g, 1e-6)[1], ws[i])),
+            cycling(lambda i: gemv_kernel.norm_gemv(x, delta, g, 1e-6, ws[i])[1]))
+
+
+grid = list(itertools.product(*([int(v) for v in a.split(",")] for a in (args.block_n, args.block_k, args.warps))))
+totals: dict[str, dict[tuple, float]] = {}
+torch_total: dict[str, float] = {}
+for name, (kind, N, K) in shapes.items():
     ws = [torch.randn(N, K, device=dev, dtype=dt) / K ** 0.5 for _ in range(COPIES)]
     gb = N * K * 2 / 1e9
-    silu = name.startswith("down")
-    if silu:
-        torch_op = cycling(lambda i: F.linear(silu_mul(gu), ws[i]))
-        ours = cycling(lambda i: gemv_kernel.silu_gemv(gu, ws[i]))
-    else:
-        torch_op = cycling(lambda i: F.linear(add_rms_norm(x, delta, g, 1e-6)[1], ws[i]))
-        ours = cycling(lambda i: gemv_kernel.norm_gemv(x, delta, g, 1e-6, ws[i])[1])
+    torch_op, ours = calls(kind, ws)
     t = graphed_us(torch_op, n=48)
-    print(f"{name}: N {N}, K {K}, {gb * 1e3:.1f} MB")
-    print(f"  torch ops (prologue + cuBLAS):       {t:7.1f} us  {gb / t * 1e6:6.0f} GB/s")
-    for bn in (int(v) for v in args.block_n.split(",")):
-        for bk in (int(v) for v in args.block_k.split(",")):
-            gemv_kernel.BLOCK_N, gemv_kernel.BLOCK_K = bn, bk
-            t = graphed_us(ours, n=48)
-            print(f"  fused, BLOCK_N {bn:3d}, BLOCK_K {bk:4d}:    {t:7.1f} us  {gb / t * 1e6:6.0f} GB/s", flush=True)
+    torch_total[kind] = torch_total.get(kind, 0.0) + t
+    print(f"{name} ({kind}): N {N}, K {K}, {gb * 1e3:.1f} MB")
+    print(f"  torch ops (prologue + cuBLAS):         {t:7.1f} us  {gb / t * 1e6:6.0f} GB/s")
+    for blocks in grid:
+        for size_class in gemv_kernel.BLOCKS.values():
+            size_class[kind] = blocks
+        t = graphed_us(ours, n=48)
+        totals.setdefault(kind, {})[blocks] = totals.get(kind, {}).get(blocks, 0.0) + t
+        print(f"  fused, BLOCK_N {blocks[0]:3d}, BLOCK_K {blocks[1]:4d}, warps {blocks[2]}: "
+              f"{t:7.1f} us  {gb / t * 1e6:6.0f} GB/s", flush=True)
+    del ws
+
+best = {kind: min(by, key=by.get) for kind, by in totals.items()}
+print("fastest per kernel, us summed over its shapes (torch ops in brackets):")
+for kind, blocks in best.items():
+    print(f"  {kind:5s} {blocks}: {totals[kind][blocks]:7.1f}  ({torch_total[kind]:.1f})")
+if args.out:
+    with open(args.out, "w") as f:
+        json.dump({k: list(v) for k, v in best.items()}, f)

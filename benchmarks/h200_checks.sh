@@ -7,8 +7,9 @@
 #   tree    : test_tree_kernel.py (a Triton compile per random shape: minutes).
 #   fp32    : DFlash phases of the SmolLM2 shape in fp32 at attention row blocks of 64 and 16, and
 #             in bf16.
-#   decode  : the one-token fused projections (DRAFTTREE_GEMV=1): test_gemv_kernel.py,
-#             benchmarks/gemv_bench.py, and the Qwen3-8B decode step with them off and on.
+#   decode  : the one-token fused projections (on by default; DRAFTTREE_GEMV=0 turns them off):
+#             test_gemv_kernel.py, benchmarks/gemv_bench.py (block sweep), and the decode step of
+#             $SHAPE (default qwen3-8b) with them off and on at the sweep's fastest blocks.
 #   pair    : needs the default model's GGUF assembled at $GGUF and .whl/. The real pair at batch
 #             1 (prefill graphed by default), at batch 16 with speculation off from 16 rows
 #             (--budget-schedule 16:0), and at batches 4 and 8 (the default budget 32).
@@ -42,15 +43,26 @@ from drafttree.bench.phases import main; sys.exit(main())" --random-weights smol
     timeout 120 python3 -m drafttree.bench.phases --random-weights smollm2-135m --spec dflash --dtype bfloat16 \
       --tree-budgets "" --out "$OUT/bf16_dflash.json" > "$OUT/bf16_dflash.txt" 2>&1
     tail -n 3 "$OUT"/fp32_*.txt "$OUT"/bf16_*.txt ;;
-  decode)
-    timeout 150 python3 -m pytest tests/test_gemv_kernel.py -q -p no:cacheprovider > "$OUT/test_gemv_kernel.log" 2>&1
-    timeout 150 python3 benchmarks/gemv_bench.py > "$OUT/gemv_bench.txt" 2>&1
-    for g in 0 1; do
-      DRAFTTREE_GEMV=$g timeout 150 python3 -m drafttree.bench.phases --random-weights qwen3-8b --spec none \
+  decode)   # SHAPE=smollm2-135m for the default model's shape (then without the tests and DDTree)
+    SHAPE=${SHAPE:-qwen3-8b}; SWEEP=${SWEEP:-}
+    [ "$SHAPE" = qwen3-8b ] && timeout 150 python3 -m pytest tests/test_gemv_kernel.py -q -p no:cacheprovider \
+      > "$OUT/test_gemv_kernel.log" 2>&1
+    timeout 200 python3 benchmarks/gemv_bench.py --shape $SHAPE $SWEEP --out "$OUT/gemv_best.json" \
+      > "$OUT/gemv_bench.txt" 2>&1
+    for g in 0 1; do   # the fused path at the sweep's fastest blocks
+      DRAFTTREE_GEMV=$g timeout 120 python3 -c "import json, sys, drafttree.models.gemv_kernel as g
+[c.update({k: tuple(v) for k, v in json.load(open('$OUT/gemv_best.json')).items()}) for c in g.BLOCKS.values()]
+from drafttree.bench.phases import main; sys.exit(main())" --random-weights $SHAPE --spec none \
         --batch 1 --prompt-len 512 --max-model-len 2048 --iters 30 --tree-budgets "" \
         --out "$OUT/decode_gemv$g.json" > "$OUT/decode_gemv$g.txt" 2>&1
     done
-    tail -n 2 "$OUT/test_gemv_kernel.log"; grep -h "^FAILED" "$OUT"/test_*.log; cat "$OUT/gemv_bench.txt"
+    [ "$SHAPE" = qwen3-8b ] && DRAFTTREE_GEMV=1 timeout 150 python3 -c "import json, sys, drafttree.models.gemv_kernel as g
+[c.update({k: tuple(v) for k, v in json.load(open('$OUT/gemv_best.json')).items()}) for c in g.BLOCKS.values()]
+from drafttree.bench.phases import main; sys.exit(main())" --random-weights qwen3-8b --spec ddtree \
+      --budget 32 --block-size 16 --tree-budgets 32 --batch 1 --prompt-len 512 --max-model-len 2048 \
+      --iters 30 --out "$OUT/ddtree_gemv1.json" > "$OUT/ddtree_gemv1.txt" 2>&1
+    [ "$SHAPE" = qwen3-8b ] && tail -n 12 "$OUT/ddtree_gemv1.txt"
+    tail -n 2 "$OUT"/test_gemv_kernel.log; grep -h "^FAILED" "$OUT"/test_*.log; cat "$OUT/gemv_bench.txt"
     grep -h '"decode"' "$OUT"/decode_gemv*.txt ;;
   pair)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl

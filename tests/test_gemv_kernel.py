@@ -52,12 +52,25 @@ def test_silu_gemv_matches_the_torch_ops(K, N, dtype):
     torch.testing.assert_close(y.float(), F.linear(silu_mul(gu), w).float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("blocks", [(16, 256, 4), (4, 1024, 8)])   # a step wider than K too
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_plain_gemv_matches_linear(blocks, with_bias, monkeypatch):
+    monkeypatch.setitem(gemv_kernel.BLOCKS["small"], "plain", blocks)
+    gen = torch.Generator().manual_seed(blocks[0])
+    x = torch.randn(1, 1, 300, generator=gen).to(DEVICE)
+    w = (torch.randn(21, 300, generator=gen) / 300 ** 0.5).to(DEVICE)
+    b = torch.randn(21, generator=gen).to(DEVICE) if with_bias else None
+    torch.testing.assert_close(gemv_kernel.gemv(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
 def test_refuses_more_than_one_row():
     x = torch.zeros(2, 1, 64, device=DEVICE)
     with pytest.raises(ValueError, match="one row"):
         gemv_kernel.norm_gemv(x, None, torch.ones(64, device=DEVICE), 1e-6, torch.zeros(8, 64, device=DEVICE))
     with pytest.raises(ValueError, match="one row"):
         gemv_kernel.silu_gemv(torch.zeros(2, 1, 128, device=DEVICE), torch.zeros(8, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="one row"):
+        gemv_kernel.gemv(x, torch.zeros(8, 64, device=DEVICE))
 
 
 def test_usable_only_for_one_16_bit_token(monkeypatch):
@@ -104,7 +117,7 @@ def test_one_token_layer_equals_the_layer(zoo, monkeypatch, shape, first):
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(1.0 if p.dim() == 1 else 0.0, 0.3)
-    monkeypatch.setattr(Attention, "from_qkv", lambda self, qkv, *a: self.o_proj(qkv[..., : self.h * self.hd]))
+    monkeypatch.setattr(Attention, "attend_qkv", lambda self, qkv, *a: qkv[..., : self.h * self.hd])
     x, delta = torch.randn(2, 1, 1, cfg.hidden_size, device=DEVICE)
     delta = None if first else delta
     with torch.no_grad():

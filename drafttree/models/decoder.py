@@ -30,11 +30,12 @@ class DecoderLayer(nn.Module):
 
     def _one_token(self, x: torch.Tensor, delta: torch.Tensor | None, rope, meta: AttnMeta, k_cache,
                    v_cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` for one token, each norm (and SiLU·up) run inside the projection after it."""
+        """`forward` for one token, each norm (and SiLU·up) run inside the projection after it; the o
+        projection as one launch too."""
         ln, post, attn, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
         x, qkv = gemv_kernel.norm_gemv(x, delta, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        x, gu = gemv_kernel.norm_gemv(x, attn.from_qkv(qkv, rope, meta, k_cache, v_cache), post.weight, post.eps,
-                                      mlp.gate_up_proj.weight)
+        o = gemv_kernel.gemv(attn.attend_qkv(qkv, rope, meta, k_cache, v_cache), attn.o_proj.weight, attn.o_proj.bias)
+        x, gu = gemv_kernel.norm_gemv(x, o, post.weight, post.eps, mlp.gate_up_proj.weight)
         return x, gemv_kernel.silu_gemv(gu, mlp.down_proj.weight)
 
     def residual_mlp(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:

@@ -242,15 +242,20 @@ class Attention(nn.Module):
     def from_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttnMeta,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """The attention output (o-projected) from the fused QKV projection's output."""
+        return self.o_proj(self.attend_qkv(qkv, rope, meta, k_cache, v_cache))
+
+    def attend_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttnMeta,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """`from_qkv` before the o projection: [B, W, H*hd]."""
         if attn_kernel.usable(qkv, self.hd):   # norm, rope and the KV write in one launch
             norm = self.q_norm is not None
             q = qk_rope_write_kv(qkv, self.h, self.hkv, self.q_norm.weight if norm else None,
                                  self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
                                  *rope, k_cache, v_cache, meta.rows, meta.slots)
-            return self.o_proj(attend(q, meta, k_cache, v_cache))
+            return attend(q, meta, k_cache, v_cache)
         q, k, v = self._split(qkv)
         if self.q_norm is not None:
             q, k = norm_rope_qk(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope)
         else:
             q, k = rope_qk(q, k, *rope)
-        return self.o_proj(cached_attention(q, k, v, meta, k_cache, v_cache))
+        return cached_attention(q, k, v, meta, k_cache, v_cache)

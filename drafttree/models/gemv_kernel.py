@@ -10,7 +10,7 @@ weight reads. Here each prologue runs inside the projection's own kernel:
     gemv(x, W, b)                    -> W · x + b   (the o projection: cuBLAS's split-K reduce
                                                      costs a second launch there)
 
-Every program streams its BLOCK_N weight rows against the whole input row (a few KiB, from L2),
+Every program streams its few weight rows against the whole input row (a few KiB, from L2),
 summing the row's squares on the way: the norm's scale applies once, after the dot. The residual
 stream (x + delta) rounds as the torch add does; the normed input is not rounded to the model
 dtype before the dot, and the dot sums in fp32 in another order than cuBLAS. So only 16-bit

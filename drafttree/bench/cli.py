@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from drafttree.bench.environment import environment
 from drafttree.bench.prompts import load_prompts
 from drafttree.llm import LLM
 from drafttree.phases import schedule_for
@@ -183,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             "command": "drafttree bench " + " ".join(sys.argv[2:] if argv is None else argv),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() and a.device != "cpu"
             else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
-            "prompts": a.prompts, "num_prompts": len(prompts), "max_tokens": a.max_tokens, "batch": a.batch}
+            "prompts": a.prompts, "num_prompts": len(prompts), "max_tokens": a.max_tokens, "batch": a.batch,
+            "environment": environment()}
     results, outputs = [], {}
     with tqdm(total=len(plan) * len(prompts), desc="bench", unit="req") as bar:
         for m, b, T in plan:

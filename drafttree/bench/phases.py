@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from drafttree.bench.environment import environment
 from drafttree.engine.engine import Engine, EngineConfig
 from drafttree.phases import Phase
 from drafttree.runner.cuda_graph import GraphRunner
@@ -76,7 +77,8 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
     res: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "spec": spec.method, "block_size": spec.block_size, "budget": spec.budget, "batch": B,
                  "prompt_len": prompt_len, "dtype": str(eng.dtype), "kv_len": kv_len,
-                 "widths": {p.value: spec.width(p) for p in spec.round_phases}, "eager_ms": {}, "graph_ms": {}}
+                 "widths": {p.value: spec.width(p) for p in spec.round_phases}, "environment": environment(),
+                 "eager_ms": {}, "graph_ms": {}}
     ms = res["eager_ms"]
     ms["decode"] = timed(lambda: rounds.decode_round(r, B, kv_len, SampleMode.GREEDY), reset, dev, iters)
     if spec.speculative:

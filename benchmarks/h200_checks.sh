@@ -13,7 +13,8 @@
 #   pair    : needs the default model's GGUF assembled at $GGUF and .whl/. The real pair at batch
 #             1 (prefill graphed by default), at batch 16 with speculation off from 16 rows
 #             (--budget-schedule 16:0), and at batches 4 and 8 (the default budget 32).
-#   profile : kernel profiles of the Qwen3-8B decode step and DDTree round (benchmarks/profile_decode.py).
+#   profile : cuBLAS projections at 1-64 rows (benchmarks/verify_gemm_bench.py), then kernel
+#             profiles of the Qwen3-8B decode step and DDTree round (benchmarks/profile_decode.py).
 # Usage: OUT=dir bash benchmarks/h200_checks.sh tests|tree|fp32|decode|profile|pair
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -66,6 +67,8 @@ from drafttree.bench.phases import main; sys.exit(main())" --random-weights qwen
     tail -n 2 "$OUT"/test_gemv_kernel.log; grep -h "^FAILED" "$OUT"/test_*.log; cat "$OUT/gemv_bench.txt"
     grep -h '"decode"' "$OUT"/decode_gemv*.txt ;;
   profile)   # where a graphed Qwen3-8B decode step and DDTree round (budget 32) spend GPU time now
+    timeout 120 python3 benchmarks/verify_gemm_bench.py > "$OUT/verify_gemm_bench.txt" 2>&1
+    cat "$OUT/verify_gemm_bench.txt"
     for spec in none ddtree; do
       timeout 200 python3 benchmarks/profile_decode.py qwen3-8b $spec > "$OUT/profile_$spec.txt" 2>&1
       head -1 "$OUT/profile_$spec.txt"; grep -A30 -- "-----" "$OUT/profile_$spec.txt" | cut -c1-100,180-240 | head -32

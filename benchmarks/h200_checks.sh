@@ -51,18 +51,18 @@ from drafttree.bench.phases import main; sys.exit(main())" --random-weights smol
       > "$OUT/test_gemv_kernel.log" 2>&1
     timeout 200 python3 benchmarks/gemv_bench.py --shape $SHAPE $SWEEP --out "$OUT/gemv_best.json" \
       > "$OUT/gemv_bench.txt" 2>&1
-    for g in 0 1; do   # the fused path at the sweep's fastest blocks
-      DRAFTTREE_GEMV=$g timeout 120 python3 -c "import json, sys, drafttree.models.gemv_kernel as g
+    phases_at_best() {   # drafttree.bench.phases with the fused kernels at the sweep's fastest blocks
+      timeout 150 python3 -c "import json, sys, drafttree.models.gemv_kernel as g
 [c.update({k: tuple(v) for k, v in json.load(open('$OUT/gemv_best.json')).items()}) for c in g.BLOCKS.values()]
-from drafttree.bench.phases import main; sys.exit(main())" --random-weights $SHAPE --spec none \
-        --batch 1 --prompt-len 512 --max-model-len 2048 --iters 30 --tree-budgets "" \
+from drafttree.bench.phases import main; sys.exit(main())" --batch 1 --prompt-len 512 --max-model-len 2048 \
+        --iters 30 "$@"
+    }
+    for g in 0 1; do
+      DRAFTTREE_GEMV=$g phases_at_best --random-weights $SHAPE --spec none --tree-budgets "" \
         --out "$OUT/decode_gemv$g.json" > "$OUT/decode_gemv$g.txt" 2>&1
     done
-    [ "$SHAPE" = qwen3-8b ] && DRAFTTREE_GEMV=1 timeout 150 python3 -c "import json, sys, drafttree.models.gemv_kernel as g
-[c.update({k: tuple(v) for k, v in json.load(open('$OUT/gemv_best.json')).items()}) for c in g.BLOCKS.values()]
-from drafttree.bench.phases import main; sys.exit(main())" --random-weights qwen3-8b --spec ddtree \
-      --budget 32 --block-size 16 --tree-budgets 32 --batch 1 --prompt-len 512 --max-model-len 2048 \
-      --iters 30 --out "$OUT/ddtree_gemv1.json" > "$OUT/ddtree_gemv1.txt" 2>&1
+    [ "$SHAPE" = qwen3-8b ] && DRAFTTREE_GEMV=1 phases_at_best --random-weights qwen3-8b --spec ddtree \
+      --budget 32 --block-size 16 --tree-budgets 32 --out "$OUT/ddtree_gemv1.json" > "$OUT/ddtree_gemv1.txt" 2>&1
     [ "$SHAPE" = qwen3-8b ] && tail -n 12 "$OUT/ddtree_gemv1.txt"
     tail -n 2 "$OUT"/test_gemv_kernel.log; grep -h "^FAILED" "$OUT"/test_*.log; cat "$OUT/gemv_bench.txt"
     grep -h '"decode"' "$OUT"/decode_gemv*.txt ;;

@@ -6,15 +6,12 @@ from typing import Any
 
 import torch
 
+from drafttree.runner.cuda_graph import warm_up
+
 
 def graphed(fn: Callable[[], Any], n: int = 50, replays: int = 10) -> tuple[float, Any]:
     """(µs per call, what the graph's last call returned; read it after a replay)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):   # warm-up (Triton compiles, cuBLAS picks) outside the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up(fn, times=3)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(n):

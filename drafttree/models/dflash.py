@@ -20,6 +20,16 @@ from drafttree.models.layers import AttnMeta, RMSNorm, Rotary, apply_rope, cache
 from drafttree.phases import SpecConfig
 
 
+def _is_schedule(value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        SpecConfig.parse_schedule(value)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass
 class DFlashConfig:
     model: ModelConfig
@@ -51,14 +61,8 @@ class DFlashConfig:
         if budget is not None and (type(budget) is not int or budget < 1):
             raise ValueError(f"{f}: ddtree_default_budget must be a positive integer, got {budget!r}")
         schedule = d.get("ddtree_default_budget_schedule")
-        if schedule is not None:
-            try:
-                if not isinstance(schedule, str):
-                    raise ValueError
-                SpecConfig.parse_schedule(schedule)
-            except ValueError:
-                raise ValueError(f"{f}: ddtree_default_budget_schedule must be 'batch:budget,...', "
-                                 f"got {schedule!r}") from None
+        if schedule is not None and not _is_schedule(schedule):
+            raise ValueError(f"{f}: ddtree_default_budget_schedule must be 'batch:budget,...', got {schedule!r}")
         return cls(model, int(bs), int(dc["mask_token_id"]), ids, d.get("num_target_layers"), budget, schedule)
 
     def check_fits(self, target: ModelConfig) -> None:

@@ -23,6 +23,16 @@ log = logging.getLogger(__name__)
 CAPTURED_MODES = (SampleMode.GREEDY, SampleMode.FILTERED)
 
 
+def warm_up(fn: Callable[[], object], times: int = 2) -> None:
+    """Run fn on a side stream before capturing it: allocator, Triton compiles, cuBLAS picks."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
 @dataclass(frozen=True)
 class PlanEntry:
     phase: Phase
@@ -102,14 +112,12 @@ class GraphRunner:
         for B, mode, L in tqdm(jobs, desc="capturing CUDA graphs", unit="graph set"):
             self.r.state.park(0, B)
             fns = self._phase_fns(B, mode, L)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):        # warm-up: allocator, kernels, autotuning
-                for _ in range(2):
-                    self.r.state.park(0, B)
-                    for _, fn in fns:
-                        fn()
-            torch.cuda.current_stream().wait_stream(stream)
+
+            def every_phase() -> None:
+                self.r.state.park(0, B)
+                for _, fn in fns:
+                    fn()
+            warm_up(every_phase)
             self.r.state.park(0, B)
             for phase, fn in fns:
                 g = torch.cuda.CUDAGraph()

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from drafttree.runner.cuda_graph import warm_up
 from drafttree.runner.kv_cache import attn_meta, causal
 from drafttree.triton_jit import next_pow2
 
@@ -114,12 +115,7 @@ class PrefillGraphs:
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()   # apart from the rounds' pool
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):   # warm-up: allocator, kernels, compiles
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
+        warm_up(fn)
         graph = torch.cuda.CUDAGraph()
         # captured while serving, at first use: CUDA calls of other threads stay allowed
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):

@@ -9,7 +9,8 @@
 #             in bf16.
 #   decode  : the one-token fused projections (on by default; DRAFTTREE_GEMV=0 turns them off):
 #             test_gemv_kernel.py, benchmarks/gemv_bench.py (block sweep), and the decode step of
-#             $SHAPE (default qwen3-8b) with them off and on at the sweep's fastest blocks.
+#             $SHAPE (default qwen3-8b) with them off and on at the sweep's fastest blocks (per
+#             matrix). DRAFTTREE_PDL=1 / DRAFTTREE_GEMV_PREFETCH=1 in the environment reach all of it.
 #   pair    : needs the default model's GGUF assembled at $GGUF and .whl/. The real pair at batch
 #             1 (prefill graphed by default), at batch 16 with speculation off from 16 rows
 #             (--budget-schedule 16:0), and at batches 4 and 8 (the default budget 32).
@@ -53,7 +54,7 @@ from drafttree.bench.phases import main; sys.exit(main())" --random-weights smol
       > "$OUT/gemv_bench.txt" 2>&1
     phases_at_best() {   # drafttree.bench.phases with the fused kernels at the sweep's fastest blocks
       timeout 150 python3 -c "import json, sys, drafttree.models.gemv_kernel as g
-[c.update({k: tuple(v) for k, v in json.load(open('$OUT/gemv_best.json')).items()}) for c in g.BLOCKS.values()]
+[g.set_blocks(kind, numel, tuple(b), split=True) for kind, numel, b in json.load(open('$OUT/gemv_best.json'))]
 from drafttree.bench.phases import main; sys.exit(main())" --batch 1 --prompt-len 512 --max-model-len 2048 \
         --iters 30 "$@"
     }

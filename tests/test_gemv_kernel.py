@@ -12,9 +12,11 @@ from tests.test_spec_lossless import zoo  # noqa: F401  (fixture)
 from tests.test_tree_kernel import DEVICE, interpreted_on_cpu
 
 
-@pytest.fixture(autouse=True)
-def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True, params=[False, True], ids=["loads-in-step", "prefetch"])
+def _kernel_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test with the weight tiles loaded in their own step and one step ahead."""
     interpreted_on_cpu(monkeypatch)
+    monkeypatch.setattr(gemv_kernel, "PREFETCH", request.param)
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -55,12 +57,26 @@ def test_silu_gemv_matches_the_torch_ops(K, N, dtype):
 @pytest.mark.parametrize("blocks", [(16, 256, 4), (4, 1024, 8)])   # a step wider than K too
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_plain_gemv_matches_linear(blocks, with_bias, monkeypatch):
-    monkeypatch.setitem(gemv_kernel.BLOCKS["small"], "plain", blocks)
+    monkeypatch.setitem(gemv_kernel.BLOCKS, "plain", [(0, blocks)])
     gen = torch.Generator().manual_seed(blocks[0])
     x = torch.randn(1, 1, 300, generator=gen).to(DEVICE)
     w = (torch.randn(21, 300, generator=gen) / 300 ** 0.5).to(DEVICE)
     b = torch.randn(21, generator=gen).to(DEVICE) if with_bias else None
     torch.testing.assert_close(gemv_kernel.gemv(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_block_classes(monkeypatch):
+    monkeypatch.setitem(gemv_kernel.BLOCKS, "norm", [(1 << 22, (16, 512, 4)), (0, (8, 512, 4))])
+    assert gemv_kernel.blocks_for("norm", 1 << 22) == (16, 512, 4)
+    assert gemv_kernel.blocks_for("norm", (1 << 22) - 1) == (8, 512, 4)
+    gemv_kernel.set_blocks("norm", 100_000_000, (32, 1024, 8), split=True)   # a class from 2^26
+    gemv_kernel.set_blocks("norm", 25_000_000, (4, 512, 8), split=True)      # from 2^24
+    gemv_kernel.set_blocks("norm", 1000, (2, 256, 4))                         # the smallest class
+    assert [least for least, _ in gemv_kernel.BLOCKS["norm"]] == [1 << 26, 1 << 24, 1 << 22, 0]
+    assert gemv_kernel.blocks_for("norm", 1 << 26) == (32, 1024, 8)
+    assert gemv_kernel.blocks_for("norm", (1 << 26) - 1) == (4, 512, 8)
+    assert gemv_kernel.blocks_for("norm", 5_000_000) == (16, 512, 4)
+    assert gemv_kernel.blocks_for("norm", 10) == (2, 256, 4)
 
 
 def test_refuses_more_than_one_row():

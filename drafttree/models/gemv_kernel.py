@@ -15,10 +15,12 @@ summing the row's squares on the way: the norm's scale applies once, after the d
 stream (x + delta) rounds as the torch add does; the normed input is not rounded to the model
 dtype before the dot, and the dot sums in fp32 in another order than cuBLAS. So only 16-bit
 models take this path: fp32 keeps cuBLAS everywhere and stays token-for-token equal between
-decode and verify. Block shapes per kernel: `benchmarks/gemv_bench.py` sweeps them on the GPU.
+decode and verify. All three are one Triton kernel (its prologue chosen at compile time); block
+shapes per kernel and weight size: `benchmarks/gemv_bench.py` sweeps them on the GPU.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -29,43 +31,81 @@ from drafttree.triton_jit import interpreting, jit_kernel, kernels_run_on
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
 ENABLED = os.environ.get("DRAFTTREE_GEMV", "1") == "1"
-# (weight rows per program, input columns per step, warps) per kernel, for weights of at least
-# LARGE elements and below: the fastest on the Qwen3-8B and SmolLM2 shapes on an H200
-# (benchmarks/gemv_bench.py --shape ..., run 9)
-LARGE = 1 << 22
-BLOCKS: dict[str, dict[str, tuple[int, int, int]]] = {
-    "large": {"norm": (16, 512, 4), "silu": (8, 1024, 8), "plain": (4, 512, 8)},
-    "small": {"norm": (8, 512, 4), "silu": (2, 512, 4), "plain": (4, 256, 4)},
+# Two switches, off by default until measured at their own block shapes (run 10: with both on
+# at the blocks below, a Qwen3-8B decode step took 5.39 ms against 5.59 with PDL alone off, and
+# 4.53 with both off). PDL, programmatic dependent launch (Hopper and newer): a projection starts
+# while the kernel before it still runs, loads its first weight tile when PREFETCH (no kernel
+# writes weights), then waits for that kernel's outputs, and lets the next kernel start the same
+# way. PREFETCH: each step loads the next step's weight tile before summing its own.
+PDL = os.environ.get("DRAFTTREE_PDL", "0") == "1"
+PREFETCH = os.environ.get("DRAFTTREE_GEMV_PREFETCH", "0") == "1"
+# Per kernel, (least weight elements, (weight rows per program, input columns per step, warps)),
+# largest class first: a weight takes the first class it reaches. The fastest of
+# benchmarks/gemv_bench.py per Qwen3-8B matrix on an H200 (gate/up 101 M elements, QKV 25 M, o
+# 17 M, down 50 M; run 10), below 4 M elements per SmolLM2 kernel (run 9). Pipeline stages
+# (num_stages 1 or 3) made no difference there.
+Blocks = tuple[int, int, int]
+BLOCKS: dict[str, list[tuple[int, Blocks]]] = {
+    "norm": [(1 << 26, (16, 512, 4)), (0, (8, 512, 4))],
+    "silu": [(1 << 22, (8, 1024, 8)), (0, (2, 512, 4))],
+    "plain": [(1 << 22, (4, 512, 8)), (0, (4, 256, 4))],
 }
 
 
-def blocks_for(kind: str, w: torch.Tensor) -> tuple[int, int, int]:
-    return BLOCKS["large" if w.numel() >= LARGE else "small"][kind]
+def blocks_for(kind: str, numel: int) -> Blocks:
+    return next(blocks for least, blocks in BLOCKS[kind] if numel >= least)
 
 
-def _norm_gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl.constexpr,
-                      HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr):
+def set_blocks(kind: str, numel: int, blocks: Blocks, split: bool = False) -> None:
+    """Give weights of `numel` elements `blocks`: in the class they fall in, or (`split`) in a
+    new class from the power of two at or below `numel` (from a sweep per matrix)."""
+    classes = BLOCKS[kind]
+    at = next(i for i, (least, _) in enumerate(classes) if numel >= least)
+    least = 1 << (numel.bit_length() - 1) if split else classes[at][0]
+    if least == classes[at][0]:
+        classes[at] = (least, tuple(blocks))
+    else:
+        classes.insert(at, (least, tuple(blocks)))
+
+
+def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl.constexpr,
+                 HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
-    dt = xo_ptr.dtype.element_ty
+    dt = y_ptr.dtype.element_ty
     n = pid * BN + tl.arange(0, BN)
     ss = tl.zeros([BK], tl.float32)
     acc = tl.zeros([BN], tl.float32)
+    if PREFETCH:   # each step loads the next step's weights before summing its own
+        k = tl.arange(0, BK)
+        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+    if PDL:   # see PDL above
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
-        v = tl.load(x_ptr + k, mask=k < K, other=0.0)
-        if HAS_D:   # the residual stream, rounded to the model dtype as the torch add does
-            v = (v.to(tl.float32) + tl.load(d_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(dt)
-            if pid == 0:
-                tl.store(xo_ptr + k, v, mask=k < K)
-        vf = v.to(tl.float32)
-        if NORM:
-            ss += vf * vf
-            h = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) * vf
+        if SILU:   # x = [gate | up]; silu in fp32, rounded, then times up in the model dtype
+            gate = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + K + k, mask=k < K, other=0.0)
+            h = ((gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(tl.float32)).to(dt).to(tl.float32)
         else:
-            h = vf
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+            v = tl.load(x_ptr + k, mask=k < K, other=0.0)
+            if HAS_D:   # the residual stream, rounded to the model dtype as the torch add does
+                v = (v.to(tl.float32) + tl.load(d_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(dt)
+                if pid == 0:
+                    tl.store(xo_ptr + k, v, mask=k < K)
+            h = v.to(tl.float32)
+            if NORM:
+                ss += h * h
+                h = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) * h
+        if PREFETCH:
+            kn = k + BK
+            w_next = tl.load(w_ptr + n[:, None] * K + kn[None, :], mask=(n[:, None] < N) & (kn[None, :] < K), other=0.0)
+        else:
+            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+            w_next = w
         acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+        w = w_next
     if NORM:
         acc = acc / tl.sqrt(tl.sum(ss, axis=0) / K + eps)   # the norm's scale, once per row
     if HAS_B:
@@ -73,20 +113,15 @@ def _norm_gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, 
     tl.store(y_ptr + n, acc.to(dt), mask=n < N)
 
 
-def _silu_gemv_kernel(gu_ptr, w_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid = tl.program_id(0)
-    dt = y_ptr.dtype.element_ty
-    n = pid * BN + tl.arange(0, BN)
-    acc = tl.zeros([BN], tl.float32)
-    for k0 in range(0, K, BK):
-        k = k0 + tl.arange(0, BK)
-        gate = tl.load(gu_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        up = tl.load(gu_ptr + K + k, mask=k < K, other=0.0)
-        # silu in fp32, rounded, then times up in the model dtype: F.silu(gate) * up
-        a = ((gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(tl.float32)).to(dt)
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
-    tl.store(y_ptr + n, acc.to(dt), mask=n < N)
+def _switches(x: torch.Tensor) -> dict[str, bool]:
+    """The PDL and PREFETCH constants of a launch on x's device (launch_pdl with PDL)."""
+    on = PDL and x.is_cuda and not interpreting() and _hopper_or_newer(x.device.index)
+    return {"PDL": on, "PREFETCH": PREFETCH, **({"launch_pdl": True} if on else {})}
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -108,27 +143,22 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> tor
 
 def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
             w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    K, N = x.shape[-1], w.shape[0]
-    if x.numel() != K or w.shape[1] != K or not w.is_contiguous():
+    N, K = w.shape
+    width = 2 * K if kind == "silu" else K
+    if x.numel() != width or x.shape[-1] != width or not w.is_contiguous():
         raise ValueError(f"{kind} gemv: x {tuple(x.shape)}, w {tuple(w.shape)} (one row, w contiguous)")
     x = x.contiguous()
     xo = torch.empty_like(x) if delta is not None else x
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     d = delta.contiguous() if delta is not None else x
-    bn, bk, warps = blocks_for(kind, w)
-    jit_kernel(_norm_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
+    bn, bk, warps = blocks_for(kind, w.numel())
+    jit_kernel(_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
         x, d, g.contiguous() if g is not None else x, w, b if b is not None else w, xo, y, N, eps, K=K,
-        HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, BN=bn, BK=bk, num_warps=warps)
+        HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, SILU=kind == "silu", BN=bn,
+        BK=bk, **_switches(x), num_warps=warps)
     return xo, y
 
 
 def silu_gemv(gu: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """(silu(gate) * up) @ w.T for gu = [gate | up] [..., 2K] of one row; w [N, K]."""
-    K, N = w.shape[1], w.shape[0]
-    if gu.numel() != 2 * K or gu.shape[-1] != 2 * K or not w.is_contiguous():
-        raise ValueError(f"silu_gemv: gu {tuple(gu.shape)}, w {tuple(w.shape)} (one row, w contiguous)")
-    y = torch.empty(*gu.shape[:-1], N, dtype=gu.dtype, device=gu.device)
-    bn, bk, warps = blocks_for("silu", w)
-    jit_kernel(_silu_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
-        gu.contiguous(), w, y, N, K=K, BN=bn, BK=bk, num_warps=warps)
-    return y
+    return _launch("silu", gu, None, None, 0.0, w, None)[1]

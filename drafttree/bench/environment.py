@@ -15,9 +15,10 @@ def _version(dist: str) -> str | None:
 
 
 def environment() -> dict:
+    from drafttree import triton_jit
     from drafttree.models import attn_kernel, gemv_kernel
     return {"torch": torch.__version__, "triton": _version("triton"), "drafttree": _version("drafttree"),
             "cuda": torch.version.cuda,
             "kernels": {"attention": attn_kernel.ENABLED, "one_token_projections": gemv_kernel.ENABLED,
-                        "projection_pdl": gemv_kernel.PDL, "projection_prefetch": gemv_kernel.PREFETCH},
+                        "pdl": triton_jit.PDL, "projection_prefetch": gemv_kernel.PREFETCH},
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DRAFTTREE_")}}

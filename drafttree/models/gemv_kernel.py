@@ -20,24 +20,20 @@ shapes per kernel and weight size: `benchmarks/gemv_bench.py` sweeps them on the
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
 import torch
 
-from drafttree.triton_jit import interpreting, jit_kernel, kernels_run_on
+from drafttree.triton_jit import interpreting, jit_kernel, kernels_run_on, pdl_args
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
 ENABLED = os.environ.get("DRAFTTREE_GEMV", "1") == "1"
-# Two switches, off by default until measured at their own block shapes (run 10: with both on
-# at the blocks below, a Qwen3-8B decode step took 5.39 ms against 5.59 with PDL alone off, and
-# 4.53 with both off). PDL, programmatic dependent launch (Hopper and newer): a projection starts
-# while the kernel before it still runs, loads its first weight tile when PREFETCH (no kernel
-# writes weights), then waits for that kernel's outputs, and lets the next kernel start the same
-# way. PREFETCH: each step loads the next step's weight tile before summing its own.
-PDL = os.environ.get("DRAFTTREE_PDL", "0") == "1"
+# Each step loads the next step's weight tile before summing its own, the first one before the
+# wait of programmatic dependent launch (`triton_jit.PDL`; no kernel writes weights). Off by
+# default until timed at its own block shapes: in run 10, at the blocks below and with PDL, a
+# Qwen3-8B decode step took 5.39 ms (5.59 without PDL) against 4.53 with neither.
 PREFETCH = os.environ.get("DRAFTTREE_GEMV_PREFETCH", "0") == "1"
 # Per kernel, (least weight elements, (weight rows per program, input columns per step, warps)),
 # largest class first: a weight takes the first class it reaches. The fastest of
@@ -79,7 +75,7 @@ def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl
     if PREFETCH:   # each step loads the next step's weights before summing its own
         k = tl.arange(0, BK)
         w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-    if PDL:   # see PDL above
+    if PDL:   # triton_jit.PDL
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     for k0 in range(0, K, BK):
@@ -113,17 +109,6 @@ def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl
     tl.store(y_ptr + n, acc.to(dt), mask=n < N)
 
 
-def _switches(x: torch.Tensor) -> dict[str, bool]:
-    """The PDL and PREFETCH constants of a launch on x's device (launch_pdl with PDL)."""
-    on = PDL and x.is_cuda and not interpreting() and _hopper_or_newer(x.device.index)
-    return {"PDL": on, "PREFETCH": PREFETCH, **({"launch_pdl": True} if on else {})}
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper_or_newer(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
 def usable(x: torch.Tensor) -> bool:
     """Whether a forward over x [B, W, D] takes these kernels: enabled, one token, 16-bit."""
     return (ENABLED and x.shape[0] * x.shape[1] == 1 and x.dtype in (torch.bfloat16, torch.float16)
@@ -155,7 +140,7 @@ def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Ten
     jit_kernel(_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
         x, d, g.contiguous() if g is not None else x, w, b if b is not None else w, xo, y, N, eps, K=K,
         HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, SILU=kind == "silu", BN=bn,
-        BK=bk, **_switches(x), num_warps=warps)
+        BK=bk, PREFETCH=PREFETCH, **pdl_args(x), num_warps=warps)
     return xo, y
 
 

@@ -16,7 +16,8 @@
 #             (--budget-schedule 16:0), and at batches 4 and 8 (the default budget 32).
 #   pdl     : programmatic dependent launch (DRAFTTREE_PDL=1; triton_jit.PDL) and the projections'
 #             weight prefetch (DRAFTTREE_GEMV_PREFETCH=1): the graph tests with PDL on, then the
-#             Qwen3-8B decode step with neither, PDL, and both, each at its own block sweep's best.
+#             Qwen3-8B decode step with neither, PDL, and both, each at its own block sweep's best;
+#             the DDTree round with both, and the tree build with PDL off and on.
 #   profile : cuBLAS projections at 1-64 rows (benchmarks/verify_gemm_bench.py), then kernel
 #             profiles of the Qwen3-8B decode step and DDTree round (benchmarks/profile_decode.py).
 # Usage: OUT=dir bash benchmarks/h200_checks.sh tests|tree|fp32|decode|pdl|profile|pair
@@ -91,7 +92,11 @@ from drafttree.bench.phases import main; sys.exit(main())" --random-weights smol
       echo "pdl/prefetch $v: $(grep -h "one layer" "$OUT/gemv_bench_$v.txt")"; grep -h '"decode"' "$OUT/decode_$v.txt"
     done
     phases_at_best "$OUT/gemv_best_11.json" --random-weights qwen3-8b --spec ddtree --budget 32 --block-size 16 \
-      --tree-budgets 32 --out "$OUT/ddtree_11.json" > "$OUT/ddtree_11.txt" 2>&1; tail -n 12 "$OUT/ddtree_11.txt" ;;
+      --tree-budgets 32 --out "$OUT/ddtree_11.json" > "$OUT/ddtree_11.txt" 2>&1; tail -n 12 "$OUT/ddtree_11.txt"
+    for p in 0 1; do   # the tree build's three launches (top-K chunk, merge, tree)
+      DRAFTTREE_PDL=$p timeout 60 python3 benchmarks/tree_build_bench.py --budgets 32 > "$OUT/tree_build_pdl$p.txt" 2>&1
+    done
+    grep -h "whole build" "$OUT"/tree_build_pdl*.txt ;;
   pair)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     [ -f "$GGUF" ] || { echo "no $GGUF"; exit 1; }

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 # Programmatic dependent launch (Hopper and newer; DRAFTTREE_PDL=1, off by default until timed
-# on its own): the projection, rope/KV-write and attention kernels of a forward start while the
+# on its own): the projection, rope/KV-write, attention, top-K and tree kernels start while the
 # kernel before them still runs, wait (griddepcontrol.wait) before they touch memory any kernel
 # writes, and let the next kernel start at once. Run 10 measured it only beside a weight prefetch.
 PDL = os.environ.get("DRAFTTREE_PDL", "0") == "1"

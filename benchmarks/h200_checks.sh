@@ -18,7 +18,8 @@
 #             weight prefetch (DRAFTTREE_GEMV_PREFETCH=1): the graph tests with PDL on, then the
 #             Qwen3-8B decode step with neither, PDL, and both, each at its own block sweep's best;
 #             the DDTree round with both, and the tree build with PDL off and on.
-#   profile : cuBLAS projections at 1-64 rows (benchmarks/verify_gemm_bench.py), then kernel
+#   profile : cuBLAS projections at 1-64 rows (benchmarks/verify_gemm_bench.py; again with no
+#             cuBLAS workspace, which split-K reduces need), then kernel
 #             profiles of the Qwen3-8B decode step and DDTree round (benchmarks/profile_decode.py).
 # Usage: OUT=dir bash benchmarks/h200_checks.sh tests|tree|fp32|decode|pdl|profile|pair
 set -uo pipefail
@@ -73,7 +74,10 @@ from drafttree.bench.phases import main; sys.exit(main())" --random-weights smol
     grep -h '"decode"' "$OUT"/decode_gemv*.txt ;;
   profile)   # where a graphed Qwen3-8B decode step and DDTree round (budget 32) spend GPU time now
     timeout 120 python3 benchmarks/verify_gemm_bench.py > "$OUT/verify_gemm_bench.txt" 2>&1
-    cat "$OUT/verify_gemm_bench.txt"
+    # no cuBLAS(Lt) workspace, which split-K reduces need: can 33 rows drop that launch for free?
+    CUBLASLT_WORKSPACE_SIZE=0 CUBLAS_WORKSPACE_CONFIG=:0:0 timeout 120 python3 benchmarks/verify_gemm_bench.py \
+      --rows 1,16,33 > "$OUT/verify_gemm_bench_no_workspace.txt" 2>&1
+    cat "$OUT"/verify_gemm_bench*.txt
     for spec in none ddtree; do
       timeout 200 python3 benchmarks/profile_decode.py qwen3-8b $spec > "$OUT/profile_$spec.txt" 2>&1
       head -1 "$OUT/profile_$spec.txt"; grep -A30 -- "-----" "$OUT/profile_$spec.txt" | cut -c1-100,180-240 | head -32

@@ -14,8 +14,8 @@ import json
 import torch
 import torch.nn.functional as F
 
-from drafttree.bench.graph_timer import graphed_us
-from drafttree.bench.shapes import SHAPES
+from drafttree.bench.graph_timer import cycling, graphed_us, weight_copies
+from drafttree.bench.shapes import SHAPES, projections
 from drafttree.models import gemv_kernel
 from drafttree.models.layers import add_rms_norm, silu_mul
 
@@ -28,44 +28,30 @@ ap.add_argument("--out", default="")
 args = ap.parse_args()
 
 cfg = SHAPES[args.shape][0]
-dev, dt, D, I, HD = "cuda", torch.bfloat16, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
-COPIES = 8
-x, delta = (torch.randn(1, 1, D, device=dev, dtype=dt) for _ in range(2))
-g = torch.ones(D, device=dev, dtype=dt)
-gu = torch.randn(1, 1, 2 * I, device=dev, dtype=dt)
-attn = torch.randn(1, 1, HD, device=dev, dtype=dt)
-# name: (kernel, N, K)
-shapes = {"qkv": ("norm", HD + 2 * cfg.num_kv_heads * cfg.head_dim, D), "o": ("plain", D, HD),
-          "gate_up": ("norm", 2 * I, D), "down": ("silu", D, I)}
-
-
-def cycling(make):
-    """A call that takes the next of COPIES weights each time (captured 48 times: 6 rounds)."""
-    state = [0]
-
-    def call():
-        state[0] = (state[0] + 1) % COPIES
-        return make(state[0])
-    return call
+dev, dt = "cuda", torch.bfloat16
+x, delta = (torch.randn(1, 1, cfg.hidden_size, device=dev, dtype=dt) for _ in range(2))
+g = torch.ones(cfg.hidden_size, device=dev, dtype=dt)
+gu = torch.randn(1, 1, 2 * cfg.intermediate_size, device=dev, dtype=dt)
+attn = torch.randn(1, 1, cfg.num_heads * cfg.head_dim, device=dev, dtype=dt)
+KIND = {"qkv": "norm", "o": "plain", "gate_up": "norm", "down": "silu"}
 
 
 def calls(kind, ws):
-    """(the torch ops, the fused kernel) for one shape."""
+    """(the torch ops, the fused kernel) for one shape, each cycling over the weight copies."""
     if kind == "silu":
-        return (cycling(lambda i: F.linear(silu_mul(gu), ws[i])),
-                cycling(lambda i: gemv_kernel.silu_gemv(gu, ws[i])))
+        return cycling(lambda w: F.linear(silu_mul(gu), w), ws), cycling(lambda w: gemv_kernel.silu_gemv(gu, w), ws)
     if kind == "plain":
-        return cycling(lambda i: F.linear(attn, ws[i])), cycling(lambda i: gemv_kernel.gemv(attn, ws[i]))
-    return (cycling(lambda i: F.linear(add_rms_norm(x, delta, g, 1e-6)[1], ws[i])),
-            cycling(lambda i: gemv_kernel.norm_gemv(x, delta, g, 1e-6, ws[i])[1]))
+        return cycling(lambda w: F.linear(attn, w), ws), cycling(lambda w: gemv_kernel.gemv(attn, w), ws)
+    return (cycling(lambda w: F.linear(add_rms_norm(x, delta, g, 1e-6)[1], w), ws),
+            cycling(lambda w: gemv_kernel.norm_gemv(x, delta, g, 1e-6, w)[1], ws))
 
 
 grid = list(itertools.product(*([int(v) for v in a.split(",")]
                                  for a in (args.block_n, args.block_k, args.warps))))
 best: list[tuple[str, int, tuple]] = []
 fused_total = torch_total = 0.0
-for name, (kind, N, K) in shapes.items():
-    ws = [torch.randn(N, K, device=dev, dtype=dt) / K ** 0.5 for _ in range(COPIES)]
+for name, (N, K) in projections(cfg).items():
+    kind, ws = KIND[name], weight_copies(N, K)
     gb = N * K * 2 / 1e9
     torch_op, ours = calls(kind, ws)
     t = graphed_us(torch_op, n=48)

@@ -10,33 +10,24 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from drafttree.bench.graph_timer import graphed_us
-from drafttree.bench.shapes import SHAPES
+from drafttree.bench.graph_timer import cycling, graphed_us, weight_copies
+from drafttree.bench.shapes import SHAPES, projections
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
 ap.add_argument("--rows", default="1,16,33,48,64")
 args = ap.parse_args()
-cfg = SHAPES[args.shape][0]
-dev, dt, COPIES = "cuda", torch.bfloat16, 8
-D, I, HD = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
-shapes = {"qkv": (HD + 2 * cfg.num_kv_heads * cfg.head_dim, D), "o": (D, HD), "gate_up": (2 * I, D), "down": (D, I)}
 rows = [int(r) for r in args.rows.split(",")]
 print(f"{args.shape}, bf16, us per call (GB/s of weights)")
 print(f"{'matrix':8s}" + "".join(f"{f'{m} rows':>18s}" for m in rows))
 total = dict.fromkeys(rows, 0.0)
-for name, (N, K) in shapes.items():
-    ws = [torch.randn(N, K, device=dev, dtype=dt) / K ** 0.5 for _ in range(COPIES)]
+for name, (N, K) in projections(SHAPES[args.shape][0]).items():
+    ws = weight_copies(N, K)
     gb = N * K * 2 / 1e9
     line = f"{name:8s}"
     for m in rows:
-        x = torch.randn(1, m, K, device=dev, dtype=dt)
-        state = [0]
-
-        def call():
-            state[0] = (state[0] + 1) % COPIES
-            return F.linear(x, ws[state[0]])
-        t = graphed_us(call, n=48)
+        x = torch.randn(1, m, K, device="cuda", dtype=torch.bfloat16)
+        t = graphed_us(cycling(lambda w, x=x: F.linear(x, w), ws), n=48)
         total[m] += t
         line += f"{t:10.1f} ({gb / t * 1e6:5.0f})"
     print(line, flush=True)

@@ -51,19 +51,15 @@ def kernels_run_on(device: torch.device | str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _ampere_or_newer(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 0)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
-def pdl_args(t: torch.Tensor) -> dict[str, bool]:
-    """A launch's `PDL` constant for a kernel over t, and `launch_pdl` where PDL is on."""
-    on = PDL and t.is_cuda and not interpreting() and _hopper_or_newer(t.device.index)
+def pdl_args(t: torch.Tensor, interpret: bool) -> dict[str, bool]:
+    """A launch's `PDL` constant for a kernel over t (interpreted or not, as `jit_kernel` was
+    asked), and `launch_pdl` where PDL is on: CUDA, Hopper or newer."""
+    on = PDL and t.is_cuda and not interpret and _capability(t.device.index) >= (9, 0)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper_or_newer(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def dots_run_on(device: torch.device | str) -> bool:
@@ -72,7 +68,7 @@ def dots_run_on(device: torch.device | str) -> bool:
     dev = torch.device(device)
     if not kernels_run_on(dev):
         return False
-    return dev.type != "cuda" or interpreting() or _ampere_or_newer(dev.index)
+    return dev.type != "cuda" or interpreting() or _capability(dev.index) >= (8, 0)
 
 
 def jit_kernel(fn: Callable[..., Any], interpret: bool,

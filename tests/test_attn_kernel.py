@@ -142,9 +142,9 @@ def test_kernels_keep_off_gpus_older_than_ampere(monkeypatch):
     from drafttree import triton_jit
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(triton_jit, "kernels_run_on", lambda device: True)
-    monkeypatch.setattr(triton_jit, "_ampere_or_newer", lambda index: False)
+    monkeypatch.setattr(triton_jit, "_capability", lambda index: (7, 5))
     assert not triton_jit.dots_run_on("cuda:0")
-    monkeypatch.setattr(triton_jit, "_ampere_or_newer", lambda index: True)
+    monkeypatch.setattr(triton_jit, "_capability", lambda index: (8, 0))
     assert triton_jit.dots_run_on("cuda:0")
 
 
@@ -187,10 +187,11 @@ def test_pdl_only_on_hopper_and_when_asked(monkeypatch):
     """Programmatic dependent launch: never without DRAFTTREE_PDL, never on CPU or interpreted."""
     from drafttree import triton_jit
     monkeypatch.setattr(triton_jit, "PDL", False)
-    assert triton_jit.pdl_args(torch.zeros(1, device=DEVICE)) == {"PDL": False}
+    assert triton_jit.pdl_args(torch.zeros(1, device=DEVICE), False) == {"PDL": False}
     monkeypatch.setattr(triton_jit, "PDL", True)
-    assert triton_jit.pdl_args(torch.zeros(1)) == {"PDL": False}
+    assert triton_jit.pdl_args(torch.zeros(1), False) == {"PDL": False}
     if torch.cuda.is_available():
         t = torch.zeros(1, device="cuda")
-        hopper = torch.cuda.get_device_capability() >= (9, 0) and not triton_jit.interpreting()
-        assert triton_jit.pdl_args(t) == ({"PDL": True, "launch_pdl": True} if hopper else {"PDL": False})
+        hopper = torch.cuda.get_device_capability() >= (9, 0)
+        assert triton_jit.pdl_args(t, False) == ({"PDL": True, "launch_pdl": True} if hopper else {"PDL": False})
+        assert triton_jit.pdl_args(t, True) == {"PDL": False}

@@ -56,3 +56,18 @@ def test_budget_schedule_goes_where_it_applies():
     assert schedule_for("dflash", "16:0") == "16:0"
     assert schedule_for("dflash", "8:16,32:0") is None and schedule_for("dflash", "auto") is None
     assert schedule_for("ar", "16:0") is None and schedule_for("dflash", None) is None
+
+
+@pytest.mark.parametrize("shape", ["qwen3-8b", "smollm2-135m"])
+def test_projection_shapes_are_the_layers(shape):
+    """The kernel benchmarks time the weights a decoder layer of the shape really has."""
+    import torch
+
+    from drafttree.bench.shapes import SHAPES, projections
+    from drafttree.models.decoder import DecoderLayer
+    cfg = SHAPES[shape][0]
+    with torch.device("meta"):
+        layer = DecoderLayer(cfg)
+    have = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+            "down": layer.mlp.down_proj}
+    assert projections(cfg) == {name: tuple(m.weight.shape) for name, m in have.items()}

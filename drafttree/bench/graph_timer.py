@@ -28,3 +28,19 @@ def graphed(fn: Callable[[], Any], n: int = 50, replays: int = 10) -> tuple[floa
 
 def graphed_us(fn: Callable[[], Any], n: int = 50, replays: int = 10) -> float:
     return graphed(fn, n, replays)[0]
+
+
+def weight_copies(n: int, k: int, copies: int = 8, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """`copies` random [n, k] weights on CUDA: together larger than L2, so that a call cycling
+    over them (`cycling`) reads its weight from HBM, as a forward does."""
+    return [torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5 for _ in range(copies)]
+
+
+def cycling(make: Callable[[torch.Tensor], Any], weights: list[torch.Tensor]) -> Callable[[], Any]:
+    """A call that runs make(the next of `weights`) each time."""
+    state = [0]
+
+    def call() -> Any:
+        state[0] = (state[0] + 1) % len(weights)
+        return make(weights[state[0]])
+    return call

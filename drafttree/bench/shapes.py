@@ -21,6 +21,13 @@ SHAPES: dict[str, tuple[ModelConfig, dict]] = {
 }
 
 
+def projections(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(N, K) of one layer's four projection weights, as the layers fuse them."""
+    D, I, HD = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    return {"qkv": (HD + 2 * cfg.num_kv_heads * cfg.head_dim, D), "o": (D, HD), "gate_up": (2 * I, D),
+            "down": (D, I)}
+
+
 def _randomize(m: nn.Module, device: torch.device, dtype: torch.dtype, seed: int) -> None:
     m.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)

@@ -186,10 +186,10 @@ def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), mask.stride(2), scale, SPLIT_BLOCKS=split_blocks, HKV=Hkv, HD=hd, BM=bm, BN=BLOCK_N,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct,
-        **pdl_args(q), num_warps=4)  # fp32 stays fp32
+        **pdl_args(q, interpret), num_warps=4)  # fp32 stays fp32
     if direct:
         return out
     jit_kernel(_merge_kernel, interpret, ("M", "W", "G", "HKV", "NS"))[(B * Hkv * M,)](acc, ml, out, M, W, G, Hkv, ns,
                                                          NS_PAD=max(2, next_pow2(ns)),
-                                                         HD=hd, **pdl_args(q), num_warps=2)
+                                                         HD=hd, **pdl_args(q, interpret), num_warps=2)
     return out

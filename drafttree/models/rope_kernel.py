@@ -69,11 +69,12 @@ def qk_rope_write_kv(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: tor
     hd = C // (heads + 2 * kv_heads)
     q = torch.empty(B, W, heads, hd, dtype=qkv.dtype, device=qkv.device)
     norm = q_weight is not None
-    jit_kernel(_qk_rope_kv_kernel, interpreting(), ("W",))[(B * W,)](
+    interpret = interpreting()
+    jit_kernel(_qk_rope_kv_kernel, interpret, ("W",))[(B * W,)](
         qkv.contiguous(), q_weight if norm else qkv, k_weight if norm else qkv, cos.contiguous(),
         sin.contiguous(), q, k_cache, v_cache, rows.reshape(B).contiguous(), slots.contiguous(), W, eps,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=heads, HKV=kv_heads, QK_PAD=next_pow2(heads + kv_heads), HKV_PAD=next_pow2(kv_heads), HD=hd,
-        NORM=norm, **pdl_args(qkv), num_warps=4)
+        NORM=norm, **pdl_args(qkv, interpret), num_warps=4)
     return q

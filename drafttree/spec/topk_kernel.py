@@ -124,7 +124,7 @@ def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
     idx = torch.empty(R, L, k, dtype=torch.int64, device=dev)
     chunk_kernel, merge_kernel = jit_kernel(_chunk_kernel, interpret), jit_kernel(_merge_kernel, interpret)
     groups, cap = filter_plan(k2, chunk)
-    pdl = {"PDL": False} if interpret else pdl_args(x)
+    pdl = pdl_args(x, interpret)
     scratch = torch.empty(rows * nc * cap if FILTERED else 1, dtype=torch.int64, device=dev)
     chunk_kernel[(rows, nc)](x, keys, m, s, scratch, V, nc, CHUNK=chunk, K2=k2, FILTER=FILTERED,
                              GROUPS=groups, CAP=cap, **pdl, num_warps=warps)

@@ -232,12 +232,13 @@ def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budg
     scratch = torch.empty(3, R, L * B, dtype=torch.int32, device=device)
     bi = min(64, next_pow2(N))
     bj = min(256, next_pow2(N))
-    jit_kernel(_tree_kernel, interpreting())[(R,)](
+    interpret = interpreting()
+    jit_kernel(_tree_kernel, interpret)[(R,)](
         top_lp, top_idx.contiguous(), pairs, root_tokens.contiguous(), tokens, parents, depth,
         valid, visible, scratch, R, L=L, K=K, M=M, N=N, B=B, B_PAD=b_pad,
         LOG_B=b_pad.bit_length() - 1, M_PAD=m_pad, LOG_M=m_pad.bit_length() - 1,
         N_PAD=next_pow2(N), BI=bi, BJ=bj,
         # budget 32 on an H200: 63 us for the whole build at 4 warps, 74 at 2, 109 at 1 (run 8)
-        **pdl_args(top_lp), num_warps=4 if m_pad <= 256 else 8,
+        **pdl_args(top_lp, interpret), num_warps=4 if m_pad <= 256 else 8,
     )
     return DraftTree(tokens, parents, depth, valid.view(torch.bool), visible.view(torch.bool))

@@ -5,7 +5,7 @@ exp-sum pass over [R, L, V]. Here the logits are read once:
 
 1. one program per (row, chunk of CHUNK tokens): the chunk's max, its sum of exp(x - max), and
    its top K2 entries (K2 = K rounded up to a power of two, at least 2): a threshold from the
-   maxima of 4 K2 groups leaves a few K2 candidates, and only those are sorted (FILTERED);
+   float maxima of 4 K2 groups leaves a few K2 candidates, and only those are sorted (FILTERED);
 2. one program per row: the logsumexp from the chunk partials, and the top K of the chunks'
    candidates.
 
@@ -30,22 +30,30 @@ INT32_MAX = 2**31 - 1
 # _chunk_kernel); False sorts whole chunks.
 FILTERED = True
 # benchmarks/topk_chunk_bench.py (H200, vocabulary 151,936, bf16): with the filter 8,192 is the
-# best chunk at k = 8 / 32 / 128 (35 / 43 / 87 us per 15 positions), against 4,096 without it
+# best chunk at k = 8 / 32 / 128 (35 / 43 / 87 us per 15 positions), against 4,096 without it.
+# The float, counted threshold took k = 32 / 128 to 29.8 / 69.2 us (run 11; 4,096 ties 8,192).
 CHUNK = 8192
 CHUNK_WARPS = 8
 MERGE_WARPS = 4   # top-K at k = 32: 42.7 us, against 44.2 at 2 warps and 49.2 at 1 (H200, run 8)
 
 
 def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.constexpr, K2: tl.constexpr,
-                  FILTER: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr, PDL: tl.constexpr):
+                  FILTER: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr, RANK: tl.constexpr,
+                  PDL: tl.constexpr):
     if PDL:   # triton_jit.PDL
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     row, c = tl.program_id(0), tl.program_id(1)
-    tok = c * CHUNK + tl.arange(0, CHUNK)
+    # The last chunk reads the CHUNK entries that end at V (start rounded up to 16 entries, to
+    # keep the load vectorized), so its filter sees real groups; it owns only those from
+    # c * CHUNK on, the others are the chunk before's.
+    start = tl.multiple_of(tl.minimum(c * CHUNK, tl.maximum((V - CHUNK + 15) // 16 * 16, 0)), 16)
+    tok = start + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + row.to(tl.int64) * V + tok, mask=tok < V, other=float("-inf")).to(tl.float32)
-    m = tl.max(x, axis=0)
-    s = tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - m)), axis=0)
+    own = (tok >= c * CHUNK) & (tok < V)
+    mine = tl.where(own, x, float("-inf"))
+    m = tl.max(mine, axis=0)
+    s = tl.sum(tl.where(mine == float("-inf"), 0.0, tl.exp(mine - m)), axis=0)
     out = row * NC + c
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, s)
@@ -53,14 +61,22 @@ def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.conste
     bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     key = (ordered.to(tl.int64) << 32) | (2147483647 - tok).to(tl.int64)
-    key = tl.where(tok < V, key, -(2**63))   # past the vocabulary: below every real key
+    key = tl.where(own, key, -(2**63))   # not this chunk's: below every real key
     if FILTER:
-        # The K2 largest group maxima are K2 distinct entries, so the chunk's top K2 are all at
-        # least the smallest of them: select among those (K2 to a few K2 on real logits)
-        # instead of sorting all CHUNK; a chunk with more than CAP of them (ties) sorts all.
-        # Group j holds entries j, j + GROUPS, ...: a last chunk's real prefix spans all groups.
-        gmax = tl.max(tl.reshape(key, [CHUNK // GROUPS, GROUPS]), 0)
-        cand = (key >= tl.min(tl.topk(gmax, K2), 0)) & (tok < V)
+        # The K2 largest group maxima are K2 distinct entries, so the top K2 of what the chunk
+        # reads all have a value at least the smallest of them: select its own entries among
+        # those (K2 to a few K2 on real logits) instead of sorting all CHUNK; a chunk with more
+        # than CAP of them (ties; fewer than K2 real groups when V < CHUNK) sorts all. An own
+        # entry below that value is beaten by K2 others that reach the merge: this chunk's own
+        # candidates, or ones of the chunk before, which keeps them or K2 better ones.
+        # Groups are runs of consecutive entries, compared as floats: they reduce in-thread.
+        gmax = tl.max(tl.reshape(x, [GROUPS, CHUNK // GROUPS]), 1)
+        if RANK:   # the K2-th largest maximum is the smallest with fewer than K2 larger: no sort
+            above = tl.sum((gmax[None, :] > gmax[:, None]).to(tl.int32), 1)
+            threshold = tl.min(tl.where(above < K2, gmax, float("inf")), 0)
+        else:
+            threshold = tl.min(tl.topk(gmax, K2), 0)
+        cand = (x >= threshold) & own
         if tl.sum(cand.to(tl.int32), 0) <= CAP:
             slot = tl.arange(0, CAP)
             buf = scr_ptr + out.to(tl.int64) * CAP
@@ -98,11 +114,13 @@ def _merge_kernel(key_ptr, m_ptr, s_ptr, lp_ptr, idx_ptr, NC, K, NC_PAD: tl.cons
     tl.store(idx_ptr + row * K + k, tok, mask=k < K)
 
 
-def filter_plan(k2: int, chunk: int) -> tuple[int, int]:
-    """(groups, cap) of the chunk filter. With 4 K2 groups, on Gaussian logits a 4,096 chunk has
-    on average 8 / 37 / 145 entries at or above the threshold for K2 = 8 / 32 / 128 (at most
-    10 / 43 / 158 over 200 chunks): CAP = 2 K2 (at least 64) holds them."""
-    return min(chunk, max(128, 4 * k2)), max(64, 2 * k2)
+def filter_plan(k2: int, chunk: int) -> tuple[int, int, bool]:
+    """(groups, cap, rank) of the chunk filter. With 4 K2 groups, on Gaussian logits a 4,096 chunk
+    has on average 8 / 37 / 145 entries at or above the threshold for K2 = 8 / 32 / 128 (at most
+    10 / 43 / 158 over 200 chunks): CAP = 2 K2 (at least 64) holds them. Up to 128 groups the
+    threshold is found by a [groups, groups] count (rank), beyond by a top-K2 of the maxima."""
+    groups = min(chunk, max(128, 4 * k2))
+    return groups, max(64, 2 * k2), groups <= 128
 
 
 def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
@@ -112,6 +130,8 @@ def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
     R, L, V = logits.shape
     if k > V or V >= INT32_MAX:
         raise ValueError(f"top-{k} of a vocabulary of {V}")
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk {chunk}: a power of two, at least 16")
     x = logits.contiguous()
     # K2 >= 2: Triton's top-k of one element reduces its hypercube to a scalar and fails to compile
     rows, k2 = R * L, max(2, next_pow2(k))
@@ -123,11 +143,11 @@ def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
     lp = torch.empty(R, L, k, dtype=torch.float32, device=dev)
     idx = torch.empty(R, L, k, dtype=torch.int64, device=dev)
     chunk_kernel, merge_kernel = jit_kernel(_chunk_kernel, interpret), jit_kernel(_merge_kernel, interpret)
-    groups, cap = filter_plan(k2, chunk)
+    groups, cap, rank = filter_plan(k2, chunk)
     pdl = pdl_args(x, interpret)
     scratch = torch.empty(rows * nc * cap if FILTERED else 1, dtype=torch.int64, device=dev)
     chunk_kernel[(rows, nc)](x, keys, m, s, scratch, V, nc, CHUNK=chunk, K2=k2, FILTER=FILTERED,
-                             GROUPS=groups, CAP=cap, **pdl, num_warps=warps)
+                             GROUPS=groups, CAP=cap, RANK=rank, **pdl, num_warps=warps)
     merge_kernel[(rows,)](keys, m, s, lp, idx, nc, k, NC_PAD=next_pow2(nc), K2=k2, **pdl,
                           num_warps=MERGE_WARPS)
     return lp, idx

@@ -31,9 +31,9 @@ tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
 ENABLED = os.environ.get("DRAFTTREE_GEMV", "1") == "1"
 # Each step loads the next step's weight tile before summing its own, the first one before the
-# wait of programmatic dependent launch (`triton_jit.PDL`; no kernel writes weights). Off by
-# default until timed at its own block shapes: in run 10, at the blocks below and with PDL, a
-# Qwen3-8B decode step took 5.39 ms (5.59 without PDL) against 4.53 with neither.
+# wait of programmatic dependent launch (`triton_jit.PDL`; no kernel writes weights). Off: at its
+# own sweep's blocks and with PDL a Qwen3-8B decode step took 4.67 ms against 4.61 with neither
+# (H200, run 11).
 PREFETCH = os.environ.get("DRAFTTREE_GEMV_PREFETCH", "0") == "1"
 # Per kernel, (least weight elements, (weight rows per program, input columns per step, warps)),
 # largest class first: a weight takes the first class it reaches. The fastest of

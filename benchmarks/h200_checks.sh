@@ -10,18 +10,14 @@
 #   decode  : the one-token fused projections (on by default; DRAFTTREE_GEMV=0 turns them off):
 #             test_gemv_kernel.py, benchmarks/gemv_bench.py (block sweep), and the decode step of
 #             $SHAPE (default qwen3-8b) with them off and on at the sweep's fastest blocks (per
-#             matrix). DRAFTTREE_PDL=1 / DRAFTTREE_GEMV_PREFETCH=1 in the environment reach all of it.
+#             matrix).
 #   pair    : needs the default model's GGUF assembled at $GGUF and .whl/. The real pair at batch
 #             1 (prefill graphed by default), at batch 16 with speculation off from 16 rows
 #             (--budget-schedule 16:0), and at batches 4 and 8 (the default budget 32).
-#   pdl     : programmatic dependent launch (DRAFTTREE_PDL=1; triton_jit.PDL) and the projections'
-#             weight prefetch (DRAFTTREE_GEMV_PREFETCH=1): the graph tests with PDL on, then the
-#             Qwen3-8B decode step with neither, PDL, and both, each at its own block sweep's best;
-#             the DDTree round with both, and the tree build with PDL off and on.
 #   profile : cuBLAS projections at 1-64 rows (benchmarks/verify_gemm_bench.py; again with no
 #             cuBLAS workspace, which split-K reduces need), then kernel
 #             profiles of the Qwen3-8B decode step and DDTree round (benchmarks/profile_decode.py).
-# Usage: OUT=dir bash benchmarks/h200_checks.sh tests|tree|fp32|decode|pdl|profile|pair
+# Usage: OUT=dir bash benchmarks/h200_checks.sh tests|tree|fp32|decode|profile|pair
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=/tmp/drafttree-cache
@@ -82,27 +78,6 @@ from drafttree.bench.phases import main; sys.exit(main())" --random-weights smol
       timeout 200 python3 benchmarks/profile_decode.py qwen3-8b $spec > "$OUT/profile_$spec.txt" 2>&1
       head -1 "$OUT/profile_$spec.txt"; grep -A30 -- "-----" "$OUT/profile_$spec.txt" | cut -c1-100,180-240 | head -32
     done ;;
-  pdl)   # programmatic dependent launch: graphs vs eager with it on, then the Qwen3-8B decode step
-         # with neither / PDL / PDL + the projections' weight prefetch, each at its own sweep's blocks
-    if [ "${PDL_TESTS:-1}" = 1 ]; then   # PDL_TESTS=0 leaves them to a call of their own
-      DRAFTTREE_PDL=1 timeout 200 python3 -m pytest tests/test_cuda_graphs.py tests/test_attn_kernel.py -q \
-        -p no:cacheprovider > "$OUT/test_pdl.log" 2>&1
-      tail -n 2 "$OUT/test_pdl.log"; grep -h "^FAILED" "$OUT/test_pdl.log"
-    fi
-    for v in 00 10 11; do
-      export DRAFTTREE_PDL=${v:0:1} DRAFTTREE_GEMV_PREFETCH=${v:1:1}
-      timeout 100 python3 benchmarks/gemv_bench.py --block-n 4,8,16 --block-k 512,1024 --warps 4,8 \
-        --out "$OUT/gemv_best_$v.json" > "$OUT/gemv_bench_$v.txt" 2>&1
-      phases_at_best "$OUT/gemv_best_$v.json" --random-weights qwen3-8b --spec none --tree-budgets "" \
-        --out "$OUT/decode_$v.json" > "$OUT/decode_$v.txt" 2>&1
-      echo "pdl/prefetch $v: $(grep -h "one layer" "$OUT/gemv_bench_$v.txt")"; grep -h '"decode"' "$OUT/decode_$v.txt"
-    done
-    phases_at_best "$OUT/gemv_best_11.json" --random-weights qwen3-8b --spec ddtree --budget 32 --block-size 16 \
-      --tree-budgets 32 --out "$OUT/ddtree_11.json" > "$OUT/ddtree_11.txt" 2>&1; tail -n 12 "$OUT/ddtree_11.txt"
-    for p in 0 1; do   # the tree build's three launches (top-K chunk, merge, tree)
-      DRAFTTREE_PDL=$p timeout 60 python3 benchmarks/tree_build_bench.py --budgets 32 > "$OUT/tree_build_pdl$p.txt" 2>&1
-    done
-    grep -h "whole build" "$OUT"/tree_build_pdl*.txt ;;
   pair)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     [ -f "$GGUF" ] || { echo "no $GGUF"; exit 1; }

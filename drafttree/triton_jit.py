@@ -13,12 +13,6 @@ from typing import Any
 
 import torch
 
-# Programmatic dependent launch (Hopper and newer; DRAFTTREE_PDL=1, off by default): the
-# projection, rope/KV-write, attention, top-K and tree kernels start while the kernel before them
-# still runs, wait (griddepcontrol.wait) before they touch memory any kernel writes, and let the
-# next kernel start at once. Timed alone (H200, run 11) it made the graphed decode step slower:
-# 4.80 against 4.61 ms, 4.67 with the projections' weight prefetch.
-PDL = os.environ.get("DRAFTTREE_PDL", "0") == "1"
 _KERNELS: dict[tuple[Callable[..., Any], bool, tuple[str, ...]], Callable[..., Any]] = {}
 _TRITON_OK: bool | None = None
 
@@ -54,13 +48,6 @@ def kernels_run_on(device: torch.device | str) -> bool:
 @functools.lru_cache(maxsize=None)
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
-
-
-def pdl_args(t: torch.Tensor, interpret: bool) -> dict[str, bool]:
-    """A launch's `PDL` constant for a kernel over t (interpreted or not, as `jit_kernel` was
-    asked), and `launch_pdl` where PDL is on: CUDA, Hopper or newer."""
-    on = PDL and t.is_cuda and not interpret and _capability(t.device.index) >= (9, 0)
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 def dots_run_on(device: torch.device | str) -> bool:

@@ -181,17 +181,3 @@ def test_jit_kernel_refuses_an_unknown_argument_name():
     from drafttree.triton_jit import jit_kernel
     with pytest.raises(ValueError, match="no argument"):
         jit_kernel(attn_kernel._merge_kernel, True, ("NOT_AN_ARG",))
-
-
-def test_pdl_only_on_hopper_and_when_asked(monkeypatch):
-    """Programmatic dependent launch: never without DRAFTTREE_PDL, never on CPU or interpreted."""
-    from drafttree import triton_jit
-    monkeypatch.setattr(triton_jit, "PDL", False)
-    assert triton_jit.pdl_args(torch.zeros(1, device=DEVICE), False) == {"PDL": False}
-    monkeypatch.setattr(triton_jit, "PDL", True)
-    assert triton_jit.pdl_args(torch.zeros(1), False) == {"PDL": False}
-    if torch.cuda.is_available():
-        t = torch.zeros(1, device="cuda")
-        hopper = torch.cuda.get_device_capability() >= (9, 0)
-        assert triton_jit.pdl_args(t, False) == ({"PDL": True, "launch_pdl": True} if hopper else {"PDL": False})
-        assert triton_jit.pdl_args(t, True) == {"PDL": False}

@@ -12,11 +12,9 @@ from tests.test_spec_lossless import zoo  # noqa: F401  (fixture)
 from tests.test_tree_kernel import DEVICE, interpreted_on_cpu
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["loads-in-step", "prefetch"])
-def _kernel_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test with the weight tiles loaded in their own step and one step ahead."""
+@pytest.fixture(autouse=True)
+def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
     interpreted_on_cpu(monkeypatch)
-    monkeypatch.setattr(gemv_kernel, "PREFETCH", request.param)
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

@@ -15,10 +15,8 @@ def _version(dist: str) -> str | None:
 
 
 def environment() -> dict:
-    from drafttree import triton_jit
     from drafttree.models import attn_kernel, gemv_kernel
     return {"torch": torch.__version__, "triton": _version("triton"), "drafttree": _version("drafttree"),
             "cuda": torch.version.cuda,
-            "kernels": {"attention": attn_kernel.ENABLED, "one_token_projections": gemv_kernel.ENABLED,
-                        "pdl": triton_jit.PDL, "projection_prefetch": gemv_kernel.PREFETCH},
+            "kernels": {"attention": attn_kernel.ENABLED, "one_token_projections": gemv_kernel.ENABLED},
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DRAFTTREE_")}}

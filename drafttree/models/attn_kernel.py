@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from drafttree.triton_jit import dots_run_on, interpreting, jit_kernel, next_pow2, pdl_args
+from drafttree.triton_jit import dots_run_on, interpreting, jit_kernel, next_pow2
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -42,10 +42,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G
                   sqb, sqw, sqh, skr, skh, skl, svr, svh, svl, smb, smw, scale,
                   SPLIT_BLOCKS: tl.constexpr,
                   HKV: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  PREC: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # triton_jit.PDL
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                  PREC: tl.constexpr, DIRECT: tl.constexpr):
     pid, sp = tl.program_id(0), tl.program_id(1)
     bh, mb = pid // NMB, pid % NMB
     b, h = bh // HKV, bh % HKV
@@ -90,10 +87,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G
 
 
 def _merge_kernel(acc_ptr, ml_ptr, o_ptr, M, W, G, HKV, NS, NS_PAD: tl.constexpr,
-                  HD: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # triton_jit.PDL
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                  HD: tl.constexpr):
     row = tl.program_id(0)          # (b * Hkv + h) * M + m
     bh, m = row // M, row % M
     b, h = bh // HKV, bh % HKV
@@ -186,10 +180,10 @@ def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), mask.stride(2), scale, SPLIT_BLOCKS=split_blocks, HKV=Hkv, HD=hd, BM=bm, BN=BLOCK_N,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct,
-        **pdl_args(q, interpret), num_warps=4)  # fp32 stays fp32
+        num_warps=4)  # fp32 stays fp32
     if direct:
         return out
     jit_kernel(_merge_kernel, interpret, ("M", "W", "G", "HKV", "NS"))[(B * Hkv * M,)](acc, ml, out, M, W, G, Hkv, ns,
                                                          NS_PAD=max(2, next_pow2(ns)),
-                                                         HD=hd, **pdl_args(q, interpret), num_warps=2)
+                                                         HD=hd, num_warps=2)
     return out

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from drafttree.triton_jit import interpreting, jit_kernel, next_pow2, pdl_args
+from drafttree.triton_jit import interpreting, jit_kernel, next_pow2
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -21,10 +21,7 @@ tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 def _qk_rope_kv_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, row_ptr,
                        slot_ptr, W, eps, kcr, kch, kcl, vcr, vch, vcl,
                        H: tl.constexpr, HKV: tl.constexpr, QK_PAD: tl.constexpr,
-                       HKV_PAD: tl.constexpr, HD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # triton_jit.PDL
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                       HKV_PAD: tl.constexpr, HD: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0)   # token (b, i), t = b * W + i
     b = t // W
     src = qkv_ptr + t.to(tl.int64) * (H + 2 * HKV) * HD
@@ -76,5 +73,5 @@ def qk_rope_write_kv(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=heads, HKV=kv_heads, QK_PAD=next_pow2(heads + kv_heads), HKV_PAD=next_pow2(kv_heads), HD=hd,
-        NORM=norm, **pdl_args(qkv, interpret), num_warps=4)
+        NORM=norm, num_warps=4)
     return q

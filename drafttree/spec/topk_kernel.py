@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from drafttree.triton_jit import jit_kernel, next_pow2, pdl_args
+from drafttree.triton_jit import jit_kernel, next_pow2
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 INT32_MAX = 2**31 - 1
@@ -38,11 +38,7 @@ MERGE_WARPS = 4   # top-K at k = 32: 42.7 us, against 44.2 at 2 warps and 49.2 a
 
 
 def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.constexpr, K2: tl.constexpr,
-                  FILTER: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr, RANK: tl.constexpr,
-                  PDL: tl.constexpr):
-    if PDL:   # triton_jit.PDL
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                  FILTER: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr, RANK: tl.constexpr):
     row, c = tl.program_id(0), tl.program_id(1)
     # The last chunk reads the CHUNK entries that end at V (start rounded up to 16 entries, to
     # keep the load vectorized), so its filter sees real groups; it owns only those from
@@ -93,10 +89,7 @@ def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.conste
 
 
 def _merge_kernel(key_ptr, m_ptr, s_ptr, lp_ptr, idx_ptr, NC, K, NC_PAD: tl.constexpr,
-                  K2: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # triton_jit.PDL
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                  K2: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, NC_PAD)
     m = tl.load(m_ptr + row * NC + c, mask=c < NC, other=float("-inf"))
@@ -144,10 +137,9 @@ def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
     idx = torch.empty(R, L, k, dtype=torch.int64, device=dev)
     chunk_kernel, merge_kernel = jit_kernel(_chunk_kernel, interpret), jit_kernel(_merge_kernel, interpret)
     groups, cap, rank = filter_plan(k2, chunk)
-    pdl = pdl_args(x, interpret)
     scratch = torch.empty(rows * nc * cap if FILTERED else 1, dtype=torch.int64, device=dev)
     chunk_kernel[(rows, nc)](x, keys, m, s, scratch, V, nc, CHUNK=chunk, K2=k2, FILTER=FILTERED,
-                             GROUPS=groups, CAP=cap, RANK=rank, **pdl, num_warps=warps)
-    merge_kernel[(rows,)](keys, m, s, lp, idx, nc, k, NC_PAD=next_pow2(nc), K2=k2, **pdl,
+                             GROUPS=groups, CAP=cap, RANK=rank, num_warps=warps)
+    merge_kernel[(rows,)](keys, m, s, lp, idx, nc, k, NC_PAD=next_pow2(nc), K2=k2,
                           num_warps=MERGE_WARPS)
     return lp, idx

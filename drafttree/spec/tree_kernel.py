@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from drafttree.triton_jit import interpreting, jit_kernel, kernels_run_on, next_pow2, pdl_args
+from drafttree.triton_jit import interpreting, jit_kernel, kernels_run_on, next_pow2
 from drafttree.spec.tree import DraftTree, _pair_index, build_tree, check_tree_args, top_log_probs
 
 tl: Any = None  # triton.language, bound by jit_kernel()
@@ -52,10 +52,7 @@ def _tree_kernel(lp_ptr, idx_ptr, pair_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr,
                  vis_ptr, scratch_ptr, R, L: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
                  N: tl.constexpr, B: tl.constexpr, B_PAD: tl.constexpr, LOG_B: tl.constexpr,
                  M_PAD: tl.constexpr, LOG_M: tl.constexpr, N_PAD: tl.constexpr,
-                 BI: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # triton_jit.PDL
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                 BI: tl.constexpr, BJ: tl.constexpr):
     pid = tl.program_id(0)
     neg_inf = float("-inf")
     low_top = 1 << 30  # low half of a tree key: low_top - (depth - 1) * B - slot
@@ -239,6 +236,6 @@ def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budg
         LOG_B=b_pad.bit_length() - 1, M_PAD=m_pad, LOG_M=m_pad.bit_length() - 1,
         N_PAD=next_pow2(N), BI=bi, BJ=bj,
         # budget 32 on an H200: 63 us for the whole build at 4 warps, 74 at 2, 109 at 1 (run 8)
-        **pdl_args(top_lp, interpret), num_warps=4 if m_pad <= 256 else 8,
+        num_warps=4 if m_pad <= 256 else 8,
     )
     return DraftTree(tokens, parents, depth, valid.view(torch.bool), visible.view(torch.bool))

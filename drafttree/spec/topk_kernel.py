@@ -5,7 +5,8 @@ exp-sum pass over [R, L, V]. Here the logits are read once:
 
 1. one program per (row, chunk of CHUNK tokens): the chunk's max, its sum of exp(x - max), and
    its top K2 entries (K2 = K rounded up to a power of two, at least 2): a threshold from the
-   float maxima of 4 K2 groups leaves a few K2 candidates, and only those are sorted (FILTERED);
+   float maxima of 4 K2 strided groups leaves a few K2 candidates, and only those are sorted
+   (FILTERED);
 2. one program per row: the logsumexp from the chunk partials, and the top K of the chunks'
    candidates.
 
@@ -31,7 +32,8 @@ INT32_MAX = 2**31 - 1
 FILTERED = True
 # benchmarks/topk_chunk_bench.py (H200, vocabulary 151,936, bf16): with the filter 8,192 is the
 # best chunk at k = 8 / 32 / 128 (35 / 43 / 87 us per 15 positions), against 4,096 without it.
-# The float, counted threshold took k = 32 / 128 to 29.8 / 69.2 us (run 11; 4,096 ties 8,192).
+# A float threshold found by counting, with groups of consecutive entries, took k = 32 / 128 to
+# 29.8 / 69.2 us (run 11); with the strided groups (which real logits need) not yet timed.
 CHUNK = 8192
 CHUNK_WARPS = 8
 MERGE_WARPS = 4   # top-K at k = 32: 42.7 us, against 44.2 at 2 warps and 49.2 at 1 (H200, run 8)
@@ -65,8 +67,9 @@ def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.conste
         # than CAP of them (ties; fewer than K2 real groups when V < CHUNK) sorts all. An own
         # entry below that value is beaten by K2 others that reach the merge: this chunk's own
         # candidates, or ones of the chunk before, which keeps them or K2 better ones.
-        # Groups are runs of consecutive entries, compared as floats: they reduce in-thread.
-        gmax = tl.max(tl.reshape(x, [GROUPS, CHUNK // GROUPS]), 1)
+        # Group j holds entries j, j + GROUPS, ...: real logits cluster by token id, and runs of
+        # consecutive entries as groups overflowed CAP (see filter_plan).
+        gmax = tl.max(tl.reshape(x, [CHUNK // GROUPS, GROUPS]), 0)
         if RANK:   # the K2-th largest maximum is the smallest with fewer than K2 larger: no sort
             above = tl.sum((gmax[None, :] > gmax[:, None]).to(tl.int32), 1)
             threshold = tl.min(tl.where(above < K2, gmax, float("inf")), 0)
@@ -110,10 +113,30 @@ def _merge_kernel(key_ptr, m_ptr, s_ptr, lp_ptr, idx_ptr, NC, K, NC_PAD: tl.cons
 def filter_plan(k2: int, chunk: int) -> tuple[int, int, bool]:
     """(groups, cap, rank) of the chunk filter. With 4 K2 groups, on Gaussian logits a 4,096 chunk
     has on average 8 / 37 / 145 entries at or above the threshold for K2 = 8 / 32 / 128 (at most
-    10 / 43 / 158 over 200 chunks): CAP = 2 K2 (at least 64) holds them. Up to 128 groups the
-    threshold is found by a [groups, groups] count (rank), beyond by a top-K2 of the maxima."""
+    10 / 43 / 158 over 200 chunks): CAP = 2 K2 (at least 64) holds them. On the default model's
+    logits (2,197 positions, `filter_counts`) strided groups kept at most 15 / 55 at K2 = 8 / 32;
+    groups of consecutive entries kept up to 71 / 123 (3.1% of chunks over CAP at K2 = 32). Up
+    to 128 groups the threshold is found by a [groups, groups] count (rank), beyond by a top-K2
+    of the maxima."""
     groups = min(chunk, max(128, 4 * k2))
     return groups, max(64, 2 * k2), groups <= 128
+
+
+def filter_counts(x: torch.Tensor, k2: int, chunk: int = CHUNK) -> torch.Tensor:
+    """How many entries of each chunk of logits x [..., V] the filter of `_chunk_kernel` keeps as
+    candidates, [..., chunks] (over CAP, that chunk sorts all): its windows and groups in torch."""
+    V = x.shape[-1]
+    groups = filter_plan(k2, chunk)[0]
+    xp = torch.cat([x.float(), x.new_full((*x.shape[:-1], chunk + 16), float("-inf"), dtype=torch.float32)], -1)
+    counts = []
+    for c in range(-(-V // chunk)):
+        start = min(c * chunk, max(-(-(V - chunk) // 16) * 16, 0))
+        window = xp[..., start:start + chunk]
+        gmax = window.unflatten(-1, (chunk // groups, groups)).amax(-2)   # group j: j, j + groups, ...
+        threshold = gmax.topk(min(k2, groups), dim=-1).values[..., -1:]
+        tok = torch.arange(start, start + chunk, device=x.device)
+        counts.append(((window >= threshold) & (tok >= c * chunk) & (tok < V)).sum(-1))
+    return torch.stack(counts, -1)
 
 
 def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,

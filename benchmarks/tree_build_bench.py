@@ -3,7 +3,12 @@
 (`build_tree`), on draft logits [1, 15, 151,936] bf16 (Qwen3-8B's vocabulary, block 16); each
 timed as a CUDA graph of 50 calls. The top-K merge's num_warps can be swept.
 
-    python benchmarks/tree_build_bench.py [--budgets 32,128,512] [--merge-warps 4]   (CUDA)
+Two kinds of logits: Gaussian, and "clustered" (six runs of 192 consecutive ids per position
+lifted by 6), because real logits cluster by token id and a top-K filter tuned on Gaussian
+logits alone can fall back to whole-chunk sorts on them (run 11).
+
+    python benchmarks/tree_build_bench.py [--budgets 32,128,512] [--logits gaussian,clustered]
+                                          [--merge-warps 4]   (CUDA)
 
 Run 8 (benchmarks/results/2026-11-30_h200_run8.md) also swept the tree kernel's num_warps and a
 rank-by-count level selection; both lost to the 4-warp bitonic network and were removed.
@@ -19,14 +24,26 @@ from drafttree.spec.tree_kernel import build_tree_fused
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--budgets", default="32,128,512")
+ap.add_argument("--logits", default="gaussian,clustered")
 ap.add_argument("--merge-warps", default=str(topk_kernel.MERGE_WARPS))
 args = ap.parse_args()
 
-x = torch.randn(1, 15, 151936, device="cuda").mul_(4).to(torch.bfloat16)
+
+def draft_logits(kind: str, V: int = 151936) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 15, V, generator=g) * 4
+    if kind == "clustered":
+        for p in range(15):
+            for s in torch.randint(0, V - 192, (6,), generator=g).tolist():
+                x[0, p, s:s + 192] += 6
+    return x.to(torch.bfloat16).cuda()
+
+
 root = torch.zeros(1, dtype=torch.long, device="cuda")
 default_warps = topk_kernel.MERGE_WARPS
-for B in (int(b) for b in args.budgets.split(",")):
-    print(f"budget {B} (us per call)")
+for kind, B in ((k, int(b)) for k in args.logits.split(",") for b in args.budgets.split(",")):
+    x = draft_logits(kind)
+    print(f"{kind} logits, budget {B} (us per call)")
     for w in (int(v) for v in args.merge_warps.split(",")):
         topk_kernel.MERGE_WARPS = w
         print(f"  top-K (chunk kernel + merge), merge at {w} warps: {graphed_us(lambda: top_log_probs(x, B)):7.1f}")

@@ -287,5 +287,5 @@ def test_topk_filter_keeps_real_logits_on_its_fast_path(converted_dir: Path) -> 
         seqs = [model.generate(tok(t, return_tensors="pt").input_ids, max_new_tokens=40, do_sample=False)
                 for t in texts]
         logits = torch.cat([model(s).logits[0] for s in seqs]).to(torch.bfloat16)
-    for k2 in (8, 32):
+    for k2 in (8, 32, 128):
         assert filter_counts(logits, k2).max() <= filter_plan(k2, 8192)[1], k2

@@ -1,8 +1,9 @@
 """The one-token fused projections (`models/gemv_kernel.py`) against the torch ops they replace,
-on one model's layer shapes (`drafttree.bench.shapes`), bf16, batch 1; each timed as a CUDA graph of 48 calls cycling over 8
-weight copies (so the weights come from HBM, not L2). Sweeps each kernel's block shape (rows per
-program, columns per step, warps) per matrix and writes the fastest per matrix,
-as [kernel, weight elements, blocks] rows for `gemv_kernel.set_blocks(..., split=True)`.
+on one model's layer shapes (`drafttree.bench.shapes`), bf16, batch 1; each timed as a CUDA
+graph of 48 calls cycling over 8 weight copies (so the weights come from HBM, not L2). Sweeps each
+kernel's block shape (rows per program, columns per step, warps) per matrix and writes the
+fastest per matrix, as [kernel, weight elements, blocks] rows for
+`gemv_kernel.set_blocks(..., split=True)`.
 
     python benchmarks/gemv_bench.py [--shape qwen3-8b] [--block-n 4,8,16] [--block-k 256,512,1024]
                                     [--warps 4,8] [--out best.json]                        (CUDA)

@@ -33,7 +33,7 @@ case "${1:?stage}" in
   tests)
     timeout 200 python3 -m pytest tests/test_cuda_graphs.py tests/test_attn_kernel.py -q -p no:cacheprovider \
       > "$OUT/test_cuda_graphs.log" 2>&1
-    timeout 200 python3 benchmarks/tree_build_bench.py > "$OUT/tree_build_bench.txt" 2>    timeout 120 python3 benchmarks/tree_build_bench.py > "$OUT/tree_build_bench.txt" 2>&11
+    timeout 200 python3 benchmarks/tree_build_bench.py > "$OUT/tree_build_bench.txt" 2>&1
     for g in 1 0; do
       PREFILL_GRAPHS=$g timeout 120 python3 benchmarks/profile_prefill.py smollm2-135m ddtree 64 200 500 \
         > "$OUT/prefill_graphs$g.txt" 2>&1

@@ -39,10 +39,10 @@ def draft_logits(kind: str, V: int = 151936) -> torch.Tensor:
     return x.to(torch.bfloat16).cuda()
 
 
+logits = {kind: draft_logits(kind) for kind in args.logits.split(",")}
 root = torch.zeros(1, dtype=torch.long, device="cuda")
 default_warps = topk_kernel.MERGE_WARPS
-for kind, B in ((k, int(b)) for k in args.logits.split(",") for b in args.budgets.split(",")):
-    x = draft_logits(kind)
+for (kind, x), B in ((kx, int(b)) for kx in logits.items() for b in args.budgets.split(",")):
     print(f"{kind} logits, budget {B} (us per call)")
     for w in (int(v) for v in args.merge_warps.split(",")):
         topk_kernel.MERGE_WARPS = w

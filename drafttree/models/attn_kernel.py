@@ -179,8 +179,7 @@ def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         q, k, v, mask, acc, ml, out, M, W, G, L, ns, nmb, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), mask.stride(2), scale, SPLIT_BLOCKS=split_blocks, HKV=Hkv, HD=hd, BM=bm, BN=BLOCK_N,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct,
-        num_warps=4)  # fp32 stays fp32
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, num_warps=4)  # fp32 stays fp32
     if direct:
         return out
     jit_kernel(_merge_kernel, interpret, ("M", "W", "G", "HKV", "NS"))[(B * Hkv * M,)](acc, ml, out, M, W, G, Hkv, ns,

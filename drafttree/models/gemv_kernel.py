@@ -120,8 +120,7 @@ def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Ten
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     d = delta.contiguous() if delta is not None else x
     bn, bk, warps = blocks_for(kind, w.numel())
-    interpret = interpreting()
-    jit_kernel(_gemv_kernel, interpret, ("N",))[(-(-N // bn),)](
+    jit_kernel(_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
         x, d, g.contiguous() if g is not None else x, w, b if b is not None else w, xo, y, N, eps, K=K,
         HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, SILU=kind == "silu", BN=bn,
         BK=bk, num_warps=warps)

@@ -66,8 +66,7 @@ def qk_rope_write_kv(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: tor
     hd = C // (heads + 2 * kv_heads)
     q = torch.empty(B, W, heads, hd, dtype=qkv.dtype, device=qkv.device)
     norm = q_weight is not None
-    interpret = interpreting()
-    jit_kernel(_qk_rope_kv_kernel, interpret, ("W",))[(B * W,)](
+    jit_kernel(_qk_rope_kv_kernel, interpreting(), ("W",))[(B * W,)](
         qkv.contiguous(), q_weight if norm else qkv, k_weight if norm else qkv, cos.contiguous(),
         sin.contiguous(), q, k_cache, v_cache, rows.reshape(B).contiguous(), slots.contiguous(), W, eps,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -163,6 +163,5 @@ def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
     scratch = torch.empty(rows * nc * cap if FILTERED else 1, dtype=torch.int64, device=dev)
     chunk_kernel[(rows, nc)](x, keys, m, s, scratch, V, nc, CHUNK=chunk, K2=k2, FILTER=FILTERED,
                              GROUPS=groups, CAP=cap, RANK=rank, num_warps=warps)
-    merge_kernel[(rows,)](keys, m, s, lp, idx, nc, k, NC_PAD=next_pow2(nc), K2=k2,
-                          num_warps=MERGE_WARPS)
+    merge_kernel[(rows,)](keys, m, s, lp, idx, nc, k, NC_PAD=next_pow2(nc), K2=k2, num_warps=MERGE_WARPS)
     return lp, idx

@@ -229,8 +229,7 @@ def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budg
     scratch = torch.empty(3, R, L * B, dtype=torch.int32, device=device)
     bi = min(64, next_pow2(N))
     bj = min(256, next_pow2(N))
-    interpret = interpreting()
-    jit_kernel(_tree_kernel, interpret)[(R,)](
+    jit_kernel(_tree_kernel, interpreting())[(R,)](
         top_lp, top_idx.contiguous(), pairs, root_tokens.contiguous(), tokens, parents, depth,
         valid, visible, scratch, R, L=L, K=K, M=M, N=N, B=B, B_PAD=b_pad,
         LOG_B=b_pad.bit_length() - 1, M_PAD=m_pad, LOG_M=m_pad.bit_length() - 1,

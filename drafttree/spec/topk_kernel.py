@@ -42,16 +42,10 @@ MERGE_WARPS = 4   # top-K at k = 32: 42.7 us, against 44.2 at 2 warps and 49.2 a
 def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.constexpr, K2: tl.constexpr,
                   FILTER: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr, RANK: tl.constexpr):
     row, c = tl.program_id(0), tl.program_id(1)
-    # The last chunk reads the CHUNK entries that end at V (start rounded up to 16 entries, to
-    # keep the load vectorized), so its filter sees real groups; it owns only those from
-    # c * CHUNK on, the others are the chunk before's.
-    start = tl.multiple_of(tl.minimum(c * CHUNK, tl.maximum((V - CHUNK + 15) // 16 * 16, 0)), 16)
-    tok = start + tl.arange(0, CHUNK)
+    tok = c * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + row.to(tl.int64) * V + tok, mask=tok < V, other=float("-inf")).to(tl.float32)
-    own = (tok >= c * CHUNK) & (tok < V)
-    mine = tl.where(own, x, float("-inf"))
-    m = tl.max(mine, axis=0)
-    s = tl.sum(tl.where(mine == float("-inf"), 0.0, tl.exp(mine - m)), axis=0)
+    m = tl.max(x, axis=0)
+    s = tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - m)), axis=0)
     out = row * NC + c
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, s)
@@ -59,23 +53,21 @@ def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.conste
     bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     key = (ordered.to(tl.int64) << 32) | (2147483647 - tok).to(tl.int64)
-    key = tl.where(own, key, -(2**63))   # not this chunk's: below every real key
+    key = tl.where(tok < V, key, -(2**63))   # past the vocabulary: below every real key
     if FILTER:
-        # The K2 largest group maxima are K2 distinct entries, so the top K2 of what the chunk
-        # reads all have a value at least the smallest of them: select its own entries among
-        # those (K2 to a few K2 on real logits) instead of sorting all CHUNK; a chunk with more
-        # than CAP of them (ties; fewer than K2 real groups when V < CHUNK) sorts all. An own
-        # entry below that value is beaten by K2 others that reach the merge: this chunk's own
-        # candidates, or ones of the chunk before, which keeps them or K2 better ones.
-        # Group j holds entries j, j + GROUPS, ...: real logits cluster by token id, and runs of
-        # consecutive entries as groups overflowed CAP (see filter_plan).
+        # The K2 largest group maxima are K2 distinct entries, so the chunk's top K2 all have a
+        # value at least the smallest of them: select among those (K2 to a few K2 on real
+        # logits) instead of sorting all CHUNK; a chunk with more than CAP of them (ties) sorts
+        # all. Group j holds entries j, j + GROUPS, ...: a last chunk's real prefix spans all
+        # groups (or each real entry is a group of its own), and real logits cluster by token
+        # id, where runs of consecutive entries as groups overflowed CAP (see filter_plan).
         gmax = tl.max(tl.reshape(x, [CHUNK // GROUPS, GROUPS]), 0)
         if RANK:   # the K2-th largest maximum is the smallest with fewer than K2 larger: no sort
             above = tl.sum((gmax[None, :] > gmax[:, None]).to(tl.int32), 1)
             threshold = tl.min(tl.where(above < K2, gmax, float("inf")), 0)
         else:
             threshold = tl.min(tl.topk(gmax, K2), 0)
-        cand = (x >= threshold) & own
+        cand = (x >= threshold) & (tok < V)
         if tl.sum(cand.to(tl.int32), 0) <= CAP:
             slot = tl.arange(0, CAP)
             buf = scr_ptr + out.to(tl.int64) * CAP
@@ -124,19 +116,16 @@ def filter_plan(k2: int, chunk: int) -> tuple[int, int, bool]:
 
 def filter_counts(x: torch.Tensor, k2: int, chunk: int = CHUNK) -> torch.Tensor:
     """How many entries of each chunk of logits x [..., V] the filter of `_chunk_kernel` keeps as
-    candidates, [..., chunks] (over CAP, that chunk sorts all): its windows and groups in torch."""
+    candidates, [..., chunks] (over CAP, that chunk sorts all): its groups in torch."""
     V = x.shape[-1]
     groups = filter_plan(k2, chunk)[0]
-    xp = torch.cat([x.float(), x.new_full((*x.shape[:-1], chunk + 16), float("-inf"), dtype=torch.float32)], -1)
-    counts = []
-    for c in range(-(-V // chunk)):
-        start = min(c * chunk, max(-(-(V - chunk) // 16) * 16, 0))
-        window = xp[..., start:start + chunk]
-        gmax = window.unflatten(-1, (chunk // groups, groups)).amax(-2)   # group j: j, j + groups, ...
-        threshold = gmax.topk(min(k2, groups), dim=-1).values[..., -1:]
-        tok = torch.arange(start, start + chunk, device=x.device)
-        counts.append(((window >= threshold) & (tok >= c * chunk) & (tok < V)).sum(-1))
-    return torch.stack(counts, -1)
+    nc = -(-V // chunk)
+    pad = x.new_full((*x.shape[:-1], nc * chunk - V), float("-inf"), dtype=torch.float32)
+    chunks = torch.cat([x.float(), pad], -1).unflatten(-1, (nc, chunk))
+    gmax = chunks.unflatten(-1, (chunk // groups, groups)).amax(-2)   # group j: j, j + groups, ...
+    threshold = gmax.topk(min(k2, groups), dim=-1).values[..., -1:]
+    real = (torch.arange(nc * chunk, device=x.device) < V).view(nc, chunk)
+    return ((chunks >= threshold) & real).sum(-1)
 
 
 def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
@@ -146,8 +135,6 @@ def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
     R, L, V = logits.shape
     if k > V or V >= INT32_MAX:
         raise ValueError(f"top-{k} of a vocabulary of {V}")
-    if chunk < 16 or chunk & (chunk - 1):
-        raise ValueError(f"chunk {chunk}: a power of two, at least 16")
     x = logits.contiguous()
     # K2 >= 2: Triton's top-k of one element reduces its hypercube to a scalar and fails to compile
     rows, k2 = R * L, max(2, next_pow2(k))

@@ -129,7 +129,7 @@ def filter_counts(x: torch.Tensor, k2: int, chunk: int = CHUNK) -> torch.Tensor:
 
 
 def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
-                        chunk: int = CHUNK, warps: int = CHUNK_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+                        chunk: int = CHUNK, warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`tree.top_log_probs` in two launches: [R, L, k] log-probs (float32, descending) and token
     ids (int64) of the k best tokens of each position of logits [R, L, V] (any float dtype)."""
     R, L, V = logits.shape
@@ -149,6 +149,6 @@ def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
     groups, cap, rank = filter_plan(k2, chunk)
     scratch = torch.empty(rows * nc * cap if FILTERED else 1, dtype=torch.int64, device=dev)
     chunk_kernel[(rows, nc)](x, keys, m, s, scratch, V, nc, CHUNK=chunk, K2=k2, FILTER=FILTERED,
-                             GROUPS=groups, CAP=cap, RANK=rank, num_warps=warps)
+                             GROUPS=groups, CAP=cap, RANK=rank, num_warps=warps or CHUNK_WARPS)
     merge_kernel[(rows,)](keys, m, s, lp, idx, nc, k, NC_PAD=next_pow2(nc), K2=k2, num_warps=MERGE_WARPS)
     return lp, idx

@@ -49,11 +49,11 @@ def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.conste
     out = row * NC + c
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, s)
-    # the key: order-preserving int32 of the value (-0.0 as 0.0) << 32 | INT32_MAX - token id
-    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    key = (ordered.to(tl.int64) << 32) | (2147483647 - tok).to(tl.int64)
-    key = tl.where(tok < V, key, -(2**63))   # past the vocabulary: below every real key
+    # the key: order-preserving int32 of the value (-0.0 as 0.0) << 32 | INT32_MAX - token id,
+    # and below every real key past the vocabulary (written out twice: Triton kernels here call
+    # no helpers)
+    best = tl.full([K2], -(2**63), tl.int64)
+    over = True
     if FILTER:
         # The K2 largest group maxima are K2 distinct entries, so the chunk's top K2 all have a
         # value at least the smallest of them: select among those (K2 to a few K2 on real
@@ -68,18 +68,22 @@ def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.conste
         else:
             threshold = tl.min(tl.topk(gmax, K2), 0)
         cand = (x >= threshold) & (tok < V)
-        if tl.sum(cand.to(tl.int32), 0) <= CAP:
+        n = tl.sum(cand.to(tl.int32), 0)
+        over = n > CAP
+        if not over:   # the candidates' offsets to slots 0..n-1; their values read back (L1)
             slot = tl.arange(0, CAP)
             buf = scr_ptr + out.to(tl.int64) * CAP
-            tl.store(buf + slot, tl.full([CAP], -(2**63), tl.int64))
+            tl.store(buf + tl.cumsum(cand.to(tl.int32), 0) - 1, tl.arange(0, CHUNK), mask=cand)
             tl.debug_barrier()
-            tl.store(buf + tl.cumsum(cand.to(tl.int32), 0) - 1, key, mask=cand)
-            tl.debug_barrier()
-            best = tl.topk(tl.load(buf + slot), K2)
-        else:
-            best = tl.topk(key, K2)
-    else:
-        best = tl.topk(key, K2)
+            ctok = c * CHUNK + tl.load(buf + slot, mask=slot < n, other=0)
+            cx = tl.load(x_ptr + row.to(tl.int64) * V + ctok).to(tl.float32)
+            bits = tl.where(cx == 0.0, 0.0, cx).to(tl.int32, bitcast=True)
+            key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (2147483647 - ctok).to(tl.int64)
+            best = tl.topk(tl.where(slot < n, key, -(2**63)), K2)
+    if over:
+        bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+        key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (2147483647 - tok).to(tl.int64)
+        best = tl.topk(tl.where(tok < V, key, -(2**63)), K2)
     tl.store(key_ptr + out * K2 + tl.arange(0, K2), best)
 
 
@@ -147,7 +151,7 @@ def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
     idx = torch.empty(R, L, k, dtype=torch.int64, device=dev)
     chunk_kernel, merge_kernel = jit_kernel(_chunk_kernel, interpret), jit_kernel(_merge_kernel, interpret)
     groups, cap, rank = filter_plan(k2, chunk)
-    scratch = torch.empty(rows * nc * cap if FILTERED else 1, dtype=torch.int64, device=dev)
+    scratch = torch.empty(rows * nc * cap if FILTERED else 1, dtype=torch.int32, device=dev)
     chunk_kernel[(rows, nc)](x, keys, m, s, scratch, V, nc, CHUNK=chunk, K2=k2, FILTER=FILTERED,
                              GROUPS=groups, CAP=cap, RANK=rank, num_warps=warps or CHUNK_WARPS)
     merge_kernel[(rows,)](keys, m, s, lp, idx, nc, k, NC_PAD=next_pow2(nc), K2=k2, num_warps=MERGE_WARPS)

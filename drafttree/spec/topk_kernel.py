@@ -5,8 +5,8 @@ exp-sum pass over [R, L, V]. Here the logits are read once:
 
 1. one program per (row, chunk of CHUNK tokens): the chunk's max, its sum of exp(x - max), and
    its top K2 entries (K2 = K rounded up to a power of two, at least 2): a threshold from the
-   float maxima of 4 K2 strided groups leaves a few K2 candidates, and only those are sorted
-   (FILTERED);
+   float maxima of 4 K2 strided groups leaves a few K2 candidates, and only those are keyed and
+   sorted (FILTERED);
 2. one program per row: the logsumexp from the chunk partials, and the top K of the chunks'
    candidates.
 
@@ -32,11 +32,11 @@ INT32_MAX = 2**31 - 1
 FILTERED = True
 # benchmarks/topk_chunk_bench.py (H200, vocabulary 151,936, bf16): with the filter 8,192 is the
 # best chunk at k = 8 / 32 / 128 (35 / 43 / 87 us per 15 positions), against 4,096 without it.
-# A float threshold found by counting, with groups of consecutive entries, took k = 32 / 128 to
-# 29.8 / 69.2 us (run 11); with the strided groups (which real logits need) not yet timed.
+# Today's filter (strided float groups, a counted threshold, keys for the candidates only) takes
+# k = 32 / 128 to 28.0 / 68.0 us (run 12).
 CHUNK = 8192
 CHUNK_WARPS = 4   # top-K at k = 32: 28.0 us, against 31.0 at 8 warps (H200, run 12)
-MERGE_WARPS = 4   # top-K at k = 32: 42.7 us, against 44.2 at 2 warps and 49.2 at 1 (H200, run 8)
+MERGE_WARPS = 4   # top-K at k = 32 (run 8's kernel): 42.7 us, against 44.2 at 2 warps, 49.2 at 1
 
 
 def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.constexpr, K2: tl.constexpr,

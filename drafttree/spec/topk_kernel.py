@@ -49,10 +49,10 @@ def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.conste
     out = row * NC + c
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, s)
-    # the key: order-preserving int32 of the value (-0.0 as 0.0) << 32 | INT32_MAX - token id,
-    # and below every real key past the vocabulary (written out twice: Triton kernels here call
-    # no helpers)
-    best = tl.full([K2], -(2**63), tl.int64)
+    # Keys: order-preserving int32 of the value (-0.0 as 0.0) << 32 | INT32_MAX - token id, and
+    # below every real key past the vocabulary (and in empty slots). Written out in both branches
+    # below, which have different widths (Triton kernels here call no helpers).
+    best = tl.full([K2], -(2**63), tl.int64)   # defined on every path, as Triton's if needs
     over = True
     if FILTER:
         # The K2 largest group maxima are K2 distinct entries, so the chunk's top K2 all have a

@@ -247,6 +247,24 @@ def test_topk_kernel_filter_threshold_with_tied_group_maxima(k, chunk):
     torch.testing.assert_close(lp.cpu(), 5.0 - torch.logsumexp(x, -1, keepdim=True).expand(1, 1, k))
 
 
+@pytest.mark.parametrize("extra", [0, 1], ids=["CAP candidates", "CAP + 1: whole-chunk sort"])
+def test_topk_kernel_filter_at_its_capacity(extra):
+    """A chunk with exactly CAP candidates (ties at the threshold, from more than K2 groups) takes
+    the filtered path with every slot full; one more sends it to the whole-chunk sort. Both give
+    the K smallest ids of the tied top value, and the other chunk is unaffected."""
+    from drafttree.spec.topk_kernel import filter_counts, filter_plan, top_log_probs_fused
+    k, chunk = 8, 512
+    groups, cap, _ = filter_plan(k, chunk)
+    x = -torch.rand(1, 1, 2 * chunk, generator=torch.Generator().manual_seed(extra))
+    tied = torch.randperm(chunk, generator=torch.Generator().manual_seed(1))[:cap + extra]
+    x[0, 0, tied] = 5.0
+    assert len(set((tied % groups).tolist())) > k
+    assert filter_counts(x, k, chunk)[0, 0, 0] == cap + extra
+    lp, idx = top_log_probs_fused(x.to(DEVICE), k, interpret=_CPU, chunk=chunk)
+    assert torch.equal(idx.cpu()[0, 0], tied.sort().values[:k])
+    torch.testing.assert_close(lp.cpu(), 5.0 - torch.logsumexp(x, -1, keepdim=True).expand(1, 1, k))
+
+
 def test_topk_kernel_feeds_the_tree_builders():
     """Both tree builders take their scores from the kernel where it runs, so they still agree."""
     from drafttree.spec import tree

@@ -251,7 +251,7 @@ def test_topk_kernel_filter_threshold_with_tied_group_maxima(k, chunk):
 def test_topk_kernel_filter_at_its_capacity(extra):
     """A chunk with exactly CAP candidates (ties at the threshold, from more than K2 groups) takes
     the filtered path with every slot full; one more sends it to the whole-chunk sort. Both give
-    the K smallest ids of the tied top value, and the other chunk is unaffected."""
+    the K smallest ids of the tied top value."""
     from drafttree.spec.topk_kernel import filter_counts, filter_plan, top_log_probs_fused
     k, chunk = 8, 512
     groups, cap, _ = filter_plan(k, chunk)

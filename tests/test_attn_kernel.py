@@ -112,12 +112,12 @@ def test_decode_through_the_kernels_is_lossless(zoo, monkeypatch, shape, spec, b
         want = [pair.plain(p, 8) for p in prompts]
     ran = []
     monkeypatch.setattr(layers, "few_rows", lambda q, rows: True)
-    real = attn_kernel.few_row_attention
-    monkeypatch.setattr(attn_kernel, "few_row_attention", lambda *a: ran.append(1) or real(*a))
+    real = attn_kernel._attention
+    monkeypatch.setattr(attn_kernel, "_attention", lambda *a: ran.append(a[-1] is not None) or real(*a))
     llm = LLM(model=str(pair.target), draft_model=None if spec == "none" else str(pair.drafter), spec=spec,
               budget=budget, device=DEVICE, dtype="float32", max_num_seqs=2, max_model_len=128)
     assert [o.token_ids for o in llm.generate(prompts, greedy(8))] == want
-    assert ran
+    assert any(ran)   # the target's attention took the fused rope path
 
 
 def test_write_kv_matches_index_put():
@@ -175,6 +175,40 @@ def test_qk_rope_write_kv_matches_the_torch_ops(heads, kv_heads, hd, norm):
     torch.testing.assert_close(q, wq, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kc, want_k, atol=1e-5, rtol=1e-5)
     assert torch.equal(vc, want_v)
+
+
+@pytest.mark.parametrize("B,heads,kv_heads,W,L,hd,norm", [
+    (1, 4, 2, 1, 200, 16, True),     # decode: several splits, one of them holds the new slot
+    (2, 6, 2, 33, 130, 32, False),   # verify-wide: 99 rows take two row blocks; slots across splits
+    (1, 3, 3, 5, 64, 16, True),      # one split: no merge
+])
+def test_rope_attention_equals_rope_kernel_then_attention(monkeypatch, B, heads, kv_heads, W, L, hd, norm):
+    """Norm, rope and the KV write inside the attention launch give the same output and the same
+    cache as `qk_rope_write_kv` followed by `few_row_attention`."""
+    from drafttree.models.rope_kernel import qk_rope_write_kv
+    monkeypatch.setattr(attn_kernel, "TARGET_PROGRAMS", 64)   # small shapes still split
+    gen = torch.Generator().manual_seed(W * 100 + L)
+    qkv = torch.randn(B, W, (heads + 2 * kv_heads) * hd, generator=gen).to(DEVICE)
+    qw, kw = (1 + torch.randn(2, hd, generator=gen) / 4).to(DEVICE)
+    ang = torch.randint(0, 1000, (B, W, 1), generator=gen).float() * torch.rand(hd // 2, generator=gen)
+    emb = torch.cat((ang, ang), -1)[:, :, None, :].to(DEVICE)
+    edges = [e for e in (127, 64, 63, 128, L - 1) if e < L]   # last and first keys of 64-key splits
+    rest = [[s for s in torch.randperm(L, generator=gen).tolist() if s not in edges] for _ in range(B)]
+    slots = torch.tensor([(edges[b % 2:] + rest[b])[:W] for b in range(B)]).to(DEVICE)
+    mask = torch.rand(B, 1, W, L, generator=gen) < 0.4
+    mask[torch.arange(B)[:, None], 0, torch.arange(W)[None, :], slots.cpu()] = True   # each sees itself
+    mask = mask.to(DEVICE)
+    cache = torch.randn(2, B + 1, kv_heads, L + 8, hd, generator=gen).to(DEVICE)
+    weights = (qw, kw) if norm else (None, None)
+    want_k, want_v = cache.clone()
+    q = qk_rope_write_kv(qkv, heads, kv_heads, *weights, 1e-6, emb.cos(), emb.sin(), want_k, want_v,
+                         torch.arange(B, device=DEVICE)[:, None], slots)
+    want = attn_kernel.few_row_attention(q, want_k[:B, :, :L], want_v[:B, :, :L], mask, hd ** -0.5)
+    kc, vc = cache.clone()
+    rope = attn_kernel.Rope(*weights, 1e-6, emb.cos(), emb.sin(), slots)
+    out = attn_kernel.rope_attention(qkv, heads, kc[:B, :, :L], vc[:B, :, :L], mask, hd ** -0.5, rope)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
 
 
 def test_jit_kernel_refuses_an_unknown_argument_name():

@@ -14,6 +14,7 @@ tokens, row m being token m % W of query head h * g + m // W. The cache is
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,9 +41,11 @@ MAX_SPLITS = 64       # the merge holds [splits, hd] partials per query row
 
 def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G, L, NS, NMB,
                   sqb, sqw, sqh, skr, skh, skl, svr, svh, svl, smb, smw, scale,
+                  qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, eps,
                   SPLIT_BLOCKS: tl.constexpr,
                   HKV: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  PREC: tl.constexpr, DIRECT: tl.constexpr):
+                  PREC: tl.constexpr, DIRECT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
+                  W_PAD: tl.constexpr):
     pid, sp = tl.program_id(0), tl.program_id(1)
     bh, mb = pid // NMB, pid % NMB
     b, h = bh // HKV, bh % HKV
@@ -50,10 +53,49 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G
     m_ok = m < M
     d = tl.arange(0, HD)
     w = m % W                     # row m is token w of query head h * G + m // W
-    q = tl.load(q_ptr + b * sqb + w[:, None] * sqw + (h * G + m[:, None] // W) * sqh + d[None, :],
-                mask=m_ok[:, None], other=0.0)
     k_base = k_ptr + b.to(tl.int64) * skr + h * skh
     v_base = v_ptr + b.to(tl.int64) * svr + h * svh
+    if ROPE:   # q_ptr is the fused QKV output [B, W, (H + 2 Hkv) * hd]: `rope_kernel`'s work here
+        d_rot = (d + HD // 2) % HD
+        sign = tl.where(d < HD // 2, -1.0, 1.0)[None, :]
+        t = b * W + w
+        src = q_ptr + t[:, None].to(tl.int64) * sqw + (h * G + m[:, None] // W) * HD
+        x = tl.load(src + d[None, :], mask=m_ok[:, None], other=0.0)
+        dt = x.dtype
+        xr = tl.load(src + d_rot[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+        x = x.to(tl.float32)
+        if NORM:
+            r = tl.rsqrt(tl.sum(x * x, 1) / HD + eps)[:, None]
+            x = (x * r).to(dt).to(tl.float32) * tl.load(qw_ptr + d).to(tl.float32)[None, :]
+            xr = (xr * r).to(dt).to(tl.float32) * tl.load(qw_ptr + d_rot).to(tl.float32)[None, :]
+        cos = tl.load(cos_ptr + t[:, None] * HD + d[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + t[:, None] * HD + d[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+        q = (x * cos + sign * xr * sin).to(dt)
+        # The new tokens' k and v whose slots lie in this split's keys are written by this
+        # split's programs (only they read those slots), before their key loop.
+        i = tl.arange(0, W_PAD)
+        ti = b * W + i
+        slot = tl.load(slot_ptr + ti, mask=i < W, other=-1).to(tl.int64)
+        lo = sp * SPLIT_BLOCKS * BN
+        mine = (i < W) & (slot >= lo) & (slot < lo + SPLIT_BLOCKS * BN)
+        if tl.max(mine.to(tl.int32), 0) > 0:
+            src = q_ptr + ti[:, None].to(tl.int64) * sqw + (HKV * G + h) * HD
+            x = tl.load(src + d[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
+            xr = tl.load(src + d_rot[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
+            if NORM:
+                r = tl.rsqrt(tl.sum(x * x, 1) / HD + eps)[:, None]
+                x = (x * r).to(dt).to(tl.float32) * tl.load(kw_ptr + d).to(tl.float32)[None, :]
+                xr = (xr * r).to(dt).to(tl.float32) * tl.load(kw_ptr + d_rot).to(tl.float32)[None, :]
+            cos = tl.load(cos_ptr + ti[:, None] * HD + d[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + ti[:, None] * HD + d[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
+            tl.store(k_base + slot[:, None] * skl + d[None, :], (x * cos + sign * xr * sin).to(dt),
+                     mask=mine[:, None])
+            v = tl.load(src + HKV * HD + d[None, :], mask=mine[:, None], other=0.0)
+            tl.store(v_base + slot[:, None] * svl + d[None, :], v, mask=mine[:, None])
+            tl.debug_barrier()   # the writes are seen by this program's loads below
+    else:
+        q = tl.load(q_ptr + b * sqb + w[:, None] * sqw + (h * G + m[:, None] // W) * sqh + d[None, :],
+                    mask=m_ok[:, None], other=0.0)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, HD], tl.float32)
@@ -156,9 +198,34 @@ def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     """softmax(q kᵀ * scale, masked) v with grouped query heads, read and written token-major:
     q [B, W, H, hd] (any strides, last dim contiguous); k, v [B, Hkv, L, hd] views of the cache
     (last dim contiguous); mask [B, 1, W, L] bool. -> [B, W, H, hd], contiguous."""
-    B, W, H, hd = q.shape
+    return _attention(q, q.shape[2], k, v, mask, scale, None)
+
+
+@dataclass
+class Rope:
+    """What `rope_attention` does to the fused QKV output first, as `rope_kernel` does."""
+    q_weight: torch.Tensor | None   # per-head q/k RMSNorm weights (Qwen3), or None
+    k_weight: torch.Tensor | None
+    eps: float
+    cos: torch.Tensor               # [B, W, 1, hd]
+    sin: torch.Tensor
+    slots: torch.Tensor             # [B, W]: where the new tokens' k and v go in the cache views
+
+
+def rope_attention(qkv: torch.Tensor, heads: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   scale: float, rope: Rope) -> torch.Tensor:
+    """`few_row_attention` from the fused QKV output qkv [B, W, (H + 2 Hkv) * hd], in the same
+    launches: q and k normed (if weights) and roped, k and v written to k, v [B, Hkv, L, hd] (views
+    of the cache, rows 0..B-1) at `rope.slots`. One launch per layer fewer than `rope_kernel`."""
+    return _attention(qkv.contiguous(), heads, k, v, mask, scale, rope)
+
+
+def _attention(q: torch.Tensor, H: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+               rope: Rope | None) -> torch.Tensor:
+    B, W, hd = q.shape[0], q.shape[1], k.shape[-1]
     Hkv, L = k.shape[1], k.shape[2]
-    if H % Hkv or tuple(mask.shape) != (B, 1, W, L) or q.stride(-1) != 1 or k.stride(-1) != 1 \
+    fits = q.shape[2] == H if rope is None else q.dim() == 3 and q.shape[2] == (H + 2 * Hkv) * hd
+    if not fits or H % Hkv or tuple(mask.shape) != (B, 1, W, L) or q.stride(-1) != 1 or k.stride(-1) != 1 \
             or v.stride(-1) != 1:
         raise ValueError(f"few_row_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, mask {tuple(mask.shape)}")
     G = H // Hkv
@@ -172,14 +239,18 @@ def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     direct = ns == 1   # large batches: one split per program, no merge launch
     acc = out if direct else torch.empty(B * Hkv * ns * M, hd, dtype=torch.float32, device=q.device)
     ml = out if direct else torch.empty(B * Hkv * ns * M, 2, dtype=torch.float32, device=q.device)
+    norm = rope is not None and rope.q_weight is not None
+    r = (rope.q_weight if norm else q, rope.k_weight if norm else q, rope.cos.contiguous(), rope.sin.contiguous(),
+         rope.slots.contiguous(), rope.eps) if rope is not None else (q, q, q, q, q, 0.0)
     interpret = interpreting()
     # L (a KV bucket: few values) stays specialized: with it unspecialized and q token-major, a
     # batch-16 verify took 102 us against 56 before both changes (run 6); not yet split apart
     jit_kernel(_split_kernel, interpret, ("M", "W", "G", "NS", "NMB"))[(B * Hkv * nmb, ns)](
         q, k, v, mask, acc, ml, out, M, W, G, L, ns, nmb, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        mask.stride(0), mask.stride(2), scale, SPLIT_BLOCKS=split_blocks, HKV=Hkv, HD=hd, BM=bm, BN=BLOCK_N,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, num_warps=4)  # fp32 stays fp32
+        mask.stride(0), mask.stride(2), scale, *r, SPLIT_BLOCKS=split_blocks, HKV=Hkv, HD=hd, BM=bm, BN=BLOCK_N,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, ROPE=rope is not None, NORM=norm,
+        W_PAD=next_pow2(W) if rope is not None else 1, num_warps=4)  # fp32 stays fp32
     if direct:
         return out
     jit_kernel(_merge_kernel, interpret, ("M", "W", "G", "HKV", "NS"))[(B * Hkv * M,)](acc, ml, out, M, W, G, Hkv, ns,

@@ -78,20 +78,20 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G
         slot = tl.load(slot_ptr + ti, mask=i < W, other=-1).to(tl.int64)
         lo = sp * SPLIT_BLOCKS * BN
         mine = (i < W) & (slot >= lo) & (slot < lo + SPLIT_BLOCKS * BN)
-        if tl.max(mine.to(tl.int32), 0) > 0:
-            src = q_ptr + ti[:, None].to(tl.int64) * sqw + (HKV * G + h) * HD
-            x = tl.load(src + d[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
-            xr = tl.load(src + d_rot[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
+        if tl.max(mine.to(tl.int32), 0) > 0:   # (Triton: a name keeps its type across the branch)
+            k_src = q_ptr + ti[:, None].to(tl.int64) * sqw + (HKV * G + h) * HD
+            kx = tl.load(k_src + d[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
+            kxr = tl.load(k_src + d_rot[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
             if NORM:
-                r = tl.rsqrt(tl.sum(x * x, 1) / HD + eps)[:, None]
-                x = (x * r).to(dt).to(tl.float32) * tl.load(kw_ptr + d).to(tl.float32)[None, :]
-                xr = (xr * r).to(dt).to(tl.float32) * tl.load(kw_ptr + d_rot).to(tl.float32)[None, :]
-            cos = tl.load(cos_ptr + ti[:, None] * HD + d[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
-            sin = tl.load(sin_ptr + ti[:, None] * HD + d[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
-            tl.store(k_base + slot[:, None] * skl + d[None, :], (x * cos + sign * xr * sin).to(dt),
+                kr = tl.rsqrt(tl.sum(kx * kx, 1) / HD + eps)[:, None]
+                kx = (kx * kr).to(dt).to(tl.float32) * tl.load(kw_ptr + d).to(tl.float32)[None, :]
+                kxr = (kxr * kr).to(dt).to(tl.float32) * tl.load(kw_ptr + d_rot).to(tl.float32)[None, :]
+            kcos = tl.load(cos_ptr + ti[:, None] * HD + d[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
+            ksin = tl.load(sin_ptr + ti[:, None] * HD + d[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
+            tl.store(k_base + slot[:, None] * skl + d[None, :], (kx * kcos + sign * kxr * ksin).to(dt),
                      mask=mine[:, None])
-            v = tl.load(src + HKV * HD + d[None, :], mask=mine[:, None], other=0.0)
-            tl.store(v_base + slot[:, None] * svl + d[None, :], v, mask=mine[:, None])
+            tl.store(v_base + slot[:, None] * svl + d[None, :],
+                     tl.load(k_src + HKV * HD + d[None, :], mask=mine[:, None], other=0.0), mask=mine[:, None])
             tl.debug_barrier()   # the writes are seen by this program's loads below
     else:
         q = tl.load(q_ptr + b * sqb + w[:, None] * sqw + (h * G + m[:, None] // W) * sqh + d[None, :],

@@ -30,19 +30,19 @@ from drafttree.triton_jit import interpreting, jit_kernel, kernels_run_on
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
 ENABLED = os.environ.get("DRAFTTREE_GEMV", "1") == "1"
-# Each program keeps a [rows, columns] fp32 sum and reduces it across its lanes once, after the
-# loop, instead of once per step.
-ACC2D = os.environ.get("DRAFTTREE_GEMV_ACC2D", "0") == "1"
+# A/B switch (run 13): each step issues the next step's weight loads before its own sum.
+PREFETCH = os.environ.get("DRAFTTREE_GEMV_PREFETCH", "0") == "1"
 # Per kernel, (least weight elements, (weight rows per program, input columns per step, warps)),
 # largest class first: a weight takes the first class it reaches. The fastest of
 # benchmarks/gemv_bench.py per Qwen3-8B matrix on an H200 (gate/up 101 M elements, QKV 25 M, o
-# 17 M, down 50 M; run 10), below 4 M elements per SmolLM2 kernel (run 9). Pipeline stages
-# (num_stages 1 or 3) made no difference there.
+# 17 M, down 50 M; run 13, with the sum kept per lane), below 4 M elements per SmolLM2 kernel
+# (run 9, summed across lanes at every step). Pipeline stages (num_stages 1 or 3) made no
+# difference in run 10.
 Blocks = tuple[int, int, int]
 BLOCKS: dict[str, list[tuple[int, Blocks]]] = {
-    "norm": [(1 << 26, (16, 512, 4)), (0, (8, 512, 4))],
-    "silu": [(1 << 22, (8, 1024, 8)), (0, (2, 512, 4))],
-    "plain": [(1 << 22, (4, 512, 8)), (0, (4, 256, 4))],
+    "norm": [(1 << 26, (8, 1024, 4)), (1 << 22, (16, 512, 4)), (0, (8, 512, 4))],
+    "silu": [(1 << 22, (8, 1024, 4)), (0, (2, 512, 4))],
+    "plain": [(1 << 22, (4, 1024, 8)), (0, (4, 256, 4))],
 }
 
 
@@ -64,13 +64,15 @@ def set_blocks(kind: str, numel: int, blocks: Blocks, split: bool = False) -> No
 
 def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl.constexpr,
                  HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, ACC2D: tl.constexpr):
+                 BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     dt = y_ptr.dtype.element_ty
     n = pid * BN + tl.arange(0, BN)
     ss = tl.zeros([BK], tl.float32)
-    acc = tl.zeros([BN], tl.float32)
-    acc2 = tl.zeros([BN, BK], tl.float32)
+    acc = tl.zeros([BN, BK], tl.float32)   # summed across lanes once, after the loop
+    if PREFETCH:
+        k = tl.arange(0, BK)
+        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
         if SILU:   # x = [gate | up]; silu in fp32, rounded, then times up in the model dtype
@@ -87,13 +89,16 @@ def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl
             if NORM:
                 ss += h * h
                 h = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) * h
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        if ACC2D:
-            acc2 += w.to(tl.float32) * h[None, :]
+        if PREFETCH:
+            kn = k + BK
+            w_next = tl.load(w_ptr + n[:, None] * K + kn[None, :], mask=(n[:, None] < N) & (kn[None, :] < K),
+                             other=0.0)
         else:
-            acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
-    if ACC2D:
-        acc = tl.sum(acc2, axis=1)
+            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+            w_next = w
+        acc += w.to(tl.float32) * h[None, :]
+        w = w_next
+    acc = tl.sum(acc, axis=1)
     if NORM:
         acc = acc / tl.sqrt(tl.sum(ss, axis=0) / K + eps)   # the norm's scale, once per row
     if HAS_B:
@@ -132,7 +137,7 @@ def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Ten
     jit_kernel(_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
         x, d, g.contiguous() if g is not None else x, w, b if b is not None else w, xo, y, N, eps, K=K,
         HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, SILU=kind == "silu", BN=bn,
-        BK=bk, ACC2D=ACC2D, num_warps=warps)
+        BK=bk, PREFETCH=PREFETCH, num_warps=warps)
     return xo, y
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -170,8 +169,6 @@ def attend(q: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor, v_cache: torc
     return out.view(B, Hkv, g, W, hd).permute(0, 3, 1, 2, 4).reshape(B, W, H * hd)
 
 
-ROPE_IN_ATTN = os.environ.get("DRAFTTREE_ROPE_IN_ATTN", "1") == "1"   # A/B switch (run 13)
-
 # Query rows (query heads per KV head x tokens) up to which CUDA attention takes the few-row path
 # (the Triton kernel, else two matmuls around a fused softmax) instead of SDPA. 256 covers DDTree's
 # verify at budget 32 with 4 query heads per KV head (132 rows, Qwen3-8B).
@@ -255,10 +252,11 @@ class Attention(nn.Module):
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if norm else (None, None)
             eps = self.q_norm.eps if norm else 0.0
             B, W, _ = qkv.shape
-            if ROPE_IN_ATTN and not meta.gather_rows and few_rows(qkv, self.h // self.hkv * W):   # ... inside the attention's
+            if not meta.gather_rows and few_rows(qkv, self.h // self.hkv * W):   # ... in the attention's launch
                 L = meta.kv_len
+                r = attn_kernel.Rope(qw, kw, eps, *rope, meta.slots)
                 out = attn_kernel.rope_attention(qkv, self.h, k_cache[:B, :, :L], v_cache[:B, :, :L], meta.mask,
-                                                 1.0 / math.sqrt(self.hd), attn_kernel.Rope(qw, kw, eps, *rope, meta.slots))
+                                                 1.0 / math.sqrt(self.hd), r)
                 return out.view(B, W, self.h * self.hd)
             q = qk_rope_write_kv(qkv, self.h, self.hkv, qw, kw, eps, *rope, k_cache, v_cache, meta.rows, meta.slots)
             return attend(q, meta, k_cache, v_cache)

@@ -30,8 +30,6 @@ from drafttree.triton_jit import interpreting, jit_kernel, kernels_run_on
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
 ENABLED = os.environ.get("DRAFTTREE_GEMV", "1") == "1"
-# A/B switch (run 13): each step issues the next step's weight loads before its own sum.
-PREFETCH = os.environ.get("DRAFTTREE_GEMV_PREFETCH", "0") == "1"
 # Per kernel, (least weight elements, (weight rows per program, input columns per step, warps)),
 # largest class first: a weight takes the first class it reaches. The fastest of
 # benchmarks/gemv_bench.py per Qwen3-8B matrix on an H200 (gate/up 101 M elements, QKV 25 M, o
@@ -64,15 +62,12 @@ def set_blocks(kind: str, numel: int, blocks: Blocks, split: bool = False) -> No
 
 def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl.constexpr,
                  HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr):
+                 BN: tl.constexpr, BK: tl.constexpr):
     pid = tl.program_id(0)
     dt = y_ptr.dtype.element_ty
     n = pid * BN + tl.arange(0, BN)
     ss = tl.zeros([BK], tl.float32)
     acc = tl.zeros([BN, BK], tl.float32)   # summed across lanes once, after the loop
-    if PREFETCH:
-        k = tl.arange(0, BK)
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
         if SILU:   # x = [gate | up]; silu in fp32, rounded, then times up in the model dtype
@@ -89,15 +84,8 @@ def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl
             if NORM:
                 ss += h * h
                 h = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) * h
-        if PREFETCH:
-            kn = k + BK
-            w_next = tl.load(w_ptr + n[:, None] * K + kn[None, :], mask=(n[:, None] < N) & (kn[None, :] < K),
-                             other=0.0)
-        else:
-            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-            w_next = w
+        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         acc += w.to(tl.float32) * h[None, :]
-        w = w_next
     acc = tl.sum(acc, axis=1)
     if NORM:
         acc = acc / tl.sqrt(tl.sum(ss, axis=0) / K + eps)   # the norm's scale, once per row
@@ -137,7 +125,7 @@ def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Ten
     jit_kernel(_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
         x, d, g.contiguous() if g is not None else x, w, b if b is not None else w, xo, y, N, eps, K=K,
         HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, SILU=kind == "silu", BN=bn,
-        BK=bk, PREFETCH=PREFETCH, num_warps=warps)
+        BK=bk, num_warps=warps)
     return xo, y
 
 

@@ -207,7 +207,9 @@ def test_rope_attention_equals_rope_kernel_then_attention(monkeypatch, B, heads,
     kc, vc = cache.clone()
     rope = attn_kernel.Rope(*weights, 1e-6, emb.cos(), emb.sin(), slots)
     out = attn_kernel.rope_attention(qkv, heads, kc[:B, :, :L], vc[:B, :, :L], mask, hd ** -0.5, rope)
-    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    # k's norm sums its head in another tile shape than the rope kernel's: fp32 rounding apart
+    torch.testing.assert_close(kc, want_k, atol=1e-6, rtol=1e-6)
+    assert torch.equal(vc, want_v)
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
 
 

@@ -216,7 +216,8 @@ def rope_attention(qkv: torch.Tensor, heads: int, k: torch.Tensor, v: torch.Tens
                    scale: float, rope: Rope) -> torch.Tensor:
     """`few_row_attention` from the fused QKV output qkv [B, W, (H + 2 Hkv) * hd], in the same
     launches: q and k normed (if weights) and roped, k and v written to k, v [B, Hkv, L, hd] (views
-    of the cache, rows 0..B-1) at `rope.slots`. One launch per layer fewer than `rope_kernel`."""
+    of the cache, rows 0..B-1) at `rope.slots`. One launch per layer fewer than `rope_kernel`, but
+    every split recomputes its query rows' rope: worth it for decode tokens (run 13)."""
     return _attention(qkv.contiguous(), heads, k, v, mask, scale, rope)
 
 

@@ -1,5 +1,6 @@
 """Few-query-row attention (decode, draft, verify) over the head-major KV cache, in two Triton
 launches: split-K flash-decoding, then a merge of the splits; and the KV write before it in one.
+For one-token decodes the split launch also does `rope_kernel`'s work (`rope_attention`).
 
 Replaces QKᵀ, the masked softmax and PV (three kernels, and a [rows, L] score matrix written to
 and read back from memory) at every layer of every decode, draft and verify step. Key blocks

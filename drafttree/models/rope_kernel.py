@@ -1,7 +1,8 @@
 """The attention's pre-processing in one Triton launch per layer: from the fused QKV
 projection's output, q and k per-head RMSNorm (Qwen3) and rope, q out, and k and v written
 into the KV cache at their slots. In torch (compiled) this is two kernels for q and k and one
-for the cache write.
+for the cache write. One-token decodes do the same work inside the attention's split launch
+instead (`attn_kernel.rope_attention`, the same formulas); wider forwards take this kernel.
 
 Arithmetic is fp32 with one rounding to the model dtype after the norm (as `layers._rms_norm`)
 and one at the store: graphs and eager CUDA rounds both run this kernel, so they agree; CPU

@@ -179,7 +179,8 @@ def test_qk_rope_write_kv_matches_the_torch_ops(heads, kv_heads, hd, norm):
 
 @pytest.mark.parametrize("B,heads,kv_heads,W,L,hd,norm", [
     (1, 4, 2, 1, 200, 16, True),     # decode: several splits, one of them holds the new slot
-    (2, 6, 2, 33, 130, 32, False),   # verify-wide: 99 rows take two row blocks; slots across splits
+    (2, 6, 2, 33, 130, 32, False),   # verify-wide: 99 rows in several row blocks (each writes its
+                                     # split's slots, the same values); slots in both splits
     (1, 3, 3, 5, 64, 16, True),      # one split: no merge
 ])
 def test_rope_attention_equals_rope_kernel_then_attention(monkeypatch, B, heads, kv_heads, W, L, hd, norm):

@@ -252,8 +252,8 @@ class Attention(nn.Module):
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if norm else (None, None)
             eps = self.q_norm.eps if norm else 0.0
             B, W, _ = qkv.shape
-            # ... inside the attention's launch, for one token: a wider forward would redo each query
-            # row's rope once per split (a DDTree verify at budget 32 lost more than decode gained)
+            # One token: inside the attention's own launch. A wider forward would redo each query
+            # row's rope once per split (a DDTree verify at budget 32 lost more than decode gained).
             if W == 1 and not meta.gather_rows and few_rows(qkv, self.h // self.hkv):
                 L = meta.kv_len
                 r = attn_kernel.Rope(qw, kw, eps, *rope, meta.slots)

@@ -11,6 +11,7 @@ fastest per matrix, as [kernel, weight elements, blocks] rows for
 import argparse
 import itertools
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,8 @@ dev, dt = "cuda", torch.bfloat16
 x, delta = (torch.randn(1, 1, cfg.hidden_size, device=dev, dtype=dt) for _ in range(2))
 g = torch.ones(cfg.hidden_size, device=dev, dtype=dt)
 gu = torch.randn(1, 1, 2 * cfg.intermediate_size, device=dev, dtype=dt)
-attn = torch.randn(1, 1, cfg.num_heads * cfg.head_dim, device=dev, dtype=dt)
-KIND = {"qkv": "norm", "o": "plain", "gate_up": "norm", "down": "silu"}
+GLU = os.environ.get("DRAFTTREE_GEMV_GLU", "1") == "1"
+KIND = {"qkv": "norm", "o": "plain", "gate_up": "glu" if GLU else "norm", "down": "plain" if GLU else "silu"}
 
 
 def calls(kind, ws):
@@ -42,7 +43,11 @@ def calls(kind, ws):
     if kind == "silu":
         return cycling(lambda w: F.linear(silu_mul(gu), w), ws), cycling(lambda w: gemv_kernel.silu_gemv(gu, w), ws)
     if kind == "plain":
-        return cycling(lambda w: F.linear(attn, w), ws), cycling(lambda w: gemv_kernel.gemv(attn, w), ws)
+        h = torch.randn(1, 1, ws[0].shape[1], device=dev, dtype=dt)
+        return cycling(lambda w: F.linear(h, w), ws), cycling(lambda w: gemv_kernel.gemv(h, w), ws)
+    if kind == "glu":
+        return (cycling(lambda w: silu_mul(F.linear(add_rms_norm(x, delta, g, 1e-6)[1], w)), ws),
+                cycling(lambda w: gemv_kernel.norm_glu_gemv(x, delta, g, 1e-6, w)[1], ws))
     return (cycling(lambda w: F.linear(add_rms_norm(x, delta, g, 1e-6)[1], w), ws),
             cycling(lambda w: gemv_kernel.norm_gemv(x, delta, g, 1e-6, w)[1], ws))
 

@@ -52,6 +52,34 @@ def test_silu_gemv_matches_the_torch_ops(K, N, dtype):
     torch.testing.assert_close(y.float(), F.linear(silu_mul(gu), w).float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("K,I", [(300, 40), (64, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_norm_glu_gemv_matches_the_torch_ops(K, I, dtype, with_delta):
+    """The gate/up projection with SiLU·up as its epilogue: against add + norm, the projection,
+    and silu_mul; and, at bf16, exactly the unfused kernels' values (same rounding points)."""
+    gen = torch.Generator().manual_seed(K + I)
+    x, delta = (torch.randn(1, 1, K, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    delta = delta if with_delta else None
+    g = (1 + torch.rand(K, generator=gen)).to(dtype).to(DEVICE)
+    w = (torch.randn(2 * I, K, generator=gen) / K ** 0.5).to(dtype).to(DEVICE)
+    got_x, h = gemv_kernel.norm_glu_gemv(x, delta, g, 1e-6, w)
+    want_x, hn = add_rms_norm(x, delta, g, 1e-6) if with_delta else (x, rms_norm(x, g, 1e-6))
+    assert h.shape == (1, 1, I) and torch.equal(got_x, gemv_kernel.norm_gemv(x, delta, g, 1e-6, w)[0])
+    tol = 2 * TOL[dtype]   # two rounded factors (the torch ops also round the normed input)
+    torch.testing.assert_close(h.float(), silu_mul(F.linear(hn, w)).float(), atol=tol, rtol=tol)
+    gu = gemv_kernel.norm_gemv(x, delta, g, 1e-6, w)[1]
+    g_, u = gu.float().chunk(2, dim=-1)   # the unfused kernels' rounding: silu(gate) rounded, times up
+    near = 1e-5 if dtype == torch.float32 else 2 ** -6   # bf16: two steps (the interpreter truncates)
+    torch.testing.assert_close(h.float(), (F.silu(g_).to(dtype).float() * u).to(dtype).float(), atol=near, rtol=near)
+
+
+def test_glu_refuses_an_odd_weight():
+    x = torch.randn(1, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="glu gemv"):
+        gemv_kernel.norm_glu_gemv(x, None, torch.ones(16, device=DEVICE), 1e-6, torch.randn(7, 16, device=DEVICE))
+
+
 @pytest.mark.parametrize("blocks", [(16, 256, 4), (4, 1024, 8)])   # a step wider than K too
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_plain_gemv_matches_linear(blocks, with_bias, monkeypatch):
@@ -107,9 +135,9 @@ def test_decode_through_the_kernels(zoo, monkeypatch, shape):
     prompts = make_prompts(pair.vocab)[:2]
     want = [pair.plain(p, 8) for p in prompts]
     calls = []
-    real = gemv_kernel.silu_gemv
+    real = gemv_kernel.norm_glu_gemv
     monkeypatch.setattr(gemv_kernel, "usable", lambda x: x.shape[0] * x.shape[1] == 1)
-    monkeypatch.setattr(gemv_kernel, "silu_gemv", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(gemv_kernel, "norm_glu_gemv", lambda *a: calls.append(1) or real(*a))
     llm = LLM(model=str(pair.target), spec="none", device=DEVICE, dtype="float32", max_num_seqs=1,
               max_model_len=128, cuda_graphs=False)
     assert [o.token_ids for o in llm.generate(prompts, greedy(8))] == want

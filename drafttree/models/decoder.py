@@ -1,6 +1,8 @@
 """Decoder-only target model: Llama (incl. llama3 rope scaling, SmolLM2), Qwen2, Qwen3."""
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -35,6 +37,9 @@ class DecoderLayer(nn.Module):
         ln, post, attn, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
         x, qkv = gemv_kernel.norm_gemv(x, delta, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
         o = gemv_kernel.gemv(attn.attend_qkv(qkv, rope, meta, k_cache, v_cache), attn.o_proj.weight, attn.o_proj.bias)
+        if os.environ.get("DRAFTTREE_GEMV_GLU", "1") == "1":
+            x, h = gemv_kernel.norm_glu_gemv(x, o, post.weight, post.eps, mlp.gate_up_proj.weight)
+            return x, gemv_kernel.gemv(h, mlp.down_proj.weight)
         x, gu = gemv_kernel.norm_gemv(x, o, post.weight, post.eps, mlp.gate_up_proj.weight)
         return x, gemv_kernel.silu_gemv(gu, mlp.down_proj.weight)
 

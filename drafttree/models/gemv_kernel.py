@@ -40,7 +40,8 @@ Blocks = tuple[int, int, int]
 BLOCKS: dict[str, list[tuple[int, Blocks]]] = {
     "norm": [(1 << 26, (8, 1024, 4)), (1 << 22, (16, 512, 4)), (0, (8, 512, 4))],
     "silu": [(1 << 22, (8, 1024, 4)), (0, (2, 512, 4))],
-    "plain": [(1 << 22, (4, 1024, 8)), (0, (4, 256, 4))],
+    "plain": [(1 << 25, (8, 1024, 4)), (1 << 22, (4, 1024, 8)), (0, (4, 512, 4))],
+    "glu": [(1 << 22, (4, 1024, 4)), (0, (4, 512, 4))],
 }
 
 
@@ -62,12 +63,13 @@ def set_blocks(kind: str, numel: int, blocks: Blocks, split: bool = False) -> No
 
 def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl.constexpr,
                  HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
+                 GLU: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid = tl.program_id(0)
     dt = y_ptr.dtype.element_ty
     n = pid * BN + tl.arange(0, BN)
     ss = tl.zeros([BK], tl.float32)
     acc = tl.zeros([BN, BK], tl.float32)   # summed across lanes once, after the loop
+    acc_up = tl.zeros([BN, BK], tl.float32)   # GLU: rows N + n of w, the up half
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
         if SILU:   # x = [gate | up]; silu in fp32, rounded, then times up in the model dtype
@@ -84,13 +86,23 @@ def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl
             if NORM:
                 ss += h * h
                 h = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) * h
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        w_ok = (n[:, None] < N) & (k[None, :] < K)
+        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=w_ok, other=0.0)
         acc += w.to(tl.float32) * h[None, :]
+        if GLU:
+            w = tl.load(w_ptr + (N + n[:, None]) * K + k[None, :], mask=w_ok, other=0.0)
+            acc_up += w.to(tl.float32) * h[None, :]
     acc = tl.sum(acc, axis=1)
     if NORM:
         acc = acc / tl.sqrt(tl.sum(ss, axis=0) / K + eps)   # the norm's scale, once per row
     if HAS_B:
         acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    if GLU:   # silu(gate) * up, rounded where the unfused ops round: gate and up, silu, product
+        up = tl.sum(acc_up, axis=1)
+        if NORM:
+            up = up / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+        gate = acc.to(dt).to(tl.float32)
+        acc = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
     tl.store(y_ptr + n, acc.to(dt), mask=n < N)
 
 
@@ -115,18 +127,26 @@ def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Ten
             w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = w.shape
     width = 2 * K if kind == "silu" else K
-    if x.numel() != width or x.shape[-1] != width or not w.is_contiguous():
+    if x.numel() != width or x.shape[-1] != width or not w.is_contiguous() or kind == "glu" and N % 2:
         raise ValueError(f"{kind} gemv: x {tuple(x.shape)}, w {tuple(w.shape)} (one row, w contiguous)")
     x = x.contiguous()
     xo = torch.empty_like(x) if delta is not None else x
+    N = N // 2 if kind == "glu" else N
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     d = delta.contiguous() if delta is not None else x
     bn, bk, warps = blocks_for(kind, w.numel())
     jit_kernel(_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
         x, d, g.contiguous() if g is not None else x, w, b if b is not None else w, xo, y, N, eps, K=K,
-        HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, SILU=kind == "silu", BN=bn,
-        BK=bk, num_warps=warps)
+        HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, SILU=kind == "silu", GLU=kind == "glu",
+        BN=bn, BK=bk, num_warps=warps)
     return xo, y
+
+
+def norm_glu_gemv(x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor, eps: float,
+                  w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, silu(gate) * up) for [gate | up] = norm_gemv(x, delta, g, eps, w)[1], w [2I, K]:
+    a program owns gate rows n and up rows I + n, so SiLU·up is its epilogue."""
+    return _launch("glu", x, delta, g, eps, w, None)
 
 
 def silu_gemv(gu: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

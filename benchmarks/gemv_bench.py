@@ -11,7 +11,6 @@ fastest per matrix, as [kernel, weight elements, blocks] rows for
 import argparse
 import itertools
 import json
-import os
 
 import torch
 import torch.nn.functional as F
@@ -33,15 +32,11 @@ cfg = SHAPES[args.shape][0]
 dev, dt = "cuda", torch.bfloat16
 x, delta = (torch.randn(1, 1, cfg.hidden_size, device=dev, dtype=dt) for _ in range(2))
 g = torch.ones(cfg.hidden_size, device=dev, dtype=dt)
-gu = torch.randn(1, 1, 2 * cfg.intermediate_size, device=dev, dtype=dt)
-GLU = os.environ.get("DRAFTTREE_GEMV_GLU", "1") == "1"
-KIND = {"qkv": "norm", "o": "plain", "gate_up": "glu" if GLU else "norm", "down": "plain" if GLU else "silu"}
+KIND = {"qkv": "norm", "o": "plain", "gate_up": "glu", "down": "plain"}
 
 
 def calls(kind, ws):
     """(the torch ops, the fused kernel) for one shape, each cycling over the weight copies."""
-    if kind == "silu":
-        return cycling(lambda w: F.linear(silu_mul(gu), w), ws), cycling(lambda w: gemv_kernel.silu_gemv(gu, w), ws)
     if kind == "plain":
         h = torch.randn(1, 1, ws[0].shape[1], device=dev, dtype=dt)
         return cycling(lambda w: F.linear(h, w), ws), cycling(lambda w: gemv_kernel.gemv(h, w), ws)

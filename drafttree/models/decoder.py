@@ -1,8 +1,6 @@
 """Decoder-only target model: Llama (incl. llama3 rope scaling, SmolLM2), Qwen2, Qwen3."""
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -32,16 +30,13 @@ class DecoderLayer(nn.Module):
 
     def _one_token(self, x: torch.Tensor, delta: torch.Tensor | None, rope, meta: AttnMeta, k_cache,
                    v_cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` for one token, each norm (and SiLU·up) run inside the projection after it; the o
-        projection as one launch too."""
+        """`forward` for one token, each norm run inside the projection after it and SiLU·up inside
+        the gate/up projection; the o and down projections as one launch each too."""
         ln, post, attn, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
         x, qkv = gemv_kernel.norm_gemv(x, delta, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
         o = gemv_kernel.gemv(attn.attend_qkv(qkv, rope, meta, k_cache, v_cache), attn.o_proj.weight, attn.o_proj.bias)
-        if os.environ.get("DRAFTTREE_GEMV_GLU", "1") == "1":
-            x, h = gemv_kernel.norm_glu_gemv(x, o, post.weight, post.eps, mlp.gate_up_proj.weight)
-            return x, gemv_kernel.gemv(h, mlp.down_proj.weight)
-        x, gu = gemv_kernel.norm_gemv(x, o, post.weight, post.eps, mlp.gate_up_proj.weight)
-        return x, gemv_kernel.silu_gemv(gu, mlp.down_proj.weight)
+        x, h = gemv_kernel.norm_glu_gemv(x, o, post.weight, post.eps, mlp.gate_up_proj.weight)
+        return x, gemv_kernel.gemv(h, mlp.down_proj.weight)
 
     def residual_mlp(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The layer after attention, residuals added at once: add, norm, MLP, add."""

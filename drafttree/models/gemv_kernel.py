@@ -1,22 +1,25 @@
-"""One-token projections with their prologue in the same launch (16-bit models; DRAFTTREE_GEMV=0
-turns them off).
+"""One-token projections with their prologue and epilogue in the same launch (16-bit models;
+DRAFTTREE_GEMV=0 turns them off).
 
 A decode step of one token runs, per layer, a residual add + RMSNorm before the QKV and the
-gate/up projections and SiLU·up before the down projection: three small launches beside three
-weight reads. Here each prologue runs inside the projection's own kernel:
+gate/up projections and SiLU·up between the gate/up and down projections: three small launches
+beside the weight reads. Here each runs inside a projection's own kernel:
 
     norm_gemv(x, delta, g, eps, W, b) -> (x + delta, W · rmsnorm(x + delta) * g + b)
-    silu_gemv(gu, W)                 -> W · (silu(gate) * up),  gu = [gate | up]
-    gemv(x, W, b)                    -> W · x + b   (the o projection: cuBLAS's split-K reduce
-                                                     costs a second launch there)
+    norm_glu_gemv(x, delta, g, eps, W) -> (x + delta, silu(gate) * up),
+                                          [gate | up] = W · rmsnorm(x + delta) * g
+    gemv(x, W, b)                    -> W · x + b   (the o and down projections: cuBLAS's split-K
+                                                     reduce costs a second launch there)
 
 Every program streams its few weight rows against the whole input row (a few KiB, from L2),
-summing the row's squares on the way: the norm's scale applies once, after the dot. The residual
-stream (x + delta) rounds as the torch add does; the normed input is not rounded to the model
-dtype before the dot, and the dot sums in fp32 in another order than cuBLAS. So only 16-bit
-models take this path: fp32 keeps cuBLAS everywhere and stays token-for-token equal between
-decode and verify. All three are one Triton kernel (its prologue chosen at compile time); block
-shapes per kernel and weight size: `benchmarks/gemv_bench.py` sweeps them on the GPU.
+summing the row's squares on the way: the norm's scale applies once, after the dot. A gate/up
+program owns gate rows n and up rows I + n, so SiLU·up is its epilogue, rounded where the unfused
+ops round (gate and up, then silu, then the product). The residual stream (x + delta) rounds as
+the torch add does; the normed input is not rounded to the model dtype before the dot, and the
+dot sums in fp32 in another order than cuBLAS. So only 16-bit models take this path: fp32 keeps
+cuBLAS everywhere and stays token-for-token equal between decode and verify. All three are one
+Triton kernel (prologue and epilogue chosen at compile time); block shapes per kernel and weight
+size: `benchmarks/gemv_bench.py` sweeps them on the GPU.
 """
 from __future__ import annotations
 
@@ -31,15 +34,14 @@ tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
 ENABLED = os.environ.get("DRAFTTREE_GEMV", "1") == "1"
 # Per kernel, (least weight elements, (weight rows per program, input columns per step, warps)),
-# largest class first: a weight takes the first class it reaches. The fastest of
-# benchmarks/gemv_bench.py per Qwen3-8B matrix on an H200 (gate/up 101 M elements, QKV 25 M, o
-# 17 M, down 50 M; run 13, with the sum kept per lane), below 4 M elements per SmolLM2 kernel
-# (run 9, summed across lanes at every step). Pipeline stages (num_stages 1 or 3) made no
-# difference in run 10.
+# largest class first: a weight takes the first class it reaches (a gate/up program's rows are
+# that many gate rows and as many up rows). The fastest of benchmarks/gemv_bench.py per Qwen3-8B
+# matrix on an H200 (gate/up 101 M elements, QKV 25 M, o 17 M, down 50 M; runs 13 and 14), below
+# 4 M elements per SmolLM2 kernel (run 9; its plain and gate/up ones run 14). Pipeline stages
+# (num_stages 1 or 3) made no difference in run 10.
 Blocks = tuple[int, int, int]
 BLOCKS: dict[str, list[tuple[int, Blocks]]] = {
     "norm": [(1 << 26, (8, 1024, 4)), (1 << 22, (16, 512, 4)), (0, (8, 512, 4))],
-    "silu": [(1 << 22, (8, 1024, 4)), (0, (2, 512, 4))],
     "plain": [(1 << 25, (8, 1024, 4)), (1 << 22, (4, 1024, 8)), (0, (4, 512, 4))],
     "glu": [(1 << 22, (4, 1024, 4)), (0, (4, 512, 4))],
 }
@@ -62,8 +64,8 @@ def set_blocks(kind: str, numel: int, blocks: Blocks, split: bool = False) -> No
 
 
 def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl.constexpr,
-                 HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
-                 GLU: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr):
     pid = tl.program_id(0)
     dt = y_ptr.dtype.element_ty
     n = pid * BN + tl.arange(0, BN)
@@ -72,20 +74,15 @@ def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl
     acc_up = tl.zeros([BN, BK], tl.float32)   # GLU: rows N + n of w, the up half
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
-        if SILU:   # x = [gate | up]; silu in fp32, rounded, then times up in the model dtype
-            gate = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + K + k, mask=k < K, other=0.0)
-            h = ((gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(tl.float32)).to(dt).to(tl.float32)
-        else:
-            v = tl.load(x_ptr + k, mask=k < K, other=0.0)
-            if HAS_D:   # the residual stream, rounded to the model dtype as the torch add does
-                v = (v.to(tl.float32) + tl.load(d_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(dt)
-                if pid == 0:
-                    tl.store(xo_ptr + k, v, mask=k < K)
-            h = v.to(tl.float32)
-            if NORM:
-                ss += h * h
-                h = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) * h
+        v = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        if HAS_D:   # the residual stream, rounded to the model dtype as the torch add does
+            v = (v.to(tl.float32) + tl.load(d_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(dt)
+            if pid == 0:
+                tl.store(xo_ptr + k, v, mask=k < K)
+        h = v.to(tl.float32)
+        if NORM:
+            ss += h * h
+            h = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) * h
         w_ok = (n[:, None] < N) & (k[None, :] < K)
         w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=w_ok, other=0.0)
         acc += w.to(tl.float32) * h[None, :]
@@ -126,9 +123,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> tor
 def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
             w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = w.shape
-    width = 2 * K if kind == "silu" else K
-    if x.numel() != width or x.shape[-1] != width or not w.is_contiguous() or kind == "glu" and N % 2:
-        raise ValueError(f"{kind} gemv: x {tuple(x.shape)}, w {tuple(w.shape)} (one row, w contiguous)")
+    if x.numel() != K or x.shape[-1] != K or not w.is_contiguous() or kind == "glu" and N % 2:
+        rows = ", w's rows [gate | up]: an even count" if kind == "glu" else ""
+        raise ValueError(f"{kind} gemv: x {tuple(x.shape)}, w {tuple(w.shape)} (one row, w contiguous{rows})")
     x = x.contiguous()
     xo = torch.empty_like(x) if delta is not None else x
     N = N // 2 if kind == "glu" else N
@@ -137,8 +134,8 @@ def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Ten
     bn, bk, warps = blocks_for(kind, w.numel())
     jit_kernel(_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
         x, d, g.contiguous() if g is not None else x, w, b if b is not None else w, xo, y, N, eps, K=K,
-        HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, SILU=kind == "silu", GLU=kind == "glu",
-        BN=bn, BK=bk, num_warps=warps)
+        HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, GLU=kind == "glu", BN=bn,
+        BK=bk, num_warps=warps)
     return xo, y
 
 
@@ -147,8 +144,3 @@ def norm_glu_gemv(x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor, 
     """(x + delta, silu(gate) * up) for [gate | up] = norm_gemv(x, delta, g, eps, w)[1], w [2I, K]:
     a program owns gate rows n and up rows I + n, so SiLU·up is its epilogue."""
     return _launch("glu", x, delta, g, eps, w, None)
-
-
-def silu_gemv(gu: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """(silu(gate) * up) @ w.T for gu = [gate | up] [..., 2K] of one row; w [N, K]."""
-    return _launch("silu", gu, None, None, 0.0, w, None)[1]

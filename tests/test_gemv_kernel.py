@@ -46,8 +46,9 @@ def test_norm_gemv_matches_the_torch_ops(K, N, dtype, with_delta, with_bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_delta", [True, False])
 def test_norm_glu_gemv_matches_the_torch_ops(K, I, dtype, with_delta):
-    """The gate/up projection with SiLU·up as its epilogue: against add + norm, the projection,
-    and silu_mul; and, at bf16, exactly the unfused kernels' values (same rounding points)."""
+    """The gate/up projection with SiLU·up as its epilogue: against add + norm, the projection
+    and silu_mul; and against silu_mul of the plain norm_gemv's output, which rounds at the same
+    points (equal but for the dot's order and, interpreted, the truncating bf16 casts)."""
     gen = torch.Generator().manual_seed(K + I)
     x, delta = (torch.randn(1, 1, K, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
     delta = delta if with_delta else None

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 _KERNELS: dict[tuple[Callable[..., Any], bool, tuple[str, ...]], Callable[..., Any]] = {}
+_DEVICE_FNS: dict[Callable[..., Any], Any] = {}
 _TRITON_OK: bool | None = None
 
 
@@ -59,10 +60,19 @@ def dots_run_on(device: torch.device | str) -> bool:
     return dev.type != "cuda" or interpreting() or _capability(dev.index) >= (8, 0)
 
 
+def device_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a function that kernels call. `jit_kernel` binds it, in the module of each kernel that
+    names it, as a Triton function, or as itself for the interpreter: a process runs its kernels
+    in one of the two modes (the interpreter is chosen before triton is imported)."""
+    fn.device_function = True  # type: ignore[attr-defined]
+    return fn
+
+
 def jit_kernel(fn: Callable[..., Any], interpret: bool,
                do_not_specialize: tuple[str, ...] = ()) -> Callable[..., Any]:
     """`fn` as a Triton kernel (interpreted on CPU when `interpret`), made once. Triton is
-    imported here, on first use, and bound as `tl` in the kernel's own module.
+    imported here, on first use, and bound as `tl` in the kernel's own module (and in those of
+    the `device_function`s it calls).
 
     `do_not_specialize`: integer arguments Triton should not specialize on (value 1, multiple
     of 16): counts that vary per batch and phase, which would otherwise each compile anew."""
@@ -76,6 +86,13 @@ def jit_kernel(fn: Callable[..., Any], interpret: bool,
         from triton.runtime.interpreter import InterpretedFunction
 
         fn.__globals__["tl"] = triton.language
+        for name, obj in list(fn.__globals__.items()):
+            plain = obj.fn if isinstance(obj, triton.JITFunction) else obj
+            if getattr(plain, "device_function", False):
+                plain.__globals__["tl"] = triton.language
+                if plain not in _DEVICE_FNS:
+                    _DEVICE_FNS[plain] = triton.JITFunction(plain)
+                fn.__globals__[name] = plain if interpret else _DEVICE_FNS[plain]
         _KERNELS[key] = (InterpretedFunction(fn) if interpret
                          else triton.JITFunction(fn, do_not_specialize=list(do_not_specialize)))
     return _KERNELS[key]

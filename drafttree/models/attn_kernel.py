@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from drafttree.models.rope_kernel import norm_rope
 from drafttree.triton_jit import dots_run_on, interpreting, jit_kernel, next_pow2
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
@@ -58,20 +59,16 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G
     v_base = v_ptr + b.to(tl.int64) * svr + h * svh
     if ROPE:   # q_ptr is the fused QKV output [B, W, (H + 2 Hkv) * hd]: `rope_kernel`'s work here
         d_rot = (d + HD // 2) % HD
-        sign = tl.where(d < HD // 2, -1.0, 1.0)[None, :]
+        qw, qwr = eps, eps   # the q norm's weights, read with NORM only
+        if NORM:
+            qw, qwr = tl.load(qw_ptr + d)[None, :].to(tl.float32), tl.load(qw_ptr + d_rot)[None, :].to(tl.float32)
         t = b * W + w
         src = q_ptr + t[:, None].to(tl.int64) * sqw + (h * G + m[:, None] // W) * HD
         x = tl.load(src + d[None, :], mask=m_ok[:, None], other=0.0)
-        dt = x.dtype
-        xr = tl.load(src + d_rot[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-        x = x.to(tl.float32)
-        if NORM:
-            r = tl.rsqrt(tl.sum(x * x, 1) / HD + eps)[:, None]
-            x = (x * r).to(dt).to(tl.float32) * tl.load(qw_ptr + d).to(tl.float32)[None, :]
-            xr = (xr * r).to(dt).to(tl.float32) * tl.load(qw_ptr + d_rot).to(tl.float32)[None, :]
+        xr = tl.load(src + d_rot[None, :], mask=m_ok[:, None], other=0.0)
         cos = tl.load(cos_ptr + t[:, None] * HD + d[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + t[:, None] * HD + d[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-        q = (x * cos + sign * xr * sin).to(dt)
+        q = norm_rope(x, xr, qw, qwr, cos, sin, eps, HD, NORM).to(x.dtype)
         # The new tokens' k and v whose slots lie in this split's keys are written by this
         # split's programs (only they read those slots), before their key loop.
         i = tl.arange(0, W_PAD)
@@ -81,16 +78,15 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G
         mine = (i < W) & (slot >= lo) & (slot < lo + SPLIT_BLOCKS * BN)
         if tl.max(mine.to(tl.int32), 0) > 0:   # (Triton: a name keeps its type across the branch)
             k_src = q_ptr + ti[:, None].to(tl.int64) * sqw + (HKV * G + h) * HD
-            kx = tl.load(k_src + d[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
-            kxr = tl.load(k_src + d_rot[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
+            kw, kwr = eps, eps
             if NORM:
-                kr = tl.rsqrt(tl.sum(kx * kx, 1) / HD + eps)[:, None]
-                kx = (kx * kr).to(dt).to(tl.float32) * tl.load(kw_ptr + d).to(tl.float32)[None, :]
-                kxr = (kxr * kr).to(dt).to(tl.float32) * tl.load(kw_ptr + d_rot).to(tl.float32)[None, :]
+                kw, kwr = tl.load(kw_ptr + d)[None, :].to(tl.float32), tl.load(kw_ptr + d_rot)[None, :].to(tl.float32)
+            kx = tl.load(k_src + d[None, :], mask=mine[:, None], other=0.0)
+            kxr = tl.load(k_src + d_rot[None, :], mask=mine[:, None], other=0.0)
             kcos = tl.load(cos_ptr + ti[:, None] * HD + d[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
             ksin = tl.load(sin_ptr + ti[:, None] * HD + d[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
-            tl.store(k_base + slot[:, None] * skl + d[None, :], (kx * kcos + sign * kxr * ksin).to(dt),
-                     mask=mine[:, None])
+            tl.store(k_base + slot[:, None] * skl + d[None, :],
+                     norm_rope(kx, kxr, kw, kwr, kcos, ksin, eps, HD, NORM).to(kx.dtype), mask=mine[:, None])
             tl.store(v_base + slot[:, None] * svl + d[None, :],
                      tl.load(k_src + HKV * HD + d[None, :], mask=mine[:, None], other=0.0), mask=mine[:, None])
             tl.debug_barrier()   # the writes are seen by this program's loads below

@@ -14,9 +14,25 @@ from typing import Any
 
 import torch
 
-from drafttree.triton_jit import interpreting, jit_kernel, next_pow2
+from drafttree.triton_jit import device_function, interpreting, jit_kernel, next_pow2
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
+
+
+@device_function
+def norm_rope(x, xr, w, wr, cos, sin, eps, HD: tl.constexpr, NORM: tl.constexpr):
+    """Per-head RMSNorm (with NORM) and rope of rows x [R, HD] in the model dtype; xr holds the
+    same rows at the rotated dims (d + HD/2) % HD, w and wr the norm weight at d and there (fp32).
+    One rounding to the model dtype after the norm, as `layers._rms_norm`; fp32 out."""
+    dt = x.dtype
+    x = x.to(tl.float32)
+    xr = xr.to(tl.float32)
+    if NORM:
+        r = tl.rsqrt(tl.sum(x * x, 1) / HD + eps)[:, None]
+        x = (x * r).to(dt).to(tl.float32) * w
+        xr = (xr * r).to(dt).to(tl.float32) * wr
+    sign = tl.where(tl.arange(0, HD) < HD // 2, -1.0, 1.0)[None, :]   # rotate_half: (-x2, x1)
+    return x * cos + sign * xr * sin
 
 
 def _qk_rope_kv_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, row_ptr,
@@ -28,7 +44,6 @@ def _qk_rope_kv_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr,
     src = qkv_ptr + t.to(tl.int64) * (H + 2 * HKV) * HD
     d = tl.arange(0, HD)[None, :]
     d_rot = (d + HD // 2) % HD
-    sign = tl.where(d < HD // 2, -1.0, 1.0)   # rotate_half: (-x2, x1)
     cos = tl.load(cos_ptr + t * HD + d).to(tl.float32)
     sin = tl.load(sin_ptr + t * HD + d).to(tl.float32)
     # the H query heads and then the HKV key heads, as one [QK_PAD, HD] block
@@ -37,16 +52,11 @@ def _qk_rope_kv_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr,
     is_q = h < H
     x = tl.load(src + h * HD + d, mask=ok, other=0.0)
     xr = tl.load(src + h * HD + d_rot, mask=ok, other=0.0)
-    dt = x.dtype
-    x = x.to(tl.float32)
-    xr = xr.to(tl.float32)
+    w, wr = cos, sin   # norm weights, read with NORM only
     if NORM:
-        r = tl.rsqrt(tl.sum(x * x, 1) / HD + eps)[:, None]
         w = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)
         wr = tl.where(is_q, tl.load(qw_ptr + d_rot), tl.load(kw_ptr + d_rot)).to(tl.float32)
-        x = (x * r).to(dt).to(tl.float32) * w
-        xr = (xr * r).to(dt).to(tl.float32) * wr
-    y = x * cos + sign * xr * sin
+    y = norm_rope(x, xr, w, wr, cos, sin, eps, HD, NORM)
     tl.store(q_ptr + (t.to(tl.int64) * H + h) * HD + d, y.to(q_ptr.dtype.element_ty), mask=ok & is_q)
     row = tl.load(row_ptr + b).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from drafttree.triton_jit import jit_kernel, next_pow2
+from drafttree.triton_jit import device_function, jit_kernel, next_pow2
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 INT32_MAX = 2**31 - 1
@@ -39,6 +39,20 @@ CHUNK_WARPS = 4   # top-K at k = 32: 28.0 us, against 31.0 at 8 warps (H200, run
 MERGE_WARPS = 4   # top-K at k = 32 (run 8's kernel): 42.7 us, against 44.2 at 2 warps, 49.2 at 1
 
 
+@device_function
+def high_key(x):
+    """The high half of an int64 key for fp32 x: x's order-preserving int32 (-0.0 as 0.0) << 32,
+    so one integer compare orders keys by x, then by their low halves."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32
+
+
+@device_function
+def sort_key(x, tok):
+    """The key of value x at token id tok: the larger value, then the smaller id, is larger."""
+    return high_key(x) | (2147483647 - tok).to(tl.int64)
+
+
 def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.constexpr, K2: tl.constexpr,
                   FILTER: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr, RANK: tl.constexpr):
     row, c = tl.program_id(0), tl.program_id(1)
@@ -49,9 +63,7 @@ def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.conste
     out = row * NC + c
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, s)
-    # Keys: order-preserving int32 of the value (-0.0 as 0.0) << 32 | INT32_MAX - token id, and
-    # below every real key past the vocabulary (and in empty slots). Written out in both branches
-    # below, which have different widths (Triton kernels here call no helpers).
+    # Keys (`sort_key`), and below every real key past the vocabulary (and in empty slots).
     best = tl.full([K2], -(2**63), tl.int64)   # defined on every path, as Triton's if needs
     over = True
     if FILTER:
@@ -77,13 +89,9 @@ def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.conste
             tl.debug_barrier()
             ctok = c * CHUNK + tl.load(buf + slot, mask=slot < n, other=0)
             cx = tl.load(x_ptr + row.to(tl.int64) * V + ctok).to(tl.float32)
-            bits = tl.where(cx == 0.0, 0.0, cx).to(tl.int32, bitcast=True)
-            key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (2147483647 - ctok).to(tl.int64)
-            best = tl.topk(tl.where(slot < n, key, -(2**63)), K2)
+            best = tl.topk(tl.where(slot < n, sort_key(cx, ctok), -(2**63)), K2)
     if over:
-        bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
-        key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (2147483647 - tok).to(tl.int64)
-        best = tl.topk(tl.where(tok < V, key, -(2**63)), K2)
+        best = tl.topk(tl.where(tok < V, sort_key(x, tok), -(2**63)), K2)
     tl.store(key_ptr + out * K2 + tl.arange(0, K2), best)
 
 

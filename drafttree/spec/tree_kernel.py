@@ -26,8 +26,15 @@ from typing import Any
 
 import torch
 
+from drafttree.spec.topk_kernel import high_key
+from drafttree.spec.tree import (
+    DraftTree,
+    _pair_index,
+    build_tree,
+    check_tree_args,
+    top_log_probs,
+)
 from drafttree.triton_jit import interpreting, jit_kernel, kernels_run_on, next_pow2
-from drafttree.spec.tree import DraftTree, _pair_index, build_tree, check_tree_args, top_log_probs
 
 tl: Any = None  # triton.language, bound by jit_kernel()
 _PAIRS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
@@ -62,8 +69,8 @@ def _tree_kernel(lp_ptr, idx_ptr, pair_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr,
     col_scr = scratch_ptr + (2 * R + pid) * LB
     base = pid * L * K
 
-    # Scores are packed into int64 keys, (order-preserving int32 of the score) << 32 | low,
-    # so one integer compare orders by score, then by low (distinct per entry).
+    # Scores are packed into int64 keys, `high_key(score) | low`: one integer compare orders by
+    # score, then by low (distinct per entry).
     # level 0: the top-K tokens of position 0; slots K..B-1 hold no prefix
     pos = tl.arange(0, B_PAD)
     in_b = pos < B
@@ -71,10 +78,8 @@ def _tree_kernel(lp_ptr, idx_ptr, pair_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr,
     tl.store(tok_scr + pos, tl.load(idx_ptr + base + pos, mask=pos < K, other=0).to(tl.int32),
              mask=in_b)
     tl.store(par_scr + pos, tl.zeros([B_PAD], tl.int32), mask=in_b)
-    s = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
     pad_key = -2139095041 * (1 << 32)  # key of -inf with low half 0, below every real key
-    run = tl.where(in_b, ((s ^ ((s >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (low_top - pos),
-                   pad_key)
+    run = tl.where(in_b, high_key(score) | (low_top - pos), pad_key)
     # A level's scores are kept ascending: position i holds slot B_PAD - 1 - i.
     slot = B_PAD - 1 - pos
     score = tl.load(lp_ptr + base + slot, mask=slot < K, other=neg_inf)
@@ -94,9 +99,8 @@ def _tree_kernel(lp_ptr, idx_ptr, pair_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr,
         lp_next = tl.load(lp_ptr + off, mask=p_ok & (d + 1 < L), other=neg_inf)
         tok_next = tl.load(idx_ptr + off, mask=p_ok & (d + 1 < L), other=0).to(tl.int32)
         cand = tl.gather(score, B_PAD - 1 - p_slot, 0) + lp
-        c = tl.where(cand == 0.0, 0.0, cand).to(tl.int32, bitcast=True)
         # padding pairs get distinct low halves too (every key distinct)
-        ckey = tl.where(p_ok, ((c ^ ((c >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32), pad_key) | (M_PAD - p)
+        ckey = tl.where(p_ok, high_key(cand), pad_key) | (M_PAD - p)
 
         # Bitonic top-k on the hypercube [2] * LOG_M: sort runs of B_PAD keys in alternating
         # directions, then halve (pairwise max of an ascending and a descending run is a

@@ -1,12 +1,15 @@
-"""The one-token fused projections (`models/gemv_kernel.py`) against the torch ops they replace,
-on one model's layer shapes (`drafttree.bench.shapes`), bf16, batch 1; each timed as a CUDA
-graph of 48 calls cycling over 8 weight copies (so the weights come from HBM, not L2). Sweeps each
-kernel's block shape (rows per program, columns per step, warps) per matrix and writes the
-fastest per matrix, as [kernel, weight elements, blocks] rows for
-`gemv_kernel.set_blocks(..., split=True)`.
+"""The fused projections (`models/gemv_kernel.py`, and for `--rows` above 1 `models/gemm_kernel.py`)
+against the torch ops they replace, on one model's layer shapes (`drafttree.bench.shapes`), bf16;
+each timed as a CUDA graph of 48 calls cycling over 8 weight copies (so the weights come from HBM,
+not L2). Sweeps each kernel's block shape per matrix (one row: rows per program, columns per step,
+warps; more rows: also pipeline stages and input splits) and writes the fastest per matrix, as
+[kernel, weight elements, blocks, us, torch ops' us] rows (for one row,
+`gemv_kernel.set_blocks(..., split=True)`).
 
     python benchmarks/gemv_bench.py [--shape qwen3-8b] [--block-n 4,8,16] [--block-k 256,512,1024]
                                     [--warps 4,8] [--out best.json]                        (CUDA)
+    python benchmarks/gemv_bench.py --rows 33 --block-n 32,64,128 --block-k 64,128 --warps 4 \
+                                    [--stages 3,4] [--splits 1,2,4]                         (CUDA)
 """
 import argparse
 import itertools
@@ -14,10 +17,11 @@ import json
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 from drafttree.bench.graph_timer import cycling, graphed_us, weight_copies
 from drafttree.bench.shapes import SHAPES, projections
-from drafttree.models import gemv_kernel
+from drafttree.models import gemm_kernel, gemv_kernel
 from drafttree.models.layers import add_rms_norm, silu_mul
 
 ap = argparse.ArgumentParser()
@@ -25,12 +29,15 @@ ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
 ap.add_argument("--block-n", default="4,8,16")
 ap.add_argument("--block-k", default="256,512,1024")
 ap.add_argument("--warps", default="4,8")
+ap.add_argument("--rows", type=int, default=1, help=f"token rows, 1 to {gemm_kernel.MAX_ROWS}")
+ap.add_argument("--stages", default="3", help="pipeline stages (more than one row)")
+ap.add_argument("--splits", default="1,2,4", help="input splits (more than one row)")
 ap.add_argument("--out", default="")
 args = ap.parse_args()
 
 cfg = SHAPES[args.shape][0]
 dev, dt = "cuda", torch.bfloat16
-x, delta = (torch.randn(1, 1, cfg.hidden_size, device=dev, dtype=dt) for _ in range(2))
+x, delta = (torch.randn(1, args.rows, cfg.hidden_size, device=dev, dtype=dt) for _ in range(2))
 g = torch.ones(cfg.hidden_size, device=dev, dtype=dt)
 KIND = {"qkv": "norm", "o": "plain", "gate_up": "glu", "down": "plain"}
 
@@ -38,7 +45,7 @@ KIND = {"qkv": "norm", "o": "plain", "gate_up": "glu", "down": "plain"}
 def calls(kind, ws):
     """(the torch ops, the fused kernel) for one shape, each cycling over the weight copies."""
     if kind == "plain":
-        h = torch.randn(1, 1, ws[0].shape[1], device=dev, dtype=dt)
+        h = torch.randn(1, args.rows, ws[0].shape[1], device=dev, dtype=dt)
         return cycling(lambda w: F.linear(h, w), ws), cycling(lambda w: gemv_kernel.gemv(h, w), ws)
     if kind == "glu":
         return (cycling(lambda w: silu_mul(F.linear(add_rms_norm(x, delta, g, 1e-6)[1], w)), ws),
@@ -47,31 +54,37 @@ def calls(kind, ws):
             cycling(lambda w: gemv_kernel.norm_gemv(x, delta, g, 1e-6, w)[1], ws))
 
 
-grid = list(itertools.product(*([int(v) for v in a.split(",")]
-                                 for a in (args.block_n, args.block_k, args.warps))))
+sweep = (args.block_n, args.block_k, args.warps) + ((args.stages, args.splits) if args.rows > 1 else ())
+grid = list(itertools.product(*([int(v) for v in a.split(",")] for a in sweep)))
+table = gemv_kernel.BLOCKS if args.rows == 1 else gemm_kernel.BLOCKS
 best: list[tuple[str, int, tuple]] = []
 fused_total = torch_total = 0.0
 for name, (N, K) in projections(cfg).items():
     kind, ws = KIND[name], weight_copies(N, K)
     gb = N * K * 2 / 1e9
     torch_op, ours = calls(kind, ws)
-    t = graphed_us(torch_op, n=48)
+    t = t_torch = graphed_us(torch_op, n=48)
     torch_total += t
     print(f"{name} ({kind}): N {N}, K {K}, {gb * 1e3:.1f} MB")
     print(f"  torch ops (prologue + cuBLAS):                   {t:7.1f} us  {gb / t * 1e6:6.0f} GB/s")
     times = {}
     for blocks in grid:
-        gemv_kernel.set_blocks(kind, N * K, blocks)
-        times[blocks] = t = graphed_us(ours, n=48)
-        print(f"  fused, BLOCK_N {blocks[0]:3d}, BLOCK_K {blocks[1]:4d}, warps {blocks[2]}: "
+        table[kind] = [(0, blocks)]
+        try:
+            times[blocks] = t = graphed_us(ours, n=48)
+        except OutOfResources as e:   # a tile and its pipeline stages past shared memory
+            print(f"  fused, {blocks}: {e}")
+            continue
+        more = f", stages {blocks[3]}, splits {blocks[4]}" if args.rows > 1 else ""
+        print(f"  fused, BLOCK_N {blocks[0]:3d}, BLOCK_K {blocks[1]:4d}, warps {blocks[2]}{more}: "
               f"{t:7.1f} us  {gb / t * 1e6:6.0f} GB/s", flush=True)
     fastest = min(times, key=times.get)
     fused_total += times[fastest]
-    best.append((kind, N * K, fastest))
+    best.append((kind, N * K, fastest, times[fastest], t_torch))
     print(f"  fastest: {fastest}, {times[fastest]:.1f} us", flush=True)
     del ws
 
-print(f"one layer, us: torch ops {torch_total:.1f}, fused at each matrix's fastest blocks {fused_total:.1f}")
+print(f"{args.rows} rows, one layer, us: torch ops {torch_total:.1f}, fused at each matrix's fastest blocks {fused_total:.1f}")
 if args.out:
     with open(args.out, "w") as f:
-        json.dump([[kind, numel, list(blocks)] for kind, numel, blocks in best], f)
+        json.dump([[kind, numel, list(blocks), us, torch_us] for kind, numel, blocks, us, torch_us in best], f)

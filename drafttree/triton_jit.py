@@ -88,7 +88,7 @@ def jit_kernel(fn: Callable[..., Any], interpret: bool,
         fn.__globals__["tl"] = triton.language
         for name, obj in list(fn.__globals__.items()):
             plain = obj.fn if isinstance(obj, triton.JITFunction) else obj
-            if getattr(plain, "device_function", False):
+            if inspect.isfunction(plain) and getattr(plain, "device_function", False) is True:
                 plain.__globals__["tl"] = triton.language
                 if plain not in _DEVICE_FNS:
                     _DEVICE_FNS[plain] = triton.JITFunction(plain)

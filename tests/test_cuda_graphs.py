@@ -48,9 +48,9 @@ def test_seed_config_first_request_eager(pair):
     assert got == want
 
 
-def _outputs(t, d, spec, graphs, prompts, sp, max_num_seqs=8, budget=None):
+def _outputs(t, d, spec, graphs, prompts, sp, max_num_seqs=8, budget=None, dtype="float32"):
     llm = LLM(model=str(t), draft_model=str(d) if spec != "none" else None, spec=spec, budget=budget,
-              device="cuda", dtype="float32", max_num_seqs=max_num_seqs, max_model_len=256, cuda_graphs=graphs)
+              device="cuda", dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=256, cuda_graphs=graphs)
     outs = llm.generate(prompts, sp)
     return [o.token_ids for o in outs], llm
 
@@ -73,6 +73,27 @@ def test_graph_replay_equals_eager(pair, spec, budget, batch, temperature):
     widths = {p: llm.engine.spec.width(p) for p in llm.engine.spec.round_phases}
     if spec == "ddtree":
         assert widths[Phase.VERIFY] == budget + 1 and widths[Phase.DRAFT] == 8
+
+
+@cuda
+@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", None), ("ddtree", 32)])
+def test_bf16_graphs_through_the_fused_projections_equal_eager(pair, spec, budget, monkeypatch):
+    """bf16: one-token rows through the GEMVs, verify and draft rows through the few-row kernel
+    (given blocks at every weight size, in two input splits), graphed against eager."""
+    from drafttree.models import gemm_kernel
+    for kind in gemm_kernel.BLOCKS:
+        monkeypatch.setitem(gemm_kernel.BLOCKS, kind, [(0, (32, 64, 4, 3, 2))])
+    launches = []
+    real = gemm_kernel.launch
+    monkeypatch.setattr(gemm_kernel, "launch", lambda *a: launches.append(a[0]) or real(*a))
+    t, d = pair
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    sp = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+          SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=1, ignore_eos=True)]
+    eager, _ = _outputs(t, d, spec, False, prompts, sp, budget=budget, dtype="bfloat16")
+    graphed, llm = _outputs(t, d, spec, True, prompts, sp, budget=budget, dtype="bfloat16")
+    assert graphed == eager and llm.engine.runner.graphs.fallbacks == 0
+    assert spec == "none" or {"norm", "plain", "glu"} <= set(launches)
 
 
 @cuda

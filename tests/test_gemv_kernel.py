@@ -1,15 +1,17 @@
-"""The one-token projections with fused prologues against the torch ops they replace, and a
-decode through them. Without CUDA the kernels run under the Triton interpreter on CPU."""
+"""The fused projections (one token row: the GEMVs; 2 to gemm_kernel.MAX_ROWS rows: the
+tensor-core kernel, its input splits too) against the torch ops they replace, and a decode and a
+layer through them. Without CUDA the kernels run under the Triton interpreter on CPU, where bf16
+dots are not emulated: the many-row bf16 cases are GPU cases."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from drafttree.models import gemv_kernel
+from drafttree.models import gemm_kernel, gemv_kernel
 from drafttree.models.layers import add_rms_norm, rms_norm, silu_mul
 from tests.test_spec_lossless import zoo  # noqa: F401  (fixture)
-from tests.test_tree_kernel import DEVICE, interpreted_on_cpu
+from tests.test_tree_kernel import _CPU, DEVICE, interpreted_on_cpu
 
 
 @pytest.fixture(autouse=True)
@@ -18,14 +20,30 @@ def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# Token rows: one (the GEMVs); a draft block; a DDTree verify at budget 32 (padded to 64 rows),
+# in one pass, in three input splits (the tensor-core kernel's blocks), and as the torch ops
+# (a weight class without blocks).
+ONE_PASS, SPLITS = (32, 64, 4, 2, 1), (16, 64, 4, 3, 3)
+ROWS = [pytest.param(1, None, id="1row"), pytest.param(16, ONE_PASS, id="16rows"),
+        pytest.param(33, ONE_PASS, id="33rows"), pytest.param(33, SPLITS, id="33rows_split"),
+        pytest.param(33, "torch", id="33rows_torch_ops")]
+
+
+def _rows_case(monkeypatch: pytest.MonkeyPatch, rows: int, blocks, dtype: torch.dtype) -> None:
+    if rows > 1 and blocks != "torch" and dtype != torch.float32 and _CPU:
+        pytest.skip("bf16 dots are a GPU case")
+    for kind in gemm_kernel.BLOCKS if blocks else ():
+        monkeypatch.setitem(gemm_kernel.BLOCKS, kind, [(0, None if blocks == "torch" else blocks)])
 
 
 @pytest.mark.parametrize("K,N", [(300, 40), (256, 16), (64, 7)])   # ragged K and N blocks too
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_delta,with_bias", [(True, False), (False, True)])
-def test_norm_gemv_matches_the_torch_ops(K, N, dtype, with_delta, with_bias):
+@pytest.mark.parametrize("rows,blocks", ROWS)
+def test_norm_gemv_matches_the_torch_ops(K, N, dtype, with_delta, with_bias, rows, blocks, monkeypatch):
+    _rows_case(monkeypatch, rows, blocks, dtype)
     gen = torch.Generator().manual_seed(K + N)
-    x, delta = (torch.randn(1, 1, K, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    x, delta = (torch.randn(1, rows, K, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
     g = (1 + torch.rand(K, generator=gen)).to(dtype).to(DEVICE)
     w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(DEVICE)
     b = torch.randn(N, generator=gen).to(dtype).to(DEVICE) if with_bias else None
@@ -34,7 +52,7 @@ def test_norm_gemv_matches_the_torch_ops(K, N, dtype, with_delta, with_bias):
     else:
         want_x, h = x, rms_norm(x, g, 1e-6)
     got_x, y = gemv_kernel.norm_gemv(x, delta if with_delta else None, g, 1e-6, w, b)
-    assert y.shape == (1, 1, N) and y.dtype == dtype
+    assert y.shape == (1, rows, N) and y.dtype == dtype
     if dtype == torch.float32 or DEVICE == "cuda":
         assert torch.equal(got_x, want_x)
     else:   # the interpreter rounds fp32 -> bf16 toward zero: one bf16 step apart at most
@@ -45,18 +63,20 @@ def test_norm_gemv_matches_the_torch_ops(K, N, dtype, with_delta, with_bias):
 @pytest.mark.parametrize("K,I", [(300, 40), (64, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_delta", [True, False])
-def test_norm_glu_gemv_matches_the_torch_ops(K, I, dtype, with_delta):
+@pytest.mark.parametrize("rows,blocks", ROWS)
+def test_norm_glu_gemv_matches_the_torch_ops(K, I, dtype, with_delta, rows, blocks, monkeypatch):
     """The gate/up projection with SiLU·up as its epilogue: against add + norm, the projection
     and silu_mul; and against silu_mul of the plain norm_gemv's output, which rounds at the same
     points (equal but for the dot's order and, interpreted, the truncating bf16 casts)."""
+    _rows_case(monkeypatch, rows, blocks, dtype)
     gen = torch.Generator().manual_seed(K + I)
-    x, delta = (torch.randn(1, 1, K, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    x, delta = (torch.randn(1, rows, K, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
     delta = delta if with_delta else None
     g = (1 + torch.rand(K, generator=gen)).to(dtype).to(DEVICE)
     w = (torch.randn(2 * I, K, generator=gen) / K ** 0.5).to(dtype).to(DEVICE)
     got_x, h = gemv_kernel.norm_glu_gemv(x, delta, g, 1e-6, w)
     hn = add_rms_norm(x, delta, g, 1e-6)[1] if with_delta else rms_norm(x, g, 1e-6)
-    assert h.shape == (1, 1, I) and torch.equal(got_x, gemv_kernel.norm_gemv(x, delta, g, 1e-6, w)[0])
+    assert h.shape == (1, rows, I) and torch.equal(got_x, gemv_kernel.norm_gemv(x, delta, g, 1e-6, w)[0])
     tol = 2 * TOL[dtype]   # two rounded factors (the torch ops also round the normed input)
     torch.testing.assert_close(h.float(), silu_mul(F.linear(hn, w)).float(), atol=tol, rtol=tol)
     gu = gemv_kernel.norm_gemv(x, delta, g, 1e-6, w)[1]
@@ -90,24 +110,31 @@ def test_block_classes(monkeypatch):
     assert gemv_kernel.blocks_for("norm", 10) == (2, 256, 4)
 
 
-def test_refuses_more_than_one_row_and_an_odd_gate_up():
-    x = torch.zeros(2, 1, 64, device=DEVICE)
-    with pytest.raises(ValueError, match="one row"):
-        gemv_kernel.norm_gemv(x, None, torch.ones(64, device=DEVICE), 1e-6, torch.zeros(8, 64, device=DEVICE))
-    with pytest.raises(ValueError, match="one row"):
-        gemv_kernel.norm_glu_gemv(x, None, torch.ones(64, device=DEVICE), 1e-6, torch.zeros(8, 64, device=DEVICE))
-    with pytest.raises(ValueError, match="one row"):
-        gemv_kernel.gemv(x, torch.zeros(8, 64, device=DEVICE))
-    with pytest.raises(ValueError, match="glu gemv"):   # [gate | up] needs an even row count
-        gemv_kernel.norm_glu_gemv(x[:1], None, torch.ones(64, device=DEVICE), 1e-6, torch.zeros(7, 64, device=DEVICE))
+def test_refuses_too_many_rows_and_an_odd_gate_up():
+    x = torch.zeros(gemm_kernel.MAX_ROWS + 1, 1, 64, device=DEVICE)
+    g, w = torch.ones(64, device=DEVICE), torch.zeros(8, 64, device=DEVICE)
+    for call in (lambda: gemv_kernel.norm_gemv(x, None, g, 1e-6, w), lambda: gemv_kernel.gemv(x, w),
+                 lambda: gemv_kernel.norm_glu_gemv(x, None, g, 1e-6, w)):
+        with pytest.raises(ValueError, match=f"at most {gemm_kernel.MAX_ROWS} rows"):
+            call()
+    for rows in (1, 2):   # [gate | up] needs an even row count
+        with pytest.raises(ValueError, match="glu gemv"):
+            gemv_kernel.norm_glu_gemv(x[:rows], None, g, 1e-6, torch.zeros(7, 64, device=DEVICE))
 
 
-def test_usable_only_for_one_16_bit_token(monkeypatch):
+@torch.no_grad()
+def test_usable_for_few_16_bit_rows(monkeypatch):
     monkeypatch.setattr(gemv_kernel, "ENABLED", True)
+    monkeypatch.setattr(gemm_kernel, "ENABLED", True)
     one = torch.zeros(1, 1, 64, dtype=torch.bfloat16, device=DEVICE)
-    assert gemv_kernel.usable(one)
+    most = torch.zeros(2, gemm_kernel.MAX_ROWS // 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    assert gemv_kernel.usable(one) and gemv_kernel.usable(most)
     assert not gemv_kernel.usable(one.float())                 # fp32 keeps cuBLAS: decode == verify
-    assert not gemv_kernel.usable(torch.zeros(1, 2, 64, dtype=torch.bfloat16, device=DEVICE))
+    assert not gemv_kernel.usable(torch.zeros(1, gemm_kernel.MAX_ROWS + 1, 64, dtype=torch.bfloat16, device=DEVICE))
+    with torch.enable_grad():   # no backward: training keeps the torch ops
+        assert not gemv_kernel.usable(one)
+    monkeypatch.setattr(gemm_kernel, "ENABLED", False)   # DRAFTTREE_GEMM=0: one row only
+    assert gemv_kernel.usable(one) and not gemv_kernel.usable(most)
     monkeypatch.setattr(gemv_kernel, "ENABLED", False)
     assert not gemv_kernel.usable(one)
 
@@ -133,13 +160,15 @@ def test_decode_through_the_kernels(zoo, monkeypatch, shape):
 
 @pytest.mark.parametrize("shape", ["qwen2", "qwen3", "llama"])
 @pytest.mark.parametrize("first", [False, True])   # the first layer has no MLP output to add
-def test_one_token_layer_equals_the_layer(zoo, monkeypatch, shape, first):
-    """The layer's one-token path against its usual path, with random norm weights and biases
+@pytest.mark.parametrize("rows,blocks", [(1, None), (5, SPLITS), (5, "torch")])
+def test_fused_layer_equals_the_layer(zoo, monkeypatch, shape, first, rows, blocks):
+    """The layer's fused path against its usual path, with random norm weights and biases
     (the tiny models' norms are ones and their biases small); attention is the same stand-in in
     both, so this checks what goes into and comes out of each fused projection."""
     from drafttree.config import ModelConfig
     from drafttree.models.decoder import DecoderLayer
     from drafttree.models.layers import Attention
+    _rows_case(monkeypatch, rows, blocks, torch.float32)
     cfg = ModelConfig.from_dir(zoo(shape).target)
     torch.manual_seed(5)
     layer = DecoderLayer(cfg).to(DEVICE)
@@ -147,7 +176,7 @@ def test_one_token_layer_equals_the_layer(zoo, monkeypatch, shape, first):
         for p in layer.parameters():
             p.normal_(1.0 if p.dim() == 1 else 0.0, 0.3)
     monkeypatch.setattr(Attention, "attend_qkv", lambda self, qkv, *a: qkv[..., : self.h * self.hd])
-    x, delta = torch.randn(2, 1, 1, cfg.hidden_size, device=DEVICE)
+    x, delta = torch.randn(2, 1, rows, cfg.hidden_size, device=DEVICE)
     delta = None if first else delta
     with torch.no_grad():
         monkeypatch.setattr(gemv_kernel, "usable", lambda x: False)
@@ -156,3 +185,34 @@ def test_one_token_layer_equals_the_layer(zoo, monkeypatch, shape, first):
         got = layer(x, delta, None, None, None, None)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,blocks", [(1, None), (4, ONE_PASS), (4, "torch")])
+def test_fused_draft_layer_equals_the_layer(zoo, monkeypatch, rows, blocks):
+    """A drafter layer's block rows through the fused projections (norm in the QKV projection,
+    o, gate/up with SiLU·up, down) against its usual path; a stand-in attention passes q and the
+    block's own k and v on, so all three halves of the QKV output are checked."""
+    from drafttree.config import ModelConfig
+    from drafttree.models import dflash
+    _rows_case(monkeypatch, rows, blocks, torch.float32)
+    cfg = ModelConfig.from_dir(zoo("qwen3").target)
+    torch.manual_seed(6)
+    layer = dflash.DraftLayer(cfg).to(DEVICE)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.3)
+    g = cfg.num_heads // cfg.num_kv_heads
+
+    def attention(q, k, v, *_):
+        kv = (k[:, -rows:] + 2 * v[:, -rows:]).repeat_interleave(g, dim=2)
+        return (q + kv).flatten(2)
+    monkeypatch.setattr(dflash, "cached_attention", attention)
+    x, ctx = torch.randn(1, rows, cfg.hidden_size, device=DEVICE), torch.randn(1, 3, cfg.hidden_size, device=DEVICE)
+    rope = (torch.ones(1, rows, 1, cfg.head_dim, device=DEVICE), torch.zeros(1, rows, 1, cfg.head_dim, device=DEVICE))
+    rope_kv = tuple(t.expand(1, rows + 3, 1, cfg.head_dim) for t in (rope[0][:, :1], rope[1][:, :1]))
+    with torch.no_grad():
+        monkeypatch.setattr(gemv_kernel, "usable", lambda x: False)
+        want = layer(x, ctx, rope, rope_kv, None, None, None)
+        monkeypatch.setattr(gemv_kernel, "usable", lambda x: True)
+        got = layer(x, ctx, rope, rope_kv, None, None, None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

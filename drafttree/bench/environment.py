@@ -15,8 +15,9 @@ def _version(dist: str) -> str | None:
 
 
 def environment() -> dict:
-    from drafttree.models import attn_kernel, gemv_kernel
+    from drafttree.models import attn_kernel, gemm_kernel, gemv_kernel
     return {"torch": torch.__version__, "triton": _version("triton"), "drafttree": _version("drafttree"),
             "cuda": torch.version.cuda,
-            "kernels": {"attention": attn_kernel.ENABLED, "one_token_projections": gemv_kernel.ENABLED},
+            "kernels": {"attention": attn_kernel.ENABLED, "one_token_projections": gemv_kernel.ENABLED,
+                        "few_row_projections": gemv_kernel.ENABLED and gemm_kernel.ENABLED},
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DRAFTTREE_")}}

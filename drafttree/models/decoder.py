@@ -23,15 +23,16 @@ class DecoderLayer(nn.Module):
         (None for the first layer): each residual add runs in the kernel of the norm after it.
         Returns (the stream before this layer's MLP output, that output)."""
         if gemv_kernel.usable(x):
-            return self._one_token(x, delta, rope, meta, k_cache, v_cache)
+            return self._fused(x, delta, rope, meta, k_cache, v_cache)
         x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta)
         x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, rope, meta, k_cache, v_cache))
         return x, self.mlp(h)
 
-    def _one_token(self, x: torch.Tensor, delta: torch.Tensor | None, rope, meta: AttnMeta, k_cache,
-                   v_cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` for one token, each norm run inside the projection after it and SiLU·up inside
-        the gate/up projection; the o and down projections as one launch each too."""
+    def _fused(self, x: torch.Tensor, delta: torch.Tensor | None, rope, meta: AttnMeta, k_cache,
+               v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for few token rows through `gemv_kernel`'s projections: for one row, each norm
+        runs inside the projection after it and SiLU·up inside the gate/up projection; a verify's or
+        draft block's rows take tensor-core tiles or the torch ops, per weight class (gemm_kernel)."""
         ln, post, attn, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
         x, qkv = gemv_kernel.norm_gemv(x, delta, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
         o = gemv_kernel.gemv(attn.attend_qkv(qkv, rope, meta, k_cache, v_cache), attn.o_proj.weight, attn.o_proj.bias)
@@ -40,8 +41,12 @@ class DecoderLayer(nn.Module):
 
     def residual_mlp(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The layer after attention, residuals added at once: add, norm, MLP, add."""
-        x, h = self.post_attention_layernorm.add_and_norm(x, attn_out)
-        return x + self.mlp(h)
+        post, mlp = self.post_attention_layernorm, self.mlp
+        if gemv_kernel.usable(x):
+            x, h = gemv_kernel.norm_glu_gemv(x, attn_out, post.weight, post.eps, mlp.gate_up_proj.weight)
+            return x + gemv_kernel.gemv(h, mlp.down_proj.weight)
+        x, h = post.add_and_norm(x, attn_out)
+        return x + mlp(h)
 
 
 class DecoderLM(nn.Module):

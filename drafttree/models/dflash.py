@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from drafttree.config import ModelConfig
+from drafttree.models import gemv_kernel
 from drafttree.models.decoder import DecoderLayer
 from drafttree.models.layers import AttnMeta, RMSNorm, Rotary, apply_rope, cached_attention, write_kv
 from drafttree.phases import SpecConfig
@@ -89,13 +90,19 @@ class DraftLayer(DecoderLayer):
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_kv, meta: AttnMeta,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        attn = self.self_attn
-        q, kb, vb = attn.project(self.input_layernorm(x))
+        attn, ln = self.self_attn, self.input_layernorm
+        fused = gemv_kernel.usable(x)   # the block's rows: the norm inside the QKV projection
+        if fused:
+            qkv = gemv_kernel.norm_gemv(x, None, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)[1]
+            q, kb, vb = attn.split_qkv(qkv)
+        else:
+            q, kb, vb = attn.project(ln(x))
         _, kc, vc = attn.project(ctx)          # the context vector is not layer-normed here
         k = apply_rope(torch.cat([kc, kb], dim=1), *rope_kv)
         v = torch.cat([vc, vb], dim=1)
         out = cached_attention(apply_rope(q, *rope_q), k, v, meta, k_cache, v_cache)
-        return self.residual_mlp(x, attn.o_proj(out))
+        o = gemv_kernel.gemv(out, attn.o_proj.weight, attn.o_proj.bias) if fused else attn.o_proj(out)
+        return self.residual_mlp(x, o)
 
 
 class DFlashDrafter(nn.Module):

@@ -20,6 +20,10 @@ dot sums in fp32 in another order than cuBLAS. So only 16-bit models take this p
 cuBLAS everywhere and stays token-for-token equal between decode and verify. All three are one
 Triton kernel (prologue and epilogue chosen at compile time); block shapes per kernel and weight
 size: `benchmarks/gemv_bench.py` sweeps them on the GPU.
+
+The same three calls take 2 to gemm_kernel.MAX_ROWS rows (a verify, a draft block): they go to
+`gemm_kernel`, tensor-core tiles with the same prologue and epilogue, or the torch ops for the
+weight classes where those tiles lost (DRAFTTREE_GEMM=0: the torch ops for every class).
 """
 from __future__ import annotations
 
@@ -28,7 +32,9 @@ from typing import Any
 
 import torch
 
-from drafttree.triton_jit import interpreting, jit_kernel, kernels_run_on
+from drafttree.models import gemm_kernel
+from drafttree.models.gemm_kernel import glu_out
+from drafttree.triton_jit import dots_run_on, interpreting, jit_kernel, kernels_run_on
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -48,7 +54,7 @@ BLOCKS: dict[str, list[tuple[int, Blocks]]] = {
 
 
 def blocks_for(kind: str, numel: int) -> Blocks:
-    return next(blocks for least, blocks in BLOCKS[kind] if numel >= least)
+    return gemm_kernel.blocks_for(kind, numel, BLOCKS)
 
 
 def set_blocks(kind: str, numel: int, blocks: Blocks, split: bool = False) -> None:
@@ -98,34 +104,43 @@ def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl
         up = tl.sum(acc_up, axis=1)
         if NORM:
             up = up / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-        gate = acc.to(dt).to(tl.float32)
-        acc = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
+        acc = glu_out(acc, up, dt)
     tl.store(y_ptr + n, acc.to(dt), mask=n < N)
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether a forward over x [B, W, D] takes these kernels: enabled, one token, 16-bit."""
-    return (ENABLED and x.shape[0] * x.shape[1] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and kernels_run_on(x.device))
+    """Whether a forward over x [B, W, D] takes these kernels: enabled, no autograd (they have no
+    backward: a drafter's training keeps the torch ops), 16-bit, one token row (the GEMVs) or 2 to
+    gemm_kernel.MAX_ROWS rows (its tensor-core kernel, where `tl.dot` runs)."""
+    rows = x.numel() // x.shape[-1]
+    if not (ENABLED and not torch.is_grad_enabled() and x.dtype in (torch.bfloat16, torch.float16)
+            and kernels_run_on(x.device)):
+        return False
+    return rows == 1 or (gemm_kernel.ENABLED and rows <= gemm_kernel.MAX_ROWS and dots_run_on(x.device))
 
 
 def norm_gemv(x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor, eps: float, w: torch.Tensor,
               b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, (rmsnorm(x + delta) * g) @ w.T + b) for x [..., K] of one row; w [N, K]."""
+    """(x + delta, (rmsnorm(x + delta) * g) @ w.T + b) for x [..., K] of up to gemm_kernel.MAX_ROWS
+    rows; w [N, K]."""
     return _launch("norm", x, delta, g, eps, w, b)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T + b for x [..., K] of one row; w [N, K]."""
+    """x @ w.T + b for x [..., K] of up to gemm_kernel.MAX_ROWS rows; w [N, K]."""
     return _launch("plain", x, None, None, 0.0, w, b)[1]
 
 
 def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
             w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = w.shape
-    if x.numel() != K or x.shape[-1] != K or not w.is_contiguous() or kind == "glu" and N % 2:
-        rows = ", w's rows [gate | up]: an even count" if kind == "glu" else ""
-        raise ValueError(f"{kind} gemv: x {tuple(x.shape)}, w {tuple(w.shape)} (one row, w contiguous{rows})")
+    rows = x.numel() // K
+    if x.shape[-1] != K or rows > gemm_kernel.MAX_ROWS or not w.is_contiguous() or kind == "glu" and N % 2:
+        even = ", w's rows [gate | up]: an even count" if kind == "glu" else ""
+        raise ValueError(f"{kind} gemv: x {tuple(x.shape)}, w {tuple(w.shape)} "
+                         f"(at most {gemm_kernel.MAX_ROWS} rows, w contiguous{even})")
+    if rows > 1:
+        return gemm_kernel.launch(kind, x, delta, g, eps, w, b)
     x = x.contiguous()
     xo = torch.empty_like(x) if delta is not None else x
     N = N // 2 if kind == "glu" else N

@@ -230,7 +230,11 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (q/k-normed where the model has it, no rope yet) and v."""
-        q, k, v = self._split(self.qkv_proj(x))
+        return self.split_qkv(self.qkv_proj(x))
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`project` from the fused QKV projection's output."""
+        q, k, v = self._split(qkv)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v

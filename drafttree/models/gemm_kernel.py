@@ -1,0 +1,175 @@
+"""Few-row projections (2 to MAX_ROWS token rows: a verify, a draft block) with the one-token
+GEMVs' prologue and epilogue (`gemv_kernel`), on tensor cores.
+
+A DDTree verify at budget 32 runs 33 rows per layer through cuBLAS, with a residual add + RMSNorm
+launch before the QKV and gate/up projections and a SiLU·up launch after the gate/up one. Here,
+as in the one-token kernels, each runs inside its projection: a program streams BN weight rows
+against all the token rows (padded to BM, at most 64, from L2), multiplies by the norm's weight
+before the dot and by each row's 1/rms after it. With `split` > 1 the programs also split the
+inputs, write fp32 partial sums, and a second launch (`_finish_kernel`) adds the splits in a fixed
+order and applies the epilogue: deterministic, no atomics.
+
+The normed input is rounded to the model dtype for the tensor-core dot (its 1/rms is not), and the
+dot sums in another order than cuBLAS: 16-bit models only, like the GEMVs. A weight class without
+blocks in BLOCKS runs the torch ops instead (`torch_ops`): on an H200 these tiles beat cuBLAS only
+where cuBLAS pays a split-K reduce launch (the o and down projections of Qwen3-8B's shape).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from drafttree.models.layers import add_rms_norm, rms_norm, silu_mul
+from drafttree.triton_jit import device_function, interpreting, jit_kernel, next_pow2
+
+tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
+
+MAX_ROWS = 64
+ENABLED = os.environ.get("DRAFTTREE_GEMM", "1") == "1"
+# Per kernel, (least weight elements, (weight rows per program, inputs per step, warps, pipeline
+# stages, input splits) or None), largest class first, as gemv_kernel.BLOCKS. None keeps the torch
+# ops (cuBLAS, and the norm or SiLU·up launch) where this kernel did not beat them: on an H200 at
+# 33 rows (`benchmarks/gemv_bench.py --rows 33`, run 15) the Qwen3-8B o and down projections won
+# (13.2 against 14.1 µs, 29.6 against 30.1), QKV with its norm and gate/up with SiLU·up lost
+# (23.7 against 20.7, 69.3 against 57.8); weights under 2^24 elements were not swept.
+Blocks = tuple[int, int, int, int, int]
+BLOCKS: dict[str, list[tuple[int, Blocks | None]]] = {
+    "norm": [(0, None)],
+    "plain": [(1 << 24, (64, 128, 4, 3, 4)), (0, None)],
+    "glu": [(0, None)],
+}
+
+
+@device_function
+def glu_out(gate, up, dt):
+    """silu(gate) * up of fp32 sums, rounded where the unfused ops round: gate and up, silu, product."""
+    gate = gate.to(dt).to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
+
+
+def blocks_for(kind: str, numel: int, table: dict[str, list[tuple[int, Any]]] | None = None) -> Any:
+    """The blocks of the first class (largest first) that `numel` weight elements reach, in `table`
+    (this module's BLOCKS unless given)."""
+    return next(blocks for least, blocks in (BLOCKS if table is None else table)[kind] if numel >= least)
+
+
+def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, ws_ptr, ss_ptr, M, N, eps,
+                 K: tl.constexpr, HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr,
+                 GLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 KS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr):
+    pid, pk = tl.program_id(0), tl.program_id(1)
+    dt = y_ptr.dtype.element_ty
+    n = pid * BN + tl.arange(0, BN)
+    m = tl.arange(0, BM)
+    acc = tl.zeros([BN, BM], tl.float32)    # y transposed: the weight rows are the MMA's M
+    acc_up = tl.zeros([BN, BM], tl.float32)   # GLU: rows N + n of w, the up half
+    ss = tl.zeros([BK, BM], tl.float32)   # per lane, summed across lanes once, after the loop
+    for k0 in tl.range(0, KS, BK, num_stages=STAGES):
+        k = pk * KS + k0 + tl.arange(0, BK)
+        x_ok = (k[:, None] < K) & (m[None, :] < M)
+        v = tl.load(x_ptr + m[None, :] * K + k[:, None], mask=x_ok, other=0.0)   # [BK, BM]
+        if HAS_D:   # the residual stream, rounded to the model dtype as the torch add does
+            v = (v.to(tl.float32) + tl.load(d_ptr + m[None, :] * K + k[:, None], mask=x_ok,
+                                            other=0.0).to(tl.float32)).to(dt)
+            if pid == 0:
+                tl.store(xo_ptr + m[None, :] * K + k[:, None], v, mask=x_ok)
+        if NORM:
+            h = v.to(tl.float32)
+            ss += h * h
+            v = (tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[:, None] * h).to(dt)
+        w_ok = (n[:, None] < N) & (k[None, :] < K)
+        acc = tl.dot(tl.load(w_ptr + n[:, None] * K + k[None, :], mask=w_ok, other=0.0), v, acc,
+                     input_precision="ieee")
+        if GLU:
+            acc_up = tl.dot(tl.load(w_ptr + (N + n[:, None]) * K + k[None, :], mask=w_ok, other=0.0), v, acc_up,
+                            input_precision="ieee")
+    out_ok = (n[:, None] < N) & (m[None, :] < M)
+    ss = tl.sum(ss, axis=0)
+    if SPLIT > 1:   # fp32 partial sums [split, M, N (+ N for up)]; _finish_kernel adds them
+        part = ws_ptr + pk * M * (2 * N if GLU else N) + m[None, :] * (2 * N if GLU else N) + n[:, None]
+        tl.store(part, acc, mask=out_ok)
+        if GLU:
+            tl.store(part + N, acc_up, mask=out_ok)
+        if NORM and pid == 0:
+            tl.store(ss_ptr + pk * M + m, ss, mask=m < M)
+    else:
+        if NORM:
+            rs = 1.0 / tl.sqrt(ss / K + eps)
+            acc = acc * rs[None, :]
+            acc_up = acc_up * rs[None, :]
+        if HAS_B:
+            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+        if GLU:
+            acc = glu_out(acc, acc_up, dt)
+        tl.store(y_ptr + m[None, :] * N + n[:, None], acc.to(dt), mask=out_ok)
+
+
+def _finish_kernel(ws_ptr, ss_ptr, b_ptr, y_ptr, M, N, eps, K: tl.constexpr, HAS_B: tl.constexpr,
+                   NORM: tl.constexpr, GLU: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr):
+    row, pid = tl.program_id(0), tl.program_id(1)
+    dt = y_ptr.dtype.element_ty
+    n = pid * BN + tl.arange(0, BN)
+    width = 2 * N if GLU else N
+    acc = tl.zeros([BN], tl.float32)
+    up = tl.zeros([BN], tl.float32)
+    ss = 0.0
+    for s in tl.static_range(SPLIT):   # a fixed order: the same sums at every replay
+        acc += tl.load(ws_ptr + (s * M + row) * width + n, mask=n < N, other=0.0)
+        if GLU:
+            up += tl.load(ws_ptr + (s * M + row) * width + N + n, mask=n < N, other=0.0)
+        if NORM:
+            ss += tl.load(ss_ptr + s * M + row)
+    if NORM:
+        rs = 1.0 / tl.sqrt(ss / K + eps)
+        acc = acc * rs
+        up = up * rs
+    if HAS_B:
+        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    if GLU:
+        acc = glu_out(acc, up, dt)
+    tl.store(y_ptr + row * N + n, acc.to(dt), mask=n < N)
+
+
+def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
+           w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gemv_kernel._launch` for x [..., K] of 2 to MAX_ROWS rows (checked by the caller)."""
+    blocks = blocks_for(kind, w.numel())
+    if blocks is None:
+        return torch_ops(kind, x, delta, g, eps, w, b)
+    N, K = w.shape
+    M = x.numel() // K
+    x = x.contiguous()
+    xo = torch.empty_like(x) if delta is not None else x
+    N = N // 2 if kind == "glu" else N
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    d = delta.contiguous() if delta is not None else x
+    bn, bk, warps, stages, split = blocks
+    split = max(1, min(split, -(-K // bk)))
+    ks = -(-(-(-K // split)) // bk) * bk   # inputs per split, a multiple of bk
+    split = -(-K // ks)
+    glu, norm = kind == "glu", g is not None
+    ws = torch.empty(split, M, 2 * N if glu else N, dtype=torch.float32, device=x.device) if split > 1 else y
+    ss = torch.empty(split, M, dtype=torch.float32, device=x.device) if split > 1 and norm else y
+    interp = interpreting()
+    jit_kernel(_gemm_kernel, interp, ("M", "N"))[(-(-N // bn), split)](
+        x, d, g.contiguous() if norm else x, w, b if b is not None else w, xo, y, ws, ss, M, N, eps, K=K,
+        HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, BM=max(16, next_pow2(M)),
+        BN=bn, BK=bk, KS=ks, SPLIT=split, STAGES=stages, num_warps=warps)
+    if split > 1:
+        fin = 256
+        jit_kernel(_finish_kernel, interp, ("M", "N"))[(M, -(-N // fin))](
+            ws, ss, b if b is not None else w, y, M, N, eps, K=K, HAS_B=b is not None, NORM=norm, GLU=glu,
+            SPLIT=split, BN=fin, num_warps=4)
+    return xo, y
+
+
+def torch_ops(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
+              w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `launch` computes, as the unfused layers compute it (add + norm, cuBLAS, SiLU·up)."""
+    if g is not None:
+        x, x_normed = add_rms_norm(x, delta, g, eps) if delta is not None else (x, rms_norm(x, g, eps))
+    y = F.linear(x_normed if g is not None else x, w, b)
+    return x, silu_mul(y) if kind == "glu" else y

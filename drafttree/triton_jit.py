@@ -18,6 +18,10 @@ _DEVICE_FNS: dict[Callable[..., Any], Any] = {}
 _TRITON_OK: bool | None = None
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from drafttree.models.layers import add_rms_norm, rms_norm, silu_mul
-from drafttree.triton_jit import device_function, interpreting, jit_kernel, next_pow2
+from drafttree.triton_jit import cdiv, device_function, interpreting, jit_kernel, next_pow2
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -36,6 +36,7 @@ ENABLED = os.environ.get("DRAFTTREE_GEMM", "1") == "1"
 # (13.2 against 14.1 µs, 29.6 against 30.1), QKV with its norm and gate/up with SiLU·up lost
 # (23.7 against 20.7, 69.3 against 57.8); weights under 2^24 elements were not swept.
 Blocks = tuple[int, int, int, int, int]
+FINISH_BLOCK = 256   # outputs per program of the launch that adds the input splits
 BLOCKS: dict[str, list[tuple[int, Blocks | None]]] = {
     "norm": [(0, None)],
     "plain": [(1 << 24, (64, 128, 4, 3, 4)), (0, None)],
@@ -147,29 +148,29 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     d = delta.contiguous() if delta is not None else x
     bn, bk, warps, stages, split = blocks
-    split = max(1, min(split, -(-K // bk)))
-    ks = -(-(-(-K // split)) // bk) * bk   # inputs per split, a multiple of bk
-    split = -(-K // ks)
+    ks = cdiv(cdiv(K, max(1, split)), bk) * bk   # inputs per split, a multiple of bk
+    split = cdiv(K, ks)
     glu, norm = kind == "glu", g is not None
     ws = torch.empty(split, M, 2 * N if glu else N, dtype=torch.float32, device=x.device) if split > 1 else y
     ss = torch.empty(split, M, dtype=torch.float32, device=x.device) if split > 1 and norm else y
     interp = interpreting()
-    jit_kernel(_gemm_kernel, interp, ("M", "N"))[(-(-N // bn), split)](
+    jit_kernel(_gemm_kernel, interp, ("M", "N"))[(cdiv(N, bn), split)](
         x, d, g.contiguous() if norm else x, w, b if b is not None else w, xo, y, ws, ss, M, N, eps, K=K,
         HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, BM=max(16, next_pow2(M)),
         BN=bn, BK=bk, KS=ks, SPLIT=split, STAGES=stages, num_warps=warps)
     if split > 1:
-        fin = 256
-        jit_kernel(_finish_kernel, interp, ("M", "N"))[(M, -(-N // fin))](
+        jit_kernel(_finish_kernel, interp, ("M", "N"))[(M, cdiv(N, FINISH_BLOCK))](
             ws, ss, b if b is not None else w, y, M, N, eps, K=K, HAS_B=b is not None, NORM=norm, GLU=glu,
-            SPLIT=split, BN=fin, num_warps=4)
+            SPLIT=split, BN=FINISH_BLOCK, num_warps=4)
     return xo, y
+
 
 
 def torch_ops(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
               w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """What `launch` computes, as the unfused layers compute it (add + norm, cuBLAS, SiLU·up)."""
+    h = x
     if g is not None:
-        x, x_normed = add_rms_norm(x, delta, g, eps) if delta is not None else (x, rms_norm(x, g, eps))
-    y = F.linear(x_normed if g is not None else x, w, b)
+        x, h = add_rms_norm(x, delta, g, eps) if delta is not None else (x, rms_norm(x, g, eps))
+    y = F.linear(h, w, b)
     return x, silu_mul(y) if kind == "glu" else y

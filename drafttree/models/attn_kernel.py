@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from drafttree.models.rope_kernel import norm_rope
-from drafttree.triton_jit import dots_run_on, interpreting, jit_kernel, next_pow2
+from drafttree.triton_jit import device_function, dots_run_on, interpreting, jit_kernel, next_pow2
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -41,6 +41,21 @@ MAX_SPLIT_BLOCKS = 16
 MAX_SPLITS = 64       # the merge holds [splits, hd] partials per query row
 
 
+@device_function
+def _roped(src, t, ok, w_ptr, cos_ptr, sin_ptr, eps, HD: tl.constexpr, NORM: tl.constexpr):
+    """`norm_rope` of the head rows starting at src [R] (token ids t, rows `ok`), in the model dtype."""
+    d = tl.arange(0, HD)
+    d_rot = (d + HD // 2) % HD
+    x = tl.load(src[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+    xr = tl.load(src[:, None] + d_rot[None, :], mask=ok[:, None], other=0.0)
+    cos = tl.load(cos_ptr + t[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    w, wr = cos, sin   # the norm's weights, read with NORM only (a name keeps its type across an if)
+    if NORM:
+        w, wr = tl.load(w_ptr + d)[None, :].to(tl.float32), tl.load(w_ptr + d_rot)[None, :].to(tl.float32)
+    return norm_rope(x, xr, w, wr, cos, sin, eps, HD, NORM).to(x.dtype)
+
+
 def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G, L, NS, NMB,
                   sqb, sqw, sqh, skr, skh, skl, svr, svh, svl, smb, smw, scale,
                   qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, eps,
@@ -58,17 +73,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G
     k_base = k_ptr + b.to(tl.int64) * skr + h * skh
     v_base = v_ptr + b.to(tl.int64) * svr + h * svh
     if ROPE:   # q_ptr is the fused QKV output [B, W, (H + 2 Hkv) * hd]: `rope_kernel`'s work here
-        d_rot = (d + HD // 2) % HD
-        qw, qwr = eps, eps   # the q norm's weights, read with NORM only
-        if NORM:
-            qw, qwr = tl.load(qw_ptr + d)[None, :].to(tl.float32), tl.load(qw_ptr + d_rot)[None, :].to(tl.float32)
         t = b * W + w
-        src = q_ptr + t[:, None].to(tl.int64) * sqw + (h * G + m[:, None] // W) * HD
-        x = tl.load(src + d[None, :], mask=m_ok[:, None], other=0.0)
-        xr = tl.load(src + d_rot[None, :], mask=m_ok[:, None], other=0.0)
-        cos = tl.load(cos_ptr + t[:, None] * HD + d[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + t[:, None] * HD + d[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-        q = norm_rope(x, xr, qw, qwr, cos, sin, eps, HD, NORM).to(x.dtype)
+        q = _roped(q_ptr + t.to(tl.int64) * sqw + (h * G + m // W) * HD, t, m_ok, qw_ptr, cos_ptr, sin_ptr, eps,
+                   HD, NORM)
         # The new tokens' k and v whose slots lie in this split's keys are written by this
         # split's programs (only they read those slots), before their key loop.
         i = tl.arange(0, W_PAD)
@@ -76,19 +83,12 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G
         slot = tl.load(slot_ptr + ti, mask=i < W, other=-1).to(tl.int64)
         lo = sp * SPLIT_BLOCKS * BN
         mine = (i < W) & (slot >= lo) & (slot < lo + SPLIT_BLOCKS * BN)
-        if tl.max(mine.to(tl.int32), 0) > 0:   # (Triton: a name keeps its type across the branch)
-            k_src = q_ptr + ti[:, None].to(tl.int64) * sqw + (HKV * G + h) * HD
-            kw, kwr = eps, eps
-            if NORM:
-                kw, kwr = tl.load(kw_ptr + d)[None, :].to(tl.float32), tl.load(kw_ptr + d_rot)[None, :].to(tl.float32)
-            kx = tl.load(k_src + d[None, :], mask=mine[:, None], other=0.0)
-            kxr = tl.load(k_src + d_rot[None, :], mask=mine[:, None], other=0.0)
-            kcos = tl.load(cos_ptr + ti[:, None] * HD + d[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
-            ksin = tl.load(sin_ptr + ti[:, None] * HD + d[None, :], mask=mine[:, None], other=0.0).to(tl.float32)
+        if tl.max(mine.to(tl.int32), 0) > 0:
+            k_src = q_ptr + ti.to(tl.int64) * sqw + (HKV * G + h) * HD
             tl.store(k_base + slot[:, None] * skl + d[None, :],
-                     norm_rope(kx, kxr, kw, kwr, kcos, ksin, eps, HD, NORM).to(kx.dtype), mask=mine[:, None])
+                     _roped(k_src, ti, mine, kw_ptr, cos_ptr, sin_ptr, eps, HD, NORM), mask=mine[:, None])
             tl.store(v_base + slot[:, None] * svl + d[None, :],
-                     tl.load(k_src + HKV * HD + d[None, :], mask=mine[:, None], other=0.0), mask=mine[:, None])
+                     tl.load(k_src[:, None] + HKV * HD + d[None, :], mask=mine[:, None], other=0.0), mask=mine[:, None])
             tl.debug_barrier()   # the writes are seen by this program's loads below
     else:
         q = tl.load(q_ptr + b * sqb + w[:, None] * sqw + (h * G + m[:, None] // W) * sqh + d[None, :],

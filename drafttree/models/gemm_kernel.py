@@ -140,13 +140,10 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     blocks = blocks_for(kind, w.numel())
     if blocks is None:
         return torch_ops(kind, x, delta, g, eps, w, b)
-    N, K = w.shape
+    K = w.shape[1]
     M = x.numel() // K
-    x = x.contiguous()
-    xo = torch.empty_like(x) if delta is not None else x
-    N = N // 2 if kind == "glu" else N
-    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    d = delta.contiguous() if delta is not None else x
+    x, d, xo, y = outputs(kind, x, delta, w)
+    N = y.shape[-1]
     bn, bk, warps, stages, split = blocks
     ks = cdiv(cdiv(K, max(1, split)), bk) * bk   # inputs per split, a multiple of bk
     split = cdiv(K, ks)
@@ -164,6 +161,17 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
             SPLIT=split, BN=FINISH_BLOCK, num_warps=4)
     return xo, y
 
+
+
+def outputs(kind: str, x: torch.Tensor, delta: torch.Tensor | None,
+            w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused projection's operands and outputs: x and delta contiguous (delta is x without one),
+    the residual stream out (x itself without delta) and y [..., N], N halved for gate/up."""
+    x = x.contiguous()
+    xo = torch.empty_like(x) if delta is not None else x
+    N = w.shape[0] // 2 if kind == "glu" else w.shape[0]
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    return x, delta.contiguous() if delta is not None else x, xo, y
 
 
 def torch_ops(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,

@@ -141,11 +141,8 @@ def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Ten
                          f"(at most {gemm_kernel.MAX_ROWS} rows, w contiguous{even})")
     if rows > 1:
         return gemm_kernel.launch(kind, x, delta, g, eps, w, b)
-    x = x.contiguous()
-    xo = torch.empty_like(x) if delta is not None else x
-    N = N // 2 if kind == "glu" else N
-    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    d = delta.contiguous() if delta is not None else x
+    x, d, xo, y = gemm_kernel.outputs(kind, x, delta, w)
+    N = y.shape[-1]
     bn, bk, warps = blocks_for(kind, w.numel())
     jit_kernel(_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
         x, d, g.contiguous() if g is not None else x, w, b if b is not None else w, xo, y, N, eps, K=K,

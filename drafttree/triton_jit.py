@@ -13,6 +13,10 @@ from typing import Any
 
 import torch
 
+tl: Any = None  # triton.language, bound by jit_kernel() for `pdl_wait`
+
+# DRAFTTREE_PDL=0 launches every kernel after its predecessor has finished (for A/B benchmarks).
+PDL_ENABLED = os.environ.get("DRAFTTREE_PDL", "1") == "1"
 _KERNELS: dict[tuple[Callable[..., Any], bool, tuple[str, ...]], Callable[..., Any]] = {}
 _DEVICE_FNS: dict[Callable[..., Any], Any] = {}
 _TRITON_OK: bool | None = None
@@ -64,6 +68,20 @@ def dots_run_on(device: torch.device | str) -> bool:
     return dev.type != "cuda" or interpreting() or _capability(dev.index) >= (8, 0)
 
 
+def pdl_on(device: torch.device | str) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch (Hopper or newer,
+    compiled): a kernel's programs may then start while its predecessor's last ones still run,
+    load what no kernel writes (weights), and wait (`pdl_wait`) before anything else."""
+    dev = torch.device(device)
+    return (PDL_ENABLED and dev.type == "cuda" and not interpreting() and torch.cuda.is_available()
+            and _capability(dev.index) >= (9, 0))
+
+
+def pdl_options(pdl: bool) -> dict[str, Any]:
+    """The launch keywords of a kernel whose `PDL` argument is `pdl`."""
+    return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
+
+
 def device_function(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a function that kernels call. `jit_kernel` binds it, in the module of each kernel that
     names it, as a Triton function, or as itself for the interpreter: a process runs its kernels
@@ -100,3 +118,15 @@ def jit_kernel(fn: Callable[..., Any], interpret: bool,
         _KERNELS[key] = (InterpretedFunction(fn) if interpret
                          else triton.JITFunction(fn, do_not_specialize=list(do_not_specialize)))
     return _KERNELS[key]
+
+
+@device_function
+def pdl_wait(PDL: tl.constexpr):
+    """Under programmatic dependent launch: wait until the kernels before this one have finished
+    and their writes are seen, then let the next kernel's programs start. Every kernel launched
+    with `pdl_options(True)` calls it in every program before it reads or writes anything an
+    earlier kernel may touch; before it, only loads of weights. A no-op without PDL."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+

@@ -97,6 +97,24 @@ def test_bf16_graphs_through_the_fused_projections_equal_eager(pair, spec, budge
 
 
 @cuda
+@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", None), ("ddtree", 32)])
+def test_bf16_graphs_with_dependent_launches_equal_without(pair, spec, budget, monkeypatch):
+    """Programmatic dependent launch (Hopper): a kernel's programs start while the one before
+    runs and load their first weights; graphed tokens equal those of launches that wait."""
+    from drafttree import triton_jit
+    if not triton_jit.pdl_on("cuda"):
+        pytest.skip("programmatic dependent launch needs a Hopper or newer GPU")
+    t, d = pair
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    sp = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+          SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=1, ignore_eos=True)]
+    with_pdl, llm = _outputs(t, d, spec, True, prompts, sp, budget=budget, dtype="bfloat16")
+    monkeypatch.setattr(triton_jit, "PDL_ENABLED", False)
+    without, _ = _outputs(t, d, spec, True, prompts, sp, budget=budget, dtype="bfloat16")
+    assert with_pdl == without and llm.engine.runner.graphs.fallbacks == 0
+
+
+@cuda
 def test_seed_config_first_request_graphed(pair):
     t, d = pair
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

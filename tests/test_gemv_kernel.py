@@ -216,3 +216,15 @@ def test_fused_draft_layer_equals_the_layer(zoo, monkeypatch, rows, blocks):
         monkeypatch.setattr(gemv_kernel, "usable", lambda x: True)
         got = layer(x, ctx, rope, rope_kv, None, None, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_dependent_launch_only_compiled_on_cuda(monkeypatch):
+    """PDL needs compiled kernels on a Hopper or newer GPU: never on CPU or under the interpreter,
+    and its launch keyword goes with the kernels' PDL argument only."""
+    from drafttree import triton_jit
+    assert not triton_jit.pdl_on("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not triton_jit.pdl_on("cuda")
+    assert triton_jit.pdl_options(False) == {"PDL": False}
+    assert triton_jit.pdl_options(True) == {"PDL": True, "launch_pdl": True}
+

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from drafttree.models.rope_kernel import norm_rope
-from drafttree.triton_jit import device_function, dots_run_on, interpreting, jit_kernel, next_pow2
+from drafttree.triton_jit import (device_function, dots_run_on, interpreting, jit_kernel, next_pow2, pdl_on,
+                                  pdl_options, pdl_wait)
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -62,7 +63,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G
                   SPLIT_BLOCKS: tl.constexpr,
                   HKV: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   PREC: tl.constexpr, DIRECT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-                  W_PAD: tl.constexpr):
+                  W_PAD: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid, sp = tl.program_id(0), tl.program_id(1)
     bh, mb = pid // NMB, pid % NMB
     b, h = bh // HKV, bh % HKV
@@ -126,7 +128,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G
 
 
 def _merge_kernel(acc_ptr, ml_ptr, o_ptr, M, W, G, HKV, NS, NS_PAD: tl.constexpr,
-                  HD: tl.constexpr):
+                  HD: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0)          # (b * Hkv + h) * M + m
     bh, m = row // M, row % M
     b, h = bh // HKV, bh % HKV
@@ -241,6 +244,7 @@ def _attention(q: torch.Tensor, H: int, k: torch.Tensor, v: torch.Tensor, mask: 
     r = (rope.q_weight if norm else q, rope.k_weight if norm else q, rope.cos.contiguous(), rope.sin.contiguous(),
          rope.slots.contiguous(), rope.eps) if rope is not None else (q, q, q, q, q, 0.0)
     interpret = interpreting()
+    pdl = pdl_options(pdl_on(q.device))
     # L (a KV bucket: few values) stays specialized: with it unspecialized and q token-major, a
     # batch-16 verify took 102 us against 56 before both changes (run 6); not yet split apart
     jit_kernel(_split_kernel, interpret, ("M", "W", "G", "NS", "NMB"))[(B * Hkv * nmb, ns)](
@@ -248,10 +252,10 @@ def _attention(q: torch.Tensor, H: int, k: torch.Tensor, v: torch.Tensor, mask: 
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), mask.stride(2), scale, *r, SPLIT_BLOCKS=split_blocks, HKV=Hkv, HD=hd, BM=bm, BN=BLOCK_N,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, ROPE=rope is not None, NORM=norm,
-        W_PAD=next_pow2(W) if rope is not None else 1, num_warps=4)  # fp32 stays fp32
+        W_PAD=next_pow2(W) if rope is not None else 1, num_warps=4, **pdl)  # fp32 stays fp32
     if direct:
         return out
     jit_kernel(_merge_kernel, interpret, ("M", "W", "G", "HKV", "NS"))[(B * Hkv * M,)](acc, ml, out, M, W, G, Hkv, ns,
                                                          NS_PAD=max(2, next_pow2(ns)),
-                                                         HD=hd, num_warps=2)
+                                                         HD=hd, num_warps=2, **pdl)
     return out

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from drafttree.models.layers import add_rms_norm, rms_norm, silu_mul
-from drafttree.triton_jit import cdiv, device_function, interpreting, jit_kernel, next_pow2
+from drafttree.triton_jit import cdiv, device_function, interpreting, jit_kernel, next_pow2, pdl_on, pdl_options, pdl_wait
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -60,7 +60,8 @@ def blocks_for(kind: str, numel: int, table: dict[str, list[tuple[int, Any]]] | 
 def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, ws_ptr, ss_ptr, M, N, eps,
                  K: tl.constexpr, HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr,
                  GLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 KS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr):
+                 KS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid, pk = tl.program_id(0), tl.program_id(1)
     dt = y_ptr.dtype.element_ty
     n = pid * BN + tl.arange(0, BN)
@@ -109,7 +110,9 @@ def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, ws_ptr, ss_pt
 
 
 def _finish_kernel(ws_ptr, ss_ptr, b_ptr, y_ptr, M, N, eps, K: tl.constexpr, HAS_B: tl.constexpr,
-                   NORM: tl.constexpr, GLU: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr):
+                   NORM: tl.constexpr, GLU: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_wait(PDL)
     row, pid = tl.program_id(0), tl.program_id(1)
     dt = y_ptr.dtype.element_ty
     n = pid * BN + tl.arange(0, BN)
@@ -151,14 +154,15 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     ws = torch.empty(split, M, 2 * N if glu else N, dtype=torch.float32, device=x.device) if split > 1 else y
     ss = torch.empty(split, M, dtype=torch.float32, device=x.device) if split > 1 and norm else y
     interp = interpreting()
+    pdl = pdl_options(pdl_on(x.device))
     jit_kernel(_gemm_kernel, interp, ("M", "N"))[(cdiv(N, bn), split)](
         x, d, g.contiguous() if norm else x, w, b if b is not None else w, xo, y, ws, ss, M, N, eps, K=K,
         HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, BM=max(16, next_pow2(M)),
-        BN=bn, BK=bk, KS=ks, SPLIT=split, STAGES=stages, num_warps=warps)
+        BN=bn, BK=bk, KS=ks, SPLIT=split, STAGES=stages, num_warps=warps, **pdl)
     if split > 1:
         jit_kernel(_finish_kernel, interp, ("M", "N"))[(M, cdiv(N, FINISH_BLOCK))](
             ws, ss, b if b is not None else w, y, M, N, eps, K=K, HAS_B=b is not None, NORM=norm, GLU=glu,
-            SPLIT=split, BN=FINISH_BLOCK, num_warps=4)
+            SPLIT=split, BN=FINISH_BLOCK, num_warps=4, **pdl)
     return xo, y
 
 

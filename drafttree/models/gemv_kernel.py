@@ -34,7 +34,8 @@ import torch
 
 from drafttree.models import gemm_kernel
 from drafttree.models.gemm_kernel import glu_out
-from drafttree.triton_jit import dots_run_on, interpreting, jit_kernel, kernels_run_on
+from drafttree.triton_jit import (device_function, dots_run_on, interpreting, jit_kernel, kernels_run_on,
+                                  pdl_on, pdl_options, pdl_wait)
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -69,32 +70,53 @@ def set_blocks(kind: str, numel: int, blocks: Blocks, split: bool = False) -> No
         classes.insert(at, (least, tuple(blocks)))
 
 
+@device_function
+def _gemv_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, ss, pid, K: tl.constexpr,
+               HAS_D: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr):
+    """One step of the input: inputs k against the weight tiles w (and w_up), loaded by the caller."""
+    v = tl.load(x_ptr + k, mask=k < K, other=0.0)
+    if HAS_D:   # the residual stream, rounded to the model dtype as the torch add does
+        v = (v.to(tl.float32) + tl.load(d_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(v.dtype)
+        if pid == 0:
+            tl.store(xo_ptr + k, v, mask=k < K)
+    h = v.to(tl.float32)
+    if NORM:
+        ss += h * h
+        h = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) * h
+    acc += w.to(tl.float32) * h[None, :]
+    if GLU:
+        acc_up += w_up.to(tl.float32) * h[None, :]
+    return acc, acc_up, ss
+
+
 def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl.constexpr,
                  HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
+                 BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     dt = y_ptr.dtype.element_ty
     n = pid * BN + tl.arange(0, BN)
     ss = tl.zeros([BK], tl.float32)
     acc = tl.zeros([BN, BK], tl.float32)   # summed across lanes once, after the loop
     acc_up = tl.zeros([BN, BK], tl.float32)   # GLU: rows N + n of w, the up half
-    for k0 in range(0, K, BK):
+    # The first step's weights load before the wait: under PDL, while the kernel before runs.
+    k = tl.arange(0, BK)
+    w_ok = (n[:, None] < N) & (k[None, :] < K)
+    w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=w_ok, other=0.0)
+    w_up = w
+    if GLU:
+        w_up = tl.load(w_ptr + (N + n[:, None]) * K + k[None, :], mask=w_ok, other=0.0)
+    pdl_wait(PDL)
+    acc, acc_up, ss = _gemv_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, ss, pid, K, HAS_D,
+                                 NORM, GLU)
+    for k0 in range(BK, K, BK):
         k = k0 + tl.arange(0, BK)
-        v = tl.load(x_ptr + k, mask=k < K, other=0.0)
-        if HAS_D:   # the residual stream, rounded to the model dtype as the torch add does
-            v = (v.to(tl.float32) + tl.load(d_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(dt)
-            if pid == 0:
-                tl.store(xo_ptr + k, v, mask=k < K)
-        h = v.to(tl.float32)
-        if NORM:
-            ss += h * h
-            h = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) * h
         w_ok = (n[:, None] < N) & (k[None, :] < K)
         w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=w_ok, other=0.0)
-        acc += w.to(tl.float32) * h[None, :]
+        w_up = w
         if GLU:
-            w = tl.load(w_ptr + (N + n[:, None]) * K + k[None, :], mask=w_ok, other=0.0)
-            acc_up += w.to(tl.float32) * h[None, :]
+            w_up = tl.load(w_ptr + (N + n[:, None]) * K + k[None, :], mask=w_ok, other=0.0)
+        acc, acc_up, ss = _gemv_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, ss, pid, K, HAS_D,
+                                     NORM, GLU)
     acc = tl.sum(acc, axis=1)
     if NORM:
         acc = acc / tl.sqrt(tl.sum(ss, axis=0) / K + eps)   # the norm's scale, once per row
@@ -147,7 +169,7 @@ def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Ten
     jit_kernel(_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
         x, d, g.contiguous() if g is not None else x, w, b if b is not None else w, xo, y, N, eps, K=K,
         HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, GLU=kind == "glu", BN=bn,
-        BK=bk, num_warps=warps)
+        BK=bk, num_warps=warps, **pdl_options(pdl_on(x.device)))
     return xo, y
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from drafttree.triton_jit import device_function, interpreting, jit_kernel, next_pow2
+from drafttree.triton_jit import device_function, interpreting, jit_kernel, next_pow2, pdl_on, pdl_options, pdl_wait
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -38,7 +38,8 @@ def norm_rope(x, xr, w, wr, cos, sin, eps, HD: tl.constexpr, NORM: tl.constexpr)
 def _qk_rope_kv_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, row_ptr,
                        slot_ptr, W, eps, kcr, kch, kcl, vcr, vch, vcl,
                        H: tl.constexpr, HKV: tl.constexpr, QK_PAD: tl.constexpr,
-                       HKV_PAD: tl.constexpr, HD: tl.constexpr, NORM: tl.constexpr):
+                       HKV_PAD: tl.constexpr, HD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0)   # token (b, i), t = b * W + i
     b = t // W
     src = qkv_ptr + t.to(tl.int64) * (H + 2 * HKV) * HD
@@ -83,5 +84,5 @@ def qk_rope_write_kv(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=heads, HKV=kv_heads, QK_PAD=next_pow2(heads + kv_heads), HKV_PAD=next_pow2(kv_heads), HD=hd,
-        NORM=norm, num_warps=4)
+        NORM=norm, num_warps=4, **pdl_options(pdl_on(qkv.device)))
     return q

@@ -15,8 +15,9 @@ import torch
 
 tl: Any = None  # triton.language, bound by jit_kernel() for `pdl_wait`
 
-# DRAFTTREE_PDL=0 launches every kernel after its predecessor has finished (for A/B benchmarks).
-PDL_ENABLED = os.environ.get("DRAFTTREE_PDL", "1") == "1"
+# DRAFTTREE_PDL=0 launches every kernel after its predecessor has finished (for A/B benchmarks);
+# 1: a kernel lets the next one start once all its programs have waited; 2: once all have started.
+PDL_MODE = int(os.environ.get("DRAFTTREE_PDL", "1"))
 _KERNELS: dict[tuple[Callable[..., Any], bool, tuple[str, ...]], Callable[..., Any]] = {}
 _DEVICE_FNS: dict[Callable[..., Any], Any] = {}
 _TRITON_OK: bool | None = None
@@ -73,13 +74,13 @@ def pdl_on(device: torch.device | str) -> bool:
     compiled): a kernel's programs may then start while its predecessor's last ones still run,
     load what no kernel writes (weights), and wait (`pdl_wait`) before anything else."""
     dev = torch.device(device)
-    return (PDL_ENABLED and dev.type == "cuda" and not interpreting() and torch.cuda.is_available()
+    return (PDL_MODE > 0 and dev.type == "cuda" and not interpreting() and torch.cuda.is_available()
             and _capability(dev.index) >= (9, 0))
 
 
 def pdl_options(pdl: bool) -> dict[str, Any]:
     """The launch keywords of a kernel whose `PDL` argument is `pdl`."""
-    return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
+    return {"PDL": PDL_MODE, "launch_pdl": True} if pdl else {"PDL": 0}
 
 
 def device_function(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -126,7 +127,10 @@ def pdl_wait(PDL: tl.constexpr):
     and their writes are seen, then let the next kernel's programs start. Every kernel launched
     with `pdl_options(True)` calls it in every program before it reads or writes anything an
     earlier kernel may touch; before it, only loads of weights. A no-op without PDL."""
-    if PDL:
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PDL > 0:
         tl.extra.cuda.gdc_wait()
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
 

@@ -109,7 +109,7 @@ def test_bf16_graphs_with_dependent_launches_equal_without(pair, spec, budget, m
     sp = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
           SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=1, ignore_eos=True)]
     with_pdl, llm = _outputs(t, d, spec, True, prompts, sp, budget=budget, dtype="bfloat16")
-    monkeypatch.setattr(triton_jit, "PDL_ENABLED", False)
+    monkeypatch.setattr(triton_jit, "PDL_MODE", 0)
     without, _ = _outputs(t, d, spec, True, prompts, sp, budget=budget, dtype="bfloat16")
     assert with_pdl == without and llm.engine.runner.graphs.fallbacks == 0
 

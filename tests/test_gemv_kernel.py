@@ -22,14 +22,20 @@ def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # Token rows: one (the GEMVs); a draft block; a DDTree verify at budget 32 (padded to 64 rows),
 # in one pass, in three input splits (the tensor-core kernel's blocks), and as the torch ops
-# (a weight class without blocks).
+# (a weight class without blocks). One row also with the first steps' weights loaded as one tile.
 ONE_PASS, SPLITS = (32, 64, 4, 2, 1), (16, 64, 4, 3, 3)
-ROWS = [pytest.param(1, None, id="1row"), pytest.param(16, ONE_PASS, id="16rows"),
+ROWS = [pytest.param(1, None, id="1row"), pytest.param(1, "prefetch", id="1row_prefetch"),
+        pytest.param(16, ONE_PASS, id="16rows"),
         pytest.param(33, ONE_PASS, id="33rows"), pytest.param(33, SPLITS, id="33rows_split"),
         pytest.param(33, "torch", id="33rows_torch_ops")]
 
 
 def _rows_case(monkeypatch: pytest.MonkeyPatch, rows: int, blocks, dtype: torch.dtype) -> None:
+    if blocks == "prefetch":   # the GEMVs' first four input steps loaded at once, before the wait
+        for kind in gemv_kernel.BLOCKS:
+            monkeypatch.setitem(gemv_kernel.BLOCKS, kind, [(0, (4, 32, 4))])
+            monkeypatch.setitem(gemv_kernel.PREFETCH, kind, 4)
+        return
     if rows > 1 and blocks != "torch" and dtype != torch.float32 and _CPU:
         pytest.skip("bf16 dots are a GPU case")
     for kind in gemm_kernel.BLOCKS if blocks else ():
@@ -225,6 +231,6 @@ def test_dependent_launch_only_compiled_on_cuda(monkeypatch):
     assert not triton_jit.pdl_on("cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not triton_jit.pdl_on("cuda")
-    assert triton_jit.pdl_options(False) == {"PDL": False}
-    assert triton_jit.pdl_options(True) == {"PDL": True, "launch_pdl": True}
+    assert triton_jit.pdl_options(False) == {"PDL": 0}
+    assert triton_jit.pdl_options(True) == {"PDL": triton_jit.PDL_MODE, "launch_pdl": True}
 

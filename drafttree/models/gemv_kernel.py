@@ -53,6 +53,11 @@ BLOCKS: dict[str, list[tuple[int, Blocks]]] = {
     "glu": [(1 << 22, (4, 1024, 4)), (0, (4, 512, 4))],
 }
 
+# Input steps whose weights a program loads before it waits for the kernel before it (PDL), per
+# kernel: a power of two, at most the whole steps of K.
+PREFETCH = dict(zip(("norm", "plain", "glu"),
+                    (int(v) for v in os.environ.get("DRAFTTREE_GEMV_PREFETCH", "1,1,1").split(","))))
+
 
 def blocks_for(kind: str, numel: int) -> Blocks:
     return gemm_kernel.blocks_for(kind, numel, BLOCKS)
@@ -72,8 +77,9 @@ def set_blocks(kind: str, numel: int, blocks: Blocks, split: bool = False) -> No
 
 @device_function
 def _gemv_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, ss, pid, K: tl.constexpr,
-               HAS_D: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr):
-    """One step of the input: inputs k against the weight tiles w (and w_up), loaded by the caller."""
+               HAS_D: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, WIDE: tl.constexpr):
+    """Inputs k [BK] against the weight tiles w (and w_up) [BN, BK] the caller loaded; WIDE: k
+    [PRE, BK] and tiles [BN, PRE, BK], summed into the same [BN, BK] lanes."""
     v = tl.load(x_ptr + k, mask=k < K, other=0.0)
     if HAS_D:   # the residual stream, rounded to the model dtype as the torch add does
         v = (v.to(tl.float32) + tl.load(d_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(v.dtype)
@@ -81,42 +87,56 @@ def _gemv_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, ss, pid, K:
             tl.store(xo_ptr + k, v, mask=k < K)
     h = v.to(tl.float32)
     if NORM:
-        ss += h * h
+        if WIDE:
+            ss += tl.sum(h * h, 0)
+        else:
+            ss += h * h
         h = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) * h
-    acc += w.to(tl.float32) * h[None, :]
-    if GLU:
-        acc_up += w_up.to(tl.float32) * h[None, :]
+    if WIDE:
+        acc += tl.sum(w.to(tl.float32) * h[None, :, :], 1)
+        if GLU:
+            acc_up += tl.sum(w_up.to(tl.float32) * h[None, :, :], 1)
+    else:
+        acc += w.to(tl.float32) * h[None, :]
+        if GLU:
+            acc_up += w_up.to(tl.float32) * h[None, :]
     return acc, acc_up, ss
 
 
 def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl.constexpr,
                  HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                 BN: tl.constexpr, BK: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     dt = y_ptr.dtype.element_ty
     n = pid * BN + tl.arange(0, BN)
     ss = tl.zeros([BK], tl.float32)
     acc = tl.zeros([BN, BK], tl.float32)   # summed across lanes once, after the loop
     acc_up = tl.zeros([BN, BK], tl.float32)   # GLU: rows N + n of w, the up half
-    # The first step's weights load before the wait: under PDL, while the kernel before runs.
-    k = tl.arange(0, BK)
-    w_ok = (n[:, None] < N) & (k[None, :] < K)
-    w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=w_ok, other=0.0)
+    # The first PRE steps' weights load before the wait: under PDL, while the kernel before runs.
+    if PRE > 1:
+        k = tl.arange(0, PRE)[:, None] * BK + tl.arange(0, BK)[None, :]
+        w_at = n[:, None, None] * K + k[None, :, :]
+        w_ok = (n[:, None, None] < N) & (k[None, :, :] < K)
+    else:
+        k = tl.arange(0, BK)
+        w_at = n[:, None] * K + k[None, :]
+        w_ok = (n[:, None] < N) & (k[None, :] < K)
+    w = tl.load(w_ptr + w_at, mask=w_ok, other=0.0)
     w_up = w
     if GLU:
-        w_up = tl.load(w_ptr + (N + n[:, None]) * K + k[None, :], mask=w_ok, other=0.0)
+        w_up = tl.load(w_ptr + N * K + w_at, mask=w_ok, other=0.0)
     pdl_wait(PDL)
     acc, acc_up, ss = _gemv_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, ss, pid, K, HAS_D,
-                                 NORM, GLU)
-    for k0 in range(BK, K, BK):
-        k = k0 + tl.arange(0, BK)
-        w_ok = (n[:, None] < N) & (k[None, :] < K)
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=w_ok, other=0.0)
-        w_up = w
+                                 NORM, GLU, PRE > 1)
+    for k0 in range(PRE * BK, K, BK):   # (new names: the first step's may be wider)
+        kb = k0 + tl.arange(0, BK)
+        wb_ok = (n[:, None] < N) & (kb[None, :] < K)
+        wb = tl.load(w_ptr + n[:, None] * K + kb[None, :], mask=wb_ok, other=0.0)
+        wb_up = wb
         if GLU:
-            w_up = tl.load(w_ptr + (N + n[:, None]) * K + k[None, :], mask=w_ok, other=0.0)
-        acc, acc_up, ss = _gemv_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, ss, pid, K, HAS_D,
-                                     NORM, GLU)
+            wb_up = tl.load(w_ptr + (N + n[:, None]) * K + kb[None, :], mask=wb_ok, other=0.0)
+        acc, acc_up, ss = _gemv_step(x_ptr, d_ptr, g_ptr, xo_ptr, kb, wb, wb_up, acc, acc_up, ss, pid, K,
+                                     HAS_D, NORM, GLU, False)
     acc = tl.sum(acc, axis=1)
     if NORM:
         acc = acc / tl.sqrt(tl.sum(ss, axis=0) / K + eps)   # the norm's scale, once per row
@@ -166,10 +186,11 @@ def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Ten
     x, d, xo, y = gemm_kernel.outputs(kind, x, delta, w)
     N = y.shape[-1]
     bn, bk, warps = blocks_for(kind, w.numel())
+    pre = max(1, min(PREFETCH[kind], 1 << (max(K // bk, 1).bit_length() - 1)))
     jit_kernel(_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
         x, d, g.contiguous() if g is not None else x, w, b if b is not None else w, xo, y, N, eps, K=K,
         HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, GLU=kind == "glu", BN=bn,
-        BK=bk, num_warps=warps, **pdl_options(pdl_on(x.device)))
+        BK=bk, PRE=pre, num_warps=warps, **pdl_options(pdl_on(x.device)))
     return xo, y
 
 

@@ -2,12 +2,12 @@
 against the torch ops they replace, on one model's layer shapes (`drafttree.bench.shapes`), bf16;
 each timed as a CUDA graph of 48 calls cycling over 8 weight copies (so the weights come from HBM,
 not L2). Sweeps each kernel's block shape per matrix (one row: rows per program, columns per step,
-warps; more rows: also pipeline stages and input splits) and writes the fastest per matrix, as
+warps, steps loaded before the PDL wait; more rows: also pipeline stages and input splits) and writes the fastest per matrix, as
 [kernel, weight elements, blocks, us, torch ops' us] rows (for one row,
 `gemv_kernel.set_blocks(..., split=True)`).
 
     python benchmarks/gemv_bench.py [--shape qwen3-8b] [--block-n 4,8,16] [--block-k 256,512,1024]
-                                    [--warps 4,8] [--out best.json]                        (CUDA)
+                                    [--warps 4,8] [--prefetch 1,2] [--out best.json]       (CUDA)
     python benchmarks/gemv_bench.py --rows 33 --block-n 32,64,128 --block-k 64,128 --warps 4 \
                                     [--stages 3,4] [--splits 1,2,4]                         (CUDA)
 """
@@ -29,6 +29,7 @@ ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
 ap.add_argument("--block-n", default="4,8,16")
 ap.add_argument("--block-k", default="256,512,1024")
 ap.add_argument("--warps", default="4,8")
+ap.add_argument("--prefetch", default="1", help="input steps loaded before the PDL wait (one row)")
 ap.add_argument("--rows", type=int, default=1, help=f"token rows, 1 to {gemm_kernel.MAX_ROWS}")
 ap.add_argument("--stages", default="3", help="pipeline stages (more than one row)")
 ap.add_argument("--splits", default="1,2,4", help="input splits (more than one row)")
@@ -54,7 +55,7 @@ def calls(kind, ws):
             cycling(lambda w: gemv_kernel.norm_gemv(x, delta, g, 1e-6, w)[1], ws))
 
 
-sweep = (args.block_n, args.block_k, args.warps) + ((args.stages, args.splits) if args.rows > 1 else ())
+sweep = (args.block_n, args.block_k, args.warps) + ((args.stages, args.splits) if args.rows > 1 else (args.prefetch,))
 grid = list(itertools.product(*([int(v) for v in a.split(",")] for a in sweep)))
 table = gemv_kernel.BLOCKS if args.rows == 1 else gemm_kernel.BLOCKS
 best: list[tuple[str, int, tuple]] = []
@@ -75,7 +76,7 @@ for name, (N, K) in projections(cfg).items():
         except OutOfResources as e:   # a tile and its pipeline stages past shared memory
             print(f"  fused, {blocks}: {e}")
             continue
-        more = f", stages {blocks[3]}, splits {blocks[4]}" if args.rows > 1 else ""
+        more = f", stages {blocks[3]}, splits {blocks[4]}" if args.rows > 1 else f", before the wait {blocks[3]}"
         print(f"  fused, BLOCK_N {blocks[0]:3d}, BLOCK_K {blocks[1]:4d}, warps {blocks[2]}{more}: "
               f"{t:7.1f} us  {gb / t * 1e6:6.0f} GB/s", flush=True)
     fastest = min(times, key=times.get)

@@ -33,8 +33,7 @@ ROWS = [pytest.param(1, None, id="1row"), pytest.param(1, "prefetch", id="1row_p
 def _rows_case(monkeypatch: pytest.MonkeyPatch, rows: int, blocks, dtype: torch.dtype) -> None:
     if blocks == "prefetch":   # the GEMVs' first four input steps loaded at once, before the wait
         for kind in gemv_kernel.BLOCKS:
-            monkeypatch.setitem(gemv_kernel.BLOCKS, kind, [(0, (4, 32, 4))])
-            monkeypatch.setitem(gemv_kernel.PREFETCH, kind, 4)
+            monkeypatch.setitem(gemv_kernel.BLOCKS, kind, [(0, (4, 32, 4, 4))])
         return
     if rows > 1 and blocks != "torch" and dtype != torch.float32 and _CPU:
         pytest.skip("bf16 dots are a GPU case")
@@ -91,7 +90,7 @@ def test_norm_glu_gemv_matches_the_torch_ops(K, I, dtype, with_delta, rows, bloc
     torch.testing.assert_close(h.float(), (F.silu(g_).to(dtype).float() * u).to(dtype).float(), atol=near, rtol=near)
 
 
-@pytest.mark.parametrize("blocks", [(16, 256, 4), (4, 1024, 8)])   # a step wider than K too
+@pytest.mark.parametrize("blocks", [(16, 256, 4, 1), (4, 1024, 8, 2), (4, 64, 4, 8)])   # a step wider than K
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_plain_gemv_matches_linear(blocks, with_bias, monkeypatch):
     monkeypatch.setitem(gemv_kernel.BLOCKS, "plain", [(0, blocks)])
@@ -103,17 +102,17 @@ def test_plain_gemv_matches_linear(blocks, with_bias, monkeypatch):
 
 
 def test_block_classes(monkeypatch):
-    monkeypatch.setitem(gemv_kernel.BLOCKS, "norm", [(1 << 22, (16, 512, 4)), (0, (8, 512, 4))])
-    assert gemv_kernel.blocks_for("norm", 1 << 22) == (16, 512, 4)
-    assert gemv_kernel.blocks_for("norm", (1 << 22) - 1) == (8, 512, 4)
-    gemv_kernel.set_blocks("norm", 100_000_000, (32, 1024, 8), split=True)   # a class from 2^26
-    gemv_kernel.set_blocks("norm", 25_000_000, (4, 512, 8), split=True)      # from 2^24
-    gemv_kernel.set_blocks("norm", 1000, (2, 256, 4))                         # the smallest class
+    monkeypatch.setitem(gemv_kernel.BLOCKS, "norm", [(1 << 22, (16, 512, 4, 1)), (0, (8, 512, 4, 1))])
+    assert gemv_kernel.blocks_for("norm", 1 << 22) == (16, 512, 4, 1)
+    assert gemv_kernel.blocks_for("norm", (1 << 22) - 1) == (8, 512, 4, 1)
+    gemv_kernel.set_blocks("norm", 100_000_000, (32, 1024, 8, 1), split=True)   # a class from 2^26
+    gemv_kernel.set_blocks("norm", 25_000_000, (4, 512, 8, 1), split=True)      # from 2^24
+    gemv_kernel.set_blocks("norm", 1000, (2, 256, 4, 1))                         # the smallest class
     assert [least for least, _ in gemv_kernel.BLOCKS["norm"]] == [1 << 26, 1 << 24, 1 << 22, 0]
-    assert gemv_kernel.blocks_for("norm", 1 << 26) == (32, 1024, 8)
-    assert gemv_kernel.blocks_for("norm", (1 << 26) - 1) == (4, 512, 8)
-    assert gemv_kernel.blocks_for("norm", 5_000_000) == (16, 512, 4)
-    assert gemv_kernel.blocks_for("norm", 10) == (2, 256, 4)
+    assert gemv_kernel.blocks_for("norm", 1 << 26) == (32, 1024, 8, 1)
+    assert gemv_kernel.blocks_for("norm", (1 << 26) - 1) == (4, 512, 8, 1)
+    assert gemv_kernel.blocks_for("norm", 5_000_000) == (16, 512, 4, 1)
+    assert gemv_kernel.blocks_for("norm", 10) == (2, 256, 4, 1)
 
 
 def test_refuses_too_many_rows_and_an_odd_gate_up():

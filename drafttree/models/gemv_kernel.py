@@ -40,23 +40,20 @@ from drafttree.triton_jit import (device_function, dots_run_on, interpreting, ji
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
 ENABLED = os.environ.get("DRAFTTREE_GEMV", "1") == "1"
-# Per kernel, (least weight elements, (weight rows per program, input columns per step, warps)),
-# largest class first: a weight takes the first class it reaches (a gate/up program's rows are
-# that many gate rows and as many up rows). The fastest of benchmarks/gemv_bench.py per Qwen3-8B
-# matrix on an H200 (gate/up 101 M elements, QKV 25 M, o 17 M, down 50 M; runs 13 and 14), below
-# 4 M elements per SmolLM2 kernel (run 9; its plain and gate/up ones run 14). Pipeline stages
-# (num_stages 1 or 3) made no difference in run 10.
-Blocks = tuple[int, int, int]
+# Per kernel, (least weight elements, (weight rows per program, input columns per step, warps,
+# steps loaded before the PDL wait)), largest class first: a weight takes the first class it
+# reaches (a gate/up program's rows are that many gate rows and as many up rows). The fastest of
+# benchmarks/gemv_bench.py per Qwen3-8B matrix on an H200 (gate/up 101 M elements, QKV 25 M,
+# o 17 M, down 50 M; runs 13 and 14), below 4 M elements per SmolLM2 kernel (run 9; its plain and
+# gate/up ones run 14). Pipeline stages (num_stages 1 or 3) made no difference in run 10. Steps
+# before the wait: the decode step per setting (run 16); a power of two, clamped to the whole
+# steps of K.
+Blocks = tuple[int, int, int, int]
 BLOCKS: dict[str, list[tuple[int, Blocks]]] = {
-    "norm": [(1 << 26, (8, 1024, 4)), (1 << 22, (16, 512, 4)), (0, (8, 512, 4))],
-    "plain": [(1 << 25, (8, 1024, 4)), (1 << 22, (4, 1024, 8)), (0, (4, 512, 4))],
-    "glu": [(1 << 22, (4, 1024, 4)), (0, (4, 512, 4))],
+    "norm": [(1 << 26, (8, 1024, 4, 1)), (1 << 22, (16, 512, 4, 1)), (0, (8, 512, 4, 1))],
+    "plain": [(1 << 25, (8, 1024, 4, 2)), (1 << 22, (4, 1024, 8, 2)), (0, (4, 512, 4, 1))],
+    "glu": [(1 << 22, (4, 1024, 4, 1)), (0, (4, 512, 4, 1))],
 }
-
-# Input steps whose weights a program loads before it waits for the kernel before it (PDL), per
-# kernel: a power of two, at most the whole steps of K.
-PREFETCH = dict(zip(("norm", "plain", "glu"),
-                    (int(v) for v in os.environ.get("DRAFTTREE_GEMV_PREFETCH", "1,1,1").split(","))))
 
 
 def blocks_for(kind: str, numel: int) -> Blocks:
@@ -185,8 +182,8 @@ def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Ten
         return gemm_kernel.launch(kind, x, delta, g, eps, w, b)
     x, d, xo, y = gemm_kernel.outputs(kind, x, delta, w)
     N = y.shape[-1]
-    bn, bk, warps = blocks_for(kind, w.numel())
-    pre = max(1, min(PREFETCH[kind], 1 << (max(K // bk, 1).bit_length() - 1)))
+    bn, bk, warps, pre = blocks_for(kind, w.numel())
+    pre = max(1, min(pre, 1 << (max(K // bk, 1).bit_length() - 1)))
     jit_kernel(_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
         x, d, g.contiguous() if g is not None else x, w, b if b is not None else w, xo, y, N, eps, K=K,
         HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, GLU=kind == "glu", BN=bn,

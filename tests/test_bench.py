@@ -35,7 +35,8 @@ def test_bench_writes_results_and_plots(tmp_path):
         assert r.get("same_as_ar") == (1.0 if r["temperature"] == 0 else None)
     assert max(r["tau_mean"] for r in res["results"] if r["method"] == "ddtree") > 1.0
     env = res["meta"]["environment"]   # what the figures depend on besides the command
-    assert env["torch"] and set(env["kernels"]) == {"attention", "one_token_projections", "few_row_projections"}
+    assert env["torch"] and set(env["kernels"]) == {"attention", "one_token_projections", "few_row_projections",
+                                                  "dependent_launch"}
     assert (out / "budget_sweep.png").stat().st_size > 0 and (out / "acceptance_histogram.png").stat().st_size > 0
     merged = tmp_path / "merged"
     halves = []

@@ -15,9 +15,12 @@ def _version(dist: str) -> str | None:
 
 
 def environment() -> dict:
+    from drafttree import triton_jit
     from drafttree.models import attn_kernel, gemm_kernel, gemv_kernel
     return {"torch": torch.__version__, "triton": _version("triton"), "drafttree": _version("drafttree"),
             "cuda": torch.version.cuda,
             "kernels": {"attention": attn_kernel.ENABLED, "one_token_projections": gemv_kernel.ENABLED,
-                        "few_row_projections": gemv_kernel.ENABLED and gemm_kernel.ENABLED},
+                        "few_row_projections": gemv_kernel.ENABLED and gemm_kernel.ENABLED,
+                        "dependent_launch": triton_jit.PDL_MODE if torch.cuda.is_available()
+                        and triton_jit.pdl_on("cuda") else 0},
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DRAFTTREE_")}}

@@ -2,9 +2,9 @@
 against the torch ops they replace, on one model's layer shapes (`drafttree.bench.shapes`), bf16;
 each timed as a CUDA graph of 48 calls cycling over 8 weight copies (so the weights come from HBM,
 not L2). Sweeps each kernel's block shape per matrix (one row: rows per program, columns per step,
-warps, steps loaded before the PDL wait; more rows: also pipeline stages and input splits) and writes the fastest per matrix, as
-[kernel, weight elements, blocks, us, torch ops' us] rows (for one row,
-`gemv_kernel.set_blocks(..., split=True)`).
+warps, steps loaded before the PDL wait; more rows: also pipeline stages and input splits) and
+writes the fastest per matrix, as [kernel, weight elements, blocks, us, torch ops' us] rows (for
+one row, `gemv_kernel.set_blocks(..., split=True)`).
 
     python benchmarks/gemv_bench.py [--shape qwen3-8b] [--block-n 4,8,16] [--block-k 256,512,1024]
                                     [--warps 4,8] [--prefetch 1,2] [--out best.json]       (CUDA)

@@ -79,9 +79,9 @@ def pdl_on(device: torch.device | str) -> bool:
             and _capability(dev.index) >= (9, 0))
 
 
-def pdl_options(pdl: bool) -> dict[str, Any]:
-    """The launch keywords of a kernel whose `PDL` argument is `pdl`."""
-    return {"PDL": PDL_MODE, "launch_pdl": True} if pdl else {"PDL": 0}
+def pdl_options(device: torch.device | str) -> dict[str, Any]:
+    """The launch keywords of a kernel with a `PDL` argument (passed to `pdl_wait`), on `device`."""
+    return {"PDL": PDL_MODE, "launch_pdl": True} if pdl_on(device) else {"PDL": 0}
 
 
 def device_function(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -125,9 +125,10 @@ def jit_kernel(fn: Callable[..., Any], interpret: bool,
 @device_function
 def pdl_wait(PDL: tl.constexpr):
     """Under programmatic dependent launch: wait until the kernels before this one have finished
-    and their writes are seen, then let the next kernel's programs start. Every kernel launched
-    with `pdl_options(True)` calls it in every program before it reads or writes anything an
-    earlier kernel may touch; before it, only loads of weights. A no-op without PDL."""
+    and their writes are seen; let the next kernel's programs start before that wait (PDL 2) or
+    after it (1). Every kernel launched with `pdl_options` calls it in every program before it
+    reads or writes anything an earlier kernel may touch; before it, only loads of weights. So a
+    wait also covers the kernels before the one it waits for. A no-op without PDL (0)."""
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
     if PDL > 0:

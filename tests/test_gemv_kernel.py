@@ -230,6 +230,7 @@ def test_dependent_launch_only_compiled_on_cuda(monkeypatch):
     assert not triton_jit.pdl_on("cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not triton_jit.pdl_on("cuda")
-    assert triton_jit.pdl_options(False) == {"PDL": 0}
-    assert triton_jit.pdl_options(True) == {"PDL": triton_jit.PDL_MODE, "launch_pdl": True}
+    assert triton_jit.pdl_options("cpu") == {"PDL": 0}
+    monkeypatch.setattr(triton_jit, "pdl_on", lambda device: True)
+    assert triton_jit.pdl_options("cuda") == {"PDL": triton_jit.PDL_MODE, "launch_pdl": True}
 

@@ -21,6 +21,5 @@ def environment() -> dict:
             "cuda": torch.version.cuda,
             "kernels": {"attention": attn_kernel.ENABLED, "one_token_projections": gemv_kernel.ENABLED,
                         "few_row_projections": gemv_kernel.ENABLED and gemm_kernel.ENABLED,
-                        "dependent_launch": triton_jit.PDL_MODE if torch.cuda.is_available()
-                        and triton_jit.pdl_on("cuda") else 0},
+                        "dependent_launch": triton_jit.pdl_options("cuda")["PDL"]},
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DRAFTTREE_")}}

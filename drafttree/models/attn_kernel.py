@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from drafttree.models.rope_kernel import norm_rope
-from drafttree.triton_jit import (device_function, dots_run_on, interpreting, jit_kernel, next_pow2, pdl_on,
+from drafttree.triton_jit import (device_function, dots_run_on, interpreting, jit_kernel, next_pow2,
                                   pdl_options, pdl_wait)
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
@@ -244,7 +244,7 @@ def _attention(q: torch.Tensor, H: int, k: torch.Tensor, v: torch.Tensor, mask: 
     r = (rope.q_weight if norm else q, rope.k_weight if norm else q, rope.cos.contiguous(), rope.sin.contiguous(),
          rope.slots.contiguous(), rope.eps) if rope is not None else (q, q, q, q, q, 0.0)
     interpret = interpreting()
-    pdl = pdl_options(pdl_on(q.device))
+    pdl = pdl_options(q.device)
     # L (a KV bucket: few values) stays specialized: with it unspecialized and q token-major, a
     # batch-16 verify took 102 us against 56 before both changes (run 6); not yet split apart
     jit_kernel(_split_kernel, interpret, ("M", "W", "G", "NS", "NMB"))[(B * Hkv * nmb, ns)](

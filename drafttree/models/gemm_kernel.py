@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from drafttree.models.layers import add_rms_norm, rms_norm, silu_mul
-from drafttree.triton_jit import cdiv, device_function, interpreting, jit_kernel, next_pow2, pdl_on, pdl_options, pdl_wait
+from drafttree.triton_jit import cdiv, device_function, interpreting, jit_kernel, next_pow2, pdl_options, pdl_wait
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -154,7 +154,7 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     ws = torch.empty(split, M, 2 * N if glu else N, dtype=torch.float32, device=x.device) if split > 1 else y
     ss = torch.empty(split, M, dtype=torch.float32, device=x.device) if split > 1 and norm else y
     interp = interpreting()
-    pdl = pdl_options(pdl_on(x.device))
+    pdl = pdl_options(x.device)
     jit_kernel(_gemm_kernel, interp, ("M", "N"))[(cdiv(N, bn), split)](
         x, d, g.contiguous() if norm else x, w, b if b is not None else w, xo, y, ws, ss, M, N, eps, K=K,
         HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, BM=max(16, next_pow2(M)),

@@ -40,7 +40,7 @@ import torch
 from drafttree.models import gemm_kernel
 from drafttree.models.gemm_kernel import glu_out
 from drafttree.triton_jit import (device_function, dots_run_on, interpreting, jit_kernel, kernels_run_on,
-                                  pdl_on, pdl_options, pdl_wait)
+                                  pdl_options, pdl_wait)
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -192,7 +192,7 @@ def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Ten
     jit_kernel(_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
         x, d, g.contiguous() if g is not None else x, w, b if b is not None else w, xo, y, N, eps, K=K,
         HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, GLU=kind == "glu", BN=bn,
-        BK=bk, PRE=pre, num_warps=warps, **pdl_options(pdl_on(x.device)))
+        BK=bk, PRE=pre, num_warps=warps, **pdl_options(x.device))
     return xo, y
 
 

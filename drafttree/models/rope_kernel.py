@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from drafttree.triton_jit import device_function, interpreting, jit_kernel, next_pow2, pdl_on, pdl_options, pdl_wait
+from drafttree.triton_jit import device_function, interpreting, jit_kernel, next_pow2, pdl_options, pdl_wait
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -84,5 +84,5 @@ def qk_rope_write_kv(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=heads, HKV=kv_heads, QK_PAD=next_pow2(heads + kv_heads), HKV_PAD=next_pow2(kv_heads), HD=hd,
-        NORM=norm, num_warps=4, **pdl_options(pdl_on(qkv.device)))
+        NORM=norm, num_warps=4, **pdl_options(qkv.device))
     return q

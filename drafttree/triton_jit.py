@@ -70,13 +70,26 @@ def dots_run_on(device: torch.device | str) -> bool:
     return dev.type != "cuda" or interpreting() or _capability(dev.index) >= (8, 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_has_pdl() -> bool:
+    """Whether this Triton has the wait and launch instructions and the `launch_pdl` option
+    (older ones, with the older torch releases the package allows, do not)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return hasattr(cuda, "gdc_wait") and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 def pdl_on(device: torch.device | str) -> bool:
     """Whether kernels on `device` launch with programmatic dependent launch (Hopper or newer,
-    compiled): a kernel's programs may then start while its predecessor's last ones still run,
-    load what no kernel writes (weights), and wait (`pdl_wait`) before anything else."""
+    compiled, a Triton that has it): a kernel's programs may then start while its predecessor's
+    last ones still run, load what no kernel writes (weights), and wait (`pdl_wait`) before
+    anything else."""
     dev = torch.device(device)
     return (PDL_MODE > 0 and dev.type == "cuda" and not interpreting() and torch.cuda.is_available()
-            and _capability(dev.index) >= (9, 0))
+            and triton_importable() and _triton_has_pdl() and _capability(dev.index) >= (9, 0))
 
 
 def pdl_options(device: torch.device | str) -> dict[str, Any]:

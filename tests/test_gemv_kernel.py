@@ -224,13 +224,21 @@ def test_fused_draft_layer_equals_the_layer(zoo, monkeypatch, rows, blocks):
 
 
 def test_dependent_launch_only_compiled_on_cuda(monkeypatch):
-    """PDL needs compiled kernels on a Hopper or newer GPU: never on CPU or under the interpreter,
-    and its launch keyword goes with the kernels' PDL argument only."""
+    """PDL needs compiled kernels on a Hopper or newer GPU and a Triton that has it: never on CPU,
+    under the interpreter, on Ampere or with an older Triton."""
     from drafttree import triton_jit
     assert not triton_jit.pdl_on("cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not triton_jit.pdl_on("cuda")
     assert triton_jit.pdl_options("cpu") == {"PDL": 0}
-    monkeypatch.setattr(triton_jit, "pdl_on", lambda device: True)
-    assert triton_jit.pdl_options("cuda") == {"PDL": triton_jit.PDL_MODE, "launch_pdl": True}
+    monkeypatch.delenv("TRITON_INTERPRET")   # a Hopper GPU, as far as pdl_on can tell
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton_jit, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(triton_jit, "PDL_MODE", 2)
+    assert triton_jit.pdl_options("cuda") == {"PDL": 2, "launch_pdl": True}
+    monkeypatch.setattr(triton_jit, "_triton_has_pdl", lambda: False)   # an older Triton
+    assert triton_jit.pdl_options("cuda") == {"PDL": 0}
+    monkeypatch.setattr(triton_jit, "_triton_has_pdl", lambda: True)
+    monkeypatch.setattr(triton_jit, "_capability", lambda index: (8, 0))   # Ampere
+    assert not triton_jit.pdl_on("cuda")
 

@@ -9,7 +9,10 @@ one row, `gemv_kernel.set_blocks(..., split=True)`).
     python benchmarks/gemv_bench.py [--shape qwen3-8b] [--block-n 4,8,16] [--block-k 256,512,1024]
                                     [--warps 4,8] [--prefetch 1,2] [--out best.json]       (CUDA)
     python benchmarks/gemv_bench.py --rows 33 --block-n 32,64,128 --block-k 64,128 --warps 4 \
-                                    [--stages 3,4] [--splits 1,2,4]                         (CUDA)
+                                    [--stages 3,4] [--splits 1,2,4] [--prenormed]           (CUDA)
+
+`--prenormed` times the QKV and gate/up tiles without their norm prologue, after the torch ops'
+add + RMSNorm launch: the alternative to the prologue where it loses to cuBLAS.
 """
 import argparse
 import itertools
@@ -33,6 +36,8 @@ ap.add_argument("--prefetch", default="1", help="input steps loaded before the P
 ap.add_argument("--rows", type=int, default=1, help=f"token rows, 1 to {gemm_kernel.MAX_ROWS}")
 ap.add_argument("--stages", default="3", help="pipeline stages (more than one row)")
 ap.add_argument("--splits", default="1,2,4", help="input splits (more than one row)")
+ap.add_argument("--prenormed", action="store_true",
+                help="more than one row: the norm as its own launch, the QKV and gate/up tiles without it")
 ap.add_argument("--out", default="")
 args = ap.parse_args()
 
@@ -48,11 +53,16 @@ def calls(kind, ws):
     if kind == "plain":
         h = torch.randn(1, args.rows, ws[0].shape[1], device=dev, dtype=dt)
         return cycling(lambda w: F.linear(h, w), ws), cycling(lambda w: gemv_kernel.gemv(h, w), ws)
+    if args.prenormed and args.rows > 1:   # the tiles' prologue off: NORM and HAS_D follow g and delta
+        ours = cycling(lambda w: gemm_kernel.launch(kind, add_rms_norm(x, delta, g, 1e-6)[1], None, None, 0.0,
+                                                    w, None)[1], ws)
+    elif kind == "glu":
+        ours = cycling(lambda w: gemv_kernel.norm_glu_gemv(x, delta, g, 1e-6, w)[1], ws)
+    else:
+        ours = cycling(lambda w: gemv_kernel.norm_gemv(x, delta, g, 1e-6, w)[1], ws)
     if kind == "glu":
-        return (cycling(lambda w: silu_mul(F.linear(add_rms_norm(x, delta, g, 1e-6)[1], w)), ws),
-                cycling(lambda w: gemv_kernel.norm_glu_gemv(x, delta, g, 1e-6, w)[1], ws))
-    return (cycling(lambda w: F.linear(add_rms_norm(x, delta, g, 1e-6)[1], w), ws),
-            cycling(lambda w: gemv_kernel.norm_gemv(x, delta, g, 1e-6, w)[1], ws))
+        return cycling(lambda w: silu_mul(F.linear(add_rms_norm(x, delta, g, 1e-6)[1], w)), ws), ours
+    return cycling(lambda w: F.linear(add_rms_norm(x, delta, g, 1e-6)[1], w), ws), ours
 
 
 sweep = (args.block_n, args.block_k, args.warps) + ((args.stages, args.splits) if args.rows > 1 else (args.prefetch,))

@@ -101,6 +101,21 @@ def test_plain_gemv_matches_linear(blocks, with_bias, monkeypatch):
     torch.testing.assert_close(gemv_kernel.gemv(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["norm", "glu"])
+@pytest.mark.parametrize("blocks", [ONE_PASS, SPLITS])
+def test_tiles_without_their_prologue(kind, blocks, monkeypatch):
+    """The QKV and gate/up tiles on rows normed by a launch of their own (`gemv_bench.py
+    --prenormed`): without g and delta the kernel skips the norm, keeping gate/up's SiLU·up."""
+    monkeypatch.setitem(gemm_kernel.BLOCKS, kind, [(0, blocks)])
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(1, 33, 200, generator=gen).to(DEVICE)
+    w = (torch.randn(80, 200, generator=gen) / 200 ** 0.5).to(DEVICE)
+    xo, y = gemm_kernel.launch(kind, h, None, None, 0.0, w, None)
+    want = silu_mul(F.linear(h, w)) if kind == "glu" else F.linear(h, w)
+    assert xo is h
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+
+
 def test_block_classes(monkeypatch):
     monkeypatch.setitem(gemv_kernel.BLOCKS, "norm", [(1 << 22, (16, 512, 4, 1)), (0, (8, 512, 4, 1))])
     assert gemv_kernel.blocks_for("norm", 1 << 22) == (16, 512, 4, 1)

@@ -39,7 +39,7 @@ import torch
 
 from drafttree.models import gemm_kernel
 from drafttree.models.gemm_kernel import glu_out
-from drafttree.triton_jit import (device_function, dots_run_on, interpreting, jit_kernel, kernels_run_on,
+from drafttree.triton_jit import (cdiv, device_function, dots_run_on, interpreting, jit_kernel, kernels_run_on,
                                   pdl_options, pdl_wait)
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
@@ -189,7 +189,7 @@ def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Ten
     N = y.shape[-1]
     bn, bk, warps, pre = blocks_for(kind, w.numel())
     pre = max(1, min(pre, 1 << (max(K // bk, 1).bit_length() - 1)))
-    jit_kernel(_gemv_kernel, interpreting(), ("N",))[(-(-N // bn),)](
+    jit_kernel(_gemv_kernel, interpreting(), ("N",))[(cdiv(N, bn),)](
         x, d, g.contiguous() if g is not None else x, w, b if b is not None else w, xo, y, N, eps, K=K,
         HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, GLU=kind == "glu", BN=bn,
         BK=bk, PRE=pre, num_warps=warps, **pdl_options(x.device))

@@ -1,15 +1,17 @@
 """The fused projections (`models/gemv_kernel.py`, and for `--rows` above 1 `models/gemm_kernel.py`)
 against the torch ops they replace, on one model's layer shapes (`drafttree.bench.shapes`), bf16;
-each timed as a CUDA graph of 48 calls cycling over 8 weight copies (so the weights come from HBM,
-not L2). Sweeps each kernel's block shape per matrix (one row: rows per program, columns per step,
-warps, steps loaded before the PDL wait; more rows: also pipeline stages and input splits) and
-writes the fastest per matrix, as [kernel, weight elements, blocks, us, torch ops' us] rows (for
-one row, `gemv_kernel.set_blocks(..., split=True)`).
+each timed as a CUDA graph of calls cycling over weight copies, at least 48 calls and one per
+copy, the copies together larger than L2 (so the weights come from HBM, as in a forward). Sweeps
+each kernel's block shape per matrix (one row: rows per program, columns per step, warps, steps loaded before the PDL wait; more rows:
+also pipeline stages, input splits and token rows per program) and writes the fastest per matrix,
+as [kernel, weight elements, blocks, us, torch ops' us] rows (for `gemv_kernel.set_blocks` or,
+more rows, `gemm_kernel.set_blocks`, with split=True).
 
     python benchmarks/gemv_bench.py [--shape qwen3-8b] [--block-n 4,8,16] [--block-k 256,512,1024]
                                     [--warps 4,8] [--prefetch 1,2] [--out best.json]       (CUDA)
     python benchmarks/gemv_bench.py --rows 33 --block-n 32,64,128 --block-k 64,128 --warps 4 \
-                                    [--stages 3,4] [--splits 1,2,4] [--prenormed]           (CUDA)
+                                    [--stages 3,4] [--splits 1,2,4] [--row-block 16,64] [--prenormed] \
+                                    [--only qkv,gate_up]                                   (CUDA)
 
 `--prenormed` times the QKV and gate/up tiles without their norm prologue, after the torch ops'
 add + RMSNorm launch: the alternative to the prologue where it loses to cuBLAS.
@@ -36,8 +38,10 @@ ap.add_argument("--prefetch", default="1", help="input steps loaded before the P
 ap.add_argument("--rows", type=int, default=1, help=f"token rows, 1 to {gemm_kernel.MAX_ROWS}")
 ap.add_argument("--stages", default="3", help="pipeline stages (more than one row)")
 ap.add_argument("--splits", default="1,2,4", help="input splits (more than one row)")
+ap.add_argument("--row-block", default="64", help="token rows per program (more than one row)")
 ap.add_argument("--prenormed", action="store_true",
                 help="more than one row: the norm as its own launch, the QKV and gate/up tiles without it")
+ap.add_argument("--only", default="qkv,o,gate_up,down", help="the matrices to time")
 ap.add_argument("--out", default="")
 args = ap.parse_args()
 
@@ -60,16 +64,20 @@ def calls(kind, ws):
     fused = gemv_kernel.norm_glu_gemv if kind == "glu" else gemv_kernel.norm_gemv
     return torch_ops, cycling(lambda w: fused(x, delta, g, 1e-6, w)[1], ws)
 
-sweep = (args.block_n, args.block_k, args.warps) + ((args.stages, args.splits) if args.rows > 1 else (args.prefetch,))
+sweep = (args.block_n, args.block_k, args.warps) + ((args.stages, args.splits, args.row_block) if args.rows > 1
+                                                   else (args.prefetch,))
 grid = list(itertools.product(*([int(v) for v in a.split(",")] for a in sweep)))
 table = gemv_kernel.BLOCKS if args.rows == 1 else gemm_kernel.BLOCKS
 best: list[tuple[str, int, tuple]] = []
 fused_total = torch_total = 0.0
 for name, (N, K) in projections(cfg).items():
+    if name not in args.only.split(","):
+        continue
     kind, ws = KIND[name], weight_copies(N, K)
+    calls_per_graph = max(48, len(ws))
     gb = N * K * 2 / 1e9
     torch_op, ours = calls(kind, ws)
-    t = t_torch = graphed_us(torch_op, n=48)
+    t = t_torch = graphed_us(torch_op, n=calls_per_graph)
     torch_total += t
     print(f"{name} ({kind}): N {N}, K {K}, {gb * 1e3:.1f} MB")
     print(f"  torch ops (prologue + cuBLAS):                   {t:7.1f} us  {gb / t * 1e6:6.0f} GB/s")
@@ -77,11 +85,12 @@ for name, (N, K) in projections(cfg).items():
     for blocks in grid:
         table[kind] = [(0, blocks)]
         try:
-            times[blocks] = t = graphed_us(ours, n=48)
+            times[blocks] = t = graphed_us(ours, n=calls_per_graph)
         except OutOfResources as e:   # a tile and its pipeline stages past shared memory
             print(f"  fused, {blocks}: {e}")
             continue
-        more = f", stages {blocks[3]}, splits {blocks[4]}" if args.rows > 1 else f", before the wait {blocks[3]}"
+        more = (f", stages {blocks[3]}, splits {blocks[4]}, rows {blocks[5]}" if args.rows > 1
+                else f", before the wait {blocks[3]}")
         print(f"  fused, BLOCK_N {blocks[0]:3d}, BLOCK_K {blocks[1]:4d}, warps {blocks[2]}{more}: "
               f"{t:7.1f} us  {gb / t * 1e6:6.0f} GB/s", flush=True)
     fastest = min(times, key=times.get)

@@ -79,10 +79,11 @@ def test_graph_replay_equals_eager(pair, spec, budget, batch, temperature):
 @pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", None), ("ddtree", 32)])
 def test_bf16_graphs_through_the_fused_projections_equal_eager(pair, spec, budget, monkeypatch):
     """bf16: one-token rows through the GEMVs, verify and draft rows through the few-row kernel
-    (given blocks at every weight size, in two input splits), graphed against eager."""
+    (given blocks at every weight size, in two input splits and programs of 16 rows), graphed
+    against eager."""
     from drafttree.models import gemm_kernel
     for kind in gemm_kernel.BLOCKS:
-        monkeypatch.setitem(gemm_kernel.BLOCKS, kind, [(0, (32, 64, 4, 3, 2))])
+        monkeypatch.setitem(gemm_kernel.BLOCKS, kind, [(0, (32, 64, 4, 3, 2, 16))])
     launches = []
     real = gemm_kernel.launch
     monkeypatch.setattr(gemm_kernel, "launch", lambda *a: launches.append(a[0]) or real(*a))

@@ -21,13 +21,13 @@ def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # Token rows: one (the GEMVs); a draft block; a DDTree verify at budget 32 (padded to 64 rows),
-# in one pass, in three input splits (the tensor-core kernel's blocks), and as the torch ops
-# (a weight class without blocks). One row also with the first steps' weights loaded as one tile.
-ONE_PASS, SPLITS = (32, 64, 4, 2, 1), (16, 64, 4, 3, 3)
+# in one pass, in three input splits, in three programs of 16 rows with two splits (the
+# tensor-core kernel's blocks), and as the torch ops (a weight class without blocks). One row also with the first steps' weights loaded as one tile.
+ONE_PASS, SPLITS, ROW_BLOCKS = (32, 64, 4, 2, 1, 64), (16, 64, 4, 3, 3, 64), (16, 64, 4, 2, 2, 16)
 ROWS = [pytest.param(1, None, id="1row"), pytest.param(1, "prefetch", id="1row_prefetch"),
         pytest.param(16, ONE_PASS, id="16rows"),
         pytest.param(33, ONE_PASS, id="33rows"), pytest.param(33, SPLITS, id="33rows_split"),
-        pytest.param(33, "torch", id="33rows_torch_ops")]
+        pytest.param(33, ROW_BLOCKS, id="33rows_row_blocks"), pytest.param(33, "torch", id="33rows_torch_ops")]
 
 
 def _rows_case(monkeypatch: pytest.MonkeyPatch, rows: int, blocks, dtype: torch.dtype) -> None:
@@ -102,7 +102,7 @@ def test_plain_gemv_matches_linear(blocks, with_bias, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["norm", "glu"])
-@pytest.mark.parametrize("blocks", [ONE_PASS, SPLITS])
+@pytest.mark.parametrize("blocks", [ONE_PASS, SPLITS, ROW_BLOCKS])
 def test_tiles_without_their_prologue(kind, blocks, monkeypatch):
     """The QKV and gate/up tiles on rows normed by a launch of their own (`gemv_bench.py
     --prenormed`): without g and delta the kernel skips the norm, keeping gate/up's SiLU·up."""

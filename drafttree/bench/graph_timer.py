@@ -30,9 +30,15 @@ def graphed_us(fn: Callable[[], Any], n: int = 50, replays: int = 10) -> float:
     return graphed(fn, n, replays)[0]
 
 
-def weight_copies(n: int, k: int, copies: int = 8, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
-    """`copies` random [n, k] weights on CUDA: together larger than L2, so that a call cycling
-    over them (`cycling`) reads its weight from HBM, as a forward does."""
+COLD_BYTES = 128 << 20   # more than an H200's 50 MiB L2, with room
+
+
+def weight_copies(n: int, k: int, copies: int | None = None, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """Random [n, k] weights on CUDA, at least 8 and by default as many as exceed COLD_BYTES
+    together, so that a graph that calls once per copy (`cycling`, n ≥ the copies) reads each
+    weight from HBM, as a forward does; fewer copies of a small weight would stay in L2."""
+    size = n * k * torch.finfo(dtype).bits // 8
+    copies = copies or max(8, -(-COLD_BYTES // size))
     return [torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5 for _ in range(copies)]
 
 

@@ -4,10 +4,11 @@ GEMVs' prologue and epilogue (`gemv_kernel`), on tensor cores.
 A DDTree verify at budget 32 runs 33 rows per layer through cuBLAS, with a residual add + RMSNorm
 launch before the QKV and gate/up projections and a SiLU·up launch after the gate/up one. Here,
 as in the one-token kernels, each runs inside its projection: a program streams BN weight rows
-against all the token rows (padded to BM, at most 64, from L2), multiplies by the norm's weight
-before the dot and by each row's 1/rms after it. With `split` > 1 the programs also split the
-inputs, write fp32 partial sums, and a second launch (`_finish_kernel`) adds the splits in a fixed
-order and applies the epilogue: deterministic, no atomics.
+against BM token rows (a power of two, at most 64, from L2; more rows take more programs),
+multiplies by the norm's weight before the dot and by each row's 1/rms after it. With `split` > 1
+the programs also split the inputs, write fp32 partial sums, and a second launch
+(`_finish_kernel`) adds the splits in a fixed order and applies the epilogue: deterministic, no
+atomics.
 
 The normed input is rounded to the model dtype for the tensor-core dot (its 1/rms is not), and the
 dot sums in another order than cuBLAS: 16-bit models only, like the GEMVs. A weight class without
@@ -30,16 +31,17 @@ tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 MAX_ROWS = 64
 ENABLED = os.environ.get("DRAFTTREE_GEMM", "1") == "1"
 # Per kernel, (least weight elements, (weight rows per program, inputs per step, warps, pipeline
-# stages, input splits) or None), largest class first, as gemv_kernel.BLOCKS. None keeps the torch
-# ops (cuBLAS, and the norm or SiLU·up launch) where this kernel did not beat them: on an H200 at
-# 33 rows (`benchmarks/gemv_bench.py --rows 33`, run 15) the Qwen3-8B o and down projections won
-# (13.2 against 14.1 µs, 29.6 against 30.1), QKV with its norm and gate/up with SiLU·up lost
-# (23.7 against 20.7, 69.3 against 57.8); weights under 2^24 elements were not swept.
-Blocks = tuple[int, int, int, int, int]
+# stages, input splits, token rows per program) or None), largest class first, as
+# gemv_kernel.BLOCKS. None keeps the torch ops (cuBLAS, and the norm or SiLU·up launch) where this
+# kernel did not beat them: on an H200 at 33 rows (`benchmarks/gemv_bench.py --rows 33`, run 15)
+# the Qwen3-8B o and down projections won (13.2 against 14.1 µs, 29.6 against 30.1), QKV with its
+# norm and gate/up with SiLU·up lost (23.7 against 20.7, 69.3 against 57.8); weights under 2^24
+# elements were not swept.
+Blocks = tuple[int, int, int, int, int, int]
 FINISH_BLOCK = 256   # outputs per program of the launch that adds the input splits
 BLOCKS: dict[str, list[tuple[int, Blocks | None]]] = {
     "norm": [(0, None)],
-    "plain": [(1 << 24, (64, 128, 4, 3, 4)), (0, None)],
+    "plain": [(1 << 24, (64, 128, 4, 3, 4, 64)), (0, None)],
     "glu": [(0, None)],
 }
 
@@ -57,6 +59,21 @@ def blocks_for(kind: str, numel: int, table: dict[str, list[tuple[int, Any]]] | 
     return next(blocks for least, blocks in (BLOCKS if table is None else table)[kind] if numel >= least)
 
 
+def set_blocks(kind: str, numel: int, blocks: Any, split: bool = False,
+               table: dict[str, list[tuple[int, Any]]] | None = None) -> None:
+    """Give weights of `numel` elements `blocks` in `table` (this module's BLOCKS unless given): in
+    the class they fall in, or (`split`) in a new class from the power of two at or below `numel`
+    (from a sweep per matrix)."""
+    classes = (BLOCKS if table is None else table)[kind]
+    at = next(i for i, (least, _) in enumerate(classes) if numel >= least)
+    least = 1 << (numel.bit_length() - 1) if split else classes[at][0]
+    blocks = None if blocks is None else tuple(blocks)
+    if least == classes[at][0]:
+        classes[at] = (least, blocks)
+    else:
+        classes.insert(at, (least, blocks))
+
+
 def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, ws_ptr, ss_ptr, M, N, eps,
                  K: tl.constexpr, HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr,
                  GLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -65,7 +82,7 @@ def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, ws_ptr, ss_pt
     pid, pk = tl.program_id(0), tl.program_id(1)
     dt = y_ptr.dtype.element_ty
     n = pid * BN + tl.arange(0, BN)
-    m = tl.arange(0, BM)
+    m = tl.program_id(2) * BM + tl.arange(0, BM)
     acc = tl.zeros([BN, BM], tl.float32)    # y transposed: the weight rows are the MMA's M
     acc_up = tl.zeros([BN, BM], tl.float32)   # GLU: rows N + n of w, the up half
     ss = tl.zeros([BK, BM], tl.float32)   # per lane, summed across lanes once, after the loop
@@ -147,7 +164,8 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     M = x.numel() // K
     x, d, xo, y = outputs(kind, x, delta, w)
     N = y.shape[-1]
-    bn, bk, warps, stages, split = blocks
+    bn, bk, warps, stages, split, bm = blocks
+    bm = min(bm, max(16, next_pow2(M)))
     ks = cdiv(cdiv(K, max(1, split)), bk) * bk   # inputs per split, a multiple of bk
     split = cdiv(K, ks)
     glu, norm = kind == "glu", g is not None
@@ -155,9 +173,9 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     ss = torch.empty(split, M, dtype=torch.float32, device=x.device) if split > 1 and norm else y
     interp = interpreting()
     pdl = pdl_options(x.device)
-    jit_kernel(_gemm_kernel, interp, ("M", "N"))[(cdiv(N, bn), split)](
+    jit_kernel(_gemm_kernel, interp, ("M", "N"))[(cdiv(N, bn), split, cdiv(M, bm))](
         x, d, g.contiguous() if norm else x, w, b if b is not None else w, xo, y, ws, ss, M, N, eps, K=K,
-        HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, BM=max(16, next_pow2(M)),
+        HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, BM=bm,
         BN=bn, BK=bk, KS=ks, SPLIT=split, STAGES=stages, num_warps=warps, **pdl)
     if split > 1:
         jit_kernel(_finish_kernel, interp, ("M", "N"))[(M, cdiv(N, FINISH_BLOCK))](

@@ -66,15 +66,7 @@ def blocks_for(kind: str, numel: int) -> Blocks:
 
 
 def set_blocks(kind: str, numel: int, blocks: Blocks, split: bool = False) -> None:
-    """Give weights of `numel` elements `blocks`: in the class they fall in, or (`split`) in a
-    new class from the power of two at or below `numel` (from a sweep per matrix)."""
-    classes = BLOCKS[kind]
-    at = next(i for i, (least, _) in enumerate(classes) if numel >= least)
-    least = 1 << (numel.bit_length() - 1) if split else classes[at][0]
-    if least == classes[at][0]:
-        classes[at] = (least, tuple(blocks))
-    else:
-        classes.insert(at, (least, tuple(blocks)))
+    gemm_kernel.set_blocks(kind, numel, blocks, split, BLOCKS)
 
 
 @device_function

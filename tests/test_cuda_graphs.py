@@ -116,6 +116,31 @@ def test_bf16_graphs_with_dependent_launches_equal_without(pair, spec, budget, m
 
 
 @cuda
+@pytest.mark.parametrize("spec,budget", [("dflash", None), ("ddtree", 32), ("ddtree", 5)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fp32_graphed_speculation_equals_plain_through_the_code_blocks(pair, spec, budget, batch, monkeypatch):
+    """Lossless on the GPU at the code's own few-row blocks (tiles for these small weights): the
+    verify and draft rows through the tensor-core tiles, plain decoding through the GEMVs. The
+    engine sends only 16-bit rows there; here fp32 ones too (the kernels take fp32, and their fp32
+    dots are exact products), so that tokens must be equal."""
+    from drafttree.models import gemm_kernel, gemv_kernel
+    monkeypatch.setattr(gemv_kernel, "usable", lambda x: not torch.is_grad_enabled() and x.is_cuda
+                        and x.numel() // x.shape[-1] <= gemm_kernel.MAX_ROWS)
+    tiled = []
+    real = gemm_kernel.launch
+    monkeypatch.setattr(gemm_kernel, "launch",
+                        lambda *a: tiled.append(gemm_kernel.blocks_for(a[0], a[5].numel()) is not None) or real(*a))
+    t, d = pair
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(0, 59, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (batch,), generator=g)]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want, _ = _outputs(t, d, "none", True, prompts, sp)
+    got, llm = _outputs(t, d, spec, True, prompts, sp, budget=budget)
+    assert got == want and llm.engine.runner.graphs.fallbacks == 0
+    assert any(tiled)
+
+
+@cuda
 def test_seed_config_first_request_graphed(pair):
     t, d = pair
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

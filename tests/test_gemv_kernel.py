@@ -22,12 +22,14 @@ def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # Token rows: one (the GEMVs); a draft block; a DDTree verify at budget 32 (padded to 64 rows),
 # in one pass, in three input splits, in three programs of 16 rows with two splits (the
-# tensor-core kernel's blocks), and as the torch ops (a weight class without blocks). One row also with the first steps' weights loaded as one tile.
+# tensor-core kernel's blocks), at the code's blocks for these small weights, and as the torch ops
+# (a weight class without blocks). One row also with the first steps' weights loaded as one tile.
 ONE_PASS, SPLITS, ROW_BLOCKS = (32, 64, 4, 2, 1, 64), (16, 64, 4, 3, 3, 64), (16, 64, 4, 2, 2, 16)
 ROWS = [pytest.param(1, None, id="1row"), pytest.param(1, "prefetch", id="1row_prefetch"),
         pytest.param(16, ONE_PASS, id="16rows"),
         pytest.param(33, ONE_PASS, id="33rows"), pytest.param(33, SPLITS, id="33rows_split"),
-        pytest.param(33, ROW_BLOCKS, id="33rows_row_blocks"), pytest.param(33, "torch", id="33rows_torch_ops")]
+        pytest.param(33, ROW_BLOCKS, id="33rows_row_blocks"), pytest.param(33, None, id="33rows_code_blocks"),
+        pytest.param(33, "torch", id="33rows_torch_ops")]
 
 
 def _rows_case(monkeypatch: pytest.MonkeyPatch, rows: int, blocks, dtype: torch.dtype) -> None:

@@ -12,8 +12,9 @@ atomics.
 
 The normed input is rounded to the model dtype for the tensor-core dot (its 1/rms is not), and the
 dot sums in another order than cuBLAS: 16-bit models only, like the GEMVs. A weight class without
-blocks in BLOCKS runs the torch ops instead (`torch_ops`): on an H200 these tiles beat cuBLAS only
-where cuBLAS pays a split-K reduce launch (the o and down projections of Qwen3-8B's shape).
+blocks in BLOCKS runs the torch ops instead (`torch_ops`): on an H200 these tiles beat cuBLAS
+where cuBLAS pays a split-K reduce launch (the o and down projections of Qwen3-8B's shape) and on
+small weights, where a projection's time is its launches and its latency.
 """
 from __future__ import annotations
 
@@ -35,14 +36,17 @@ ENABLED = os.environ.get("DRAFTTREE_GEMM", "1") == "1"
 # gemv_kernel.BLOCKS. None keeps the torch ops (cuBLAS, and the norm or SiLU·up launch) where this
 # kernel did not beat them: on an H200 at 33 rows (`benchmarks/gemv_bench.py --rows 33`, run 15)
 # the Qwen3-8B o and down projections won (13.2 against 14.1 µs, 29.6 against 30.1), QKV with its
-# norm and gate/up with SiLU·up lost (23.7 against 20.7, 69.3 against 57.8); weights under 2^24
-# elements were not swept.
+# norm and gate/up with SiLU·up lost (23.7 against 20.7, 69.3 against 57.8). Under 2^22 elements
+# (the SmolLM2-135M shape, 0.3 to 1.8 M; run 17, weights from HBM) every matrix won in programs
+# of 16 rows, 4 pipeline stages and 2 splits: 17.8 against 23.4 µs a layer; 2^22 to 2^24 was not
+# swept.
 Blocks = tuple[int, int, int, int, int, int]
 FINISH_BLOCK = 256   # outputs per program of the launch that adds the input splits
 BLOCKS: dict[str, list[tuple[int, Blocks | None]]] = {
-    "norm": [(0, None)],
-    "plain": [(1 << 24, (64, 128, 4, 3, 4, 64)), (0, None)],
-    "glu": [(0, None)],
+    "norm": [(1 << 22, None), (0, (64, 64, 4, 4, 2, 16))],
+    "plain": [(1 << 24, (64, 128, 4, 3, 4, 64)), (1 << 22, None), (1 << 19, (32, 128, 4, 4, 2, 16)),
+              (0, (64, 128, 4, 4, 2, 16))],
+    "glu": [(1 << 22, None), (0, (64, 64, 4, 4, 2, 16))],
 }
 
 

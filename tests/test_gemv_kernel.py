@@ -24,7 +24,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # in one pass, in three input splits, in three programs of 16 rows with two splits (the
 # tensor-core kernel's blocks), at the code's blocks for these small weights, and as the torch ops
 # (a weight class without blocks). One row also with the first steps' weights loaded as one tile.
-ONE_PASS, SPLITS, ROW_BLOCKS = (32, 64, 4, 2, 1, 64), (16, 64, 4, 3, 3, 64), (16, 64, 4, 2, 2, 16)
+ONE_PASS, SPLITS, ROW_BLOCKS = (32, 64, 4, 2, 1, 64, 64), (16, 64, 4, 3, 3, 64, 64), (16, 64, 4, 2, 2, 16, 64)
 ROWS = [pytest.param(1, None, id="1row"), pytest.param(1, "prefetch", id="1row_prefetch"),
         pytest.param(16, ONE_PASS, id="16rows"),
         pytest.param(33, ONE_PASS, id="33rows"), pytest.param(33, SPLITS, id="33rows_split"),
@@ -116,6 +116,21 @@ def test_tiles_without_their_prologue(kind, blocks, monkeypatch):
     want = silu_mul(F.linear(h, w)) if kind == "glu" else F.linear(h, w)
     assert xo is h
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,tiled", [(33, True), (34, False)])
+def test_rows_past_a_class_take_the_torch_ops(rows, tiled, monkeypatch):
+    """A class's blocks cover at most their last field's token rows; more rows run the torch ops."""
+    monkeypatch.setitem(gemm_kernel.BLOCKS, "plain", [(0, ROW_BLOCKS[:6] + (33,))])
+    ran = []
+    real = gemm_kernel.torch_ops
+    monkeypatch.setattr(gemm_kernel, "torch_ops", lambda *a: ran.append(a[0]) or real(*a))
+    gen = torch.Generator().manual_seed(rows)
+    h = torch.randn(1, rows, 200, generator=gen).to(DEVICE)
+    w = (torch.randn(80, 200, generator=gen) / 200 ** 0.5).to(DEVICE)
+    torch.testing.assert_close(gemm_kernel.launch("plain", h, None, None, 0.0, w, None)[1], F.linear(h, w),
+                               atol=1e-5, rtol=1e-5)
+    assert ran == ([] if tiled else ["plain"])
 
 
 def test_block_classes(monkeypatch):

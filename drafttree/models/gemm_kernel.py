@@ -32,21 +32,22 @@ tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 MAX_ROWS = 64
 ENABLED = os.environ.get("DRAFTTREE_GEMM", "1") == "1"
 # Per kernel, (least weight elements, (weight rows per program, inputs per step, warps, pipeline
-# stages, input splits, token rows per program) or None), largest class first, as
-# gemv_kernel.BLOCKS. None keeps the torch ops (cuBLAS, and the norm or SiLU·up launch) where this
+# stages, input splits, token rows per program, most token rows) or None), largest class first, as
+# gemv_kernel.BLOCKS; more token rows than a class's most take the torch ops. None keeps the torch ops (cuBLAS, and the norm or SiLU·up launch) where this
 # kernel did not beat them: on an H200 at 33 rows (`benchmarks/gemv_bench.py --rows 33`, run 15)
 # the Qwen3-8B o and down projections won (13.2 against 14.1 µs, 29.6 against 30.1), QKV with its
 # norm and gate/up with SiLU·up lost (23.7 against 20.7, 69.3 against 57.8). Under 2^22 elements
 # (the SmolLM2-135M shape, 0.3 to 1.8 M; run 17, weights from HBM) every matrix won in programs
-# of 16 rows, 4 pipeline stages and 2 splits: 17.8 against 23.4 µs a layer; 2^22 to 2^24 was not
-# swept.
-Blocks = tuple[int, int, int, int, int, int]
+# of 16 rows, 4 pipeline stages and 2 splits: 17.8 against 23.4 µs a layer. At 64 rows (a draft
+# block or DFlash verify at batch 4) the default pair was slower with them, so they stop at 33 rows;
+# 2^22 to 2^24 was not swept.
+Blocks = tuple[int, int, int, int, int, int, int]
 FINISH_BLOCK = 256   # outputs per program of the launch that adds the input splits
 BLOCKS: dict[str, list[tuple[int, Blocks | None]]] = {
-    "norm": [(1 << 22, None), (0, (64, 64, 4, 4, 2, 16))],
-    "plain": [(1 << 24, (64, 128, 4, 3, 4, 64)), (1 << 22, None), (1 << 19, (32, 128, 4, 4, 2, 16)),
-              (0, (64, 128, 4, 4, 2, 16))],
-    "glu": [(1 << 22, None), (0, (64, 64, 4, 4, 2, 16))],
+    "norm": [(1 << 22, None), (0, (64, 64, 4, 4, 2, 16, 33))],
+    "plain": [(1 << 24, (64, 128, 4, 3, 4, 64, 64)), (1 << 22, None), (1 << 19, (32, 128, 4, 4, 2, 16, 33)),
+              (0, (64, 128, 4, 4, 2, 16, 33))],
+    "glu": [(1 << 22, None), (0, (64, 64, 4, 4, 2, 16, 33))],
 }
 
 
@@ -162,13 +163,13 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
            w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`gemv_kernel._launch` for x [..., K] of 2 to MAX_ROWS rows (checked by the caller)."""
     blocks = blocks_for(kind, w.numel())
-    if blocks is None:
-        return torch_ops(kind, x, delta, g, eps, w, b)
     K = w.shape[1]
     M = x.numel() // K
+    if blocks is None or M > blocks[6]:
+        return torch_ops(kind, x, delta, g, eps, w, b)
     x, d, xo, y = outputs(kind, x, delta, w)
     N = y.shape[-1]
-    bn, bk, warps, stages, split, bm = blocks
+    bn, bk, warps, stages, split, bm, _ = blocks
     bm = min(bm, max(16, next_pow2(M)))
     ks = cdiv(cdiv(K, max(1, split)), bk) * bk   # inputs per split, a multiple of bk
     split = cdiv(K, ks)

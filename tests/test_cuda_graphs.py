@@ -126,10 +126,14 @@ def test_fp32_graphed_speculation_equals_plain_through_the_code_blocks(pair, spe
     from drafttree.models import gemm_kernel, gemv_kernel
     monkeypatch.setattr(gemv_kernel, "usable", lambda x: not torch.is_grad_enabled() and x.is_cuda
                         and x.numel() // x.shape[-1] <= gemm_kernel.MAX_ROWS)
-    tiled = []
+    tiled = []   # per few-row call: did a tile run (a class with blocks, covering its rows)?
     real = gemm_kernel.launch
-    monkeypatch.setattr(gemm_kernel, "launch",
-                        lambda *a: tiled.append(gemm_kernel.blocks_for(a[0], a[5].numel()) is not None) or real(*a))
+
+    def spy(kind, x, *rest):
+        blocks, w = gemm_kernel.blocks_for(kind, rest[3].numel()), rest[3]
+        tiled.append(blocks is not None and x.numel() // w.shape[1] <= blocks[6])
+        return real(kind, x, *rest)
+    monkeypatch.setattr(gemm_kernel, "launch", spy)
     t, d = pair
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, 59, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (batch,), generator=g)]

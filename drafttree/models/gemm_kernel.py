@@ -33,14 +33,14 @@ MAX_ROWS = 64
 ENABLED = os.environ.get("DRAFTTREE_GEMM", "1") == "1"
 # Per kernel, (least weight elements, (weight rows per program, inputs per step, warps, pipeline
 # stages, input splits, token rows per program, most token rows) or None), largest class first, as
-# gemv_kernel.BLOCKS; more token rows than a class's most take the torch ops. None keeps the torch ops (cuBLAS, and the norm or SiLU·up launch) where this
-# kernel did not beat them: on an H200 at 33 rows (`benchmarks/gemv_bench.py --rows 33`, run 15)
-# the Qwen3-8B o and down projections won (13.2 against 14.1 µs, 29.6 against 30.1), QKV with its
-# norm and gate/up with SiLU·up lost (23.7 against 20.7, 69.3 against 57.8). Under 2^22 elements
-# (the SmolLM2-135M shape, 0.3 to 1.8 M; run 17, weights from HBM) every matrix won in programs
-# of 16 rows, 4 pipeline stages and 2 splits: 17.8 against 23.4 µs a layer. At 64 rows (a draft
-# block or DFlash verify at batch 4) the default pair was slower with them, so they stop at 33 rows;
-# 2^22 to 2^24 was not swept.
+# gemv_kernel.BLOCKS; more token rows than a class's most take the torch ops. None keeps the torch
+# ops (cuBLAS, and the norm or SiLU·up launch) where this kernel did not beat them: on an H200 at
+# 33 rows (`benchmarks/gemv_bench.py --rows 33`, run 15) the Qwen3-8B o and down projections won
+# (13.2 against 14.1 µs, 29.6 against 30.1), QKV with its norm and gate/up with SiLU·up lost (23.7
+# against 20.7, 69.3 against 57.8). Under 2^22 elements (the SmolLM2-135M shape, 0.3 to 1.8 M;
+# run 17, weights from HBM) every matrix won in programs of 16 rows, 4 pipeline stages and 2
+# splits: 17.8 against 23.4 µs a layer. At 64 rows (a draft block or DFlash verify at batch 4)
+# the default pair was slower with them, so they stop at 33 rows. 2^22 to 2^24 was not swept.
 Blocks = tuple[int, int, int, int, int, int, int]
 FINISH_BLOCK = 256   # outputs per program of the launch that adds the input splits
 BLOCKS: dict[str, list[tuple[int, Blocks | None]]] = {

@@ -28,7 +28,7 @@ of Qwen3-8B's shape took 4.22–4.28 ms against 4.32–4.38 without (H200, run 1
 
 The same three calls take 2 to gemm_kernel.MAX_ROWS rows (a verify, a draft block): they go to
 `gemm_kernel`, tensor-core tiles with the same prologue and epilogue, or the torch ops for the
-weight classes where those tiles lost (DRAFTTREE_GEMM=0: the torch ops for every class).
+weight classes and row counts where those tiles lost (DRAFTTREE_GEMM=0: the torch ops for all).
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ copy, the copies together larger than L2 (so the weights come from HBM, as in a 
 each kernel's block shape per matrix (one row: rows per program, columns per step, warps, steps
 loaded before the PDL wait; more rows: also pipeline stages, input splits and token rows per
 program) and writes the fastest per matrix, as [kernel, weight elements, blocks, us, torch ops'
-us] rows (for `gemv_kernel.set_blocks` or, more rows, `gemm_kernel.set_blocks`, with split=True;
-more rows' blocks end with the rows swept, the most they then cover).
+us] rows (more rows' blocks end with the rows swept, the most they then cover). The engine takes
+that file as `DRAFTTREE_BLOCKS=best.json` (`models/kernel_blocks.py`).
 
     python benchmarks/gemv_bench.py [--shape qwen3-8b] [--block-n 4,8,16] [--block-k 256,512,1024]
                                     [--warps 4,8] [--prefetch 1,2] [--out best.json]       (CUDA)

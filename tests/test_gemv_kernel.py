@@ -4,6 +4,9 @@ layer through them. Without CUDA the kernels run under the Triton interpreter on
 dots are not emulated: the many-row bf16 cases are GPU cases."""
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -274,3 +277,44 @@ def test_dependent_launch_only_compiled_on_cuda(monkeypatch):
     monkeypatch.setattr(triton_jit, "_capability", lambda index: (8, 0))   # Ampere
     assert not triton_jit.pdl_on("cuda")
 
+
+
+def test_blocks_from_a_sweep_file(tmp_path, monkeypatch):
+    """DRAFTTREE_BLOCKS: a one-row sweep's blocks go to the GEMVs; a few-row sweep's to the tiles
+    where they beat the torch ops, else None; each in a class of its own."""
+    from drafttree.models import kernel_blocks
+    one = {k: list(v) for k, v in gemv_kernel.BLOCKS.items()}
+    few = {k: list(v) for k, v in gemm_kernel.BLOCKS.items()}
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps([["norm", 600_000, [8, 256, 4, 1], 3.0, 4.0],
+                                ["glu", 1_800_000, [32, 64, 4, 3, 1, 16, 33], 5.0, 6.0],
+                                ["plain", 900_000, [32, 64, 4, 3, 1, 16, 33], 7.0, 6.0],
+                                ["norm", 3_000_000, None]]))
+    kernel_blocks.load(str(path), one, few)
+    assert gemm_kernel.blocks_for("norm", 600_000, one) == (8, 256, 4, 1)
+    assert gemm_kernel.blocks_for("glu", 1_800_000, few) == (32, 64, 4, 3, 1, 16, 33)
+    assert gemm_kernel.blocks_for("glu", (1 << 20) - 1, few) == gemm_kernel.blocks_for("glu", (1 << 20) - 1)
+    assert gemm_kernel.blocks_for("plain", 900_000, few) is None   # lost to the torch ops
+    assert gemm_kernel.blocks_for("norm", 3_000_000, few) is None
+    assert [least for least, _ in few["norm"]][-3:] == [1 << 22, 1 << 21, 0]
+    for bad in ('[["qkv", 10, [1, 2, 3, 4]]]', '[["norm", 10, [1, 2, 3, 4, 5, 6]]]', "{not json"):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match="DRAFTTREE_BLOCKS="):
+            kernel_blocks.load(str(path), one, few)
+    with pytest.raises(ValueError, match="cannot read"):
+        kernel_blocks.load(str(tmp_path / "missing.json"), one, few)
+
+
+def test_sweep_file_applies_at_import(tmp_path):
+    import subprocess
+    import sys
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps([["glu", 1_800_000, None]]))
+    code = "from drafttree.models import gemm_kernel, gemv_kernel; print(gemm_kernel.blocks_for('glu', 1_800_000))"
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DRAFTTREE_BLOCKS": str(path)},
+                         capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "None", run.stderr
+    path.write_text("[1]")
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DRAFTTREE_BLOCKS": str(path)},
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "DRAFTTREE_BLOCKS=" in run.stderr

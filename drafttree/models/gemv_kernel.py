@@ -69,6 +69,11 @@ def set_blocks(kind: str, numel: int, blocks: Blocks, split: bool = False) -> No
     gemm_kernel.set_blocks(kind, numel, blocks, split, BLOCKS)
 
 
+if os.environ.get("DRAFTTREE_BLOCKS"):   # a sweep's blocks, for another GPU or model
+    from drafttree.models.kernel_blocks import load
+    load(os.environ["DRAFTTREE_BLOCKS"], BLOCKS, gemm_kernel.BLOCKS)
+
+
 @device_function
 def _gemv_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, ss, pid, K: tl.constexpr,
                HAS_D: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, WIDE: tl.constexpr):

@@ -69,6 +69,7 @@ sweep = (args.block_n, args.block_k, args.warps) + ((args.stages, args.splits, a
                                                    else (args.prefetch,))
 grid = list(itertools.product(*([int(v) for v in a.split(",")] for a in sweep)))
 table = gemv_kernel.BLOCKS if args.rows == 1 else gemm_kernel.BLOCKS
+covers = (args.rows,) if args.rows > 1 else ()   # the most token rows few-row blocks then cover
 best: list[tuple[str, int, tuple]] = []
 fused_total = torch_total = 0.0
 for name, (N, K) in projections(cfg).items():
@@ -84,7 +85,7 @@ for name, (N, K) in projections(cfg).items():
     print(f"  torch ops (prologue + cuBLAS):                   {t:7.1f} us  {gb / t * 1e6:6.0f} GB/s")
     times = {}
     for blocks in grid:
-        table[kind] = [(0, blocks + ((args.rows,) if args.rows > 1 else ()))]   # more rows: up to these
+        table[kind] = [(0, blocks + covers)]
         try:
             times[blocks] = t = graphed_us(ours, n=calls_per_graph)
         except OutOfResources as e:   # a tile and its pipeline stages past shared memory
@@ -96,7 +97,7 @@ for name, (N, K) in projections(cfg).items():
               f"{t:7.1f} us  {gb / t * 1e6:6.0f} GB/s", flush=True)
     fastest = min(times, key=times.get)
     fused_total += times[fastest]
-    best.append((kind, N * K, fastest + ((args.rows,) if args.rows > 1 else ()), times[fastest], t_torch))
+    best.append((kind, N * K, fastest + covers, times[fastest], t_torch))
     print(f"  fastest: {fastest}, {times[fastest]:.1f} us", flush=True)
     del ws
 

@@ -25,28 +25,32 @@ class DecoderLayer(nn.Module):
         if gemv_kernel.usable(x):
             return self._fused(x, delta, rope, meta, k_cache, v_cache)
         x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta)
-        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, rope, meta, k_cache, v_cache))
-        return x, self.mlp(h)
+        return self.mlp_after(x, self.self_attn(h, rope, meta, k_cache, v_cache), fused=False)
 
     def _fused(self, x: torch.Tensor, delta: torch.Tensor | None, rope, meta: AttnMeta, k_cache,
                v_cache) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` for few token rows through `gemv_kernel`'s projections: for one row, each norm
         runs inside the projection after it and SiLU·up inside the gate/up projection; a verify's or
         draft block's rows take tensor-core tiles or the torch ops, per weight class (gemm_kernel)."""
-        ln, post, attn, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
+        ln, attn = self.input_layernorm, self.self_attn
         x, qkv = gemv_kernel.norm_gemv(x, delta, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
         o = gemv_kernel.gemv(attn.attend_qkv(qkv, rope, meta, k_cache, v_cache), attn.o_proj.weight, attn.o_proj.bias)
-        x, h = gemv_kernel.norm_glu_gemv(x, o, post.weight, post.eps, mlp.gate_up_proj.weight)
-        return x, gemv_kernel.gemv(h, mlp.down_proj.weight)
+        return self.mlp_after(x, o, fused=True)
+
+    def mlp_after(self, x: torch.Tensor, attn_out: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + attn_out, the MLP's output on its norm): through `gemv_kernel` (the add and norm in
+        the gate/up projection, SiLU·up its epilogue) if `fused`, else the torch ops."""
+        post, mlp = self.post_attention_layernorm, self.mlp
+        if fused:
+            x, h = gemv_kernel.norm_glu_gemv(x, attn_out, post.weight, post.eps, mlp.gate_up_proj.weight)
+            return x, gemv_kernel.gemv(h, mlp.down_proj.weight)
+        x, h = post.add_and_norm(x, attn_out)
+        return x, mlp(h)
 
     def residual_mlp(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The layer after attention, residuals added at once: add, norm, MLP, add."""
-        post, mlp = self.post_attention_layernorm, self.mlp
-        if gemv_kernel.usable(x):
-            x, h = gemv_kernel.norm_glu_gemv(x, attn_out, post.weight, post.eps, mlp.gate_up_proj.weight)
-            return x + gemv_kernel.gemv(h, mlp.down_proj.weight)
-        x, h = post.add_and_norm(x, attn_out)
-        return x + mlp(h)
+        x, y = self.mlp_after(x, attn_out, gemv_kernel.usable(x))
+        return x + y
 
 
 class DecoderLM(nn.Module):

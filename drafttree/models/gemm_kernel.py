@@ -189,7 +189,6 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     return xo, y
 
 
-
 def outputs(kind: str, x: torch.Tensor, delta: torch.Tensor | None,
             w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A fused projection's operands and outputs: x and delta contiguous (delta is x without one),

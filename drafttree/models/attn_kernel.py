@@ -44,7 +44,7 @@ MAX_SPLITS = 64       # the merge holds [splits, hd] partials per query row
 # Where a program's row block has at most MERGE_IN_SPLIT rows, the last split program of the
 # block to finish merges the splits (an arrival counter per row block), instead of a second
 # launch per layer. DRAFTTREE_ATTN_MERGE_IN_SPLIT=0: always the merge launch (A/B).
-MERGE_IN_SPLIT = int(os.environ.get("DRAFTTREE_ATTN_MERGE_IN_SPLIT", "16"))
+MERGE_IN_SPLIT = int(os.environ.get("DRAFTTREE_ATTN_MERGE_IN_SPLIT", "0"))
 COUNTERS = 1 << 14    # row blocks one launch may have (batch x KV heads x row blocks) to merge in it
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 

@@ -1,6 +1,5 @@
-"""Few-query-row attention (decode, draft, verify) over the head-major KV cache: split-K
-flash-decoding whose last split to finish for a block of query rows merges the splits (one
-launch; or a merge launch after it, `MERGE_IN_SPLIT`); and the KV write before it in one.
+"""Few-query-row attention (decode, draft, verify) over the head-major KV cache, in two Triton
+launches: split-K flash-decoding, then a merge of the splits; and the KV write before it in one.
 For one-token decodes the split launch also does `rope_kernel`'s work (`rope_attention`).
 
 Replaces QKᵀ, the masked softmax and PV (three kernels, and a [rows, L] score matrix written to
@@ -41,12 +40,6 @@ MAX_BLOCK_M_FP32 = 16
 TARGET_PROGRAMS = 264  # two waves of an H200's 132 SMs
 MAX_SPLIT_BLOCKS = 16
 MAX_SPLITS = 64       # the merge holds [splits, hd] partials per query row
-# Where a program's row block has at most MERGE_IN_SPLIT rows, the last split program of the
-# block to finish merges the splits (an arrival counter per row block), instead of a second
-# launch per layer. DRAFTTREE_ATTN_MERGE_IN_SPLIT=0: always the merge launch (A/B).
-MERGE_IN_SPLIT = int(os.environ.get("DRAFTTREE_ATTN_MERGE_IN_SPLIT", "0"))
-COUNTERS = 1 << 14    # row blocks one launch may have (batch x KV heads x row blocks) to merge in it
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 @device_function
@@ -64,14 +57,13 @@ def _roped(src, t, ok, w_ptr, cos_ptr, sin_ptr, eps, HD: tl.constexpr, NORM: tl.
     return norm_rope(x, xr, w, wr, cos, sin, eps, HD, NORM).to(x.dtype)
 
 
-def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, cnt_ptr, M, W, G, L, NS, NMB,
+def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G, L, NS, NMB,
                   sqb, sqw, sqh, skr, skh, skl, svr, svh, svl, smb, smw, scale,
                   qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, eps,
                   SPLIT_BLOCKS: tl.constexpr,
                   HKV: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   PREC: tl.constexpr, DIRECT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-                  W_PAD: tl.constexpr, MERGE: tl.constexpr, NS_PAD: tl.constexpr,
-                  PDL: tl.constexpr):
+                  W_PAD: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     pid, sp = tl.program_id(0), tl.program_id(1)
     bh, mb = pid // NMB, pid % NMB
@@ -123,52 +115,36 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, cnt_ptr
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(tl.float32)
             m_i = m_new
-    o_rows = o_ptr + ((b * W + w[:, None]) * HKV * G + h * G + m[:, None] // W) * HD + d[None, :]
     if DIRECT:   # one split: what the merge would compute (f = 1), written token-major
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # rows past M (masked) saw nothing
-        tl.store(o_rows, o.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+        tl.store(o_ptr + ((b * W + w[:, None]) * HKV * G + h * G + m[:, None] // W) * HD + d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
     else:
         part = (bh * NS + sp) * M + m
         seen = m_ok & (m_i > float("-inf"))   # the merge reads acc only where the split saw a key
         tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=seen[:, None])
         tl.store(ml_ptr + part * 2, m_i, mask=m_ok)
         tl.store(ml_ptr + part * 2 + 1, l_i, mask=m_ok)
-        if MERGE:
-            # Every thread's stores come before the (releasing) arrival; the program that
-            # arrives last sees all splits' (acquiring), and leaves the counter at 0 for the
-            # next launch, or graph replay.
-            tl.debug_barrier()
-            if tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel") == NS - 1:
-                tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed")
-                for r in range(BM):   # one L2 round trip per row: for small row blocks only
-                    if mb * BM + r < M:
-                        _merge_row(acc_ptr, ml_ptr, o_ptr, bh, mb * BM + r, M, W, G, HKV, NS, NS_PAD, HD)
-
-
-@device_function
-def _merge_row(acc_ptr, ml_ptr, o_ptr, bh, m, M, W, G, HKV, NS, NS_PAD: tl.constexpr, HD: tl.constexpr):
-    """Query row m of KV head bh's splits merged, written token-major. The splits' partials
-    were written by other programs in this launch or the one before: read from L2 (.cg)."""
-    b, h = bh // HKV, bh % HKV
-    sp = tl.arange(0, NS_PAD)
-    part = (bh * NS + sp) * M + m
-    ok = sp < NS
-    m_s = tl.load(ml_ptr + part * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-    top = tl.max(m_s, 0)
-    f = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - top))
-    d = tl.arange(0, HD)
-    acc = tl.load(acc_ptr + part[:, None] * HD + d[None, :], mask=(f > 0)[:, None], other=0.0, cache_modifier=".cg")
-    out = tl.sum(f[:, None] * acc, 0) / tl.sum(f * l_s, 0)
-    head = h * G + m // W            # out [B, W, H, hd], contiguous
-    tl.store(o_ptr + ((b * W + m % W) * HKV * G + head) * HD + d, out.to(o_ptr.dtype.element_ty))
 
 
 def _merge_kernel(acc_ptr, ml_ptr, o_ptr, M, W, G, HKV, NS, NS_PAD: tl.constexpr,
                   HD: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     row = tl.program_id(0)          # (b * Hkv + h) * M + m
-    _merge_row(acc_ptr, ml_ptr, o_ptr, row // M, row % M, M, W, G, HKV, NS, NS_PAD, HD)
+    bh, m = row // M, row % M
+    b, h = bh // HKV, bh % HKV
+    sp = tl.arange(0, NS_PAD)
+    part = (bh * NS + sp) * M + m
+    ok = sp < NS
+    m_s = tl.load(ml_ptr + part * 2, mask=ok, other=float("-inf"))
+    l_s = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0)
+    top = tl.max(m_s, 0)
+    f = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - top))
+    d = tl.arange(0, HD)
+    acc = tl.load(acc_ptr + part[:, None] * HD + d[None, :], mask=(f > 0)[:, None], other=0.0)
+    out = tl.sum(f[:, None] * acc, 0) / tl.sum(f * l_s, 0)
+    head = h * G + m // W            # out [B, W, H, hd], contiguous
+    tl.store(o_ptr + ((b * W + m % W) * HKV * G + head) * HD + d, out.to(o_ptr.dtype.element_ty))
 
 
 def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, row_ptr, slot_ptr, W, HKV,
@@ -207,14 +183,6 @@ def usable(q: torch.Tensor, hd: int | None = None) -> bool:
     power of two, at least 16)."""
     hd = q.shape[-1] if hd is None else hd
     return ENABLED and hd >= 16 and hd == next_pow2(hd) and dots_run_on(q.device)
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The split launch's arrival counters on `device`: zeros, and zeros again after every launch
-    (its last programs reset theirs), so one buffer serves every layer, phase and graph."""
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
 
 
 def plan_split_blocks(programs: int, L: int) -> int:
@@ -272,8 +240,6 @@ def _attention(q: torch.Tensor, H: int, k: torch.Tensor, v: torch.Tensor, mask: 
     direct = ns == 1   # large batches: one split per program, no merge launch
     acc = out if direct else torch.empty(B * Hkv * ns * M, hd, dtype=torch.float32, device=q.device)
     ml = out if direct else torch.empty(B * Hkv * ns * M, 2, dtype=torch.float32, device=q.device)
-    merge = not direct and bm <= MERGE_IN_SPLIT and B * Hkv * nmb <= COUNTERS
-    cnt = _counters(q.device) if merge else out
     norm = rope is not None and rope.q_weight is not None
     r = (rope.q_weight if norm else q, rope.k_weight if norm else q, rope.cos.contiguous(), rope.sin.contiguous(),
          rope.slots.contiguous(), rope.eps) if rope is not None else (q, q, q, q, q, 0.0)
@@ -282,13 +248,12 @@ def _attention(q: torch.Tensor, H: int, k: torch.Tensor, v: torch.Tensor, mask: 
     # L (a KV bucket: few values) stays specialized: with it unspecialized and q token-major, a
     # batch-16 verify took 102 us against 56 before both changes (run 6); not yet split apart
     jit_kernel(_split_kernel, interpret, ("M", "W", "G", "NS", "NMB"))[(B * Hkv * nmb, ns)](
-        q, k, v, mask, acc, ml, out, cnt, M, W, G, L, ns, nmb, q.stride(0), q.stride(1), q.stride(2),
+        q, k, v, mask, acc, ml, out, M, W, G, L, ns, nmb, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), mask.stride(2), scale, *r, SPLIT_BLOCKS=split_blocks, HKV=Hkv, HD=hd, BM=bm, BN=BLOCK_N,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, ROPE=rope is not None, NORM=norm,
-        W_PAD=next_pow2(W) if rope is not None else 1, MERGE=merge, NS_PAD=next_pow2(ns) if merge else 1,
-        num_warps=4, **pdl)  # fp32 stays fp32
-    if direct or merge:
+        W_PAD=next_pow2(W) if rope is not None else 1, num_warps=4, **pdl)  # fp32 stays fp32
+    if direct:
         return out
     jit_kernel(_merge_kernel, interpret, ("M", "W", "G", "HKV", "NS"))[(B * Hkv * M,)](acc, ml, out, M, W, G, Hkv, ns,
                                                          NS_PAD=max(2, next_pow2(ns)),

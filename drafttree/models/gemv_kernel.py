@@ -49,8 +49,9 @@ ENABLED = os.environ.get("DRAFTTREE_GEMV", "1") == "1"
 # steps loaded before the PDL wait)), largest class first: a weight takes the first class it
 # reaches (a gate/up program's rows are that many gate rows and as many up rows). The fastest of
 # benchmarks/gemv_bench.py per Qwen3-8B matrix on an H200 (gate/up 101 M elements, QKV 25 M,
-# o 17 M, down 50 M; runs 13 and 14), below 4 M elements per SmolLM2 kernel (run 9; its plain and
-# gate/up ones run 14). Pipeline stages (num_stages 1 or 3) made no difference in run 10. Steps
+# o 17 M, down 50 M; runs 13 and 14), below 4 M elements per SmolLM2-135M matrix with weights
+# from HBM (run 18: its decode step 0.590 -> 0.537 ms against run 9's and 14's sweeps, whose
+# weights sat in L2). Pipeline stages (num_stages 1 or 3) made no difference in run 10. Steps
 # before the wait: the decode step per setting (run 16); a power of two, clamped to the whole
 # steps of K.
 Blocks = tuple[int, int, int, int]

@@ -64,3 +64,28 @@ def test_qk_pieces_compile_and_match_eager(monkeypatch, one_thread):
     for got in outs.values():
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@needs_cc
+def test_round_metadata_compiles_and_matches_eager(monkeypatch, one_thread):
+    """The rope tables and the attention mask a round builds, compiled as on CUDA, against eager:
+    the mask exactly (a decode, a draft block, a tree, at two KV lengths), the tables to rounding."""
+    from drafttree.runner.kv_cache import attn_meta
+    g = torch.Generator().manual_seed(3)
+    rotary = layers.Rotary(layers.ModelConfig(arch="llama", vocab_size=8, hidden_size=64, intermediate_size=64, num_layers=1,
+                                              num_heads=2, num_kv_heads=1, head_dim=32))
+    pos = torch.tensor([[5, 6, 7], [40, 41, 43]])
+    start = torch.tensor([5, 40])
+    intras = [torch.ones(2, 1, 1, dtype=torch.bool), torch.ones(2, 4, 4, dtype=torch.bool),
+              torch.rand(2, 6, 6, generator=g) < 0.5]
+    outs = {}
+    for mode in ("0", "cpu"):
+        monkeypatch.setenv("DRAFTTREE_COMPILE", mode)
+        metas = [attn_meta(start, intra, L) for intra in intras for L in (48, 64)]
+        outs[mode] = rotary(pos, torch.bfloat16), rotary(pos, torch.float32), metas
+    (cb, sb), (cf, sf), metas = outs["cpu"]
+    for a, b in zip((cb, sb, cf, sf), (*outs["0"][0], *outs["0"][1])):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    for got, want in zip(metas, outs["0"][2]):
+        for a, b in ((got.mask, want.mask), (got.slots, want.slots), (got.rows, want.rows)):
+            assert a.shape == b.shape and torch.equal(a, b)

@@ -69,9 +69,16 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq  # [B, W, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, W, 1, hd]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_cos_sin(positions, self.inv_freq, dtype)
+
+
+@fused
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, W, 1, hd] of positions [B, W] (one kernel on CUDA, not five)."""
+    freqs = positions.float()[..., None] * inv_freq  # [B, W, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from drafttree.models.fused import fused
 from drafttree.models.layers import AttnMeta
 
 
@@ -56,6 +57,15 @@ def attn_meta(start: torch.Tensor, intra: torch.Tensor, kv_len: int,
     A query sees every committed entry (< start[b]) and, among the W new entries, those that
     intra[b, i, k] allows: causal (prefill, chain verify), all (draft block), ancestors (tree).
     """
+    mask, own_slots, rows = _visibility(start, intra, kv_len)
+    return AttnMeta(slots=own_slots if slots is None else slots, mask=mask, rows=rows)
+
+
+@fused
+def _visibility(start: torch.Tensor, intra: torch.Tensor,
+                kv_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`attn_meta`'s mask [B, 1, W, L], default slots [B, W] and rows [B, 1] (on CUDA in one or
+    two kernels, not nine)."""
     B, W, _ = intra.shape
     dev = intra.device
     j = torch.arange(kv_len, device=dev)
@@ -63,9 +73,7 @@ def attn_meta(start: torch.Tensor, intra: torch.Tensor, kv_len: int,
     in_new = (rel >= 0) & (rel < W)
     part = torch.gather(intra, 2, rel.clamp(0, W - 1)[:, None, :].expand(B, W, kv_len))
     mask = (rel < 0)[:, None, :] | (in_new[:, None, :] & part)
-    if slots is None:
-        slots = start[:, None] + torch.arange(W, device=dev)
-    return AttnMeta(slots=slots, mask=mask[:, None], rows=torch.arange(B, device=dev)[:, None])
+    return mask[:, None], start[:, None] + torch.arange(W, device=dev), torch.arange(B, device=dev)[:, None]
 
 
 def causal(B: int, W: int, device: torch.device | str) -> torch.Tensor:

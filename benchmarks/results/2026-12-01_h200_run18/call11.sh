@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Run 18, call 11 (acd3d78, with its diff as .ab/fused_metadata.diff): the rope tables and the attention mask of a round as compiled pieces (one
-# kernel each instead of five and nine) against the torch ops before them (the package as it was,
-# rebuilt in /tmp by reversing that diff), on the SmolLM2-135M shape's DDTree and DFlash rounds,
-# alternating, one process each.
-# Usage: OUT=dir bash benchmarks/results/2026-12-01_h200_run18/call11.sh  (needs .ab/fused_metadata.diff)
+# Run 18, call 11 (acd3d78, with its diff in .ab/fused_metadata.diff): the rope tables and the
+# attention mask of a round as compiled pieces (one kernel each instead of five and nine) against
+# the torch ops before them (the package as it was, rebuilt in /tmp by reversing that diff), on
+# the SmolLM2-135M shape's DDTree round, alternating, one process each.
+# Usage: mkdir -p .ab && git diff 7bcd984 acd3d78 -- drafttree/models/layers.py drafttree/runner/kv_cache.py \
+#          > .ab/fused_metadata.diff && OUT=dir bash benchmarks/results/2026-12-01_h200_run18/call11.sh
 set -uo pipefail
 O=$(realpath -m "${OUT:-out}"); mkdir -p "$O/logs"; L=$O/logs
 export PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=/tmp/drafttree-cache

@@ -19,7 +19,7 @@ def test_bench_writes_results_and_plots(tmp_path):
     out = tmp_path / "out"
     rc = main(["--model", str(t), "--draft-model", str(d), "--prompts", str(prompts), "--num-prompts", "3",
                "--max-tokens", "12", "--budgets", "2,8", "--temperatures", "0,1", "--device", "cpu",
-               "--dtype", "float32", "--max-model-len", "64", "--out", str(out)])
+               "--dtype", "float32", "--max-model-len", "64", "--host-profile", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     runs = {(r["method"], r["budget"], r["temperature"]) for r in res["results"]}
@@ -29,6 +29,10 @@ def test_bench_writes_results_and_plots(tmp_path):
         assert r["output_tokens"] == 36 and r["tokens_per_s"] > 0 and r["speedup"] > 0
         assert sum(r["tau_histogram"].values()) == r["rounds"]
         assert 0 < r["ttft_ms"] < 1e3 * r["wall_s"] / 3 and r["decode_tokens_per_s"] > 0
+        # on CPU the phase timer counts host time inside each round, so within the round's wall
+        assert 0 < r["round_gpu_ms"] <= r["round_ms"] < 1e3 * r["wall_s"]
+        profile = out / f"host_profile_{r['method']}{r['budget'] or ''}_T{r['temperature']:g}.txt"
+        assert "ncalls" in profile.read_text()
         if r["method"] == "ar":
             assert r["tau_mean"] == 1.0 and r["speedup"] == 1.0
         # fp32: every greedy speculative output is plain decoding's; sampled runs are not compared

@@ -1,13 +1,16 @@
 """drafttree bench: AR vs DFlash vs DDTree (budget sweep) at several temperatures.
 
 Reports per run: mean accepted length τ and its histogram, tokens/s, time per output token,
-speedup over AR; writes results.json and PNG plots into --out.
+speedup over AR, and a round's wall time against its device time (the host's share between
+rounds); writes results.json and PNG plots into --out.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import platform
+import pstats
 import sys
 import time
 from collections import Counter
@@ -19,7 +22,7 @@ from tqdm import tqdm
 from drafttree.bench.environment import environment
 from drafttree.bench.prompts import load_prompts
 from drafttree.llm import LLM
-from drafttree.phases import schedule_for
+from drafttree.phases import Phase, schedule_for
 from drafttree.sampling import SamplingParams
 
 
@@ -45,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-prefill-graphs", action="store_true", help="eager prefill")
+    p.add_argument("--host-profile", action="store_true",
+                   help="write each run's host-side profile (cProfile, top 40 by own time) into --out; "
+                        "the profiler slows the host, so its tok/s are not comparable")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--from-results", nargs="+", default=None, metavar="JSON",
                    help="run nothing: merge these results.json files (e.g. one per GPU) into --out")
@@ -82,11 +88,22 @@ def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar
     warm = SamplingParams(temperature=temperature, max_tokens=min(8, a.max_tokens), seed=0)
     for i in range(0, len(texts), a.batch):
         llm.generate(texts[i:i + a.batch], warm)
+    st, timer = eng.stats, eng.runner.timer
+    rounds0, prefill0, gpu0 = st.rounds, st.prefill_seconds, _round_seconds(timer)
+    profiler = cProfile.Profile() if a.host_profile else None
     outs, t0 = [], time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     for i in range(0, len(texts), a.batch):
         outs += llm.generate(texts[i:i + a.batch], params[i:i + a.batch])
         bar.update(len(texts[i:i + a.batch]))
     wall = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.disable()
+        name = f"host_profile_{method}{'' if budget is None else budget}_T{temperature:g}.txt"
+        with open(Path(a.out) / name, "w") as f:
+            pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
+    rounds = max(st.rounds - rounds0, 1)
     n = sum(len(o.token_ids) for o in outs)
     taus = [t for o in outs for t in o.metrics["accept_lengths"]]
     tpot = [(o.metrics["total_s"] - o.metrics["ttft_s"]) / max(len(o.token_ids) - 1, 1) for o in outs]
@@ -99,7 +116,16 @@ def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar
             # tokens after each request's first, over the time they took: TPOT weighted by length
             "decode_tokens_per_s": sum(len(o.token_ids) - 1 for o in outs) / max(after_first, 1e-9),
             "tau_histogram": dict(sorted(Counter(taus).items())), "rounds": len(taus),
+            # per round: the wall time outside prefill, and the device time of its phases (CUDA
+            # events; on CPU, host time): the difference is the host's time between rounds
+            "round_ms": 1e3 * (wall - (st.prefill_seconds - prefill0)) / rounds,
+            "round_gpu_ms": 1e3 * (_round_seconds(timer) - gpu0) / rounds,
             "graph_fallbacks": eng.runner.graphs.fallbacks if eng.runner.graphs is not None else None}, [o.token_ids for o in outs]
+
+
+def _round_seconds(timer) -> float:
+    """Seconds the runner's timer has counted in round phases (not prefill)."""
+    return sum(timer.totals[p.value] for p in Phase if p is not Phase.PREFILL and p.value in timer.totals)
 
 
 def plot(results: list[dict], out: Path) -> list[str]:
@@ -151,13 +177,15 @@ def finish(results: list[dict], meta: dict, out: Path) -> None:
         r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar else None
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     files = plot(results, out)
-    print(f"{'method':<8}{'budget':>7}{'T':>4}{'tau':>7}{'tok/s':>9}{'TPOT ms':>9}{'TTFT ms':>9}{'speedup':>9}{'=AR':>6}")
+    print(f"{'method':<8}{'budget':>7}{'T':>4}{'tau':>7}{'tok/s':>9}{'TPOT ms':>9}{'TTFT ms':>9}{'speedup':>9}{'=AR':>6}"
+          f"{'round ms':>10}{'GPU ms':>8}")
     for r in results:
         sp = f"{r['speedup']:.2f}" if r["speedup"] else "-"
         ttft = f"{r['ttft_ms']:.1f}" if "ttft_ms" in r else "-"   # absent from older results files
         same = f"{r['same_as_ar']:.2f}" if r.get("same_as_ar") is not None else "-"
+        rnd = f"{r['round_ms']:>10.3f}{r['round_gpu_ms']:>8.3f}" if "round_ms" in r else f"{'-':>10}{'-':>8}"
         print(f"{r['method']:<8}{r['budget'] or '-':>7}{r['temperature']:>4g}{r['tau_mean']:>7.2f}"
-              f"{r['tokens_per_s']:>9.1f}{r['tpot_ms']:>9.2f}{ttft:>9}{sp:>9}{same:>6}")
+              f"{r['tokens_per_s']:>9.1f}{r['tpot_ms']:>9.2f}{ttft:>9}{sp:>9}{same:>6}{rnd}")
     print(f"wrote {out / 'results.json'} and {', '.join(files)}")
 
 

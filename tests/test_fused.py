@@ -72,8 +72,8 @@ def test_round_metadata_compiles_and_matches_eager(monkeypatch, one_thread):
     the mask exactly (a decode, a draft block, a tree, at two KV lengths), the tables to rounding."""
     from drafttree.runner.kv_cache import attn_meta
     g = torch.Generator().manual_seed(3)
-    rotary = layers.Rotary(layers.ModelConfig(arch="llama", vocab_size=8, hidden_size=64, intermediate_size=64, num_layers=1,
-                                              num_heads=2, num_kv_heads=1, head_dim=32))
+    rotary = layers.Rotary(layers.ModelConfig(arch="llama", vocab_size=8, hidden_size=64, intermediate_size=64,
+                                              num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32))
     pos = torch.tensor([[5, 6, 7], [40, 41, 43]])
     start = torch.tensor([5, 40])
     intras = [torch.ones(2, 1, 1, dtype=torch.bool), torch.ones(2, 4, 4, dtype=torch.bool),

@@ -89,3 +89,33 @@ def test_round_metadata_compiles_and_matches_eager(monkeypatch, one_thread):
     for got, want in zip(metas, outs["0"][2]):
         for a, b in ((got.mask, want.mask), (got.slots, want.slots), (got.rows, want.rows)):
             assert a.shape == b.shape and torch.equal(a, b)
+
+
+@needs_cc
+def test_acceptance_walk_compiles_and_matches_eager(monkeypatch, one_thread):
+    """`accept` compiled as on CUDA gives exactly eager's lengths, paths and tokens, on built
+    trees (several budgets and depths), arbitrary trees and chains, with picks that follow a path."""
+    import random
+
+    from drafttree.spec.tree import accept, build_tree, chain_tree
+    from tests.test_tree import path_picks, random_tree
+    rng, gen = random.Random(9), torch.Generator().manual_seed(9)
+    cases = []
+    for _ in range(12):
+        R, L, V, budget = rng.randint(1, 3), rng.randint(1, 5), rng.randint(2, 6), rng.randint(1, 20)
+        tree = build_tree(torch.randn(R, L, V, generator=gen), torch.randint(0, V, (R,), generator=gen), budget)
+        pick = torch.randint(0, V, tree.tokens.shape, generator=gen)
+        path_picks(tree, 0, rng.randrange(tree.tokens.shape[1]), pick)
+        cases.append((tree, pick, L))
+        tree, depth = random_tree(rng, rng.randint(1, 12), 3)
+        cases.append((tree, torch.randint(0, 3, tree.tokens.shape, generator=gen), depth + rng.randint(0, 1)))
+        chain = chain_tree(torch.randint(0, 3, (R, L), generator=gen), torch.randint(0, 3, (R,), generator=gen))
+        cases.append((chain, torch.randint(0, 3, (R, L + 1), generator=gen), None))
+    outs = {}
+    for mode in ("0", "cpu"):
+        monkeypatch.setenv("DRAFTTREE_COMPILE", mode)
+        outs[mode] = [accept(tree, pick, L) for tree, pick, L in cases]
+    for got, want in zip(outs["cpu"], outs["0"]):
+        for a, b in ((got.accept_len, want.accept_len), (got.path, want.path), (got.tokens, want.tokens)):
+            assert a.shape == b.shape and torch.equal(a, b)
+    assert max(int(a.accept_len.max()) for a in outs["0"]) > 1   # some walks went past the root

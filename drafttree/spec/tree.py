@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from drafttree.models.fused import fused
 from drafttree.triton_jit import interpreting, kernels_run_on
 
 
@@ -218,27 +219,34 @@ def accept(tree: DraftTree, target_pick: torch.Tensor, max_depth: int | None = N
         nodes can be (exactly L for a `chain_tree`). Nodes deeper than
         max_depth are never accepted.
     """
-    R, N = tree.tokens.shape
-    L = N - 1 if max_depth is None else max_depth
-    device = tree.tokens.device
+    L = tree.tokens.shape[1] - 1 if max_depth is None else max_depth
+    return Acceptance(*_walk(target_pick, tree.tokens, tree.parents, tree.valid, tree.visible, tree.depth, L))
+
+
+@fused
+def _walk(target_pick: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
+          visible: torch.Tensor, depth: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`accept`'s walk: (accept_len, path, tokens); on CUDA one or two kernels, not ~25."""
+    R, N = tokens.shape
+    device = tokens.device
     pick = target_pick.long()
     cols = torch.arange(N, device=device)
 
-    hit = tree.valid & (tree.tokens == pick.gather(1, tree.parents)) & (cols > 0)
+    hit = valid & (tokens == pick.gather(1, parents)) & (cols > 0)
     # A node loses to an earlier matching sibling, so at most one child of
     # any node matches and the accepted nodes form a single root path.
-    same_parent = tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)  # [R, i, j]
+    same_parent = parents.unsqueeze(2) == parents.unsqueeze(1)  # [R, i, j]
     earlier = cols.view(1, N) < cols.view(N, 1)  # j < i
     shadowed = (same_parent & earlier & hit.unsqueeze(1)).any(-1)
     match = (hit & ~shadowed) | (cols == 0)
 
-    accepted = ~(tree.visible & ~match.unsqueeze(1)).any(-1)
-    accepted = accepted & (tree.depth <= L)
+    accepted = ~(visible & ~match.unsqueeze(1)).any(-1)
+    accepted = accepted & (depth <= L)
     accept_len = accepted.sum(-1)
 
     levels = torch.arange(L + 1, device=device)
-    at_level = accepted.unsqueeze(1) & (tree.depth.unsqueeze(1) == levels.view(1, L + 1, 1))
+    at_level = accepted.unsqueeze(1) & (depth.unsqueeze(1) == levels.view(1, L + 1, 1))
     path = (at_level.long() * cols).sum(-1)  # [R, L+1]; 0 past the accepted depth
     clamp_at = torch.minimum(levels.view(1, L + 1), (accept_len - 1).view(R, 1))
     path = path.gather(1, clamp_at)
-    return Acceptance(accept_len, path, pick.gather(1, path))
+    return accept_len, path, pick.gather(1, path)

@@ -119,3 +119,24 @@ def test_acceptance_walk_compiles_and_matches_eager(monkeypatch, one_thread):
         for a, b in ((got.accept_len, want.accept_len), (got.path, want.path), (got.tokens, want.tokens)):
             assert a.shape == b.shape and torch.equal(a, b)
     assert max(int(a.accept_len.max()) for a in outs["0"]) > 1   # some walks went past the root
+
+
+@needs_cc
+def test_draft_inputs_compile_and_match_eager(monkeypatch, one_thread):
+    """The drafter's pending context and block inputs, compiled as on CUDA, equal eager's exactly."""
+    from drafttree.spec import rounds
+    g = torch.Generator().manual_seed(4)
+    start, n = torch.tensor([9, 30, 17]), torch.tensor([1, 4, 2])
+    feat = torch.randn(3, 5, 6, generator=g).to(torch.bfloat16)
+    bonus = torch.tensor([7, 2, 5])
+    outs = {}
+    for mode in ("0", "cpu"):
+        monkeypatch.setenv("DRAFTTREE_COMPILE", mode)
+        ctx_feat, ctx_pos = rounds._pending(start, n, feat)
+        outs[mode] = (ctx_feat, ctx_pos, *rounds._block(start, bonus, ctx_pos, 4, 99),
+                      *rounds._block(start[:1], bonus[:1], ctx_pos[:1], 16, 99))
+    for a, b in zip(outs["cpu"], outs["0"]):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    ids, pos, slots, full = outs["0"][2:6]
+    assert ids.tolist() == [[7, 99, 99, 99], [2, 99, 99, 99], [5, 99, 99, 99]] and full.all()
+    assert pos[1].tolist() == [30, 31, 32, 33] and slots[1].tolist() == [26, 27, 28, 29, 29, 30, 31, 32, 33]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from drafttree.models.fused import fused
 from drafttree.phases import Phase
 from drafttree.runner.kv_cache import attn_meta
 from drafttree.sampling import SampleMode, pick_tokens
@@ -47,24 +48,37 @@ def pending_context(r: "ModelRunner", B: int) -> tuple[torch.Tensor, torch.Tenso
     """The features waiting for the drafter's cache and their positions, [B, C, F] and [B, C]:
     padded to C entries by repeating the last real one (same slot, same value)."""
     s = r.state
-    C, start, n = s.ctx_feat.shape[1], s.start[:B], s.ctx_n[:B]
+    return _pending(s.start[:B], s.ctx_n[:B], s.ctx_feat[:B])
+
+
+@fused
+def _pending(start: torch.Tensor, n: torch.Tensor, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    B, C, F = feat.shape
     idx = torch.minimum(torch.arange(C, device=start.device)[None, :], n[:, None] - 1)
-    ctx_feat = s.ctx_feat[:B].gather(1, idx[..., None].expand(B, C, s.ctx_feat.shape[2]))
-    return ctx_feat, start[:, None] - n[:, None] + idx
+    return feat.gather(1, idx[..., None].expand(B, C, F)), start[:, None] - n[:, None] + idx
+
+
+@fused
+def _block(start: torch.Tensor, bonus: torch.Tensor, ctx_pos: torch.Tensor, bs: int,
+           mask_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A draft block's token ids [bonus, MASK, ...], positions, cache slots (context, then block)
+    and its all-visible mask: on CUDA in one or two kernels, not seven."""
+    col = torch.arange(bs, device=start.device)
+    block_pos = start[:, None] + col
+    block_ids = torch.where(col[None, :] == 0, bonus[:, None], mask_id)
+    full = torch.ones(start.shape[0], bs, bs, dtype=torch.bool, device=start.device)
+    return block_ids, block_pos, torch.cat([ctx_pos, block_pos], dim=1), full
 
 
 def draft(r: "ModelRunner", B: int, kv_len: int) -> torch.Tensor:
     """Write the new context into the drafter's cache and draft one block: [B, D, V] logits for
     block positions 1..D, D = spec.depth_at(batch bucket)."""
     s, spec, d = r.state, r.spec, r.drafter
-    bs, start = spec.width(Phase.DRAFT), s.start[:B]
-    dev = start.device
+    start = s.start[:B]
     ctx_feat, ctx_pos = pending_context(r, B)
-    block_pos = start[:, None] + torch.arange(bs, device=dev)
-    block_ids = torch.full((B, bs), d.cfg.mask_token_id, dtype=torch.long, device=dev)
-    block_ids[:, 0] = s.bonus[:B]
-    full = torch.ones(B, bs, bs, dtype=torch.bool, device=dev)
-    meta = attn_meta(start, full, kv_len, slots=torch.cat([ctx_pos, block_pos], dim=1))
+    block_ids, block_pos, slots, full = _block(start, s.bonus[:B], ctx_pos, spec.width(Phase.DRAFT),
+                                               d.cfg.mask_token_id)
+    meta = attn_meta(start, full, kv_len, slots=slots)
     hidden = d(block_ids, block_pos, ctx_feat, ctx_pos, meta, r.dkv.k, r.dkv.v)
     return d.draft_logits(hidden, spec.depth_at(r.cache_cfg.batch_bucket(B)))
 

@@ -1,8 +1,9 @@
-"""Small elementwise pieces compiled into single kernels on CUDA (eager on CPU).
+"""Small pieces compiled into one or a few kernels on CUDA (eager on CPU).
 
 At batch 1 a decoder step is launch- and kernel-count-bound: an RMSNorm written in torch ops is
-six kernels. `torch.compile` fuses each piece below into one Triton kernel; it is applied only
-to CUDA tensors, so CPU runs (tests, CI) stay plain PyTorch. DRAFTTREE_COMPILE=0 turns it off;
+six kernels, a round's acceptance walk about 25. `torch.compile` fuses each `fused` function (the
+norms, rope, and a round's bookkeeping: rope tables, masks, draft inputs, the walk) into one or a
+few Triton kernels; it is applied only to CUDA tensors, so CPU runs (tests, CI) stay plain PyTorch. DRAFTTREE_COMPILE=0 turns it off;
 DRAFTTREE_COMPILE=cpu compiles on CPU too (for tests of the wrapper itself).
 """
 from __future__ import annotations

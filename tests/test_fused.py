@@ -140,3 +140,25 @@ def test_draft_inputs_compile_and_match_eager(monkeypatch, one_thread):
     ids, pos, slots, full = outs["0"][2:6]
     assert ids.tolist() == [[7, 99, 99, 99], [2, 99, 99, 99], [5, 99, 99, 99]] and full.all()
     assert pos[1].tolist() == [30, 31, 32, 33] and slots[1].tolist() == [26, 27, 28, 29, 29, 30, 31, 32, 33]
+
+
+def test_a_piece_whose_compiler_fails_runs_as_torch_ops(monkeypatch, caplog):
+    """A compiler failure (here a stand-in for one) warns once and leaves the piece to the torch
+    ops, with their results; an error of the inputs still raises."""
+    from drafttree.models import fused as fused_mod
+    calls = []
+
+    def broken(fn):
+        def run(*args, **kwargs):
+            calls.append(fn.__name__)
+            raise RuntimeError("backend compiler failed\ndetails")
+        return run
+    monkeypatch.setattr(fused_mod, "_compile", broken)
+    monkeypatch.setenv("DRAFTTREE_COMPILE", "cpu")
+    piece = fused_mod.fused(lambda x, y: x * 2 + y)
+    x = torch.arange(4.0)
+    with caplog.at_level("WARNING", logger="drafttree.models.fused"):
+        assert torch.equal(piece(x, 1.0), x * 2 + 1) and torch.equal(piece(x, 3.0), x * 2 + 3)
+    assert len(calls) == 1 and "backend compiler failed" in caplog.text and "details" not in caplog.text
+    with pytest.raises(RuntimeError):
+        piece(x, torch.ones(3))   # shapes that do not broadcast: the torch ops' own error

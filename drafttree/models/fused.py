@@ -3,31 +3,44 @@
 At batch 1 a decoder step is launch- and kernel-count-bound: an RMSNorm written in torch ops is
 six kernels, a round's acceptance walk about 25. `torch.compile` fuses each `fused` function (the
 norms, rope, and a round's bookkeeping: rope tables, masks, draft inputs, the walk) into one or a
-few Triton kernels; it is applied only to CUDA tensors, so CPU runs (tests, CI) stay plain PyTorch. DRAFTTREE_COMPILE=0 turns it off;
-DRAFTTREE_COMPILE=cpu compiles on CPU too (for tests of the wrapper itself).
+few Triton kernels; it is applied only to CUDA tensors, so CPU runs (tests, CI) stay plain PyTorch.
+A piece whose compilation fails on a platform runs as torch ops from then on, with one warning.
+DRAFTTREE_COMPILE=0 turns it off; DRAFTTREE_COMPILE=cpu compiles on CPU too (for tests of the
+wrapper itself).
 """
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Callable, TypeVar
 
 import torch
 
 F = TypeVar("F", bound=Callable)
+log = logging.getLogger(__name__)
 
 
 def fused(fn: F) -> F:
-    compiled: list[Callable] = []
+    compiled: list[Callable | None] = []
 
     @functools.wraps(fn)
     def wrapper(x: torch.Tensor, *args, **kwargs):
         mode = os.environ.get("DRAFTTREE_COMPILE", "1")
-        if mode == "0" or not (x.is_cuda or mode == "cpu"):
+        if mode == "0" or not (x.is_cuda or mode == "cpu") or compiled == [None]:
             return fn(x, *args, **kwargs)
         if not compiled:
             compiled.append(_compile(fn))
-        return compiled[0](x, *args, **kwargs)
+        try:
+            return compiled[0](x, *args, **kwargs)   # type: ignore[misc]
+        except Exception as e:
+            # A compiler that fails on this platform costs the piece its fusion, not the request:
+            # where the torch ops succeed, they run from now on. (Errors of the inputs raise again.)
+            out = fn(x, *args, **kwargs)
+            log.warning("compiling %s failed (%s: %s); it runs as torch ops", fn.__name__, type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "")
+            compiled[0] = None
+            return out
     return wrapper  # type: ignore[return-value]
 
 

@@ -47,9 +47,10 @@ class DecoderLayer(nn.Module):
         x, h = post.add_and_norm(x, attn_out)
         return x, mlp(h)
 
-    def residual_mlp(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """The layer after attention, residuals added at once: add, norm, MLP, add."""
-        x, y = self.mlp_after(x, attn_out, gemv_kernel.usable(x))
+    def residual_mlp(self, x: torch.Tensor, attn_out: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+        """The layer after attention, residuals added at once: add, norm, MLP, add (`mlp_after`;
+        `fused` unless given: whether x takes `gemv_kernel`)."""
+        x, y = self.mlp_after(x, attn_out, gemv_kernel.usable(x) if fused is None else fused)
         return x + y
 
 

@@ -102,8 +102,7 @@ class DraftLayer(DecoderLayer):
         v = torch.cat([vc, vb], dim=1)
         out = cached_attention(apply_rope(q, *rope_q), k, v, meta, k_cache, v_cache)
         o = gemv_kernel.gemv(out, attn.o_proj.weight, attn.o_proj.bias) if fused else attn.o_proj(out)
-        x, y = self.mlp_after(x, o, fused)
-        return x + y
+        return self.residual_mlp(x, o, fused)
 
 
 class DFlashDrafter(nn.Module):

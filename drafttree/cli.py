@@ -31,6 +31,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefill-graphs", action="store_true",
                    help="run prefill eagerly (default with CUDA graphs: graphed per (prompts, length bucket), "
                         "captured at first use)")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="read each round's tokens before launching the next (default on CUDA: the next round "
+                        "is launched first, so the host's work between rounds overlaps the device's)")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -39,7 +42,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=a.max_num_seqs,
                         max_model_len=a.max_model_len, kv_cache_memory_gb=a.kv_cache_memory_gb,
                         cuda_graphs=False if a.no_cuda_graphs else None,
-                        prefill_graphs=False if a.no_prefill_graphs else None)
+                        prefill_graphs=False if a.no_prefill_graphs else None,
+                        overlap=False if a.no_overlap else None)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-prefill-graphs", action="store_true", help="eager prefill")
+    p.add_argument("--no-overlap", action="store_true", help="read each round before launching the next")
     p.add_argument("--host-profile", action="store_true",
                    help="write each run's host-side profile (cProfile, top 40 by own time) into --out; "
                         "the profiler slows the host, so its tok/s are not comparable")
@@ -77,7 +78,7 @@ def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar
               dtype=a.dtype, device=a.device, max_num_seqs=a.batch,
               max_model_len=a.max_model_len, cuda_graphs=False if a.no_cuda_graphs else None,
               prefill_graphs=False if a.no_prefill_graphs else None,
-              random_weights=a.random_weights, random_drafter=a.random_drafter)
+              overlap=False if a.no_overlap else None, random_weights=a.random_weights, random_drafter=a.random_drafter)
     eng = llm.engine
     texts = [p if isinstance(p, list) or llm.tokenizer is None else llm.apply_chat_template(
         [{"role": "user", "content": p}]) for p in prompts]

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from drafttree.config import parse_dtype, resolve_device
+from drafttree.engine.inflight import Launched, RoundOutputs
 from drafttree.engine.sequence import Sequence, Status
 from drafttree.runner.kv_cache import KVCache
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
@@ -39,6 +40,8 @@ class EngineConfig:
     prefill_chunk: int = 2048           # prompt tokens per prefill forward (chunked prefill)
     admit_min: int = 1                  # while requests run, admit waiting ones only once this many
                                         # rows are free (or all waiting fit): fewer, larger prefills
+    overlap: bool | None = None         # launch each round before reading the previous one's tokens
+                                        # (hides the host's work between rounds); default: on for CUDA
     random_weights: str | None = None   # timing-only: a shape from drafttree.bench.shapes
     random_drafter: bool = False        # timing-only: an untrained drafter for the given target
 
@@ -81,6 +84,10 @@ class Engine:
         self.running: list[Sequence] = []     # running[i].row == i
         self.stats = EngineStats()
         self.stream_text = False    # a server streaming text sets this
+        self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
+        self._inflight: Launched | None = None
+        self._last_read = 0.0
+        self._outputs = RoundOutputs(rows, self.spec.max_commit, self.device)
         use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else self.device.type == "cuda"
         if cfg.prefill_graphs and not use_graphs:
             raise ValueError("prefill_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
@@ -158,9 +165,29 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # -- the loop ----------------------------------------------------------------------------
+    # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, list[int]]]:
-        """Admit what fits, then one round for every running request. Returns the new tokens."""
+        """Admit what fits, then one round for every running request. Returns the new tokens:
+        with `overlap`, those of the round launched by the previous step (this step's round is
+        launched first, so the device computes it while the host reads and emits)."""
+        out = self._admit()
+        self._release([s for s in self.running if s.finished])
+        prev = self._inflight
+        if prev is not None and (prev.abandoned or not self._may_overlap()):
+            if not prev.abandoned:
+                out += self._read(prev)
+            self._inflight = prev = None
+            self._release([s for s in self.running if s.finished])
+        launched = self._launch() if self.running else None   # (sizes its attention by prev's pending commits)
+        if prev is not None:
+            out += self._read(prev)
+        self._inflight = launched if self.overlap else None
+        if launched is not None and not self.overlap:
+            out += self._read(launched)
+        self._release([s for s in self.running if s.finished])
+        return out
+
+    def _admit(self) -> list[tuple[Sequence, list[int]]]:
         out: list[tuple[Sequence, list[int]]] = []
         rows = self.runner.cache_cfg.max_num_seqs
         free = rows - len(self.running)
@@ -176,24 +203,45 @@ class Engine:
                                          [q.seed for q in group])
             self.stats.prefill_seconds += time.perf_counter() - t0
             out += [(seq, self._emit(seq, [tok])) for seq, tok in zip(group, firsts)]
-        self._release([s for s in self.running if s.finished])
-        if self.running:
-            B = len(self.running)
-            t0 = time.perf_counter()
-            self.runner.run_round(B, SampleMode.of([s.params for s in self.running]),
-                                  max(s.length for s in self.running))
-            st = self.runner.state
-            rows = torch.cat([st.out_n[:B, None], st.out_tokens[:B]], dim=1).tolist()   # the round's one sync
-            self.runner.timer.collect()
-            n, toks = [r[0] for r in rows], [r[1:] for r in rows]
-            self.stats.round_seconds += time.perf_counter() - t0
-            self.stats.rounds += 1
-            for seq, k, t in zip(self.running, n, toks):
-                seq.stats.rounds += 1
-                seq.stats.accept_lengths.append(k)
-                self.stats.accept_hist[k] += 1
-                out.append((seq, self._emit(seq, t[:k])))
-        self._release([s for s in self.running if s.finished])
+        return out
+
+    def _pending(self) -> int:
+        """Tokens the unread round may have committed per request beyond what the host knows."""
+        return self.spec.max_commit if self._inflight is not None else 0
+
+    def _may_overlap(self) -> bool:
+        """Whether the next round may launch before the unread one is read: no request may reach
+        its max_tokens in the unread round (the next would be wasted on it), nor come so near the
+        context's end that the next round, starting up to max_commit tokens later, writes past
+        the cache (whose rows hold max_model_len + kv_headroom slots)."""
+        c = self.spec.max_commit
+        return all(len(s.output_ids) + c < s.params.max_tokens and s.length + c <= self.max_model_len
+                   for s in self.running)
+
+    def _launch(self) -> Launched:
+        """Launch one round over the running requests (no host sync)."""
+        mode = SampleMode.of([s.params for s in self.running])
+        self.runner.run_round(len(self.running), mode, max(s.length for s in self.running) + self._pending())
+        return self._outputs.launch(self.runner.state, list(self.running))
+
+    def _read(self, launched: Launched) -> list[tuple[Sequence, list[int]]]:
+        """Wait for a launched round's tokens (its one sync) and emit them. A request that finished
+        after the launch (EOS or stop in the round before, abort) drops what this round made."""
+        rows = launched.read()
+        self.runner.timer.collect()
+        now = time.perf_counter()
+        self.stats.round_seconds += now - max(launched.t0, self._last_read)   # overlapped rounds counted once
+        self._last_read = now
+        self.stats.rounds += 1
+        out = []
+        for seq, row in zip(launched.seqs, rows):
+            if seq.finished:
+                continue
+            k = row[0]
+            seq.stats.rounds += 1
+            seq.stats.accept_lengths.append(k)
+            self.stats.accept_hist[k] += 1
+            out.append((seq, self._emit(seq, row[1:1 + k])))
         return out
 
     def _prefill_group(self, free_rows: int) -> list[Sequence]:

@@ -143,6 +143,10 @@ class ModelRunner:
         """One round for rows 0..B-1; `max_length` bounds their committed lengths (host-known).
         Attention covers the smallest KV bucket that holds what the round writes; a batch no
         graph fits runs eagerly at the same shapes, so both give the same tokens."""
+        if max_length > self.cache_cfg.max_model_len:
+            # its writes would pass the row's end (max_model_len + headroom slots)
+            raise RuntimeError(f"a round over rows of up to {max_length} committed tokens; the cache holds "
+                               f"{self.cache_cfg.max_model_len} per row")
         kv_len = self.round_kv_len(max_length)
         if self.graphs is None or not self.graphs.replay(B, mode, kv_len):
             self.eager_round(B, kv_len, mode)
@@ -164,7 +168,9 @@ class ModelRunner:
             verify_phase(self, B, kv_len, tree, mode)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
-        """Keep running requests packed in rows 0..B-1 when one finishes."""
+        """Keep running requests packed in rows 0..B-1 when one finishes. `length`: the committed
+        tokens the host knows of; an unread round's commits (at most max_commit <= kv_headroom
+        more) lie within the slots moved."""
         if src == dst:
             return
         n = min(length + self.spec.kv_headroom, self.cache_cfg.max_len)

@@ -29,7 +29,12 @@ class PhaseTimer:
             self.totals[name] += time.perf_counter() - t0
 
     def collect(self) -> None:
-        """Add the pending CUDA intervals; call only after a sync that covers them."""
+        """Add the pending CUDA intervals the device has finished (in launch order: a round
+        launched after the one just read may still run)."""
+        done = 0
         for name, a, b in self._pending:
+            if not b.query():
+                break
             self.totals[name] += a.elapsed_time(b) / 1e3
-        self._pending.clear()
+            done += 1
+        del self._pending[:done]

@@ -1,0 +1,60 @@
+"""Rounds launched but not yet read: the engine launches round N+1 before it reads round N's
+tokens (`EngineConfig.overlap`), so the host's work between rounds (reading, emitting, the next
+launch) runs while the device computes instead of leaving it idle.
+
+Each launched round's committed tokens go to host memory as the device gets there: a copy into
+one of two pinned buffers, then an event. Reading waits on that event alone, never on the rounds
+launched after it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from drafttree.engine.sequence import Sequence
+from drafttree.runner.state import RoundState
+
+
+@dataclass
+class Launched:
+    """A round over rows 0..B-1; row i held seqs[i] when it was launched (rows move as requests
+    finish, so a late read maps by this list, not by seq.row)."""
+    seqs: list[Sequence]
+    host: torch.Tensor                  # [B, 1 + C]: out_n, then out_tokens
+    done: torch.cuda.Event | None       # recorded after the copy (CUDA)
+    t0: float = field(default_factory=time.perf_counter)
+
+    def read(self) -> list[list[int]]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+    @property
+    def abandoned(self) -> bool:
+        """Every request of the round finished (EOS, stop, abort) after it was launched."""
+        return all(s.finished for s in self.seqs)
+
+
+class RoundOutputs:
+    """Two pinned host buffers, alternating: a round's buffer is written again two launches later,
+    after the engine has read (or abandoned) that round; the copies run in stream order."""
+
+    def __init__(self, rows: int, commit: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.bufs = [torch.empty(rows, 1 + commit, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+        self.next = 0
+
+    def launch(self, state: RoundState, seqs: list[Sequence]) -> Launched:
+        """Queue the copy of the round just launched over len(seqs) rows (no host sync)."""
+        B = len(seqs)
+        dev = torch.cat([state.out_n[:B, None], state.out_tokens[:B]], dim=1)
+        host = self.bufs[self.next][:B]
+        self.next ^= 1
+        if not self.cuda:
+            return Launched(seqs, host.copy_(dev), None)
+        host.copy_(dev, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(seqs, host, done)

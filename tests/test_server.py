@@ -83,7 +83,8 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def live(model_dir: Path) -> Iterator[Live]:
-    with serve(cpu_engine(model_dir, spec="none")) as lv:
+    # overlapped rounds, as on CUDA: streams, stops, aborts and metrics with a round in flight
+    with serve(cpu_engine(model_dir, spec="none", overlap=True)) as lv:
         yield lv
 
 

@@ -165,7 +165,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # -- the loop ---------------------------------------------------------------------------
+    # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Admit what fits, then one round for every running request. Returns the new tokens:
         with `overlap`, those of the round launched by the previous step (this step's round is

@@ -78,7 +78,8 @@ def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar
               dtype=a.dtype, device=a.device, max_num_seqs=a.batch,
               max_model_len=a.max_model_len, cuda_graphs=False if a.no_cuda_graphs else None,
               prefill_graphs=False if a.no_prefill_graphs else None,
-              overlap=False if a.no_overlap else None, random_weights=a.random_weights, random_drafter=a.random_drafter)
+              overlap=False if a.no_overlap else None, random_weights=a.random_weights,
+              random_drafter=a.random_drafter)
     eng = llm.engine
     texts = [p if isinstance(p, list) or llm.tokenizer is None else llm.apply_chat_template(
         [{"role": "user", "content": p}]) for p in prompts]

@@ -220,9 +220,10 @@ class Engine:
 
     def _launch(self) -> Launched:
         """Launch one round over the running requests (no host sync)."""
+        t0 = time.perf_counter()
         mode = SampleMode.of([s.params for s in self.running])
         self.runner.run_round(len(self.running), mode, max(s.length for s in self.running) + self._pending())
-        return self._outputs.launch(self.runner.state, list(self.running))
+        return self._outputs.launch(self.runner.state, list(self.running), t0)
 
     def _read(self, launched: Launched) -> list[tuple[Sequence, list[int]]]:
         """Wait for a launched round's tokens (its one sync) and emit them. A request that finished

@@ -8,8 +8,7 @@ launched after it.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +23,7 @@ class Launched:
     seqs: list[Sequence]
     host: torch.Tensor                  # [B, 1 + C]: out_n, then out_tokens
     done: torch.cuda.Event | None       # recorded after the copy (CUDA)
-    t0: float = field(default_factory=time.perf_counter)
+    t0: float                           # host time before the launch
 
     def read(self) -> list[list[int]]:
         if self.done is not None:
@@ -38,23 +37,25 @@ class Launched:
 
 
 class RoundOutputs:
-    """Two pinned host buffers, alternating: a round's buffer is written again two launches later,
-    after the engine has read (or abandoned) that round; the copies run in stream order."""
+    """Two pinned host buffers and their events, alternating: a round's buffer (and event) is used
+    again two launches later, after the engine has read (or abandoned) that round; the copies run
+    in stream order."""
 
     def __init__(self, rows: int, commit: int, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.bufs = [torch.empty(rows, 1 + commit, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+        cuda = device.type == "cuda"
+        self.bufs = [torch.empty(rows, 1 + commit, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self.next = 0
 
-    def launch(self, state: RoundState, seqs: list[Sequence]) -> Launched:
-        """Queue the copy of the round just launched over len(seqs) rows (no host sync)."""
-        B = len(seqs)
-        dev = torch.cat([state.out_n[:B, None], state.out_tokens[:B]], dim=1)
-        host = self.bufs[self.next][:B]
+    def launch(self, state: RoundState, seqs: list[Sequence], t0: float) -> Launched:
+        """Queue the copy of the round just launched over len(seqs) rows (no host sync); t0: the
+        host time before its launch."""
+        B, i = len(seqs), self.next
         self.next ^= 1
-        if not self.cuda:
-            return Launched(seqs, host.copy_(dev), None)
+        dev = torch.cat([state.out_n[:B, None], state.out_tokens[:B]], dim=1)
+        host, done = self.bufs[i][:B], self.events[i]
+        if done is None:
+            return Launched(seqs, host.copy_(dev), None, t0)
         host.copy_(dev, non_blocking=True)
-        done = torch.cuda.Event()
         done.record()
-        return Launched(seqs, host, done)
+        return Launched(seqs, host, done, t0)

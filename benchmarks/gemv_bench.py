@@ -5,14 +5,15 @@ copy, the copies together larger than L2 (so the weights come from HBM, as in a 
 each kernel's block shape per matrix (one row: rows per program, columns per step, warps, steps
 loaded before the PDL wait; more rows: also pipeline stages, input splits and token rows per
 program) and writes the fastest per matrix, as [kernel, weight elements, blocks, us, torch ops'
-us] rows (more rows' blocks end with the rows swept, the most they then cover). The engine takes
+us] rows (more rows' blocks end with the rows swept, the most they then cover, and the steps
+before the wait). The engine takes
 that file as `DRAFTTREE_BLOCKS=best.json` (`models/kernel_blocks.py`).
 
     python benchmarks/gemv_bench.py [--shape qwen3-8b] [--block-n 4,8,16] [--block-k 256,512,1024]
                                     [--warps 4,8] [--prefetch 1,2] [--out best.json]       (CUDA)
     python benchmarks/gemv_bench.py --rows 33 --block-n 32,64,128 --block-k 64,128 --warps 4 \
-                                    [--stages 3,4] [--splits 1,2,4] [--row-block 16,64] [--prenormed] \
-                                    [--only qkv,gate_up]                                   (CUDA)
+                                    [--stages 3,4] [--splits 1,2,4] [--row-block 16,64] [--prefetch 0,2] \
+                                    [--prenormed] [--only qkv,gate_up]                     (CUDA)
 
 `--prenormed` times the QKV and gate/up tiles without their norm prologue, after the torch ops'
 add + RMSNorm launch: the alternative to the prologue where it loses to cuBLAS.
@@ -35,7 +36,7 @@ ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
 ap.add_argument("--block-n", default="4,8,16")
 ap.add_argument("--block-k", default="256,512,1024")
 ap.add_argument("--warps", default="4,8")
-ap.add_argument("--prefetch", default="1", help="input steps loaded before the PDL wait (one row)")
+ap.add_argument("--prefetch", default="1", help="input steps loaded before the PDL wait (0: none, more rows only)")
 ap.add_argument("--rows", type=int, default=1, help=f"token rows, 1 to {gemm_kernel.MAX_ROWS}")
 ap.add_argument("--stages", default="3", help="pipeline stages (more than one row)")
 ap.add_argument("--splits", default="1,2,4", help="input splits (more than one row)")
@@ -65,11 +66,17 @@ def calls(kind, ws):
     fused = gemv_kernel.norm_glu_gemv if kind == "glu" else gemv_kernel.norm_gemv
     return torch_ops, cycling(lambda w: fused(x, delta, g, 1e-6, w)[1], ws)
 
-sweep = (args.block_n, args.block_k, args.warps) + ((args.stages, args.splits, args.row_block) if args.rows > 1
-                                                   else (args.prefetch,))
+sweep = (args.block_n, args.block_k, args.warps) + ((args.stages, args.splits, args.row_block, args.prefetch)
+                                                   if args.rows > 1 else (args.prefetch,))
 grid = list(itertools.product(*([int(v) for v in a.split(",")] for a in sweep)))
 table = gemv_kernel.BLOCKS if args.rows == 1 else gemm_kernel.BLOCKS
-covers = (args.rows,) if args.rows > 1 else ()   # the most token rows few-row blocks then cover
+
+
+def with_covers(blocks: tuple) -> tuple:
+    """More rows: the most token rows the blocks then cover go before the steps before the wait."""
+    return blocks[:6] + (args.rows,) + blocks[6:] if args.rows > 1 else blocks
+
+
 best: list[tuple[str, int, tuple]] = []
 fused_total = torch_total = 0.0
 for name, (N, K) in projections(cfg).items():
@@ -85,19 +92,19 @@ for name, (N, K) in projections(cfg).items():
     print(f"  torch ops (prologue + cuBLAS):                   {t:7.1f} us  {gb / t * 1e6:6.0f} GB/s")
     times = {}
     for blocks in grid:
-        table[kind] = [(0, blocks + covers)]
+        table[kind] = [(0, with_covers(blocks))]
         try:
             times[blocks] = t = graphed_us(ours, n=calls_per_graph)
         except OutOfResources as e:   # a tile and its pipeline stages past shared memory
             print(f"  fused, {blocks}: {e}")
             continue
-        more = (f", stages {blocks[3]}, splits {blocks[4]}, rows {blocks[5]}" if args.rows > 1
-                else f", before the wait {blocks[3]}")
+        more = (f", stages {blocks[3]}, splits {blocks[4]}, rows {blocks[5]}, before the wait {blocks[6]}"
+                if args.rows > 1 else f", before the wait {blocks[3]}")
         print(f"  fused, BLOCK_N {blocks[0]:3d}, BLOCK_K {blocks[1]:4d}, warps {blocks[2]}{more}: "
               f"{t:7.1f} us  {gb / t * 1e6:6.0f} GB/s", flush=True)
     fastest = min(times, key=times.get)
     fused_total += times[fastest]
-    best.append((kind, N * K, fastest + covers, times[fastest], t_torch))
+    best.append((kind, N * K, with_covers(fastest), times[fastest], t_torch))
     print(f"  fastest: {fastest}, {times[fastest]:.1f} us", flush=True)
     del ws
 

@@ -120,6 +120,45 @@ def test_decode_through_the_kernels_is_lossless(zoo, monkeypatch, shape, spec, b
     assert ran and any(ran) == (spec == "none")   # the rope inside the attention: one-token decodes only
 
 
+@pytest.mark.parametrize("shape", ["qwen3", "llama"])
+def test_drafter_attention_through_the_kernels(zoo, monkeypatch, tmp_path, shape):
+    """A drafter layer's attention through the kernels (the context's and the block's QKV rows
+    in one q/k norm + rope + KV write launch, then the block's queries) drafts what its torch ops
+    draft, round for round: the same draft logits, not only the target's tokens."""
+    from drafttree.llm import LLM
+    from drafttree.models import dflash, layers
+    from tests.test_spec_lossless import greedy, make_prompts
+    from tests.tiny import edit_tensors, make_drafter
+    pair = zoo(shape)
+    prompts = make_prompts(pair.vocab)[:2]
+    gen = torch.Generator().manual_seed(5)
+    drafter = edit_tensors(make_drafter(tmp_path / "drafter", pair.target, head_dim=16),   # a head dim tl.dot takes
+                           lambda w: {k: (1 + torch.randn(v.shape, generator=gen) / 3 if k.endswith("_norm.weight")
+                                          else v) for k, v in w.items()})   # q and k norms apart
+    real_logits = dflash.DFlashDrafter.draft_logits
+
+    def run(kernels: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
+        drafted, kernel_calls = [], []
+        with monkeypatch.context() as m:
+            m.setattr(attn_kernel, "ENABLED", kernels)
+            m.setattr(layers, "few_rows", lambda q, rows: True)
+            m.setattr(dflash.DFlashDrafter, "draft_logits", lambda d, *a: drafted.append(real_logits(d, *a).clone())
+                      or drafted[-1])
+            real_attend = dflash.DraftLayer._attend_kernel
+            m.setattr(dflash.DraftLayer, "_attend_kernel", lambda *a: kernel_calls.append(1) or real_attend(*a))
+            llm = LLM(model=str(pair.target), draft_model=str(drafter), spec="ddtree", budget=4, device=DEVICE,
+                      dtype="float32", max_num_seqs=2, max_model_len=128, cuda_graphs=False)
+            out = [o.token_ids for o in llm.generate(prompts, greedy(8))]
+        assert bool(kernel_calls) == kernels
+        return out, drafted
+
+    want, want_drafts = run(False)
+    got, got_drafts = run(True)
+    assert got == want and len(got_drafts) == len(want_drafts) > 0
+    for g, w in zip(got_drafts, want_drafts):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
 def test_write_kv_matches_index_put():
     """One launch for K and V, against the indexed assignment, with V a strided view (as from the
     fused QKV projection) and rows that are not 0..B-1."""

@@ -83,7 +83,7 @@ def test_bf16_graphs_through_the_fused_projections_equal_eager(pair, spec, budge
     against eager."""
     from drafttree.models import gemm_kernel
     for kind in gemm_kernel.BLOCKS:
-        monkeypatch.setitem(gemm_kernel.BLOCKS, kind, [(0, (32, 64, 4, 3, 2, 16, 64))])
+        monkeypatch.setitem(gemm_kernel.BLOCKS, kind, [(0, (32, 64, 4, 3, 2, 16, 64, 2))])
     launches = []
     real = gemm_kernel.launch
     monkeypatch.setattr(gemm_kernel, "launch", lambda *a: launches.append(a[0]) or real(*a))

@@ -25,9 +25,10 @@ def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # Token rows: one (the GEMVs); a draft block; a DDTree verify at budget 32 (padded to 64 rows),
 # in one pass, in three input splits, in three programs of 16 rows with two splits (the
-# tensor-core kernel's blocks), at the code's blocks for these small weights, and as the torch ops
-# (a weight class without blocks). One row also with the first steps' weights loaded as one tile.
-ONE_PASS, SPLITS, ROW_BLOCKS = (32, 64, 4, 2, 1, 64, 64), (16, 64, 4, 3, 3, 64, 64), (16, 64, 4, 2, 2, 16, 64)
+# tensor-core kernel's blocks; none, one and two input steps loaded before the PDL wait), at the
+# code's blocks for these small weights, and as the torch ops (a weight class without blocks). One
+# row also with the first steps' weights loaded as one tile.
+ONE_PASS, SPLITS, ROW_BLOCKS = (32, 64, 4, 2, 1, 64, 64, 0), (16, 64, 4, 3, 3, 64, 64, 1), (16, 64, 4, 2, 2, 16, 64, 2)
 ROWS = [pytest.param(1, None, id="1row"), pytest.param(1, "prefetch", id="1row_prefetch"),
         pytest.param(16, ONE_PASS, id="16rows"),
         pytest.param(33, ONE_PASS, id="33rows"), pytest.param(33, SPLITS, id="33rows_split"),
@@ -121,10 +122,31 @@ def test_tiles_without_their_prologue(kind, blocks, monkeypatch):
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["norm", "glu", "plain"])
+@pytest.mark.parametrize("prefetch", [0, 2, 8])   # none, two steps, more than a split has (clamped)
+@pytest.mark.parametrize("blocks", [SPLITS, ROW_BLOCKS])
+def test_tile_weights_loaded_before_the_wait(kind, prefetch, blocks, monkeypatch):
+    """A tile's first input steps as one wider step, its weights loaded before the PDL wait: the
+    same sums as the torch ops, with the residual stream and the norm's squares over all steps."""
+    monkeypatch.setitem(gemm_kernel.BLOCKS, kind, [(0, blocks[:7] + (prefetch,))])
+    gen = torch.Generator().manual_seed(prefetch)
+    x, delta = (torch.randn(1, 33, 300, generator=gen).to(DEVICE) for _ in range(2))
+    g = (1 + torch.rand(300, generator=gen)).to(DEVICE)
+    w = (torch.randn(80, 300, generator=gen) / 300 ** 0.5).to(DEVICE)
+    if kind == "plain":
+        got_x, y = x, gemv_kernel.gemv(x, w)
+        want_x, want = x, F.linear(x, w)
+    else:
+        got_x, y = (gemv_kernel.norm_glu_gemv if kind == "glu" else gemv_kernel.norm_gemv)(x, delta, g, 1e-6, w)
+        want_x, want = gemm_kernel.torch_ops(kind, x, delta, g, 1e-6, w, None)
+    assert torch.equal(got_x, want_x)
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rows,tiled", [(33, True), (34, False)])
 def test_rows_past_a_class_take_the_torch_ops(rows, tiled, monkeypatch):
     """A class's blocks cover at most their last field's token rows; more rows run the torch ops."""
-    monkeypatch.setitem(gemm_kernel.BLOCKS, "plain", [(0, ROW_BLOCKS[:6] + (33,))])
+    monkeypatch.setitem(gemm_kernel.BLOCKS, "plain", [(0, ROW_BLOCKS[:6] + (33, 0))])
     ran = []
     real = gemm_kernel.torch_ops
     monkeypatch.setattr(gemm_kernel, "torch_ops", lambda *a: ran.append(a[0]) or real(*a))
@@ -289,15 +311,18 @@ def test_blocks_from_a_sweep_file(tmp_path, monkeypatch):
     path.write_text(json.dumps([["norm", 600_000, [8, 256, 4, 1], 3.0, 4.0],
                                 ["glu", 1_800_000, [32, 64, 4, 3, 1, 16, 33], 5.0, 6.0],
                                 ["plain", 900_000, [32, 64, 4, 3, 1, 16, 33], 7.0, 6.0],
+                                ["plain", 300_000, [32, 64, 4, 3, 1, 16, 33, 2], 2.0, 3.0],
                                 ["norm", 3_000_000, None]]))
     kernel_blocks.load(str(path), one, few)
     assert gemm_kernel.blocks_for("norm", 600_000, one) == (8, 256, 4, 1)
-    assert gemm_kernel.blocks_for("glu", 1_800_000, few) == (32, 64, 4, 3, 1, 16, 33)
+    assert gemm_kernel.blocks_for("glu", 1_800_000, few) == (32, 64, 4, 3, 1, 16, 33, 0)   # an older sweep's
+    assert gemm_kernel.blocks_for("plain", 300_000, few) == (32, 64, 4, 3, 1, 16, 33, 2)
     assert gemm_kernel.blocks_for("glu", (1 << 20) - 1, few) == gemm_kernel.blocks_for("glu", (1 << 20) - 1)
     assert gemm_kernel.blocks_for("plain", 900_000, few) is None   # lost to the torch ops
     assert gemm_kernel.blocks_for("norm", 3_000_000, few) is None
     assert [least for least, _ in few["norm"]][-3:] == [1 << 22, 1 << 21, 0]
-    for bad in ('[["qkv", 10, [1, 2, 3, 4]]]', '[["norm", 10, [1, 2, 3, 4, 5, 6]]]', "{not json"):
+    for bad in ('[["qkv", 10, [1, 2, 3, 4]]]', '[["norm", 10, [1, 2, 3, 4, 5, 6]]]', '[["norm", 10, [1, 2, 3, 0]]]',
+                '[["norm", 10, [1, 2, 3, 4, 5, 6, 0]]]', "{not json"):
         path.write_text(bad)
         with pytest.raises(ValueError, match="DRAFTTREE_BLOCKS="):
             kernel_blocks.load(str(path), one, few)

@@ -53,11 +53,11 @@ def make_target(path: Path, shape: str = "llama", vocab: int = 97, layers: int =
 
 def make_drafter(path: Path, target_dir: Path, block_size: int = 4, layers: int = 2, seed: int = 1,
                  target_layer_ids: list[int] | None = None, hidden: int | None = None,
-                 vocab: int | None = None) -> Path:
+                 vocab: int | None = None, head_dim: int = 8) -> Path:
     """Write a random drafter in the published DFlash format for `target_dir`."""
     t = json.loads((target_dir / "config.json").read_text())
     D = hidden or t["hidden_size"]
-    H, Hkv, hd = 4, 2, 8
+    H, Hkv, hd = 4, 2, head_dim
     ids = target_layer_ids or [0, t["num_hidden_layers"] - 1]
     V = vocab or t["vocab_size"]
     cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": D,

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from drafttree.config import ModelConfig
-from drafttree.models import gemv_kernel
+from drafttree.models import attn_kernel, gemv_kernel
 from drafttree.models.decoder import DecoderLayer
-from drafttree.models.layers import AttnMeta, RMSNorm, Rotary, apply_rope, cached_attention, write_kv
+from drafttree.models.layers import AttnMeta, RMSNorm, Rotary, apply_rope, attend, cached_attention, write_kv
+from drafttree.models.rope_kernel import qk_rope_write_kv
 from drafttree.phases import SpecConfig
 
 
@@ -94,15 +95,31 @@ class DraftLayer(DecoderLayer):
         fused = gemv_kernel.usable(x)   # the block's rows: the norm inside the QKV projection
         if fused:
             qkv = gemv_kernel.norm_gemv(x, None, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)[1]
-            q, kb, vb = attn.split_qkv(qkv)
         else:
-            q, kb, vb = attn.project(ln(x))
-        _, kc, vc = attn.project(ctx)          # the context vector is not layer-normed here
-        k = apply_rope(torch.cat([kc, kb], dim=1), *rope_kv)
-        v = torch.cat([vc, vb], dim=1)
-        out = cached_attention(apply_rope(q, *rope_q), k, v, meta, k_cache, v_cache)
+            qkv = attn.qkv_proj(ln(x))
+        qkv_ctx = attn.qkv_proj(ctx)          # the context vector is not layer-normed here
+        if rope_q is None:   # the attention kernels' path (DFlashDrafter.forward decides)
+            out = self._attend_kernel(torch.cat([qkv_ctx, qkv], dim=1), rope_kv, meta, k_cache, v_cache)
+        else:
+            q, kb, vb = attn.split_qkv(qkv)
+            _, kc, vc = attn.split_qkv(qkv_ctx)
+            k = apply_rope(torch.cat([kc, kb], dim=1), *rope_kv)
+            v = torch.cat([vc, vb], dim=1)
+            out = cached_attention(apply_rope(q, *rope_q), k, v, meta, k_cache, v_cache)
         o = gemv_kernel.gemv(out, attn.o_proj.weight, attn.o_proj.bias) if fused else attn.o_proj(out)
         return self.residual_mlp(x, o, fused)
+
+    def _attend_kernel(self, qkv: torch.Tensor, rope_kv, meta: AttnMeta, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor) -> torch.Tensor:
+        """Attention from the QKV rows [context ; block] in two kernels' work: q/k norm, rope and
+        the K/V write of every row in one launch (`rope_kernel`), then the block's queries (the
+        last rows; the context's queries are computed and dropped) over the cache."""
+        attn = self.self_attn
+        norm = attn.q_norm is not None
+        qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if norm else (None, None)
+        q = qk_rope_write_kv(qkv, attn.h, attn.hkv, qw, kw, attn.q_norm.eps if norm else 0.0, *rope_kv,
+                             k_cache, v_cache, meta.rows, meta.slots)
+        return attend(q[:, q.shape[1] - meta.mask.shape[2]:], meta, k_cache, v_cache)
 
 
 class DFlashDrafter(nn.Module):
@@ -135,8 +152,9 @@ class DFlashDrafter(nn.Module):
         meta.slots must be cat(ctx slots, block slots). Returns final-normed hidden [B, bs, D]."""
         x = self.embed(block_ids)
         ctx = self.context(ctx_feat.to(x.dtype))
-        rope_q = self.rotary(block_pos, x.dtype)
         rope_kv = self.rotary(torch.cat([ctx_pos, block_pos], dim=1), x.dtype)
+        kernels = attn_kernel.usable(x, self.cfg.model.head_dim) and not meta.gather_rows
+        rope_q = None if kernels else self.rotary(block_pos, x.dtype)   # the kernels take it from rope_kv
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, rope_q, rope_kv, meta, k_cache[i], v_cache[i])
         return self.norm(x)

@@ -32,22 +32,29 @@ tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 MAX_ROWS = 64
 ENABLED = os.environ.get("DRAFTTREE_GEMM", "1") == "1"
 # Per kernel, (least weight elements, (weight rows per program, inputs per step, warps, pipeline
-# stages, input splits, token rows per program, most token rows) or None), largest class first, as
-# gemv_kernel.BLOCKS; more token rows than a class's most take the torch ops. None keeps the torch
-# ops (cuBLAS, and the norm or SiLU·up launch) where this kernel did not beat them: on an H200 at
-# 33 rows (`benchmarks/gemv_bench.py --rows 33`, run 15) the Qwen3-8B o and down projections won
-# (13.2 against 14.1 µs, 29.6 against 30.1), QKV with its norm and gate/up with SiLU·up lost (23.7
-# against 20.7, 69.3 against 57.8). Under 2^22 elements (the SmolLM2-135M shape, 0.3 to 1.8 M;
-# run 17, weights from HBM) every matrix won in programs of 16 rows, 4 pipeline stages and 2
-# splits: 17.8 against 23.4 µs a layer. At 64 rows (a draft block or DFlash verify at batch 4)
-# the default pair was slower with them, so they stop at 33 rows. 2^22 to 2^24 was not swept.
-Blocks = tuple[int, int, int, int, int, int, int]
+# stages, input splits, token rows per program, most token rows, input steps loaded before the
+# PDL wait) or None), largest class first, as gemv_kernel.BLOCKS; more token rows than a class's
+# most take the torch ops. None keeps the torch ops (cuBLAS, and the norm or SiLU·up launch) where
+# this kernel did not beat them: on an H200 at 33 rows (`benchmarks/gemv_bench.py --rows 33`, run
+# 15) the Qwen3-8B o and down projections won (13.2 against 14.1 µs, 29.6 against 30.1), QKV with
+# its norm and gate/up with SiLU·up lost (23.7 against 20.7, 69.3 against 57.8). Under 2^22
+# elements (the SmolLM2-135M shape, 0.3 to 1.8 M; run 17, weights from HBM) every matrix won in
+# programs of 16 rows, 4 pipeline stages and 2 splits: 17.8 against 23.4 µs a layer. At 64 rows
+# (a draft block or DFlash verify at batch 4) the default pair was slower with them, so they stop
+# at 33 rows. 2^22 to 2^24 was not swept. Steps before the wait (one tile, loaded while the kernel
+# before still runs; a power of two, clamped to a split's steps): the SmolLM2-shape DDTree round
+# took 1.148-1.156 ms with 4, 1.155-1.168 with 2 and 1.189-1.192 with none; the Qwen3-8B shape's
+# verify 5.50 ms with 1 against 5.10 with none (H200, run 20): its programs outnumber the SMs, and
+# early loads compete with the kernel before for HBM. DRAFTTREE_GEMM_PREFETCH=n sets n for every
+# class (A/B runs).
+Blocks = tuple[int, int, int, int, int, int, int, int]
 FINISH_BLOCK = 256   # outputs per program of the launch that adds the input splits
+PREFETCH = os.environ.get("DRAFTTREE_GEMM_PREFETCH")
 BLOCKS: dict[str, list[tuple[int, Blocks | None]]] = {
-    "norm": [(1 << 22, None), (0, (64, 64, 4, 4, 2, 16, 33))],
-    "plain": [(1 << 24, (64, 128, 4, 3, 4, 64, 64)), (1 << 22, None), (1 << 19, (32, 128, 4, 4, 2, 16, 33)),
-              (0, (64, 128, 4, 4, 2, 16, 33))],
-    "glu": [(1 << 22, None), (0, (64, 64, 4, 4, 2, 16, 33))],
+    "norm": [(1 << 22, None), (0, (64, 64, 4, 4, 2, 16, 33, 4))],
+    "plain": [(1 << 24, (64, 128, 4, 3, 4, 64, 64, 0)), (1 << 22, None), (1 << 19, (32, 128, 4, 4, 2, 16, 33, 4)),
+              (0, (64, 128, 4, 4, 2, 16, 33, 4))],
+    "glu": [(1 << 22, None), (0, (64, 64, 4, 4, 2, 16, 33, 4))],
 }
 
 
@@ -79,11 +86,46 @@ def set_blocks(kind: str, numel: int, blocks: Any, split: bool = False,
         classes.insert(at, (least, blocks))
 
 
+@device_function
+def _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, m, M, pid, N, K: tl.constexpr,
+               HAS_D: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr):
+    """Inputs k [S] of token rows m against the weight tiles w (and w_up) [BN, S] the caller
+    loaded; returns the sums and the step's squares [S, BM] (zeros without NORM)."""
+    dt = xo_ptr.dtype.element_ty
+    x_ok = (k[:, None] < K) & (m[None, :] < M)
+    v = tl.load(x_ptr + m[None, :] * K + k[:, None], mask=x_ok, other=0.0)   # [S, BM]
+    if HAS_D:   # the residual stream, rounded to the model dtype as the torch add does
+        v = (v.to(tl.float32) + tl.load(d_ptr + m[None, :] * K + k[:, None], mask=x_ok,
+                                        other=0.0).to(tl.float32)).to(dt)
+        if pid == 0:
+            tl.store(xo_ptr + m[None, :] * K + k[:, None], v, mask=x_ok)
+    sq = tl.zeros(v.shape, tl.float32)
+    if NORM:
+        h = v.to(tl.float32)
+        sq = h * h
+        v = (tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[:, None] * h).to(dt)
+    acc = tl.dot(w, v, acc, input_precision="ieee")
+    if GLU:
+        acc_up = tl.dot(w_up, v, acc_up, input_precision="ieee")
+    return acc, acc_up, sq
+
+
+@device_function
+def _weight_tiles(w_ptr, n, k, N, K: tl.constexpr, GLU: tl.constexpr):
+    """The weight rows n (and, GLU, their up rows N + n) at inputs k: [BN, S] each."""
+    w_ok = (n[:, None] < N) & (k[None, :] < K)
+    w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=w_ok, other=0.0)
+    w_up = w
+    if GLU:
+        w_up = tl.load(w_ptr + (N + n[:, None]) * K + k[None, :], mask=w_ok, other=0.0)
+    return w, w_up
+
+
 def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, ws_ptr, ss_ptr, M, N, eps,
                  K: tl.constexpr, HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr,
                  GLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 KS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
+                 KS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PRE: tl.constexpr,
+                 PDL: tl.constexpr):
     pid, pk = tl.program_id(0), tl.program_id(1)
     dt = y_ptr.dtype.element_ty
     n = pid * BN + tl.arange(0, BN)
@@ -91,27 +133,25 @@ def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, ws_ptr, ss_pt
     acc = tl.zeros([BN, BM], tl.float32)    # y transposed: the weight rows are the MMA's M
     acc_up = tl.zeros([BN, BM], tl.float32)   # GLU: rows N + n of w, the up half
     ss = tl.zeros([BK, BM], tl.float32)   # per lane, summed across lanes once, after the loop
-    for k0 in tl.range(0, KS, BK, num_stages=STAGES):
-        k = pk * KS + k0 + tl.arange(0, BK)
-        x_ok = (k[:, None] < K) & (m[None, :] < M)
-        v = tl.load(x_ptr + m[None, :] * K + k[:, None], mask=x_ok, other=0.0)   # [BK, BM]
-        if HAS_D:   # the residual stream, rounded to the model dtype as the torch add does
-            v = (v.to(tl.float32) + tl.load(d_ptr + m[None, :] * K + k[:, None], mask=x_ok,
-                                            other=0.0).to(tl.float32)).to(dt)
-            if pid == 0:
-                tl.store(xo_ptr + m[None, :] * K + k[:, None], v, mask=x_ok)
-        if NORM:
-            h = v.to(tl.float32)
-            ss += h * h
-            v = (tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[:, None] * h).to(dt)
-        w_ok = (n[:, None] < N) & (k[None, :] < K)
-        acc = tl.dot(tl.load(w_ptr + n[:, None] * K + k[None, :], mask=w_ok, other=0.0), v, acc,
-                     input_precision="ieee")
-        if GLU:
-            acc_up = tl.dot(tl.load(w_ptr + (N + n[:, None]) * K + k[None, :], mask=w_ok, other=0.0), v, acc_up,
-                            input_precision="ieee")
+    ss_pre = tl.zeros([BM], tl.float32)
+    if PRE > 0:   # the first PRE steps' weights, one tile, loaded before the wait: under PDL, while
+        # the kernel before still runs (weights are no kernel's output)
+        k = pk * KS + tl.arange(0, PRE * BK)
+        w, w_up = _weight_tiles(w_ptr, n, k, N, K, GLU)
+        pdl_wait(PDL)
+        acc, acc_up, sq = _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, m, M, pid, N, K,
+                                     HAS_D, NORM, GLU)
+        ss_pre = tl.sum(sq, axis=0)
+    else:
+        pdl_wait(PDL)
+    for k0 in tl.range(PRE * BK, KS, BK, num_stages=STAGES):
+        kb = pk * KS + k0 + tl.arange(0, BK)
+        wb, wb_up = _weight_tiles(w_ptr, n, kb, N, K, GLU)
+        acc, acc_up, sqb = _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, kb, wb, wb_up, acc, acc_up, m, M, pid, N, K,
+                                      HAS_D, NORM, GLU)
+        ss += sqb
     out_ok = (n[:, None] < N) & (m[None, :] < M)
-    ss = tl.sum(ss, axis=0)
+    ss = tl.sum(ss, axis=0) + ss_pre
     if SPLIT > 1:   # fp32 partial sums [split, M, N (+ N for up)]; _finish_kernel adds them
         part = ws_ptr + pk * M * (2 * N if GLU else N) + m[None, :] * (2 * N if GLU else N) + n[:, None]
         tl.store(part, acc, mask=out_ok)
@@ -169,10 +209,12 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
         return torch_ops(kind, x, delta, g, eps, w, b)
     x, d, xo, y = outputs(kind, x, delta, w)
     N = y.shape[-1]
-    bn, bk, warps, stages, split, bm, _ = blocks
+    bn, bk, warps, stages, split, bm, _, pre = blocks
     bm = min(bm, max(16, next_pow2(M)))
     ks = cdiv(cdiv(K, max(1, split)), bk) * bk   # inputs per split, a multiple of bk
     split = cdiv(K, ks)
+    pre = int(PREFETCH) if PREFETCH is not None else pre
+    pre = 1 << (min(pre, ks // bk).bit_length() - 1) if pre > 0 else 0
     glu, norm = kind == "glu", g is not None
     ws = torch.empty(split, M, 2 * N if glu else N, dtype=torch.float32, device=x.device) if split > 1 else y
     ss = torch.empty(split, M, dtype=torch.float32, device=x.device) if split > 1 and norm else y
@@ -181,7 +223,7 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     jit_kernel(_gemm_kernel, interp, ("M", "N"))[(cdiv(N, bn), split, cdiv(M, bm))](
         x, d, g.contiguous() if norm else x, w, b if b is not None else w, xo, y, ws, ss, M, N, eps, K=K,
         HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, BM=bm,
-        BN=bn, BK=bk, KS=ks, SPLIT=split, STAGES=stages, num_warps=warps, **pdl)
+        BN=bn, BK=bk, KS=ks, SPLIT=split, STAGES=stages, PRE=pre, num_warps=warps, **pdl)
     if split > 1:
         jit_kernel(_finish_kernel, interp, ("M", "N"))[(M, cdiv(N, FINISH_BLOCK))](
             ws, ss, b if b is not None else w, y, M, N, eps, K=K, HAS_B=b is not None, NORM=norm, GLU=glu,

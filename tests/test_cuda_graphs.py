@@ -246,6 +246,28 @@ def test_graph_runner_logic_on_cpu(pair, fake_cuda_graphs, spec, budget):
     assert gr.fallbacks == 0
 
 
+def test_collector_paused_while_capturing(pair, fake_cuda_graphs, monkeypatch):
+    """Python's cyclic collector is off inside every capture (the rounds' at start-up, a
+    prefill's at first use), so that nothing it frees makes CUDA calls a capture forbids; it is
+    on again afterwards."""
+    import contextlib
+    import gc
+    fake, seen = torch.cuda.graph, []
+
+    @contextlib.contextmanager
+    def graph(*args, **kwargs):
+        seen.append(gc.isenabled())
+        with fake(*args, **kwargs):
+            yield
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    t, d = pair
+    llm = LLM(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
+              max_num_seqs=2, max_model_len=128, cuda_graphs=True, prefill_graphs=True)
+    rounds = len(seen)
+    llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))
+    assert rounds > 0 and len(seen) > rounds and not any(seen) and gc.isenabled()
+
+
 def test_budget_schedule_widths_and_plan(pair):
     spec = SpecConfig("ddtree", block_size=8, budget=32, budget_schedule=SpecConfig.parse_schedule("4:8,8:2"))
     assert [spec.width(Phase.VERIFY, b) for b in (1, 2, 3, 4, 7, 8, 64)] == [33, 33, 33, 9, 9, 3, 3]

@@ -6,9 +6,11 @@ copies. Rows between the real batch size and the bucket are parked first (`Round
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -31,6 +33,21 @@ def warm_up(fn: Callable[[], object], times: int = 2) -> None:
         for _ in range(times):
             fn()
     torch.cuda.current_stream().wait_stream(side)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic collector runs first and then stays off while graphs are captured: objects
+    it would free mid-capture (an earlier engine's tensors, events, pinned buffers) may make CUDA
+    calls that a capture forbids, and the capture fails."""
+    gc.collect()
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -109,6 +126,13 @@ class GraphRunner:
         log.info("capturing CUDA graphs:\n%s", format_plan(self.plan()))
         self.pool = torch.cuda.graph_pool_handle()
         snapshot = [t.clone() for t in self._state_tensors()]
+        with collector_paused():
+            self._capture_jobs(jobs)
+        for t, saved in zip(self._state_tensors(), snapshot):
+            t.copy_(saved)
+        torch.cuda.synchronize()
+
+    def _capture_jobs(self, jobs: list[tuple[int, SampleMode, int]]) -> None:
         for B, mode, L in tqdm(jobs, desc="capturing CUDA graphs", unit="graph set"):
             self.r.state.park(0, B)
             fns = self._phase_fns(B, mode, L)
@@ -124,9 +148,6 @@ class GraphRunner:
                 with torch.cuda.graph(g, pool=self.pool):
                     fn()
                 self.graphs[(phase, B, mode, L)] = g
-        for t, saved in zip(self._state_tensors(), snapshot):
-            t.copy_(saved)
-        torch.cuda.synchronize()
 
     def _state_tensors(self) -> list[torch.Tensor]:
         s = self.r.state

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from drafttree.runner.cuda_graph import warm_up
+from drafttree.runner.cuda_graph import collector_paused, warm_up
 from drafttree.runner.kv_cache import attn_meta, causal
 from drafttree.triton_jit import next_pow2
 
@@ -118,6 +118,6 @@ class PrefillGraphs:
         warm_up(fn)
         graph = torch.cuda.CUDAGraph()
         # captured while serving, at first use: CUDA calls of other threads stay allowed
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with collector_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             fn()
         return graph

@@ -111,9 +111,9 @@ class DraftLayer(DecoderLayer):
 
     def _attend_kernel(self, qkv: torch.Tensor, rope_kv, meta: AttnMeta, k_cache: torch.Tensor,
                        v_cache: torch.Tensor) -> torch.Tensor:
-        """Attention from the QKV rows [context ; block] in two kernels' work: q/k norm, rope and
-        the K/V write of every row in one launch (`rope_kernel`), then the block's queries (the
-        last rows; the context's queries are computed and dropped) over the cache."""
+        """Attention from the QKV rows [context ; block]: q/k norm, rope and the K/V write of
+        every row in one launch (`rope_kernel`), then the block's queries (the last rows; the
+        context's are computed and dropped) over the cache."""
         attn = self.self_attn
         norm = attn.q_norm is not None
         qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if norm else (None, None)

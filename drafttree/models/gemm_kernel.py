@@ -87,7 +87,7 @@ def set_blocks(kind: str, numel: int, blocks: Any, split: bool = False,
 
 
 @device_function
-def _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, m, M, pid, N, K: tl.constexpr,
+def _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, m, M, pid, K: tl.constexpr,
                HAS_D: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr):
     """Inputs k [S] of token rows m against the weight tiles w (and w_up) [BN, S] the caller
     loaded; returns the sums and the step's squares [S, BM] (zeros without NORM)."""
@@ -139,15 +139,15 @@ def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, ws_ptr, ss_pt
         k = pk * KS + tl.arange(0, PRE * BK)
         w, w_up = _weight_tiles(w_ptr, n, k, N, K, GLU)
         pdl_wait(PDL)
-        acc, acc_up, sq = _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, m, M, pid, N, K,
-                                     HAS_D, NORM, GLU)
+        acc, acc_up, sq = _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, m, M, pid, K, HAS_D,
+                                     NORM, GLU)
         ss_pre = tl.sum(sq, axis=0)
     else:
         pdl_wait(PDL)
     for k0 in tl.range(PRE * BK, KS, BK, num_stages=STAGES):
         kb = pk * KS + k0 + tl.arange(0, BK)
         wb, wb_up = _weight_tiles(w_ptr, n, kb, N, K, GLU)
-        acc, acc_up, sqb = _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, kb, wb, wb_up, acc, acc_up, m, M, pid, N, K,
+        acc, acc_up, sqb = _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, kb, wb, wb_up, acc, acc_up, m, M, pid, K,
                                       HAS_D, NORM, GLU)
         ss += sqb
     out_ok = (n[:, None] < N) & (m[None, :] < M)

@@ -40,11 +40,11 @@ def load(path: str, one_row: Table, few_rows: Table) -> None:
 
 def _parse(path: str, row: Any, one_row: Table) -> tuple[str, int, list[int] | None, list[float]]:
     blocks = row[2] if isinstance(row, list) and len(row) > 2 else None
+    fields_ok = blocks is None or (isinstance(blocks, list) and len(blocks) in (ONE_ROW, FEW_ROWS - 1, FEW_ROWS)
+                                   and all(isinstance(v, int) and (v > 0 or v == 0 and i == FEW_ROWS - 1)
+                                           for i, v in enumerate(blocks)))   # only the steps before the wait may be 0
     ok = (isinstance(row, list) and len(row) in (3, 5) and row[0] in one_row and isinstance(row[1], int)
-          and row[1] > 0 and (blocks is None or isinstance(blocks, list) and len(blocks) in (ONE_ROW, FEW_ROWS - 1,
-                                                                                             FEW_ROWS)
-                              and all(isinstance(v, int) and (v > 0 or v == 0 and i == FEW_ROWS - 1)
-                                      for i, v in enumerate(blocks))))
+          and row[1] > 0 and fields_ok)
     if not ok:
         raise ValueError(f"DRAFTTREE_BLOCKS={path}: row {row!r} is not [kernel ({', '.join(one_row)}), weight "
                          f"elements, blocks ({ONE_ROW}, {FEW_ROWS - 1} or {FEW_ROWS} positive ints, the steps "

@@ -268,6 +268,25 @@ def test_collector_paused_while_capturing(pair, fake_cuda_graphs, monkeypatch):
     assert rounds > 0 and len(seen) > rounds and not any(seen) and gc.isenabled()
 
 
+def test_dropped_engine_frees_its_cache_at_once(pair, fake_cuda_graphs):
+    """The graph runners refer to the model runner weakly: dropping an engine frees its runner
+    and KV cache there and then, not whenever Python's cyclic collector runs (which had freed an
+    earlier engine's graphs inside another engine's capture)."""
+    import gc
+    import weakref
+    t, d = pair
+    gc.disable()
+    try:
+        llm = LLM(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
+                  max_num_seqs=2, max_model_len=128, cuda_graphs=True, prefill_graphs=True)
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))
+        runner, cache = weakref.ref(llm.engine.runner), weakref.ref(llm.engine.runner.kv.k)
+        del llm
+        assert runner() is None and cache() is None
+    finally:
+        gc.enable()
+
+
 def test_budget_schedule_widths_and_plan(pair):
     spec = SpecConfig("ddtree", block_size=8, budget=32, budget_schedule=SpecConfig.parse_schedule("4:8,8:2"))
     assert [spec.width(Phase.VERIFY, b) for b in (1, 2, 3, 4, 7, 8, 64)] == [33, 33, 33, 9, 9, 3, 3]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -94,7 +95,10 @@ def format_plan(plan: list[PlanEntry]) -> str:
 
 class GraphRunner:
     def __init__(self, runner) -> None:
-        self.r = runner
+        # The runner owns this (runner.graphs): a strong reference back would make a cycle that
+        # only Python's cyclic collector frees, holding the KV cache and graphs after the engine
+        # is dropped and freeing them at any moment, inside another engine's capture too.
+        self.r = weakref.proxy(runner)
         self.spec: SpecConfig = runner.spec
         self.buckets = runner.cache_cfg.batch_buckets
         self.kv_buckets = runner.cache_cfg.kv_buckets

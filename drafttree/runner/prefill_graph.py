@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,7 +41,7 @@ class PrefillBuffers:
 
 class PrefillGraphs:
     def __init__(self, runner, max_tokens: int = MAX_TOKENS) -> None:
-        self.r = runner
+        self.r = weakref.proxy(runner)   # owned by the runner, as GraphRunner
         self.max_tokens = min(max_tokens, runner.prefill_chunk)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, PrefillBuffers]] = {}
         self.pool = None

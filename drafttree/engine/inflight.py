@@ -52,7 +52,7 @@ class RoundOutputs:
         host time before its launch."""
         B, i = len(seqs), self.next
         self.next ^= 1
-        dev = torch.cat([state.out_n[:B, None], state.out_tokens[:B]], dim=1)
+        dev = state.out[:B]
         host, done = self.bufs[i][:B], self.events[i]
         if done is None:
             return Launched(seqs, host.copy_(dev), None, t0)

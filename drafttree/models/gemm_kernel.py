@@ -49,7 +49,7 @@ ENABLED = os.environ.get("DRAFTTREE_GEMM", "1") == "1"
 # class (A/B runs).
 Blocks = tuple[int, int, int, int, int, int, int, int]
 FINISH_BLOCK = 256   # outputs per program of the launch that adds the input splits
-PREFETCH = os.environ.get("DRAFTTREE_GEMM_PREFETCH")
+PREFETCH = int(os.environ["DRAFTTREE_GEMM_PREFETCH"]) if os.environ.get("DRAFTTREE_GEMM_PREFETCH") else None
 BLOCKS: dict[str, list[tuple[int, Blocks | None]]] = {
     "norm": [(1 << 22, None), (0, (64, 64, 4, 4, 2, 16, 33, 4))],
     "plain": [(1 << 24, (64, 128, 4, 3, 4, 64, 64, 0)), (1 << 22, None), (1 << 19, (32, 128, 4, 4, 2, 16, 33, 4)),
@@ -213,7 +213,7 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     bm = min(bm, max(16, next_pow2(M)))
     ks = cdiv(cdiv(K, max(1, split)), bk) * bk   # inputs per split, a multiple of bk
     split = cdiv(K, ks)
-    pre = int(PREFETCH) if PREFETCH is not None else pre
+    pre = PREFETCH if PREFETCH is not None else pre
     pre = 1 << (min(pre, ks // bk).bit_length() - 1) if pre > 0 else 0
     glu, norm = kind == "glu", g is not None
     ws = torch.empty(split, M, 2 * N if glu else N, dtype=torch.float32, device=x.device) if split > 1 else y

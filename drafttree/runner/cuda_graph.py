@@ -155,7 +155,7 @@ class GraphRunner:
 
     def _state_tensors(self) -> list[torch.Tensor]:
         s = self.r.state
-        return [s.start, s.bonus, s.ctx_n, s.ctx_feat, s.out_tokens, s.out_n]
+        return [s.start, s.bonus, s.ctx_n, s.ctx_feat, s.out]
 
     def bucket(self, b: int) -> int | None:
         return next((B for B in self.buckets if B >= b), None)

@@ -20,15 +20,23 @@ class RoundState:
     ctx_feat: torch.Tensor       # [R, C, n*D]; C = max tokens committed per round
     ctx_n: torch.Tensor          # [R] long
     sampling: SamplingTensors
-    out_tokens: torch.Tensor     # [R, C] long: tokens committed by the last round
-    out_n: torch.Tensor          # [R] long: how many of them are valid
+    out: torch.Tensor            # [R, 1 + C] long: how many tokens the last round committed, then
+                                 # those tokens (one buffer: the engine copies it to the host as is)
+
+    @property
+    def out_n(self) -> torch.Tensor:      # [R]
+        return self.out[:, 0]
+
+    @property
+    def out_tokens(self) -> torch.Tensor:  # [R, C]
+        return self.out[:, 1:]
 
     @classmethod
     def allocate(cls, rows: int, commit: int, feat_dim: int, dtype: torch.dtype,
                  device: torch.device | str) -> "RoundState":
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
         state = cls(z(rows), z(rows), torch.zeros(rows, commit, max(feat_dim, 1), dtype=dtype, device=device),
-                    z(rows), SamplingTensors.empty(rows, device), z(rows, commit), z(rows))
+                    z(rows), SamplingTensors.empty(rows, device), z(rows, 1 + commit))
         state.park(0, rows)
         return state
 
@@ -41,6 +49,6 @@ class RoundState:
             self.ctx_n[b:B].fill_(1)
 
     def copy_row(self, src: int, dst: int) -> None:
-        for t in (self.start, self.bonus, self.ctx_feat, self.ctx_n, self.out_tokens, self.out_n):
+        for t in (self.start, self.bonus, self.ctx_feat, self.ctx_n, self.out):
             t[dst] = t[src]
         self.sampling.copy_row(src, dst)

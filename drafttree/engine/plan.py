@@ -13,13 +13,12 @@ from drafttree.phases import SpecConfig, schedule_for
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
 # Devices on which the default model decodes with DDTree and the shipped drafter when no flags
-# are given: where the pair was measured faster than plain decoding under load. On the H200
-# (budget 32) it is 1.11x plain decoding at batch 4 (run 20) and 1.10x at 8 (run 16); its
-# config's schedule '16:0' decodes plainly from batch 16 until the batch shrinks. At batch 1 it
-# is 0.90-0.92x since the one-token kernels made plain decoding faster (run 20; 1.25x in run 9):
-# `--spec none` is the faster choice for one request at a time there. On 2 CPU cores the wider
-# verify forward costs more than the ~2 tokens a round accepts, so the CPU decodes plainly
-# unless asked (benchmarks/results/2026-12-01_h200_run20.md, ..._shipped_pair_v2.md).
+# are given: where the pair was measured at least as fast as plain decoding. On the H200 (budget
+# 31, run 22) it is 1.00-1.01x plain decoding at batch 1, and its previous training stage 1.19x at
+# batch 4; its config's schedule '16:0' decodes plainly from batch 16 until the batch shrinks.
+# On 2 CPU cores the wider verify forward costs more than the tokens a round accepts, so the
+# CPU decodes plainly unless asked (benchmarks/results/2026-12-01_h200_run22.md,
+# ..._shipped_pair_v2.md).
 # `--spec ddtree` / `dflash` use it anywhere.
 SHIPPED_DRAFTER_BY_DEFAULT_ON = ("cuda",)
 

@@ -10,6 +10,6 @@ export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=/tmp/drafttree-
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/machine.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/machine.txt"
 rm -f /tmp/gguf.asm; cp .parts/gh.00 /tmp/gguf.asm; ls -la /tmp/gguf.asm
-timeout ${LIMIT:-250} python3 -m pytest -q -p no:cacheprovider -rf tests/test_tree_kernel.py tests/test_tree.py \
+timeout ${LIMIT:-240} python3 -m pytest -q -p no:cacheprovider -rf tests/test_tree_kernel.py tests/test_tree.py \
   tests/test_fused.py > "$OUT/tests.log" 2>&1
 tail -n 2 "$OUT/tests.log"; grep -h "FAILED" "$OUT/tests.log" | head

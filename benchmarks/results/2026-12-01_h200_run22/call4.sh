@@ -9,7 +9,7 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=/tmp/drafttr
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$O/machine.txt"
 B="python3 -m drafttree.cli bench --prompts humaneval --max-tokens 256 --temperatures 0 --num-prompts 32"
 bench() {   # name, seconds, bench args
-  [ $((SECONDS + $2)) -gt ${LIMIT:-330} ] && { echo "$1: skipped (time)"; return; }
+  [ $((SECONDS + $2)) -gt ${LIMIT:-360} ] && { echo "$1: skipped (time)"; return; }
   timeout $2 $B ${@:3} --out "$L/$1" > "$L/$1.log" 2>&1
   echo "$1:"; grep -hv "bench:\|capturing\|transformers\|wrote" "$L/$1.log" | tail -n 3
 }

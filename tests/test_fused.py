@@ -162,3 +162,27 @@ def test_a_piece_whose_compiler_fails_runs_as_torch_ops(monkeypatch, caplog):
     assert len(calls) == 1 and "backend compiler failed" in caplog.text and "details" not in caplog.text
     with pytest.raises(RuntimeError):
         piece(x, torch.ones(3))   # shapes that do not broadcast: the torch ops' own error
+
+
+@needs_cc
+def test_sampler_compiles_and_matches_eager(monkeypatch, one_thread):
+    """`sample_rows` (compiled on CUDA) picks what its torch ops pick: rows at temperature 0
+    and sampled rows, one node and several, unfiltered and after a top-p filter."""
+    from drafttree.sampling import SampleMode, SamplingTensors, pick_tokens
+    g = torch.Generator().manual_seed(3)
+    for R, N in ((1, 1), (3, 4)):
+        logits = torch.randn(R, N, 300, generator=g) * 3
+        st = SamplingTensors.empty(R, "cpu")
+        st.temperature.copy_(torch.tensor([0.7, 0.0, 1.3][:R]))
+        st.top_p.fill_(0.9)
+        st.seed.copy_(torch.arange(R) + 11)
+        pos = torch.arange(N)[None, :] + 40 + torch.arange(R)[:, None]
+        for mode in (SampleMode.SAMPLE, SampleMode.FILTERED):
+            monkeypatch.setenv("DRAFTTREE_COMPILE", "0")
+            want = pick_tokens(logits, st, pos, mode)
+            monkeypatch.setenv("DRAFTTREE_COMPILE", "cpu")
+            got = pick_tokens(logits, st, pos, mode)
+            assert torch.equal(got, want), (R, N, mode)
+        if R > 1:
+            assert torch.equal(want[1], logits[1].argmax(-1))           # the greedy row
+            assert not torch.equal(want[0], logits[0].argmax(-1))       # the sampled row samples

@@ -6,6 +6,7 @@ import json
 import math
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -264,6 +265,28 @@ def test_time_limit_fits_the_schedule_to_the_clock(tiny, tmp_path):
     tr.run()
     assert tr.total_steps < planned and tr.step <= tr.total_steps
     assert tr.sched.get_last_lr()[0] < 0.2 * tr.cfg.lr      # the cosine ran (nearly) to its end
+
+
+def test_time_limit_refits_when_early_steps_were_slow(tiny, tmp_path, monkeypatch):
+    """The first 25 steps cost 0.4 s on a fake clock, later ones 0.25 s: the schedule fitted
+    after them is too short, and a refit lengthens it, so the run ends near the time limit with
+    its cosine done (the first fit alone once left 40 % of a GPU run's time unused)."""
+    from drafttree.train import trainer as trainer_mod
+    clock = [0.0]
+    monkeypatch.setattr(trainer_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    tr = Trainer(tiny_config(tmp_path, epochs=1000, time_limit=80.0), target=tiny["target"], sequences=tiny["seqs"])
+    step = tr.train_step
+
+    def timed_step(idx):
+        clock[0] += 0.4 if tr.step < 25 else 0.25
+        return step(idx)
+    monkeypatch.setattr(tr, "train_step", timed_step)
+    fits = []
+    monkeypatch.setattr(trainer_mod.log, "info", lambda msg, n, rate: fits.append(n))
+    tr.run()
+    assert len(fits) == 2 and fits[1] > fits[0]          # step 25's fit, then step 85's refit
+    assert tr.step == tr.total_steps == fits[1] and clock[0] > 0.85 * 80.0
+    assert tr.sched.get_last_lr()[0] < 0.01 * tr.cfg.lr
 
 
 def test_time_limit_with_max_steps_stops_and_resumes(tiny, tmp_path):

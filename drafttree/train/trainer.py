@@ -45,7 +45,9 @@ from drafttree.train.recipe import (
 )
 
 log = logging.getLogger(__name__)
-_RATE_STEPS = 20          # steps timed before a time limit fits the schedule to the clock
+# steps timed (after 5 warm-up steps) when a time limit fits the schedule to the clock: again and
+# again, since early steps run slower (new sequence lengths compile), while the schedule is young
+_FIT_AT = (20, 80, 320)
 
 
 @dataclass
@@ -222,6 +224,7 @@ class Trainer:
         cfg = self.cfg
         lengths = [len(s.ids) for s in self.seqs]
         end = min(self.total_steps, cfg.stop_at) if cfg.stop_at is not None else self.total_steps
+        cap, planned = end, self.total_steps
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                    disable=not (cfg.progress and self.group.main))
         acc = self._zero_acc()
@@ -249,8 +252,8 @@ class Trainer:
                     t5 = time.perf_counter()
                 # an explicit max_steps fixes the schedule: the time limit then only stops (resumable)
                 if cfg.time_limit is not None and cfg.max_steps is None \
-                        and self.step - start_step == 5 + _RATE_STEPS:
-                    end = self._fit_schedule(end, t0, t5, bar)
+                        and self.step - start_step - 5 in _FIT_AT:
+                    end = self._fit_schedule(cap, planned, t0, t5, self.step - start_step - 5, bar)
                 if self.step >= end or out_of_time():
                     break
         if self.step < end:
@@ -273,18 +276,22 @@ class Trainer:
             write_log(cfg.out, summary)
         return summary
 
-    def _fit_schedule(self, end: int, t0: float, t5: float, bar: tqdm) -> int:
-        """Shorten the cosine schedule so that it ends when the time limit does: a schedule cut
-        off by the clock would stop at a high learning rate. Timed after 5 warm-up steps."""
+    def _fit_schedule(self, cap: int, planned: int, t0: float, t5: float, timed: int, bar: tqdm) -> int:
+        """Fit the cosine schedule's length to the time limit (a schedule cut off by the clock
+        would stop at a high learning rate), never past the planned steps; refitted while it is
+        in its first half, so the learning rate moves little when it changes."""
+        if self.step > self.total_steps // 2:
+            return min(cap, self.total_steps)
         now = time.perf_counter()
-        rate = (now - t5) / _RATE_STEPS
+        rate = (now - t5) / timed
         fits = self.group.decide(self.step + int((self.cfg.time_limit - (now - t0)) / rate * 0.97), self.device)
-        if fits < self.total_steps:
+        fits = min(max(self.step + 1, fits), planned)
+        if fits != self.total_steps:
             log.info("time limit: the schedule now ends at step %d (%.3f s/step)", fits, rate)
-            self.total_steps = max(self.step + 1, fits)
+            self.total_steps = fits
             self.warm = min(self.warm, max(1, round(self.cfg.warmup * self.total_steps)))
             bar.total = self.total_steps
-        return min(end, self.total_steps)
+        return min(cap, self.total_steps)
 
     def _zero_acc(self) -> dict[str, Any]:
         bs, dev = self.dcfg.block_size, self.device

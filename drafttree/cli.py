@@ -22,6 +22,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(batch * (budget + 1) <= 256 verify tokens per forward, a roofline figure); "
                         "budget 0 decodes plainly from that batch size on ('16:0', DFlash too); default: the "
                         "drafter config's ddtree_default_budget_schedule, if any ('none' clears it)")
+    g.add_argument("--speculate-sampled", action=argparse.BooleanOptionalAction, default=None,
+                   help="whether rounds with a request at temperature > 0 speculate (else they decode plainly; "
+                        "greedy rounds still speculate); default: the drafter config's "
+                        "ddtree_default_speculate_sampled, else on")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     g.add_argument("--max-num-seqs", type=int, default=8, help="largest batch (KV cache rows)")
@@ -38,7 +42,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=a.model, draft_model=a.draft_model, spec=a.spec, block_size=a.block_size,
-                        budget=a.budget, budget_schedule=a.budget_schedule, dtype=a.dtype, device=a.device,
+                        budget=a.budget, budget_schedule=a.budget_schedule,
+                        speculate_sampled=a.speculate_sampled, dtype=a.dtype, device=a.device,
                         max_num_seqs=a.max_num_seqs,
                         max_model_len=a.max_model_len, kv_cache_memory_gb=a.kv_cache_memory_gb,
                         cuda_graphs=False if a.no_cuda_graphs else None,

@@ -66,6 +66,9 @@ class SpecConfig:
     # DDTree budget (a wide tree pays at batch 1, not when the GPU is already busy); budget 0
     # turns speculation off there (plain decode rounds, DFlash or DDTree), until a later entry.
     budget_schedule: tuple[tuple[int, int], ...] = ()
+    # Whether rounds in which some row samples (T > 0) speculate too; False: they decode plainly
+    # (a pair whose τ at T > 0 does not pay for its round), greedy rounds still speculate.
+    sampled: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -111,13 +114,14 @@ class SpecConfig:
         n = self._scheduled(batch)
         return self.budget if n is None else n
 
-    def speculates_at(self, batch: int) -> bool:
-        """Whether rounds over a batch bucket of `batch` rows draft and verify (else decode)."""
-        return self.speculative and self._scheduled(batch) != 0
+    def speculates_at(self, batch: int, greedy: bool = True) -> bool:
+        """Whether rounds over a batch bucket of `batch` rows draft and verify (else decode);
+        `greedy`: every row of the round is at temperature 0."""
+        return self.speculative and self._scheduled(batch) != 0 and (greedy or self.sampled)
 
-    def phases_at(self, batch: int) -> tuple[Phase, ...]:
+    def phases_at(self, batch: int, greedy: bool = True) -> tuple[Phase, ...]:
         """The phases of a round over a batch bucket of `batch` rows, in order."""
-        return (Phase.DRAFT, Phase.VERIFY) if self.speculates_at(batch) else (Phase.DECODE,)
+        return (Phase.DRAFT, Phase.VERIFY) if self.speculates_at(batch, greedy) else (Phase.DECODE,)
 
     @property
     def budgets(self) -> tuple[int, ...]:

@@ -382,6 +382,62 @@ def test_speculation_off_under_load_is_lossless(pair, fake_cuda_graphs, spec, sc
     assert calls["context"] > 6 and calls["draft"] > 0, calls   # decode rounds, then drafts
 
 
+@pytest.mark.parametrize("spec", ["ddtree", "dflash"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_sampled_rounds_decode_plainly_when_asked(pair, fake_cuda_graphs, spec, graphs):
+    """speculate_sampled=False: a round with a row at T > 0 is a plain decode step (the drafter's
+    context kept current), a round of greedy rows drafts; plain decoding's tokens throughout."""
+    from drafttree.sampling import SampleMode
+    t, d = pair
+    prompts, sp, want = _finishing_at_different_times(t)    # the sampled ones finish first
+    llm = LLM(model=str(t), draft_model=str(d), spec=spec, budget=24 if spec == "ddtree" else None,
+              speculate_sampled=False, device="cpu", dtype="float32", max_num_seqs=8, max_model_len=128,
+              cuda_graphs=graphs)
+    runner, drafts, rounds = llm.engine.runner, [0], []
+    runner.drafter.register_forward_hook(lambda *_: drafts.__setitem__(0, drafts[0] + 1))
+    run_round = runner.run_round
+
+    def spy(B, mode, max_length):
+        before = drafts[0]
+        run_round(B, mode, max_length)
+        rounds.append((mode, drafts[0] > before))
+    runner.run_round = spy
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert not any(drafted for mode, drafted in rounds if mode is not SampleMode.GREEDY)
+    assert any(drafted for mode, drafted in rounds if mode is SampleMode.GREEDY)
+    assert any(mode is not SampleMode.GREEDY for mode, _ in rounds)
+    if graphs:
+        assert runner.graphs.fallbacks == 0
+
+
+def test_speculate_sampled_resolution(pair, tmp_path):
+    """The flag, else the drafter config's ddtree_default_speculate_sampled, else on; the plan
+    then captures decode graphs for the sampled modes at every batch size."""
+    import json
+    import shutil
+
+    from drafttree.config import ModelConfig
+    from drafttree.engine.plan import resolve_spec
+    from drafttree.models.dflash import DFlashConfig
+    t, d = pair
+    spec = SpecConfig("ddtree", block_size=8, budget=32, sampled=False)
+    assert spec.phases_at(1) == (Phase.DRAFT, Phase.VERIFY) and spec.phases_at(1, greedy=False) == (Phase.DECODE,)
+    assert SpecConfig("ddtree", block_size=8, budget=32).phases_at(1, greedy=False) == (Phase.DRAFT, Phase.VERIFY)
+    plan = [(e.phase, e.batch_sizes) for e in graph_plan(spec, ModelConfig.from_dir(t), None, 4, [545])]
+    assert plan == [(Phase.DECODE, (1, 2, 4)), (Phase.DRAFT, (1, 2, 4)), (Phase.VERIFY, (1, 2, 4))]
+    off = tmp_path / "off"
+    shutil.copytree(d, off)
+    cfg = json.loads((off / "config.json").read_text())
+    (off / "config.json").write_text(json.dumps({**cfg, "ddtree_default_speculate_sampled": False}))
+    for path, flag, want in ((d, None, True), (off, None, False), (off, True, True), (d, False, False)):
+        ec = EngineConfig(model=str(t), draft_model=str(path), spec="ddtree", speculate_sampled=flag)
+        assert resolve_spec(ec, DFlashConfig.from_dir(path)).sampled is want, (path, flag)
+    assert "speculate_sampled=off" in describe_plan(EngineConfig(model=str(t), draft_model=str(off)))
+    (off / "config.json").write_text(json.dumps({**cfg, "ddtree_default_speculate_sampled": "no"}))
+    with pytest.raises(ValueError, match="ddtree_default_speculate_sampled must be true or false"):
+        DFlashConfig.from_dir(off)
+
+
 def test_speculation_off_writes_the_drafter_context_prefill_would(pair):
     """After decode rounds with speculation off, the drafter's cache holds, at every flushed
     position, what a prefill of the same tokens writes there."""

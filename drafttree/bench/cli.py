@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-schedule", default=None,
                    help="DDTree budget by batch bucket (see drafttree generate); DFlash takes it when all its "
                         "entries are batch:0")
+    p.add_argument("--speculate-sampled", action=argparse.BooleanOptionalAction, default=True,
+                   help="speculate at T > 0 too (the default here: each method is measured as itself, "
+                        "whatever the drafter config's ddtree_default_speculate_sampled says)")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--batch", type=int, default=1, help="concurrent requests (max_num_seqs)")
     p.add_argument("--device", default=None)
@@ -74,7 +77,7 @@ def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar
     """One method at one temperature over all prompts: its figures, and its outputs' token ids."""
     llm = LLM(model=a.model, draft_model=a.draft_model, spec="none" if method == "ar" else method,
               budget=budget, block_size=a.block_size,
-              budget_schedule=schedule_for(method, a.budget_schedule),
+              budget_schedule=schedule_for(method, a.budget_schedule), speculate_sampled=a.speculate_sampled,
               dtype=a.dtype, device=a.device, max_num_seqs=a.batch,
               max_model_len=a.max_model_len, cuda_graphs=False if a.no_cuda_graphs else None,
               prefill_graphs=False if a.no_prefill_graphs else None,

@@ -28,6 +28,8 @@ class EngineConfig:
     budget: int | None = None           # DDTree nodes; default: the drafter's ddtree_default_budget, else 32
     budget_schedule: str | None = None  # DDTree budget by batch bucket, e.g. "8:16,32:4"; default: the
                                         # drafter config's, if any ("none": no schedule)
+    speculate_sampled: bool | None = None  # rounds with a row at T > 0 speculate too; default: the
+                                        # drafter config's ddtree_default_speculate_sampled, else on
     dtype: str | None = None            # auto: bf16 on CUDA, fp32 on CPU
     device: str | None = None           # auto: cuda if available
     max_num_seqs: int = 8

@@ -41,6 +41,7 @@ class DFlashConfig:
     num_target_layers: int | None
     default_budget: int | None = None   # the DDTree budget measured fastest for this pair, if known
     default_schedule: str | None = None  # likewise its budget schedule under load ('16:0'), if known
+    default_sampled: bool | None = None  # whether sampled (T > 0) rounds should speculate, if measured
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "DFlashConfig":
@@ -65,7 +66,11 @@ class DFlashConfig:
         schedule = d.get("ddtree_default_budget_schedule")
         if schedule is not None and not _is_schedule(schedule):
             raise ValueError(f"{f}: ddtree_default_budget_schedule must be 'batch:budget,...', got {schedule!r}")
-        return cls(model, int(bs), int(dc["mask_token_id"]), ids, d.get("num_target_layers"), budget, schedule)
+        sampled = d.get("ddtree_default_speculate_sampled")
+        if sampled is not None and type(sampled) is not bool:
+            raise ValueError(f"{f}: ddtree_default_speculate_sampled must be true or false, got {sampled!r}")
+        return cls(model, int(bs), int(dc["mask_token_id"]), ids, d.get("num_target_layers"), budget, schedule,
+                   sampled)
 
     def check_fits(self, target: ModelConfig) -> None:
         """Refuse a drafter that cannot work with this target, naming the mismatch."""

@@ -68,7 +68,7 @@ def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | Non
     for phase in (Phase.DECODE, Phase.DRAFT, Phase.VERIFY):
         cfg = drafter if phase is Phase.DRAFT and drafter is not None else target
         V = target.vocab_size
-        having = [b for b in buckets if phase in spec.phases_at(b)]
+        having = [b for b in buckets if any(phase in spec.phases_at(b, greedy) for greedy in (True, False))]
         for W in sorted({spec.width(phase, b) for b in having}, reverse=True):
             bs = tuple(b for b in having if spec.width(phase, b) == W)
             B = bs[-1]
@@ -114,7 +114,7 @@ class GraphRunner:
 
     def _phase_fns(self, B: int, mode: SampleMode, L: int) -> list[tuple[Phase, Callable[[], None]]]:
         r = self.r
-        if not self.spec.speculates_at(B):
+        if not self.spec.speculates_at(B, mode is SampleMode.GREEDY):
             return [(Phase.DECODE, lambda: decode_round(r, B, L, mode))]
 
         def draft() -> None:
@@ -166,7 +166,7 @@ class GraphRunner:
         B = self.bucket(b)
         if mode is SampleMode.SAMPLE:
             mode = SampleMode.FILTERED   # the filtered graph is exact for unfiltered rows too
-        phases = self.spec.phases_at(B or b)
+        phases = self.spec.phases_at(B or b, mode is SampleMode.GREEDY)
         keys = [(p, B, mode, kv_len) for p in phases]
         if B is None or any(k not in self.graphs for k in keys):
             self.fallbacks += 1

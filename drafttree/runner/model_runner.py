@@ -158,7 +158,7 @@ class ModelRunner:
         return self.cache_cfg.kv_tight(needed) if tight else self.cache_cfg.kv_bucket(needed)
 
     def eager_round(self, B: int, kv_len: int, mode: SampleMode) -> None:
-        if not self.spec.speculates_at(self.cache_cfg.batch_bucket(B)):
+        if not self.spec.speculates_at(self.cache_cfg.batch_bucket(B), mode is SampleMode.GREEDY):
             with self.timer.phase("decode"):
                 decode_round(self, B, kv_len, mode)
             return

@@ -131,7 +131,7 @@ def count_parameters(config: dict[str, Any]) -> int:
 
 
 def published_config(path: str | Path) -> dict[str, Any]:
-    """A published drafter's config, to continue training it. Its ddtree_default_budget and
-    ddtree_default_budget_schedule are dropped: those were measured for the old weights."""
+    """A published drafter's config, to continue training it. Its measured defaults
+    (ddtree_default_*: budget, schedule, sampled rounds) are dropped: they were for the old weights."""
     d = json.loads((Path(path) / "config.json").read_text())
-    return {k: v for k, v in d.items() if k not in ("ddtree_default_budget", "ddtree_default_budget_schedule")}
+    return {k: v for k, v in d.items() if not k.startswith("ddtree_default_")}

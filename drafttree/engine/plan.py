@@ -14,8 +14,9 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
 # Devices on which the default model decodes with DDTree and the shipped drafter when no flags
 # are given: where the pair was measured at least as fast as plain decoding. On the H200 (budget
-# 31, run 22) it is 1.00-1.01x plain decoding at batch 1, and its previous training stage 1.19x at
-# batch 4; its config's schedule '16:0' decodes plainly from batch 16 until the batch shrinks.
+# 31, T = 0, runs 22-23) it is 1.00-1.01x plain decoding at batch 1 and 1.17-1.19x at batch 4;
+# its config's schedule '16:0' decodes plainly from batch 16 until the batch shrinks, and rounds
+# with a sampled request decode plainly (at T = 1 DDTree was 0.81x plain decoding, run 23).
 # On 2 CPU cores the wider verify forward costs more than the tokens a round accepts, so the
 # CPU decodes plainly unless asked (benchmarks/results/2026-12-01_h200_run22.md,
 # ..._shipped_pair_v2.md).
@@ -58,7 +59,8 @@ def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
     default = drafter.default_budget or DEFAULT_BUDGET
     budget = (default if cfg.budget is None else cfg.budget) if method == "ddtree" else 0
     schedule = cfg.budget_schedule if cfg.budget_schedule is not None else schedule_for(method, drafter.default_schedule)
-    return SpecConfig(method, bs, budget, SpecConfig.parse_schedule(schedule, budget))
+    sampled = cfg.speculate_sampled if cfg.speculate_sampled is not None else drafter.default_sampled
+    return SpecConfig(method, bs, budget, SpecConfig.parse_schedule(schedule, budget), sampled is not False)
 
 
 def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
@@ -97,7 +99,7 @@ def describe_plan(cfg: EngineConfig) -> str:
     plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, cache.kv_buckets)
     sched = ",".join(f"{b}:{n}" for b, n in spec.budget_schedule) or "-"
     head = (f"spec={spec.method} block_size={spec.block_size} budget={spec.budget} budget_schedule={sched} "
-            f"max_num_seqs={cfg.max_num_seqs}\n"
+            f"speculate_sampled={'on' if spec.sampled else 'off'} max_num_seqs={cfg.max_num_seqs}\n"
             f"max_model_len={cache.max_model_len} (the KV budget may lower it at start-up)\n"
             f"widths per request at batch 1: " + ", ".join(f"{p.value}={spec.width(p)}" for p in spec.round_phases)
             + ("; prefill graphed per (prompts, length bucket), captured at first use\n"

@@ -37,7 +37,7 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """`engine_args` are EngineConfig's fields: draft_model, spec ("none" | "dflash" | "ddtree"),
-        block_size, budget, budget_schedule, dtype, device, max_num_seqs, max_model_len,
+        block_size, budget, budget_schedule, speculate_sampled, dtype, device, max_num_seqs, max_model_len,
         kv_cache_memory_gb, cuda_graphs, max_prefill_tokens, prefill_chunk, random_weights, ..."""
         self.engine = Engine(EngineConfig(model=model, **engine_args))
 

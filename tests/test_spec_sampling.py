@@ -93,6 +93,18 @@ def chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int, float]:
     return stat, df, chi2_sf(stat, df)
 
 
+def test_top_p_one_keeps_the_whole_vocabulary():
+    """The filtered graph also serves rows without top-p: at top-p 1 no token may be masked,
+    though fp32's running sum of a long tail reaches 1.0 (it once masked thousands per row)."""
+    from drafttree.sampling import filter_logits
+    logits = torch.randn(4, 2, 49152, generator=torch.Generator().manual_seed(0)) * 3
+    top_p = torch.tensor([1.0, 1.0, 0.9, 1.0])
+    kept = ~torch.isinf(filter_logits(logits, torch.zeros(4, dtype=torch.long), top_p))
+    assert kept[[0, 1, 3]].all()
+    probs = logits[2].softmax(-1)
+    assert 0.9 <= (probs * kept[2]).sum(-1).min() and kept[2].sum(-1).max() < 49152 // 2
+
+
 def test_chi2_sf_closed_forms():
     for x in (0.1, 1.0, 3.84, 10.0, 40.0):
         assert chi2_sf(x, 2) == pytest.approx(math.exp(-x / 2), rel=1e-10)

@@ -101,7 +101,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs            # mass strictly before each token
     # top-p 1 keeps every token: in fp32 `before` can reach 1.0 over a long tail (up to ~2e-6
-    # of mass per row was dropped so), and the filtered graph also serves unfiltered rows
+    # of mass per row was dropped so), and a top-p batch's unfiltered rows pass through here too
     drop = (before >= top_p[:, None, None]) & (top_p < 1.0)[:, None, None]
     drop[..., 0] = False                             # always keep the best token
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

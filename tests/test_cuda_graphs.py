@@ -246,6 +246,30 @@ def test_graph_runner_logic_on_cpu(pair, fake_cuda_graphs, spec, budget):
     assert gr.fallbacks == 0
 
 
+def test_each_sampler_mode_replays_its_own_graphs(pair, fake_cuda_graphs):
+    """Greedy, unfiltered sampled and top-p batches replay graphs captured in their own mode
+    (an unfiltered batch in the top-p graph would sort the vocabulary for nothing)."""
+    from drafttree.sampling import SampleMode
+    t, d = pair
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
+              max_num_seqs=2, max_model_len=128)
+    llm = LLM(**kw, cuda_graphs=True)
+    gr = llm.engine.runner.graphs
+    assert {k[2] for k in gr.graphs} == set(SampleMode)
+    replayed = []
+    for key, g in gr.graphs.items():
+        g.replay = lambda mode=key[2], run=g.replay: replayed.append(mode) or run()
+    for sp, mode in ((SamplingParams(temperature=0.0), SampleMode.GREEDY),
+                     (SamplingParams(temperature=0.8, seed=1), SampleMode.SAMPLE),
+                     (SamplingParams(temperature=0.8, top_p=0.9, seed=1), SampleMode.FILTERED)):
+        sp.max_tokens, sp.ignore_eos = 12, True
+        want = LLM(**kw, cuda_graphs=False).generate([[3, 1, 4]], sp)[0].token_ids
+        replayed.clear()
+        assert llm.generate([[3, 1, 4]], sp)[0].token_ids == want
+        assert replayed and set(replayed) == {mode}
+    assert gr.fallbacks == 0
+
+
 def test_collector_paused_while_capturing(pair, fake_cuda_graphs, monkeypatch):
     """Python's cyclic collector is off inside every capture (the rounds' at start-up, a
     prefill's at first use), so that nothing it frees makes CUDA calls a capture forbids; it is

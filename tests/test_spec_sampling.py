@@ -94,8 +94,9 @@ def chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int, float]:
 
 
 def test_top_p_one_keeps_the_whole_vocabulary():
-    """The filtered graph also serves rows without top-p: at top-p 1 no token may be masked,
-    though fp32's running sum of a long tail reaches 1.0 (it once masked thousands per row)."""
+    """A top-p batch's rows without top-p pass through the filter too: at top-p 1 no token may
+    be masked, though fp32's running sum of a long tail reaches 1.0 (it once masked thousands
+    per row)."""
     from drafttree.sampling import filter_logits
     logits = torch.randn(4, 2, 49152, generator=torch.Generator().manual_seed(0)) * 3
     top_p = torch.tensor([1.0, 1.0, 0.9, 1.0])

@@ -23,7 +23,9 @@ from drafttree.spec.rounds import decode_round, draft_phase, verify_phase
 
 log = logging.getLogger(__name__)
 
-CAPTURED_MODES = (SampleMode.GREEDY, SampleMode.FILTERED)
+# Unfiltered sampling (top-p 1, the API default) has its own graphs: the filtered ones would give
+# the same tokens but sort every row's vocabulary each round.
+CAPTURED_MODES = (SampleMode.GREEDY, SampleMode.SAMPLE, SampleMode.FILTERED)
 
 
 def warm_up(fn: Callable[[], object], times: int = 2) -> None:
@@ -164,8 +166,6 @@ class GraphRunner:
         """Run one round for rows 0..b-1 attending over kv_len cache slots, from graphs;
         False (counted, warned once per shape) if none fits."""
         B = self.bucket(b)
-        if mode is SampleMode.SAMPLE:
-            mode = SampleMode.FILTERED   # the filtered graph is exact for unfiltered rows too
         phases = self.spec.phases_at(B or b, mode is SampleMode.GREEDY)
         keys = [(p, B, mode, kv_len) for p in phases]
         if B is None or any(k not in self.graphs for k in keys):

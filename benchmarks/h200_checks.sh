@@ -17,7 +17,11 @@
 #   profile : cuBLAS projections at 1-64 rows (benchmarks/verify_gemm_bench.py; again with no
 #             cuBLAS workspace, which split-K reduces need), then kernel
 #             profiles of the Qwen3-8B decode step and DDTree round (benchmarks/profile_decode.py).
-# Usage: OUT=dir bash benchmarks/h200_checks.sh tests|tree|fp32|decode|profile|pair
+#   sampling: the sampler alone (benchmarks/sampler_bench.py: torch ops against its compiled
+#             piece), the sampling tests and the graph tests of sampled batches (a graph per
+#             sampler mode; speculate_sampled off) on the GPU, then the sampled rounds of the
+#             random-weight SmolLM2 shape with and without speculation (drafttree bench, T = 1).
+# Usage: OUT=dir bash benchmarks/h200_checks.sh tests|tree|fp32|decode|profile|pair|sampling
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=/tmp/drafttree-cache
@@ -90,4 +94,15 @@ from drafttree.bench.phases import main; sys.exit(main())" --random-weights smol
         --out "$OUT/b$b" > "$OUT/b$b.log" 2>&1
     done
     grep -hv "bench:\|capturing\|transformers" "$OUT"/b*.log | tail -n 24 ;;
+  sampling)
+    timeout 150 python3 benchmarks/sampler_bench.py --out "$OUT/sampler.json" 2>&1 | grep -v Warn | tail -n 12
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_spec_sampling.py tests/test_cuda_graphs.py \
+      -k "sampl or replay or schedule" > "$OUT/tests.log" 2>&1
+    tail -n 2 "$OUT/tests.log"; grep -h FAILED "$OUT/tests.log" | head
+    B="python3 -m drafttree.cli bench --random-weights smollm2-135m --max-tokens 128"
+    for s in speculate-sampled no-speculate-sampled; do
+      timeout 120 $B --temperatures 1 --num-prompts 8 --methods ar,ddtree --budgets 31 --$s \
+        --out "$OUT/t1_$s" > "$OUT/t1_$s.log" 2>&1
+      grep -hA3 "^method" "$OUT/t1_$s.log"
+    done ;;
 esac

@@ -132,19 +132,23 @@ def pick_tokens(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tens
     temp, seed = st.temperature[:R], st.seed[:R]
     if mode is SampleMode.SAMPLE:
         return sample_rows(logits, temp, seed, positions)
-    # top-k / top-p: the sort and its masks stay torch ops; the filtered logits are then sampled
-    # at temperature 1 (x / 1.0 == x, so they are scaled once, as before the filter)
-    scaled = filter_logits(logits / torch.where(temp > 0, temp, 1.0)[:, None, None], st.top_k[:R], st.top_p[:R])
-    sampled = sample_rows(scaled, torch.ones_like(temp), seed, positions)
-    return torch.where((temp > 0)[:, None], sampled, logits.argmax(dim=-1))
+    # top-k / top-p: the sort and its masks stay torch ops, ahead of the compiled piece
+    return sample_rows(logits, temp, seed, positions, filter_logits(at_temperature(logits, temp), st.top_k[:R],
+                                                                   st.top_p[:R]))
+
+
+def at_temperature(logits: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
+    return logits / torch.where(temp > 0, temp, 1.0)[:, None, None]
 
 
 @fused
-def sample_rows(logits: torch.Tensor, temp: torch.Tensor, seed: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
-    """Gumbel-max at each row's temperature, the argmax where it is 0. On CUDA this compiles to
-    one or two reductions instead of ~25 launches over [R, N, V] (the hash, the noise, the
-    scaling); on CPU it runs as these torch ops."""
-    scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None, None]
+def sample_rows(logits: torch.Tensor, temp: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor,
+                scaled: torch.Tensor | None = None) -> torch.Tensor:
+    """Gumbel-max over `scaled` (default: the logits at each row's temperature; else those,
+    filtered), the argmax of `logits` where the temperature is 0. On CUDA this compiles to one
+    or two reductions instead of ~25 launches over [R, N, V] (the hash, the noise, the scaling);
+    on CPU it runs as these torch ops."""
+    if scaled is None:
+        scaled = at_temperature(logits, temp)
     sampled = (scaled + gumbel_noise(seed, positions, logits.shape[-1])).argmax(dim=-1)
     return torch.where((temp > 0)[:, None], sampled, logits.argmax(dim=-1))

@@ -13,6 +13,8 @@ from enum import Enum
 class Phase(str, Enum):
     PREFILL = "prefill"   # variable width, runs eagerly
     DECODE = "decode"     # plain autoregressive step of the target
+    CONTEXT = "context"   # the drafter's context write alone, before a decode step when its pending
+                          # features could fill their buffer (a drafter's features wait otherwise)
     DRAFT = "draft"       # one drafter forward over [bonus, MASK * (block_size - 1)]
     VERIFY = "verify"     # one target forward over the draft (chain or tree)
 
@@ -146,6 +148,8 @@ class SpecConfig:
         """Tokens per request in this phase's forward, for a batch bucket of `batch` rows."""
         if phase is Phase.DECODE:
             return 1
+        if phase is Phase.CONTEXT:
+            return self.max_commit
         if phase is Phase.DRAFT:
             return self.block_size
         if phase is Phase.VERIFY:

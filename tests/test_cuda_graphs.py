@@ -336,7 +336,8 @@ def test_schedule_turns_speculation_off_from_a_batch_size(pair):
     assert [spec.phases_at(b) for b in (1, 2, 4, 8)] == [(Phase.DRAFT, Phase.VERIFY)] * 2 + [(Phase.DECODE,)] * 2
     assert spec.budgets == (8, 32) and spec.kv_headroom == 33 and spec.round_phases == (Phase.DRAFT, Phase.VERIFY)
     plan = [(e.phase, e.width, e.batch_sizes) for e in graph_plan(spec, ModelConfig.from_dir(t), None, 8, [545])]
-    assert plan == [(Phase.DECODE, 1, (4, 8)), (Phase.DRAFT, 8, (1, 2)), (Phase.VERIFY, 33, (1,)), (Phase.VERIFY, 9, (2,))]
+    assert plan == [(Phase.CONTEXT, 8, (4, 8)), (Phase.DECODE, 1, (4, 8)), (Phase.DRAFT, 8, (1, 2)),
+                    (Phase.VERIFY, 33, (1,)), (Phase.VERIFY, 9, (2,))]
     chain = SpecConfig("dflash", block_size=8, budget_schedule=SpecConfig.parse_schedule("2:0"))
     assert chain.phases_at(1) == (Phase.DRAFT, Phase.VERIFY) and chain.phases_at(2) == (Phase.DECODE,)
 
@@ -388,7 +389,8 @@ def test_budget_schedule_is_lossless_as_the_batch_shrinks(pair, fake_cuda_graphs
 @pytest.mark.parametrize("graphs", [False, True])
 def test_speculation_off_under_load_is_lossless(pair, fake_cuda_graphs, spec, schedule, graphs):
     """Six requests start together with speculation off (plain decode rounds keep the drafter's
-    context), then drafting resumes as they finish and the batch shrinks: plain decoding's tokens."""
+    context, written by context phases), then drafting resumes as they finish and the batch
+    shrinks: plain decoding's tokens."""
     t, d = pair
     prompts, sp, want = _finishing_at_different_times(t)
     llm = LLM(model=str(t), draft_model=str(d), spec=spec, budget=24 if spec == "ddtree" else None,
@@ -403,7 +405,7 @@ def test_speculation_off_under_load_is_lossless(pair, fake_cuda_graphs, spec, sc
     drafter.write_context = counting_write
     drafter.register_forward_hook(lambda *_: calls.__setitem__("draft", calls["draft"] + 1))
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
-    assert calls["context"] > 6 and calls["draft"] > 0, calls   # decode rounds, then drafts
+    assert calls["context"] > 1 and calls["draft"] > 0, calls   # prefill and context phases, then drafts
 
 
 @pytest.mark.parametrize("spec", ["ddtree", "dflash"])
@@ -448,7 +450,8 @@ def test_speculate_sampled_resolution(pair, tmp_path):
     assert spec.phases_at(1) == (Phase.DRAFT, Phase.VERIFY) and spec.phases_at(1, greedy=False) == (Phase.DECODE,)
     assert SpecConfig("ddtree", block_size=8, budget=32).phases_at(1, greedy=False) == (Phase.DRAFT, Phase.VERIFY)
     plan = [(e.phase, e.batch_sizes) for e in graph_plan(spec, ModelConfig.from_dir(t), None, 4, [545])]
-    assert plan == [(Phase.DECODE, (1, 2, 4)), (Phase.DRAFT, (1, 2, 4)), (Phase.VERIFY, (1, 2, 4))]
+    assert plan == [(Phase.CONTEXT, (1, 2, 4)), (Phase.DECODE, (1, 2, 4)), (Phase.DRAFT, (1, 2, 4)),
+                    (Phase.VERIFY, (1, 2, 4))]
     off = tmp_path / "off"
     shutil.copytree(d, off)
     cfg = json.loads((off / "config.json").read_text())
@@ -463,20 +466,31 @@ def test_speculate_sampled_resolution(pair, tmp_path):
 
 
 def test_speculation_off_writes_the_drafter_context_prefill_would(pair):
-    """After decode rounds with speculation off, the drafter's cache holds, at every flushed
-    position, what a prefill of the same tokens writes there."""
+    """Decode rounds with speculation off write the drafter's context in a context phase every
+    max_commit - 1 steps, not every step; after one more, the drafter's cache holds at every
+    position what a prefill of the same tokens writes there."""
+    from drafttree.spec.rounds import context_phase
     t, d = pair
     prompt = [3, 1, 4, 1, 5]
     kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=6, device="cpu", dtype="float32",
               max_num_seqs=1, max_model_len=128)
     off = LLM(**kw, budget_schedule="1:0")
-    out = off.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].token_ids
+    r = off.engine.runner
+    phases, run_round = [], r.run_round
+    r.run_round = lambda B, mode, n: phases.append(r.round_phases(B, mode)) or run_round(B, mode, n)
+    out = off.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].token_ids
+    C = off.engine.spec.max_commit
+    contexts = sum(Phase.CONTEXT in p for p in phases)
+    assert len(phases) == len(out) - 1 and all(p[-1] is Phase.DECODE for p in phases)
+    assert 1 <= contexts <= len(phases) // (C - 1) + 1 < len(phases), (contexts, len(phases), C)
+    assert 1 <= int(r.state.ctx_n[0]) <= r.ctx_bound <= C
+    context_phase(r, 1)   # the features still pending: the last ctx_n committed positions
     ref = LLM(**kw)
     ref.generate([prompt + out[:-1]], SamplingParams(temperature=0.0, max_tokens=1))
-    n = len(prompt) + len(out) - 2      # positions flushed: all but the last one through the target
-    for a, b in ((off.engine.runner.dkv.k, ref.engine.runner.dkv.k), (off.engine.runner.dkv.v, ref.engine.runner.dkv.v)):
+    n = len(prompt) + len(out) - 1      # every position through the target: all but the last token
+    for a, b in ((r.dkv.k, ref.engine.runner.dkv.k), (r.dkv.v, ref.engine.runner.dkv.v)):
         torch.testing.assert_close(a[:, 0, :, :n], b[:, 0, :, :n], atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(off.engine.runner.dkv.k[:, 0, :, n - 1], torch.zeros(()))
+    assert not torch.allclose(r.dkv.k[:, 0, :, n - 1], torch.zeros(()))
 
 
 def test_rounds_move_across_kv_buckets(pair, fake_cuda_graphs):
@@ -492,7 +506,7 @@ def test_rounds_move_across_kv_buckets(pair, fake_cuda_graphs):
     assert gr.kv_buckets == [1024, 1200 + llm.engine.spec.kv_headroom]
     replayed = []
     orig = gr.replay
-    gr.replay = lambda b, mode, kv_len: replayed.append(kv_len) or orig(b, mode, kv_len)
+    gr.replay = lambda b, mode, kv_len, phases: replayed.append(kv_len) or orig(b, mode, kv_len, phases)
     assert llm.generate([prompt], sp)[0].token_ids == want
     assert set(replayed) == set(gr.kv_buckets) and gr.fallbacks == 0
 
@@ -510,6 +524,30 @@ def test_gpu_kv_buckets_and_schedule_equal_eager(pair, spec, budget, schedule):
     llm = LLM(**kw, cuda_graphs=True)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
     assert llm.engine.runner.graphs.fallbacks == 0
+
+
+@cuda
+@pytest.mark.parametrize("spec,budget", [("ddtree", 16), ("dflash", None)])
+def test_gpu_context_phases_write_what_eager_writes(pair, spec, budget):
+    """Speculation off: graphed context phases and decode steps give eager's tokens and, once the
+    last pending features are written, eager's drafter cache."""
+    from drafttree.spec.rounds import context_phase
+    t, d = pair
+    prompts = [[(5 * j + i) % 57 + 1 for j in range(40 + 9 * i)] for i in range(3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kw = dict(model=str(t), draft_model=str(d), spec=spec, budget=budget, budget_schedule="1:0", device="cuda",
+              dtype="float32", max_num_seqs=4, max_model_len=256)
+    eager, graphed = LLM(**kw, cuda_graphs=False), LLM(**kw, cuda_graphs=True)
+    want = [o.token_ids for o in eager.generate(prompts, sp)]
+    assert [o.token_ids for o in graphed.generate(prompts, sp)] == want
+    assert graphed.engine.runner.graphs.fallbacks == 0
+    e, g = eager.engine.runner, graphed.engine.runner
+    for r in (e, g):
+        context_phase(r, len(prompts))
+    for i, p in enumerate(prompts):   # request i in cache row i; positions through the target
+        n = len(p) + len(want[i]) - 1
+        torch.testing.assert_close(g.dkv.k[:, i, :, :n], e.dkv.k[:, i, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g.dkv.v[:, i, :, :n], e.dkv.v[:, i, :, :n], atol=1e-5, rtol=1e-5)
 
 
 def _graphed_prefill_case(t, d, spec, budget, max_tokens=None, **kw):

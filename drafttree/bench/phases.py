@@ -82,6 +82,7 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
     ms = res["eager_ms"]
     ms["decode"] = timed(lambda: rounds.decode_round(r, B, kv_len, SampleMode.GREEDY), reset, dev, iters)
     if spec.speculative:
+        ms["context"] = timed(lambda: rounds.context_phase(r, B), reset, dev, iters)
         box: dict = {}
         ms["draft"] = timed(lambda: box.update(l=rounds.draft(r, B, kv_len)), reset, dev, iters)
         ms["tree_build"] = timed(lambda: box.update(t=rounds.make_tree(r, box["l"], B)), reset, dev, iters)
@@ -104,7 +105,7 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
             gm["draft_and_tree"] = timed(d.replay, reset, dev, iters)
             gm["verify_accept_commit"] = timed(lambda: (d.replay(), v.replay()), reset, dev, iters) \
                 - gm["draft_and_tree"]
-            gm["round"] = timed(lambda: gr.replay(B, SampleMode.GREEDY, kv_len), reset, dev, iters)
+            gm["round"] = timed(lambda: gr.replay(B, SampleMode.GREEDY, kv_len, spec.phases_at(B)), reset, dev, iters)
             gm["round_in_decode_steps"] = gm["round"] / gm["decode"]
             lg = torch.randn(1, spec.depth, V, device=dev)
             root = torch.zeros(1, dtype=torch.long, device=dev)

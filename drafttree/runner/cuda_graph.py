@@ -19,7 +19,7 @@ from tqdm import tqdm
 from drafttree.config import ModelConfig
 from drafttree.phases import Phase, SpecConfig, batch_buckets
 from drafttree.sampling import SampleMode
-from drafttree.spec.rounds import decode_round, draft_phase, verify_phase
+from drafttree.spec.rounds import context_phase, decode_round, draft_phase, verify_phase
 
 log = logging.getLogger(__name__)
 
@@ -67,20 +67,25 @@ def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | Non
     """What `GraphRunner.capture` will capture; needs no GPU."""
     buckets = batch_buckets(max_num_seqs)
     out = []
-    for phase in (Phase.DECODE, Phase.DRAFT, Phase.VERIFY):
-        cfg = drafter if phase is Phase.DRAFT and drafter is not None else target
+    for phase in (Phase.CONTEXT, Phase.DECODE, Phase.DRAFT, Phase.VERIFY):
+        drafting = phase in (Phase.CONTEXT, Phase.DRAFT)
+        cfg = drafter if drafting and drafter is not None else target
         V = target.vocab_size
-        having = [b for b in buckets if any(phase in spec.phases_at(b, greedy) for greedy in (True, False))]
+        if phase is Phase.CONTEXT and not spec.speculative:
+            continue
+        asks = Phase.DECODE if phase is Phase.CONTEXT else phase   # a drafter's decode steps need it
+        having = [b for b in buckets if any(asks in spec.phases_at(b, greedy) for greedy in (True, False))]
         for W in sorted({spec.width(phase, b) for b in having}, reverse=True):
             bs = tuple(b for b in having if spec.width(phase, b) == W)
             B = bs[-1]
             rows = B * (W - 1 if phase is Phase.DRAFT else W)
             # logits (fp32) with sort/noise temporaries + a few hidden-size activations per token
-            per_row = 4 * V * 4 + 2 * 8 * (cfg.hidden_size + cfg.intermediate_size * 2)
+            per_row = 2 * 8 * (cfg.hidden_size + cfg.intermediate_size * 2)
+            per_row += 0 if phase is Phase.CONTEXT else 4 * V * 4
             if phase is Phase.DRAFT and spec.method == "ddtree":
                 per_row += 4 * V  # log-softmax for the tree build
             # attention scores over the longest KV bucket, fp32, for every query row of every head
-            attn = 4 * B * W * cfg.num_heads * kv_lengths[-1]
+            attn = 0 if phase is Phase.CONTEXT else 4 * B * W * cfg.num_heads * kv_lengths[-1]
             out.append(PlanEntry(phase, W, bs, tuple(kv_lengths), 2 * rows * per_row + attn))
     return out
 
@@ -117,7 +122,8 @@ class GraphRunner:
     def _phase_fns(self, B: int, mode: SampleMode, L: int) -> list[tuple[Phase, Callable[[], None]]]:
         r = self.r
         if not self.spec.speculates_at(B, mode is SampleMode.GREEDY):
-            return [(Phase.DECODE, lambda: decode_round(r, B, L, mode))]
+            context = [(Phase.CONTEXT, lambda: context_phase(r, B))] if r.drafter is not None else []
+            return context + [(Phase.DECODE, lambda: decode_round(r, B, L, mode))]
 
         def draft() -> None:
             self.trees[(B, mode, L)] = draft_phase(r, B, L)
@@ -162,11 +168,10 @@ class GraphRunner:
     def bucket(self, b: int) -> int | None:
         return next((B for B in self.buckets if B >= b), None)
 
-    def replay(self, b: int, mode: SampleMode, kv_len: int) -> bool:
-        """Run one round for rows 0..b-1 attending over kv_len cache slots, from graphs;
-        False (counted, warned once per shape) if none fits."""
+    def replay(self, b: int, mode: SampleMode, kv_len: int, phases: tuple[Phase, ...]) -> bool:
+        """Run one round (`phases`, from `ModelRunner.round_phases`) for rows 0..b-1 attending
+        over kv_len cache slots, from graphs; False (counted, warned once per shape) if none fits."""
         B = self.bucket(b)
-        phases = self.spec.phases_at(B or b, mode is SampleMode.GREEDY)
         keys = [(p, B, mode, kv_len) for p in phases]
         if B is None or any(k not in self.graphs for k in keys):
             self.fallbacks += 1

@@ -8,12 +8,12 @@ import torch
 from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashDrafter
-from drafttree.phases import SpecConfig, batch_buckets
+from drafttree.phases import Phase, SpecConfig, batch_buckets
 from drafttree.runner.kv_cache import KVCache, attn_meta, causal
 from drafttree.runner.state import RoundState
 from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
 from drafttree.runner.phase_timer import PhaseTimer
-from drafttree.spec.rounds import decode_round, draft_phase, verify_phase
+from drafttree.spec.rounds import context_phase, decode_round, draft_phase, verify_phase
 
 
 @dataclass
@@ -69,6 +69,10 @@ class ModelRunner:
             self.capture_layers = drafter.cfg.target_layer_ids
             feat = len(self.capture_layers) * tc.hidden_size
         self.state = RoundState.allocate(rows, spec.max_commit, feat, dtype, device)
+        # Host-side bound on any row's pending drafter features (state.ctx_n), kept without a
+        # sync: a verify leaves at most max_commit, a decode step adds one, a context phase
+        # leaves one (its decode step's). Prefill and parking set 1, within any bound.
+        self.ctx_bound = 1
         self.graphs = None  # set by the engine when CUDA graphs are captured
         self.prefill_graphs = None   # a PrefillGraphs, when the engine is asked for them
         self.timer = PhaseTimer(torch.device(device))
@@ -148,8 +152,20 @@ class ModelRunner:
             raise RuntimeError(f"a round over rows of up to {max_length} committed tokens; the cache holds "
                                f"{self.cache_cfg.max_model_len} per row")
         kv_len = self.round_kv_len(max_length)
-        if self.graphs is None or not self.graphs.replay(B, mode, kv_len):
-            self.eager_round(B, kv_len, mode)
+        phases = self.round_phases(B, mode)
+        if self.graphs is None or not self.graphs.replay(B, mode, kv_len, phases):
+            self.eager_round(B, kv_len, mode, phases)
+        if self.drafter is not None:
+            self.ctx_bound = (self.spec.max_commit if Phase.VERIFY in phases
+                              else 1 if Phase.CONTEXT in phases else self.ctx_bound + 1)
+
+    def round_phases(self, B: int, mode: SampleMode) -> tuple[Phase, ...]:
+        """The phases of the next round over rows 0..B-1: draft and verify, or a decode step,
+        after a context phase when a row's pending drafter features could fill their buffer."""
+        phases = self.spec.phases_at(self.cache_cfg.batch_bucket(B), mode is SampleMode.GREEDY)
+        if phases == (Phase.DECODE,) and self.drafter is not None and self.ctx_bound >= self.spec.max_commit:
+            return (Phase.CONTEXT, Phase.DECODE)
+        return phases
 
     def round_kv_len(self, max_length: int) -> int:
         """Attention length of a round over rows whose committed lengths are <= max_length."""
@@ -157,8 +173,11 @@ class ModelRunner:
         tight = self.graphs is None and self.device.type == "cpu"
         return self.cache_cfg.kv_tight(needed) if tight else self.cache_cfg.kv_bucket(needed)
 
-    def eager_round(self, B: int, kv_len: int, mode: SampleMode) -> None:
-        if not self.spec.speculates_at(self.cache_cfg.batch_bucket(B), mode is SampleMode.GREEDY):
+    def eager_round(self, B: int, kv_len: int, mode: SampleMode, phases: tuple[Phase, ...]) -> None:
+        if Phase.CONTEXT in phases:
+            with self.timer.phase("context"):
+                context_phase(self, B)
+        if Phase.DECODE in phases:
             with self.timer.phase("decode"):
                 decode_round(self, B, kv_len, mode)
             return

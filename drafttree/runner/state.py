@@ -13,8 +13,9 @@ class RoundState:
     """Row b: committed tokens x[0:start[b]) have K/V in the cache; bonus[b] is the target's
     pick at position start[b], not yet run through the target. For a drafter, the features of
     the last ctx_n[b] committed positions (start-ctx_n .. start-1) wait in ctx_feat[b, :ctx_n]
-    to be written into its context cache (ctx_n >= 1 always, and start >= ctx_n: those slots
-    exist; the cache kernels do no bounds checks, and a slot of -1 would write before the row)."""
+    to be written into its context cache (ctx_n >= 1 between rounds, and start >= ctx_n: those
+    slots exist; the cache kernels do no bounds checks, and a slot of -1 would write before the
+    row). A verify leaves up to C there, each decode step one more, a context phase none."""
     start: torch.Tensor          # [R] long
     bonus: torch.Tensor          # [R] long
     ctx_feat: torch.Tensor       # [R, C, n*D]; C = max tokens committed per round

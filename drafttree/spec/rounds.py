@@ -1,6 +1,8 @@
 """One decoding round for rows 0..B-1, as pure device work on the runner's static buffers.
 
-decode: target forward of width 1 (with a drafter, its context is kept current too).
+decode: target forward of width 1; with a drafter, the token's features join the pending ones,
+which a context phase writes into the drafter's cache before they could overflow their buffer
+(every max_commit - 1 decode steps, not every step: the runner decides, host-side).
 dflash / ddtree: draft (width block_size) -> chain or tree -> verify (width
 spec.width(VERIFY)) -> target picks -> acceptance walk -> commit (KV compaction, drafter
 context, bonus). No host sync anywhere: the engine reads `out_tokens`/`out_n` afterwards.
@@ -24,24 +26,33 @@ if TYPE_CHECKING:
 
 
 def decode_round(r: "ModelRunner", B: int, kv_len: int, mode: SampleMode) -> None:
-    """One target token per row. With a drafter (speculation off at this batch size), the
-    drafter's context stays current: the pending features go into its cache, and the new
-    token's features become the pending ones, so that drafting can resume at any round."""
+    """One target token per row. With a drafter (speculation off for this round), the token's
+    features are appended to the pending ones (`context_phase` writes them into its cache), so
+    that drafting can resume at any round."""
     s = r.state
     start, bonus = s.start[:B], s.bonus[:B]
     ones = torch.ones(B, 1, 1, dtype=torch.bool, device=start.device)
     meta = attn_meta(start, ones, kv_len)
-    if r.drafter is not None:
-        r.drafter.write_context(*pending_context(r, B), r.dkv.k, r.dkv.v)
     hidden, aux = r.target(bonus[:, None], start[:, None], meta, r.kv.k, r.kv.v, r.capture_layers)
     if r.drafter is not None:
-        s.ctx_feat[:B, 0] = aux[:, 0].to(s.ctx_feat.dtype)
-        s.ctx_n[:B] = 1
+        # the runner runs the context phase before a full buffer; should its count ever be wrong,
+        # the last pending feature is overwritten (the drafter misses one position: a lower τ,
+        # the same tokens), never a write past the buffer
+        n = s.ctx_n[:B].clamp(max=s.ctx_feat.shape[1] - 1)
+        s.ctx_feat[torch.arange(B, device=n.device), n] = aux[:, 0].to(s.ctx_feat.dtype)
+        s.ctx_n[:B] = n + 1
     picks = pick_tokens(r.target.logits(hidden), s.sampling, start[:, None] + 1, mode)[:, 0]
     s.out_tokens[:B, 0] = picks
     s.out_n[:B] = 1
     s.bonus[:B] = picks
     s.start[:B] += 1
+
+
+def context_phase(r: "ModelRunner", B: int) -> None:
+    """Write rows 0..B-1's pending features into the drafter's cache; none wait after it, until
+    the decode step of the same round appends its token's (ctx_n is 0 only in between)."""
+    r.drafter.write_context(*pending_context(r, B), r.dkv.k, r.dkv.v)
+    r.state.ctx_n[:B] = 0
 
 
 def pending_context(r: "ModelRunner", B: int) -> tuple[torch.Tensor, torch.Tensor]:

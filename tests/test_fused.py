@@ -142,6 +142,27 @@ def test_draft_inputs_compile_and_match_eager(monkeypatch, one_thread):
     assert pos[1].tolist() == [30, 31, 32, 33] and slots[1].tolist() == [26, 27, 28, 29, 29, 30, 31, 32, 33]
 
 
+def test_pending_append_compiles_and_matches_eager(monkeypatch, one_thread):
+    """A decode step's feature append, compiled as on CUDA, writes in place what eager writes, into
+    the rows given (a slice of the buffer) and nowhere else; a full row overwrites its last entry."""
+    from drafttree.spec import rounds
+    g = torch.Generator().manual_seed(5)
+    feat0 = torch.randn(4, 5, 6, generator=g).to(torch.bfloat16)
+    new = torch.randn(3, 6, generator=g)
+    outs = {}
+    for mode in ("0", "cpu"):
+        monkeypatch.setenv("DRAFTTREE_COMPILE", mode)
+        n, feat = torch.tensor([1, 4, 5, 2]), feat0.clone()
+        rounds._append_pending(n[:3], feat[:3], new)
+        outs[mode] = (n, feat)
+    assert torch.equal(outs["cpu"][0], outs["0"][0]) and torch.equal(outs["cpu"][1], outs["0"][1])
+    n, feat = outs["0"]
+    assert n.tolist() == [2, 5, 5, 2] and torch.equal(feat[3], feat0[3])
+    for b, at in enumerate((1, 4, 4)):
+        assert torch.equal(feat[b, at], new[b].to(torch.bfloat16))
+        assert torch.equal(feat[b, :at], feat0[b, :at])
+
+
 def test_a_piece_whose_compiler_fails_runs_as_torch_ops(monkeypatch, caplog):
     """A compiler failure (here a stand-in for one) warns once and leaves the piece to the torch
     ops, with their results; an error of the inputs still raises."""

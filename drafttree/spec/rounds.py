@@ -35,17 +35,23 @@ def decode_round(r: "ModelRunner", B: int, kv_len: int, mode: SampleMode) -> Non
     meta = attn_meta(start, ones, kv_len)
     hidden, aux = r.target(bonus[:, None], start[:, None], meta, r.kv.k, r.kv.v, r.capture_layers)
     if r.drafter is not None:
-        # the runner runs the context phase before a full buffer; should its count ever be wrong,
-        # the last pending feature is overwritten (the drafter misses one position: a lower τ,
-        # the same tokens), never a write past the buffer
-        n = s.ctx_n[:B].clamp(max=s.ctx_feat.shape[1] - 1)
-        s.ctx_feat[torch.arange(B, device=n.device), n] = aux[:, 0].to(s.ctx_feat.dtype)
-        s.ctx_n[:B] = n + 1
+        _append_pending(s.ctx_n[:B], s.ctx_feat[:B], aux[:, 0])
     picks = pick_tokens(r.target.logits(hidden), s.sampling, start[:, None] + 1, mode)[:, 0]
     s.out_tokens[:B, 0] = picks
     s.out_n[:B] = 1
     s.bonus[:B] = picks
     s.start[:B] += 1
+
+
+@fused
+def _append_pending(n: torch.Tensor, feat: torch.Tensor, new: torch.Tensor) -> None:
+    """feat[b, n[b]] = new[b], n += 1, in place (one kernel on CUDA). The runner runs a context
+    phase before a full buffer; were its count ever wrong, the last pending feature would be
+    overwritten (the drafter misses one position: a lower τ, the same tokens), never a write past
+    the buffer."""
+    at = n.clamp(max=feat.shape[1] - 1)
+    feat[torch.arange(n.shape[0], device=n.device), at] = new.to(feat.dtype)
+    n.copy_(at + 1)
 
 
 def context_phase(r: "ModelRunner", B: int) -> None:

@@ -18,24 +18,25 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope, meta: AttnMeta, k_cache,
-                v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+                v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x is the residual stream before the previous layer's MLP output `delta` is added
         (None for the first layer): each residual add runs in the kernel of the norm after it.
-        Returns (the stream before this layer's MLP output, that output)."""
+        Returns (the stream before this layer's MLP output, that output, the stream this layer
+        took in: x + delta, the previous layer's hidden state)."""
         if gemv_kernel.usable(x):
             return self._fused(x, delta, rope, meta, k_cache, v_cache)
         x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta)
-        return self.mlp_after(x, self.self_attn(h, rope, meta, k_cache, v_cache), fused=False)
+        return *self.mlp_after(x, self.self_attn(h, rope, meta, k_cache, v_cache), fused=False), x
 
     def _fused(self, x: torch.Tensor, delta: torch.Tensor | None, rope, meta: AttnMeta, k_cache,
-               v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+               v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`forward` for few token rows through `gemv_kernel`'s projections: for one row, each norm
         runs inside the projection after it and SiLU·up inside the gate/up projection; a verify's or
         draft block's rows take tensor-core tiles or the torch ops, per weight class (gemm_kernel)."""
         ln, attn = self.input_layernorm, self.self_attn
         x, qkv = gemv_kernel.norm_gemv(x, delta, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
         o = gemv_kernel.gemv(attn.attend_qkv(qkv, rope, meta, k_cache, v_cache), attn.o_proj.weight, attn.o_proj.bias)
-        return self.mlp_after(x, o, fused=True)
+        return *self.mlp_after(x, o, fused=True), x
 
     def mlp_after(self, x: torch.Tensor, attn_out: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + attn_out, the MLP's output on its norm): through `gemv_kernel` (the add and norm in
@@ -80,11 +81,10 @@ class DecoderLM(nn.Module):
         last = len(self.layers) - 1
         delta = None
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, rope, meta, k_cache[i], v_cache[i])
-            if i in capture_layers and i != last:
-                x, delta = x + delta, None     # the next norm then has nothing to add
-                captured.append(x)
-        x = self.norm(x) if delta is None else self.norm.add_and_norm(x, delta)[1]
+            x, delta, x_in = layer(x, delta, rope, meta, k_cache[i], v_cache[i])
+            if i - 1 in capture_layers:   # layer i - 1's hidden state, summed by layer i's first kernel
+                captured.append(x_in)
+        x = self.norm.add_and_norm(x, delta)[1]
         if last in capture_layers:   # HF's hidden_states[-1] is taken after the final norm
             captured.append(x)
         aux = torch.cat(captured, dim=-1) if captured else None

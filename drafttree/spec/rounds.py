@@ -45,7 +45,7 @@ def decode_round(r: "ModelRunner", B: int, kv_len: int, mode: SampleMode) -> Non
 
 @fused
 def _append_pending(n: torch.Tensor, feat: torch.Tensor, new: torch.Tensor) -> None:
-    """feat[b, n[b]] = new[b], n += 1, in place (one kernel on CUDA). The runner runs a context
+    """feat[b, n[b]] = new[b], n += 1, in place (compiled on CUDA). The runner runs a context
     phase before a full buffer; were its count ever wrong, the last pending feature would be
     overwritten (the drafter misses one position: a lower τ, the same tokens), never a write past
     the buffer."""

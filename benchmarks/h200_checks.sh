@@ -21,7 +21,11 @@
 #             piece), the sampling tests and the graph tests of sampled batches (a graph per
 #             sampler mode; speculate_sampled off) on the GPU, then the sampled rounds of the
 #             random-weight SmolLM2 shape with and without speculation (drafttree bench, T = 1).
-# Usage: OUT=dir bash benchmarks/h200_checks.sh tests|tree|fp32|decode|profile|pair|sampling
+#   plain   : a drafter engine's plain decode steps (context phase every max_commit - 1 steps,
+#             captured states from the next layer's fused add) against plain decoding, random-weight
+#             SmolLM2 shape, T = 1 with sampled rounds decoded plainly and batch 16 under `16:0`;
+#             the DDTree round of the same shape (phases tool); then test_cuda_graphs.py whole.
+# Usage: OUT=dir bash benchmarks/h200_checks.sh tests|tree|fp32|decode|profile|pair|sampling|plain
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=/tmp/drafttree-cache
@@ -105,4 +109,16 @@ from drafttree.bench.phases import main; sys.exit(main())" --random-weights smol
         --out "$OUT/t1_$s" > "$OUT/t1_$s.log" 2>&1
       grep -hA3 "^method" "$OUT/t1_$s.log"
     done ;;
+  plain)
+    B="python3 -m drafttree.cli bench --random-weights smollm2-135m --max-tokens 128 --budgets 31"
+    timeout 90 $B --temperatures 1 --num-prompts 8 --methods ar,ddtree --no-speculate-sampled --out "$OUT/t1" \
+      > "$OUT/t1.log" 2>&1
+    timeout 100 $B --temperatures 0 --num-prompts 32 --batch 16 --methods ar,ddtree --budget-schedule 16:0 \
+      --out "$OUT/b16" > "$OUT/b16.log" 2>&1
+    for n in t1 b16; do tr '\r' '\n' < "$OUT/$n.log" | grep -A3 "^method"; done
+    timeout 120 python3 -m drafttree.bench.phases --random-weights smollm2-135m --spec ddtree --budget 31 \
+      --tree-budgets "" --out "$OUT/phases.json" > "$OUT/phases.txt" 2>&1
+    tail -n 12 "$OUT/phases.txt"
+    timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py > "$OUT/tests.log" 2>&1
+    tail -n 2 "$OUT/tests.log"; grep -h FAILED "$OUT/tests.log" | head ;;
 esac

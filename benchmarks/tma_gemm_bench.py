@@ -26,7 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from drafttree.bench.graph_timer import cycling, graphed_us, weight_copies
 from drafttree.bench.shapes import SHAPES, projections
 from drafttree.models import gemm_kernel
-from drafttree.triton_jit import cdiv, interpreting, jit_kernel, next_pow2
+from drafttree.triton_jit import cdiv, next_pow2
 
 
 @triton.jit
@@ -57,9 +57,7 @@ def tma_call(x: torch.Tensor, w_desc: TensorDescriptor, N: int, K: int, cfg: tup
     _tma_gemm[(cdiv(N, bn), split)](w_desc, x_desc, y, ws, M, N, KS=K // split, BN=bn, BM=bm, BK=bk,
                                      SPLIT=split, STAGES=stages, num_warps=warps)
     if split > 1:
-        jit_kernel(gemm_kernel._finish_kernel, interpreting(), ("M", "N"))[(M, cdiv(N, gemm_kernel.FINISH_BLOCK))](
-            ws, ws, w_desc.base, y, M, N, 0.0, K=K, HAS_B=False, NORM=False, GLU=False, SPLIT=split,
-            BN=gemm_kernel.FINISH_BLOCK, PDL=0, num_warps=4)
+        gemm_kernel.finish_splits(ws, ws, None, w_desc.base, y, 0.0, K, False, False, split, {"PDL": 0})
     return y
 
 

@@ -218,17 +218,24 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     glu, norm = kind == "glu", g is not None
     ws = torch.empty(split, M, 2 * N if glu else N, dtype=torch.float32, device=x.device) if split > 1 else y
     ss = torch.empty(split, M, dtype=torch.float32, device=x.device) if split > 1 and norm else y
-    interp = interpreting()
     pdl = pdl_options(x.device)
-    jit_kernel(_gemm_kernel, interp, ("M", "N"))[(cdiv(N, bn), split, cdiv(M, bm))](
+    jit_kernel(_gemm_kernel, interpreting(), ("M", "N"))[(cdiv(N, bn), split, cdiv(M, bm))](
         x, d, g.contiguous() if norm else x, w, b if b is not None else w, xo, y, ws, ss, M, N, eps, K=K,
         HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, BM=bm,
         BN=bn, BK=bk, KS=ks, SPLIT=split, STAGES=stages, PRE=pre, num_warps=warps, **pdl)
     if split > 1:
-        jit_kernel(_finish_kernel, interp, ("M", "N"))[(M, cdiv(N, FINISH_BLOCK))](
-            ws, ss, b if b is not None else w, y, M, N, eps, K=K, HAS_B=b is not None, NORM=norm, GLU=glu,
-            SPLIT=split, BN=FINISH_BLOCK, num_warps=4, **pdl)
+        finish_splits(ws, ss, b, w, y, eps, K, norm, glu, split, pdl)
     return xo, y
+
+
+def finish_splits(ws: torch.Tensor, ss: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor, y: torch.Tensor,
+                  eps: float, K: int, norm: bool, glu: bool, split: int, pdl: dict[str, Any]) -> None:
+    """Add the fp32 partial sums ws [split, M, N (x2 for GLU)] of an input split into y [M, N]
+    (`_finish_kernel`); `w` stands in for a missing bias, `ss` for missing squares."""
+    M, N = y.numel() // y.shape[-1], y.shape[-1]
+    jit_kernel(_finish_kernel, interpreting(), ("M", "N"))[(M, cdiv(N, FINISH_BLOCK))](
+        ws, ss, b if b is not None else w, y, M, N, eps, K=K, HAS_B=b is not None, NORM=norm, GLU=glu,
+        SPLIT=split, BN=FINISH_BLOCK, num_warps=4, **pdl)
 
 
 def outputs(kind: str, x: torch.Tensor, delta: torch.Tensor | None,

@@ -67,12 +67,11 @@ def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | Non
     """What `GraphRunner.capture` will capture; needs no GPU."""
     buckets = batch_buckets(max_num_seqs)
     out = []
+    V = target.vocab_size
     for phase in (Phase.CONTEXT, Phase.DECODE, Phase.DRAFT, Phase.VERIFY):
-        drafting = phase in (Phase.CONTEXT, Phase.DRAFT)
-        cfg = drafter if drafting and drafter is not None else target
-        V = target.vocab_size
         if phase is Phase.CONTEXT and not spec.speculative:
             continue
+        cfg = drafter if phase in (Phase.CONTEXT, Phase.DRAFT) and drafter is not None else target
         asks = Phase.DECODE if phase is Phase.CONTEXT else phase   # a drafter's decode steps need it
         having = [b for b in buckets if any(asks in spec.phases_at(b, greedy) for greedy in (True, False))]
         for W in sorted({spec.width(phase, b) for b in having}, reverse=True):

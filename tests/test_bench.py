@@ -54,6 +54,25 @@ def test_bench_writes_results_and_plots(tmp_path):
         [(r["method"], r["budget"], r["temperature"], r["speedup"]) for r in res["results"]]
 
 
+def test_top_k_and_top_p_reach_every_request(tmp_path):
+    """`--top-k 1` at T = 1 samples from the best token alone: the greedy run's tokens."""
+    from drafttree.bench.cli import build_parser, run_one
+    t = make_target(tmp_path / "t", "llama", vocab=9, layers=2, scale=3.0)
+    d = make_drafter(tmp_path / "d", t, block_size=4, target_layer_ids=[0])
+    a = build_parser().parse_args(["--model", str(t), "--draft-model", str(d), "--device", "cpu", "--dtype", "float32",
+                                   "--max-model-len", "64", "--max-tokens", "10", "--top-k", "1", "--top-p", "0.5",
+                                   "--out", str(tmp_path)])
+    prompts = [[i % 7 + 1, 2, 3] for i in range(3)]
+
+    class Bar:
+        def update(self, n: int) -> None:
+            pass
+    for method, budget in (("ar", None), ("ddtree", 4)):
+        greedy, want = run_one(a, method, budget, prompts, 0.0, Bar())
+        sampled, got = run_one(a, method, budget, prompts, 1.0, Bar())
+        assert got == want and (sampled["top_k"], sampled["top_p"]) == (1, 0.5)
+
+
 def test_budget_schedule_goes_where_it_applies():
     from drafttree.phases import schedule_for
     assert schedule_for("ddtree", "8:16,32:0") == "8:16,32:0" and schedule_for("ddtree", "auto") == "auto"

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculate at T > 0 too (the default here: each method is measured as itself, "
                         "whatever the drafter config's ddtree_default_speculate_sampled says)")
     p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--top-p", type=float, default=1.0, help="of every sampled request (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="of every sampled request (0: off)")
     p.add_argument("--batch", type=int, default=1, help="concurrent requests (max_num_seqs)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
@@ -86,11 +88,13 @@ def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar
     eng = llm.engine
     texts = [p if isinstance(p, list) or llm.tokenizer is None else llm.apply_chat_template(
         [{"role": "user", "content": p}]) for p in prompts]
-    params = [SamplingParams(temperature=temperature, max_tokens=a.max_tokens, seed=i) for i in range(len(texts))]
+    params = [SamplingParams(temperature=temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=i)
+              for i in range(len(texts))]
     # Warm-up on every batch of the run, short outputs: first calls compile and load kernels per
     # shape, and without this the first method timed pays for them (AR run three times in one
     # process at batch 16: 2,034, 7,774, 9,439 tok/s).
-    warm = SamplingParams(temperature=temperature, max_tokens=min(8, a.max_tokens), seed=0)
+    warm = SamplingParams(temperature=temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=min(8, a.max_tokens),
+                          seed=0)
     for i in range(0, len(texts), a.batch):
         llm.generate(texts[i:i + a.batch], warm)
     st, timer = eng.stats, eng.runner.timer
@@ -114,7 +118,7 @@ def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar
     tpot = [(o.metrics["total_s"] - o.metrics["ttft_s"]) / max(len(o.token_ids) - 1, 1) for o in outs]
     after_first = sum(o.metrics["total_s"] - o.metrics["ttft_s"] for o in outs)
     return {"method": method, "budget": budget, "budget_schedule": eng.spec.budget_schedule,
-            "block_size": eng.spec.block_size, "temperature": temperature,
+            "block_size": eng.spec.block_size, "temperature": temperature, "top_p": a.top_p, "top_k": a.top_k,
             "output_tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
             "tpot_ms": 1e3 * sum(tpot) / len(tpot), "tau_mean": sum(taus) / max(len(taus), 1),
             "ttft_ms": 1e3 * sum(o.metrics["ttft_s"] for o in outs) / len(outs),

@@ -18,7 +18,8 @@
 #             cuBLAS workspace, which split-K reduces need), then kernel
 #             profiles of the Qwen3-8B decode step and DDTree round (benchmarks/profile_decode.py).
 #   sampling: the sampler alone (benchmarks/sampler_bench.py: torch ops against its compiled
-#             piece), the sampling tests and the graph tests of sampled batches (a graph per
+#             piece; top-p thresholds by the sort and by filter_kernel), the threshold kernel's
+#             tests, the sampling tests and the graph tests of sampled batches (a graph per
 #             sampler mode; speculate_sampled off) on the GPU, then the sampled rounds of the
 #             random-weight SmolLM2 shape with and without speculation (drafttree bench, T = 1).
 #   plain   : a drafter engine's plain decode steps (context phase every max_commit - 1 steps,
@@ -100,6 +101,8 @@ from drafttree.bench.phases import main; sys.exit(main())" --random-weights smol
     grep -hv "bench:\|capturing\|transformers" "$OUT"/b*.log | tail -n 24 ;;
   sampling)
     timeout 150 python3 benchmarks/sampler_bench.py --out "$OUT/sampler.json" 2>&1 | grep -v Warn | tail -n 12
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_filter_kernel.py -s > "$OUT/filter_tests.log" 2>&1
+    tail -n 2 "$OUT/filter_tests.log"; grep -h "FAILED\|CUDA graph replay" "$OUT/filter_tests.log" | head
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_spec_sampling.py tests/test_cuda_graphs.py \
       -k "sampl or replay or schedule" > "$OUT/tests.log" 2>&1
     tail -n 2 "$OUT/tests.log"; grep -h FAILED "$OUT/tests.log" | head

@@ -1,6 +1,8 @@
 """The target's sampler alone, graphed: `pick_tokens` with its compiled piece (`sample_rows`)
-against all torch ops (DRAFTTREE_COMPILE=0 for that call), µs per call, for the shapes a round
-hands it, unfiltered (SAMPLE) and with top-p (FILTERED).
+against all torch ops (DRAFTTREE_COMPILE=0 for that call, and top-k / top-p thresholds by a sort),
+µs per call, for the shapes a round hands it, unfiltered (SAMPLE) and with top-p (FILTERED). For
+FILTERED also the compiled piece after thresholds found by the sort (`thresholds_by_sort`, the
+torch ops' way) instead of the radix-descent kernel (`filter_kernel`).
 
     python benchmarks/sampler_bench.py [--out results.json]      (CUDA)
 """
@@ -11,7 +13,14 @@ import os
 import torch
 
 from drafttree.bench.graph_timer import graphed_us
-from drafttree.sampling import SampleMode, SamplingTensors, pick_tokens
+from drafttree.sampling import SampleMode, SamplingTensors, pick_tokens, sample_rows, thresholds_by_sort
+
+
+def by_sort(logits: torch.Tensor, st: SamplingTensors, pos: torch.Tensor) -> torch.Tensor:
+    """`pick_tokens(..., FILTERED)` with the thresholds of the sort."""
+    R = logits.shape[0]
+    temp = st.temperature[:R]
+    return sample_rows(logits, temp, st.seed[:R], pos, thresholds_by_sort(logits, temp, st.top_k[:R], st.top_p[:R]))
 
 
 def main() -> None:
@@ -20,7 +29,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     a = p.parse_args()
     rows = []
-    print(f"{'R x N x V':<14} {'mode':<9} {'torch ops us':>12} {'compiled us':>12} {'same picks':>10}")
+    print(f"{'R x N x V':<14} {'mode':<9} {'torch ops us':>12} {'sorted us':>10} {'compiled us':>12}",
+          f"{'same picks':>10}")
     for shape in a.shapes.split(","):
         R, N, V = map(int, shape.split("x"))
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -33,14 +43,17 @@ def main() -> None:
         for mode in (SampleMode.SAMPLE, SampleMode.FILTERED):
             def call(mode: SampleMode = mode) -> torch.Tensor:
                 return pick_tokens(logits, st, pos, mode)
+            eager_call = call if mode is SampleMode.SAMPLE else (lambda: by_sort(logits, st, pos))
             os.environ["DRAFTTREE_COMPILE"] = "0"
-            eager, want = graphed_us(call), call()
+            eager, want = graphed_us(eager_call), eager_call()
             os.environ["DRAFTTREE_COMPILE"] = "1"
+            sort = graphed_us(eager_call) if mode is SampleMode.FILTERED else None
             compiled, got = graphed_us(call), call()
             same = float((got == want).float().mean())
-            rows.append({"shape": shape, "mode": mode.name, "torch_ops_us": eager, "compiled_us": compiled,
-                         "same_picks": same})
-            print(f"{shape:<14} {mode.name:<9} {eager:>12.1f} {compiled:>12.1f} {same:>10.3f}")
+            rows.append({"shape": shape, "mode": mode.name, "torch_ops_us": eager, "sorted_us": sort,
+                         "compiled_us": compiled, "same_picks": same})
+            sorted_col = f"{sort:>10.1f}" if sort is not None else f"{'-':>10}"
+            print(f"{shape:<14} {mode.name:<9} {eager:>12.1f} {sorted_col} {compiled:>12.1f} {same:>10.3f}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -14,6 +14,7 @@ from enum import IntEnum
 import torch
 
 from drafttree.models.fused import fused
+from drafttree.triton_jit import interpreting, kernels_run_on
 
 _M32 = 0xFFFFFFFF
 
@@ -91,21 +92,45 @@ def gumbel_noise(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> tor
     return -torch.log(-torch.log(u))
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf what top-k / top-p exclude. logits [R, N, V]; top_k, top_p [R]."""
-    V = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(V, device=logits.device)
-    k = torch.where(top_k > 0, top_k, V)[:, None, None]
-    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))   # top-k first, as HF does
-    probs = sorted_logits.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs            # mass strictly before each token
-    # top-p 1 keeps every token: in fp32 `before` can reach 1.0 over a long tail (up to ~2e-6
-    # of mass per row was dropped so), and a top-p batch's unfiltered rows pass through here too
-    drop = (before >= top_p[:, None, None]) & (top_p < 1.0)[:, None, None]
-    drop[..., 0] = False                             # always keep the best token
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+def filter_thresholds(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """What top-k, then top-p, keep at each row/node, as one threshold: thr [R, N] float32 of
+    logits [R, N, V] (float32 or bf16) at temperature temp [R], top_k [R] (0: off), top_p [R]
+    (1: off). The kept tokens are those with logits >= thr.
+
+    Top-k keeps x_i iff fewer than k logits are greater (ties with the k-th are kept). Top-p
+    then, over that set K and q = softmax(x / T) restricted to K, keeps x_i iff the mass of K's
+    strictly greater logits is below p (ties kept; the max always). So thr is the smallest kept
+    logit, exactly, or -inf where nothing is filtered (k 0 or >= V and p 1; rows at T = 0). On
+    CUDA with triton a radix descent finds it without a sort (`filter_kernel`)."""
+    if logits.is_cuda and kernels_run_on(logits.device):
+        from drafttree.filter_kernel import MAX_VOCAB, filter_thresholds_fused
+        if logits.shape[-1] < MAX_VOCAB:
+            return filter_thresholds_fused(logits, temp, top_k, top_p, interpret=interpreting())
+    return thresholds_by_sort(logits, temp, top_k, top_p)
+
+
+def thresholds_by_sort(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor) -> torch.Tensor:
+    """`filter_thresholds` in torch ops, by a sort of every row's logits."""
+    R, N, V = logits.shape
+    x = logits.float().sort(dim=-1, descending=True).values
+    sampled = temp > 0
+    use_k = (sampled & (top_k > 0) & (top_k < V))[:, None]
+    kth = x.gather(-1, (top_k.long().clamp(1, V) - 1)[:, None, None].expand(R, N, 1))
+    thr_k = torch.where(use_k[..., None], kth, float("-inf"))
+    top = x[..., :1]
+    w = torch.where((x >= thr_k) & (x > float("-inf")),
+                    ((x - top) / torch.where(sampled, temp, 1.0)[:, None, None]).exp(), 0.0).double()
+    # the mass of strictly greater logits: the mass before the first of each run of equal ones
+    before = w.cumsum(-1) - w
+    rank = torch.arange(V, device=x.device)
+    first = torch.where(torch.cat([torch.ones_like(x[..., :1], dtype=torch.bool), x[..., 1:] != x[..., :-1]], -1),
+                        rank, 0).cummax(-1).values
+    kept = (before.gather(-1, first) < top_p.double()[:, None, None] * w.sum(-1, keepdim=True)).sum(-1, keepdim=True)
+    thr_p = x.gather(-1, (kept - 1).clamp(min=0))
+    use_p = (sampled & (top_p < 1.0))[:, None, None] & (top > float("-inf"))
+    return torch.where(use_p, thr_p, thr_k).squeeze(-1)
 
 
 class SampleMode(IntEnum):
@@ -132,9 +157,8 @@ def pick_tokens(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tens
     temp, seed = st.temperature[:R], st.seed[:R]
     if mode is SampleMode.SAMPLE:
         return sample_rows(logits, temp, seed, positions)
-    # top-k / top-p: the sort and its masks stay torch ops, ahead of the compiled piece
-    return sample_rows(logits, temp, seed, positions, filter_logits(at_temperature(logits, temp), st.top_k[:R],
-                                                                   st.top_p[:R]))
+    # top-k / top-p: one threshold per row/node, ahead of the compiled piece, which masks by it
+    return sample_rows(logits, temp, seed, positions, filter_thresholds(logits, temp, st.top_k[:R], st.top_p[:R]))
 
 
 def at_temperature(logits: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
@@ -143,12 +167,13 @@ def at_temperature(logits: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
 
 @fused
 def sample_rows(logits: torch.Tensor, temp: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor,
-                scaled: torch.Tensor | None = None) -> torch.Tensor:
-    """Gumbel-max over `scaled` (default: the logits at each row's temperature; else those,
-    filtered), the argmax of `logits` where the temperature is 0. On CUDA this compiles to one
-    or two reductions instead of ~25 launches over [R, N, V] (the hash, the noise, the scaling);
-    on CPU it runs as these torch ops."""
-    if scaled is None:
-        scaled = at_temperature(logits, temp)
+                thr: torch.Tensor | None = None) -> torch.Tensor:
+    """Gumbel-max over the logits at each row's temperature (with `thr` [R, N], over those whose
+    logits are >= thr: see `filter_thresholds`), the argmax of `logits` where the temperature is
+    0. On CUDA this compiles to one or two reductions instead of ~25 launches over [R, N, V] (the
+    hash, the noise, the scaling, the mask); on CPU it runs as these torch ops."""
+    scaled = at_temperature(logits, temp)
+    if thr is not None:   # logits, not scaled ones, against thr: exact however the division rounds
+        scaled = torch.where(logits >= thr[..., None], scaled, float("-inf"))
     sampled = (scaled + gumbel_noise(seed, positions, logits.shape[-1])).argmax(dim=-1)
     return torch.where((temp > 0)[:, None], sampled, logits.argmax(dim=-1))

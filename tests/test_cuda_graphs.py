@@ -248,7 +248,7 @@ def test_graph_runner_logic_on_cpu(pair, fake_cuda_graphs, spec, budget):
 
 def test_each_sampler_mode_replays_its_own_graphs(pair, fake_cuda_graphs):
     """Greedy, unfiltered sampled and top-p batches replay graphs captured in their own mode
-    (an unfiltered batch in the top-p graph would sort the vocabulary for nothing)."""
+    (an unfiltered batch in the top-p graph would find thresholds for nothing)."""
     from drafttree.sampling import SampleMode
     t, d = pair
     kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",

@@ -97,10 +97,11 @@ def test_top_p_one_keeps_the_whole_vocabulary():
     """A top-p batch's rows without top-p pass through the filter too: at top-p 1 no token may
     be masked, though fp32's running sum of a long tail reaches 1.0 (it once masked thousands
     per row)."""
-    from drafttree.sampling import filter_logits
+    from drafttree.sampling import filter_thresholds
     logits = torch.randn(4, 2, 49152, generator=torch.Generator().manual_seed(0)) * 3
     top_p = torch.tensor([1.0, 1.0, 0.9, 1.0])
-    kept = ~torch.isinf(filter_logits(logits, torch.zeros(4, dtype=torch.long), top_p))
+    thr = filter_thresholds(logits, torch.ones(4), torch.zeros(4, dtype=torch.long), top_p)
+    kept = logits >= thr[..., None]
     assert kept[[0, 1, 3]].all()
     probs = logits[2].softmax(-1)
     assert 0.9 <= (probs * kept[2]).sum(-1).min() and kept[2].sum(-1).max() < 49152 // 2

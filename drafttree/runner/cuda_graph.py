@@ -24,7 +24,7 @@ from drafttree.spec.rounds import context_phase, decode_round, draft_phase, veri
 log = logging.getLogger(__name__)
 
 # Unfiltered sampling (top-p 1, the API default) has its own graphs: the filtered ones would give
-# the same tokens but sort every row's vocabulary each round.
+# the same tokens but find every row's top-k / top-p threshold each round.
 CAPTURED_MODES = (SampleMode.GREEDY, SampleMode.SAMPLE, SampleMode.FILTERED)
 
 

@@ -7,6 +7,7 @@ choice needs no generator state, so it can live inside a CUDA graph.
 """
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -17,6 +18,7 @@ from drafttree.models.fused import fused
 from drafttree.triton_jit import interpreting, kernels_run_on
 
 _M32 = 0xFFFFFFFF
+FILTER_KERNEL = os.environ.get("DRAFTTREE_FILTER_KERNEL", "1") == "1"   # 0: the sort (A/B runs)
 
 
 @dataclass
@@ -102,8 +104,9 @@ def filter_thresholds(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Ten
     then, over that set K and q = softmax(x / T) restricted to K, keeps x_i iff the mass of K's
     strictly greater logits is below p (ties kept; the max always). So thr is the smallest kept
     logit, exactly, or -inf where nothing is filtered (k 0 or >= V and p 1; rows at T = 0). On
-    CUDA with triton a radix descent finds it without a sort (`filter_kernel`)."""
-    if logits.is_cuda and kernels_run_on(logits.device):
+    CUDA with triton a radix descent finds it without a sort (`filter_kernel`; DRAFTTREE_FILTER_KERNEL=0:
+    the sort)."""
+    if logits.is_cuda and FILTER_KERNEL and kernels_run_on(logits.device):
         from drafttree.filter_kernel import MAX_VOCAB, filter_thresholds_fused
         if logits.shape[-1] < MAX_VOCAB:
             return filter_thresholds_fused(logits, temp, top_k, top_p, interpret=interpreting())

@@ -28,7 +28,6 @@ Triton is imported on first use; with TRITON_INTERPRET=1 set before that, it run
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -38,8 +37,12 @@ from drafttree.triton_jit import cdiv, device_function, jit_kernel, pdl_options,
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
 BLOCKS = (256, 128)  # entries per histogram product: counts, masses
-MIN_CHUNK = 1024   # fewest entries a program owns: a row spreads over programs only where rows are few
-WAVES = 2          # programs per SM aimed for when rows are spread (unmeasured)
+# Entries per program (benchmarks/filter_bench.py, H200, run 25, µs per call at chunks of 1,024 to
+# 16,384): one row of 49,152 fastest at 2,048 (86 against 102-124 beside it), one of 151,936 at
+# 4,096 (187-193 against 235-330), 33 rows of 151,936 and 128 or 512 rows of 49,152 at 8,192 (or
+# 16,384, within 2 %). So a program takes V * rows / SPREAD entries, a power of two from MIN_CHUNK
+# to MAX_CHUNK.
+MIN_CHUNK, MAX_CHUNK, SPREAD = 2048, 8192, 24
 FRAC_BITS = 44     # V * 2**44 < 2**63 for V < 2**19
 MAX_VOCAB = 1 << 19
 
@@ -202,18 +205,10 @@ def _step_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, pmax_ptr, part_ptr, st_ptr, thr_
             tl.store(part + (g.to(tl.int64) * NC + c) * 256 + tl.arange(0, 256), hist)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def chunk_plan(rows: int, V: int, device: torch.device, chunk: int | None = None) -> tuple[int, int]:
-    """(chunks per row, entries per chunk): about WAVES programs per SM while chunks hold at least
-    MIN_CHUNK entries; a whole row per program when rows alone fill the GPU."""
+def chunk_plan(rows: int, V: int, chunk: int | None = None) -> tuple[int, int]:
+    """(chunks per row, entries per chunk): see MIN_CHUNK."""
     if chunk is None:
-        sms = _sm_count(device.index) if device.type == "cuda" else 4
-        nc = max(1, min(cdiv(WAVES * sms, rows), V // MIN_CHUNK))
-        chunk = cdiv(V, nc)
+        chunk = min(max(1 << (max(V * rows // SPREAD, 1).bit_length() - 1), MIN_CHUNK), MAX_CHUNK)
     chunk = cdiv(chunk, max(BLOCKS)) * max(BLOCKS)
     return cdiv(V, chunk), chunk
 
@@ -226,7 +221,7 @@ def filter_thresholds_fused(logits: torch.Tensor, temp: torch.Tensor, top_k: tor
     if V >= MAX_VOCAB:
         raise ValueError(f"a vocabulary of {V} (at most {MAX_VOCAB - 1})")
     dev, rows = logits.device, R * N
-    nc, ch = chunk_plan(rows, V, dev, chunk)
+    nc, ch = chunk_plan(rows, V, chunk)
     x = logits.contiguous()
     pmax = torch.empty(rows, nc, dtype=torch.float32, device=dev)
     part = torch.empty(8, rows, nc, 256, dtype=torch.int64, device=dev)

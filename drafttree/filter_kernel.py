@@ -99,8 +99,10 @@ def _step_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, pmax_ptr, part_ptr, st_ptr, thr_
     use_p = (temp > 0) & (p < 1.0)
     # st[s, g] = (prefix, target) chosen by step s (st[4, g]: the top-k key) for step s's histogram
     st = st_ptr + g.to(tl.int64) * 2
-    part = part_ptr + ROWS.to(tl.int64) * NC * 256 * STEP
-    part_prev = part - ROWS.to(tl.int64) * NC * 256
+    # two partials buffers in turn: a step writes the one its predecessor's predecessor wrote,
+    # after the wait for its predecessor (which read it) to finish
+    part = part_ptr + ROWS.to(tl.int64) * NC * 256 * (STEP % 2)
+    part_prev = part_ptr + ROWS.to(tl.int64) * NC * 256 * ((STEP + 1) % 2)
     kkey = tl.full([], -2147483648, tl.int32)
     m = tl.full([], float("-inf"), tl.float32)
     if TOPP:
@@ -224,7 +226,7 @@ def filter_thresholds_fused(logits: torch.Tensor, temp: torch.Tensor, top_k: tor
     nc, ch = chunk_plan(rows, V, chunk)
     x = logits.contiguous()
     pmax = torch.empty(rows, nc, dtype=torch.float32, device=dev)
-    part = torch.empty(8, rows, nc, 256, dtype=torch.int64, device=dev)
+    part = torch.empty(2, rows, nc, 256, dtype=torch.int64, device=dev)
     st = torch.empty(8, rows, 2, dtype=torch.int64, device=dev)
     thr = torch.empty(R, N, dtype=torch.float32, device=dev)
     args = (x, temp.float().contiguous(), top_k.long().contiguous(), top_p.float().contiguous(), pmax, part, st,

@@ -20,7 +20,9 @@ writes zero partials without reading the logits.
 A top-p mass is exp((x - max) / T) in fixed point, 2**-FRAC_BITS units, summed as int64: the
 levels then agree exactly (a bin's sub-bins add up to it), and sums do not depend on order, so
 the same logits always give the same threshold. Below 2**-FRAC_BITS of the max a mass is 0:
-such an entry is never at the threshold. A histogram is an int8 matrix product: row (digit d,
+such an entry is never at the threshold. Nor is one below a bound from p and V (`low` in the
+kernel): those count in the kept set's mass Z only, so that on a peaked row (a language model's)
+most blocks of top-p levels skip their histogram. A histogram is an int8 matrix product: row (digit d,
 high bits h) of one operand holds 7-bit digit d of an entry's mass where h is its byte's high
 bits, the other the one-hot of its low bits (counts: one digit, of value 1).
 
@@ -75,6 +77,18 @@ def chunk_totals(part_ptr, g, NC):
 
 
 @device_function
+def chunk_sum(z_ptr, g, NC):
+    """The sum of a row's per-chunk int64 partials z [rows, NC]."""
+    cc = tl.arange(0, 64)
+    z = tl.full([], 0, tl.int64)
+    c0 = 0
+    while c0 < NC:
+        z += tl.sum(tl.load(z_ptr + g.to(tl.int64) * NC + c0 + cc, mask=c0 + cc < NC, other=0), 0)
+        c0 += 64
+    return z
+
+
+@device_function
 def choose_bin(total, t):
     """The bin (0-255) holding the t-th unit from the top of `total` (from `chunk_totals`), and t
     less the units of the bins above it."""
@@ -83,7 +97,7 @@ def choose_bin(total, t):
     return tl.maximum(255 - above, 0), t - tl.sum(tl.where(j < above, total, 0), 0)
 
 
-def _step_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, pmax_ptr, part_ptr, st_ptr, thr_ptr, N, V, NC, CH, ROWS,
+def _step_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, pmax_ptr, z_ptr, part_ptr, st_ptr, thr_ptr, N, V, NC, CH, ROWS,
                  STEP: tl.constexpr, D: tl.constexpr, HI: tl.constexpr, BLOCK: tl.constexpr,
                  FRAC: tl.constexpr, PDL: tl.constexpr):
     LO: tl.constexpr = 256 // HI
@@ -126,7 +140,7 @@ def _step_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, pmax_ptr, part_ptr, st_ptr, thr_
             if STEP == 1:
                 t = k.to(tl.int64)
             elif STEP == 5:   # a logit is kept iff fewer than ceil(p * Z) mass units are above it
-                z = tl.sum(total, 0).to(tl.float64)
+                z = chunk_sum(z_ptr, g, NC).to(tl.float64)
                 t = tl.maximum(tl.ceil(p.to(tl.float64) * z).to(tl.int64), 1)
             else:
                 pre = tl.load(st_ptr + ((STEP - 1) * ROWS + g.to(tl.int64)) * 2).to(tl.int32)
@@ -159,6 +173,12 @@ def _step_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, pmax_ptr, part_ptr, st_ptr, thr_
                 scan = (ordered_key(top) >= kkey) & (top > float("-inf"))
         acc = tl.zeros([D * HI, LO], tl.int32)
         cmax = tl.full([], float("-inf"), tl.float32)
+        zsum = tl.full([], 0, tl.int64)
+        # No logit whose scaled distance below the max is under `low` can be the top-p threshold:
+        # at most V logits lie at or below it and hold >= (1 - p) of the mass, so its own mass is
+        # > (1 - p) / (2V) of the max's; `low` is e (one nat) below that, for exp's rounding. Such
+        # logits count in Z (zsum) but enter no histogram, so blocks of them skip the product.
+        low = tl.log(tl.maximum(1.0 - p, 1e-30) / (2.0 * V)) - 1.0   # (p = 1: unused)
         if scan | (use_p & (STEP == 0)):
             row = x_ptr + g.to(tl.int64) * V
             shift: tl.constexpr = 24 - 8 * LEVEL
@@ -182,9 +202,13 @@ def _step_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, pmax_ptr, part_ptr, st_ptr, thr_
                     if LEVEL == 0:
                         digit ^= 128
                     if TOPP:
-                        w = tl.where(x > float("-inf"), tl.exp((x - m) / temp), 0.0)
+                        sc = (x - m) / temp
+                        w = tl.where(x > float("-inf"), tl.exp(sc), 0.0)
                         mass = (w * (2.0 ** FRAC)).to(tl.int64)
                         match &= (mass > 0) & (s >= kkey)
+                        if STEP == 4:
+                            zsum += tl.sum(tl.where(match, mass, 0), 0)
+                        match &= sc >= low
                     if tl.max(match.to(tl.int32), 0) > 0:
                         # a[d * HI + h, i]: 7-bit digit d of entry i's mass (count: 1) where its
                         # bin's high bits are h
@@ -201,6 +225,9 @@ def _step_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, pmax_ptr, part_ptr, st_ptr, thr_
         if STEP == 0:
             if use_p:
                 tl.store(pmax_ptr + g.to(tl.int64) * NC + c, cmax)
+        if STEP == 4:
+            if use_p:
+                tl.store(z_ptr + g.to(tl.int64) * NC + c, zsum)
         if active:
             wide = tl.reshape(acc.to(tl.int64), [D, HI * LO])
             hist = tl.sum(wide << (7 * tl.arange(0, D)).to(tl.int64)[:, None], 0)
@@ -226,10 +253,11 @@ def filter_thresholds_fused(logits: torch.Tensor, temp: torch.Tensor, top_k: tor
     nc, ch = chunk_plan(rows, V, chunk)
     x = logits.contiguous()
     pmax = torch.empty(rows, nc, dtype=torch.float32, device=dev)
+    z = torch.empty(rows, nc, dtype=torch.int64, device=dev)
     part = torch.empty(2, rows, nc, 256, dtype=torch.int64, device=dev)
     st = torch.empty(8, rows, 2, dtype=torch.int64, device=dev)
     thr = torch.empty(R, N, dtype=torch.float32, device=dev)
-    args = (x, temp.float().contiguous(), top_k.long().contiguous(), top_p.float().contiguous(), pmax, part, st,
+    args = (x, temp.float().contiguous(), top_k.long().contiguous(), top_p.float().contiguous(), pmax, z, part, st,
             thr, N, V, nc, ch, rows)
     kernel = jit_kernel(_step_kernel, interpret, ("N", "NC", "ROWS"))
     pdl = pdl_options(dev)

@@ -173,6 +173,24 @@ def test_full_vocabulary_and_the_long_tail(monkeypatch):
     assert 50 < kept[1, 0] < 49152 // 2 and kept[2, 0] <= 50
 
 
+@pytest.mark.parametrize("want_p", [0.5, 0.9, 0.99, 0.9999])
+def test_peaked_rows_where_most_logits_enter_no_histogram(want_p):
+    """Language-model-like rows: a few logits far above a wide bulk, so most entries are below
+    the bound under which no logit can be the top-p threshold (they count in the total mass
+    only). Top-p alone and after top-k, and a flat row (every logit tied)."""
+    gen = torch.Generator().manual_seed(int(want_p * 1e4))
+    V = 1500
+    logits = torch.randn(4, 2, V, generator=gen) * 2
+    logits[..., :40] += 14 + torch.rand(4, 2, 40, generator=gen) * 6
+    logits[3, 1] = 0.25
+    rows = [(1.0, 0), (0.7, 0), (1.2, 30), (1.0, 0)]
+    temp = torch.tensor([T for T, _ in rows])
+    top_k = torch.tensor([k for _, k in rows])
+    top_p = torch.tensor([safe_top_p(logits[r], T, k, want_p) for r, (T, k) in enumerate(rows)])
+    thr = check(logits.to(DEVICE), temp.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE), chunk=256)
+    assert thr[3, 1] == 0.25 and (thr[:3] > 0).all()   # the flat row keeps every logit
+
+
 def test_chunking_does_not_change_the_threshold():
     """Masses add as integers: any chunking (order of summation) gives the same thresholds, even
     for a p within rounding of a boundary."""

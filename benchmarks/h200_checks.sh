@@ -26,7 +26,9 @@
 #             captured states from the next layer's fused add) against plain decoding, random-weight
 #             SmolLM2 shape, T = 1 with sampled rounds decoded plainly and batch 16 under `16:0`;
 #             the DDTree round of the same shape (phases tool); then test_cuda_graphs.py whole.
-# Usage: OUT=dir bash benchmarks/h200_checks.sh tests|tree|fp32|decode|profile|pair|sampling|plain
+#   filter  : the top-k / top-p threshold kernel: its tests, then benchmarks/filter_bench.py on randn
+#             and peaked logits at the planned chunks and beside them, against the sort.
+# Usage: OUT=dir bash benchmarks/h200_checks.sh tests|tree|fp32|decode|profile|pair|sampling|plain|filter
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=/tmp/drafttree-cache
@@ -124,4 +126,9 @@ from drafttree.bench.phases import main; sys.exit(main())" --random-weights smol
     tail -n 12 "$OUT/phases.txt"
     timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py > "$OUT/tests.log" 2>&1
     tail -n 2 "$OUT/tests.log"; grep -h FAILED "$OUT/tests.log" | head ;;
+  filter)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_filter_kernel.py > "$OUT/filter_tests.log" 2>&1
+    tail -n 2 "$OUT/filter_tests.log"; grep -h FAILED "$OUT/filter_tests.log" | head
+    timeout 200 python3 benchmarks/filter_bench.py --chunks 2048,4096,8192 --out "$OUT/filter_bench.json" 2>&1 \
+      | grep -v Warn | tail -n 22 ;;
 esac

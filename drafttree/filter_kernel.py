@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from drafttree.spec.topk_kernel import high_key
 from drafttree.triton_jit import cdiv, device_function, jit_kernel, pdl_options, pdl_wait
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
@@ -51,9 +52,8 @@ MAX_VOCAB = 1 << 19
 
 @device_function
 def ordered_key(x):
-    """fp32 x as an int32 in the same order (-0.0 as 0.0)."""
-    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    """fp32 x as an int32 in the same order (-0.0 as 0.0): the high half of the top-K's key."""
+    return (high_key(x) >> 32).to(tl.int32)
 
 
 @device_function

@@ -1,8 +1,8 @@
 """The target's sampler alone, graphed: `pick_tokens` with its compiled piece (`sample_rows`)
 against all torch ops (DRAFTTREE_COMPILE=0 for that call, and top-k / top-p thresholds by a sort),
 µs per call, for the shapes a round hands it, unfiltered (SAMPLE) and with top-p (FILTERED). For
-FILTERED also the compiled piece after thresholds found by the sort (`thresholds_by_sort`, the
-torch ops' way) instead of the radix-descent kernel (`filter_kernel`).
+FILTERED also the compiled piece after thresholds found by the sort (`sampling.FILTER_KERNEL` off,
+the torch ops' way) instead of the radix-descent kernel (`filter_kernel`).
 
     python benchmarks/sampler_bench.py [--out results.json]      (CUDA)
 """
@@ -13,14 +13,17 @@ import os
 import torch
 
 from drafttree.bench.graph_timer import graphed_us
-from drafttree.sampling import SampleMode, SamplingTensors, pick_tokens, sample_rows, thresholds_by_sort
+from drafttree import sampling
+from drafttree.sampling import SampleMode, SamplingTensors, pick_tokens
 
 
 def by_sort(logits: torch.Tensor, st: SamplingTensors, pos: torch.Tensor) -> torch.Tensor:
-    """`pick_tokens(..., FILTERED)` with the thresholds of the sort."""
-    R = logits.shape[0]
-    temp = st.temperature[:R]
-    return sample_rows(logits, temp, st.seed[:R], pos, thresholds_by_sort(logits, temp, st.top_k[:R], st.top_p[:R]))
+    """`pick_tokens(..., FILTERED)` with the thresholds of the sort (captured so: the graph keeps it)."""
+    sampling.FILTER_KERNEL = False
+    try:
+        return pick_tokens(logits, st, pos, SampleMode.FILTERED)
+    finally:
+        sampling.FILTER_KERNEL = True
 
 
 def main() -> None:

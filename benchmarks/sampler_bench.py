@@ -19,11 +19,11 @@ from drafttree.sampling import SampleMode, SamplingTensors, pick_tokens
 
 def by_sort(logits: torch.Tensor, st: SamplingTensors, pos: torch.Tensor) -> torch.Tensor:
     """`pick_tokens(..., FILTERED)` with the thresholds of the sort (captured so: the graph keeps it)."""
-    sampling.FILTER_KERNEL = False
+    kernel, sampling.FILTER_KERNEL = sampling.FILTER_KERNEL, False
     try:
         return pick_tokens(logits, st, pos, SampleMode.FILTERED)
     finally:
-        sampling.FILTER_KERNEL = True
+        sampling.FILTER_KERNEL = kernel
 
 
 def main() -> None:

@@ -16,7 +16,9 @@ that file as `DRAFTTREE_BLOCKS=best.json` (`models/kernel_blocks.py`).
                                     [--prenormed] [--only qkv,gate_up]                     (CUDA)
 
 `--prenormed` times the QKV and gate/up tiles without their norm prologue, after the torch ops'
-add + RMSNorm launch: the alternative to the prologue where it loses to cuBLAS.
+add + RMSNorm launch: the alternative to the prologue where it loses to cuBLAS. `--fp8` times the
+tiles on e4m3 weights with a scale per row (`models/quant.py`, the drafter's option) against the
+bf16 torch ops; `--only ...,lm_head,fc` adds the LM head (the drafter's copy of it) and the drafter's fc.
 """
 import argparse
 import itertools
@@ -28,7 +30,7 @@ from triton.runtime.errors import OutOfResources
 
 from drafttree.bench.graph_timer import cycling, graphed_us, weight_copies
 from drafttree.bench.shapes import SHAPES, projections
-from drafttree.models import gemm_kernel, gemv_kernel
+from drafttree.models import gemm_kernel, gemv_kernel, quant
 from drafttree.models.layers import add_rms_norm
 
 ap = argparse.ArgumentParser()
@@ -43,19 +45,30 @@ ap.add_argument("--splits", default="1,2,4", help="input splits (more than one r
 ap.add_argument("--row-block", default="64", help="token rows per program (more than one row)")
 ap.add_argument("--prenormed", action="store_true",
                 help="more than one row: the norm as its own launch, the QKV and gate/up tiles without it")
-ap.add_argument("--only", default="qkv,o,gate_up,down", help="the matrices to time")
+ap.add_argument("--only", default="qkv,o,gate_up,down", help="the matrices to time (also: lm_head, fc)")
+ap.add_argument("--fp8", action="store_true", help="the tiles on e4m3 weights (BLOCKS_FP8), any rows")
 ap.add_argument("--out", default="")
 args = ap.parse_args()
+tiles = args.rows > 1 or args.fp8   # gemm_kernel's blocks (8 fields), not the GEMVs' (4)
 
 cfg = SHAPES[args.shape][0]
 dev, dt = "cuda", torch.bfloat16
 x, delta = (torch.randn(1, args.rows, cfg.hidden_size, device=dev, dtype=dt) for _ in range(2))
 g = torch.ones(cfg.hidden_size, device=dev, dtype=dt)
-KIND = {"qkv": "norm", "o": "plain", "gate_up": "glu", "down": "plain"}
+KIND = {"qkv": "norm", "o": "plain", "gate_up": "glu", "down": "plain", "lm_head": "plain", "fc": "plain"}
 
 
 def calls(kind, ws):
-    """(the torch ops, the fused kernel) for one shape, each cycling over the weight copies."""
+    """(the torch ops, the fused kernel) for one shape, each cycling over the weight copies (with
+    --fp8, the tiles over e4m3 copies of them)."""
+    if args.fp8:
+        qs = [quant.quantize_rows(w) for w in ws]
+        h = torch.randn(1, args.rows, ws[0].shape[1], device=dev, dtype=dt) if kind == "plain" else x
+        ops = (lambda w: F.linear(h, w)) if kind == "plain" else \
+            (lambda w: gemm_kernel.torch_ops(kind, x, delta, g, 1e-6, w, None)[1])
+        norm = kind != "plain"
+        return cycling(ops, ws), cycling(lambda qs_: gemm_kernel.launch(
+            kind, h, delta if norm else None, g if norm else None, 1e-6, qs_[0], None, qs_[1])[1], qs)
     if kind == "plain":
         h = torch.randn(1, args.rows, ws[0].shape[1], device=dev, dtype=dt)
         return cycling(lambda w: F.linear(h, w), ws), cycling(lambda w: gemv_kernel.gemv(h, w), ws)
@@ -67,24 +80,27 @@ def calls(kind, ws):
     return torch_ops, cycling(lambda w: fused(x, delta, g, 1e-6, w)[1], ws)
 
 sweep = (args.block_n, args.block_k, args.warps) + ((args.stages, args.splits, args.row_block, args.prefetch)
-                                                   if args.rows > 1 else (args.prefetch,))
+                                                   if tiles else (args.prefetch,))
 grid = list(itertools.product(*([int(v) for v in a.split(",")] for a in sweep)))
-table = gemv_kernel.BLOCKS if args.rows == 1 else gemm_kernel.BLOCKS
+table = gemm_kernel.BLOCKS_FP8 if args.fp8 else gemv_kernel.BLOCKS if args.rows == 1 else gemm_kernel.BLOCKS
 
 
 def with_covers(blocks: tuple) -> tuple:
     """More rows: the most token rows the blocks then cover go before the steps before the wait."""
-    return blocks[:6] + (args.rows,) + blocks[6:] if args.rows > 1 else blocks
+    return blocks[:6] + (args.rows,) + blocks[6:] if tiles else blocks
 
 
 best: list[tuple[str, int, tuple]] = []
 fused_total = torch_total = 0.0
-for name, (N, K) in projections(cfg).items():
+drafter_fc = (cfg.hidden_size, len(SHAPES[args.shape][1]["target_layer_ids"]) * cfg.hidden_size)
+for name, (N, K) in {**projections(cfg), "lm_head": (cfg.vocab_size, cfg.hidden_size), "fc": drafter_fc}.items():
     if name not in args.only.split(","):
         continue
-    kind, ws = KIND[name], weight_copies(N, K)
+    # fp8 copies are half the bytes: twice as many stay clear of L2 (the LM head is larger than L2)
+    copies = 2 if name == "lm_head" else max(8, -(-(256 << 20) // (N * K * 2))) if args.fp8 else None
+    kind, ws = KIND[name], weight_copies(N, K, copies)
     calls_per_graph = max(48, len(ws))
-    gb = N * K * 2 / 1e9
+    gb = N * K * (1 if args.fp8 else 2) / 1e9
     torch_op, ours = calls(kind, ws)
     t = t_torch = graphed_us(torch_op, n=calls_per_graph)
     torch_total += t
@@ -99,7 +115,7 @@ for name, (N, K) in projections(cfg).items():
             print(f"  fused, {blocks}: {e}")
             continue
         more = (f", stages {blocks[3]}, splits {blocks[4]}, rows {blocks[5]}, before the wait {blocks[6]}"
-                if args.rows > 1 else f", before the wait {blocks[3]}")
+                if tiles else f", before the wait {blocks[3]}")
         print(f"  fused, BLOCK_N {blocks[0]:3d}, BLOCK_K {blocks[1]:4d}, warps {blocks[2]}{more}: "
               f"{t:7.1f} us  {gb / t * 1e6:6.0f} GB/s", flush=True)
     fastest = min(times, key=times.get)

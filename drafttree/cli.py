@@ -27,6 +27,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "greedy rounds still speculate); default: the drafter config's "
                         "ddtree_default_speculate_sampled, else on")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--draft-quantization", choices=["fp8"], default=None,
+                   help="the drafter's weights and its copy of the LM head as fp8 e4m3, a scale per row (halves "
+                        "its reads; the output is unchanged, the acceptance may move; CUDA 8.9+ or CPU)")
     g.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     g.add_argument("--max-num-seqs", type=int, default=8, help="largest batch (KV cache rows)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length per request")
@@ -43,7 +46,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=a.model, draft_model=a.draft_model, spec=a.spec, block_size=a.block_size,
                         budget=a.budget, budget_schedule=a.budget_schedule,
-                        speculate_sampled=a.speculate_sampled, dtype=a.dtype, device=a.device,
+                        speculate_sampled=a.speculate_sampled, dtype=a.dtype,
+                        draft_quantization=a.draft_quantization, device=a.device,
                         max_num_seqs=a.max_num_seqs,
                         max_model_len=a.max_model_len, kv_cache_memory_gb=a.kv_cache_memory_gb,
                         cuda_graphs=False if a.no_cuda_graphs else None,

@@ -29,8 +29,11 @@ VARIANTS = {
     "t1.2-p0.75": {"temperature": 1.2, "top_p": 0.75},
     "t1.0-k4-p0.8": {"temperature": 1.0, "top_k": 4, "top_p": 0.8},
 }
-METHODS = {"none": (None, None), "dflash": (4, None), "ddtree": (4, 8)}
-CASES = [(m, v) for v in VARIANTS for m in METHODS if v != "t1.0-k4-p0.8" or m != "dflash"]
+# (block size, budget, draft quantization); ddtree-fp8: the drafter's weights as e4m3 (models/quant.py)
+METHODS = {"none": (None, None, None), "dflash": (4, None, None), "ddtree": (4, 8, None),
+           "ddtree-fp8": (4, 8, "fp8")}
+CASES = [(m, v) for v in VARIANTS for m in METHODS
+         if (v != "t1.0-k4-p0.8" or m != "dflash") and (m != "ddtree-fp8" or v in ("t1.0", "t1.0-k4-p0.8"))]
 
 
 # -- chi-square ------------------------------------------------------------------------------
@@ -136,10 +139,11 @@ def llms(pair):
 
     def get(method: str) -> LLM:
         if method not in built:
-            bs, budget = METHODS[method]
+            bs, budget, quantization = METHODS[method]
             built[method] = LLM(model=str(target), draft_model=None if method == "none" else str(drafter),
-                                spec=method, block_size=bs, budget=budget, device="cpu", dtype="float32",
-                                max_num_seqs=8, max_model_len=64)
+                                spec=method.split("-")[0], block_size=bs, budget=budget, device="cpu",
+                                dtype="float32", max_num_seqs=8, max_model_len=64,
+                                draft_quantization=quantization)
         return built[method]
 
     return get
@@ -247,7 +251,7 @@ def test_samples_follow_target_distribution(llms, hf_logits, method, variant):
         stat, df, p = chi_square(counts, probs, N)
         assert df >= (1 if k == 1 else 4), (k, df)
         assert p > P_MIN, f"{method}/{variant}, {k}-token prefixes: chi2={stat:.1f} df={df} p={p:.2e}"
-    if method == "ddtree" or (method == "dflash" and variant == "t1.0"):
+    if method.startswith("ddtree") or (method == "dflash" and variant == "t1.0"):
         # (elsewhere DFlash's single draft here is a token that the filters remove)
         taus = [t for o in outs for t in o.metrics["accept_lengths"]]
         assert max(taus) >= 2, "no drafted token was ever accepted: only bonus tokens were sampled"

@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="concurrent requests (max_num_seqs)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--draft-quantization", default=None, help="fp8: the drafter's weights as e4m3")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-prefill-graphs", action="store_true", help="eager prefill")
@@ -84,7 +85,7 @@ def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar
               max_model_len=a.max_model_len, cuda_graphs=False if a.no_cuda_graphs else None,
               prefill_graphs=False if a.no_prefill_graphs else None,
               overlap=False if a.no_overlap else None, random_weights=a.random_weights,
-              random_drafter=a.random_drafter)
+              random_drafter=a.random_drafter, draft_quantization=a.draft_quantization)
     eng = llm.engine
     texts = [p if isinstance(p, list) or llm.tokenizer is None else llm.apply_chat_template(
         [{"role": "user", "content": p}]) for p in prompts]

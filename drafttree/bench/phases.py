@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--draft-quantization", default=None, help="fp8: the drafter's weights as e4m3")
     p.add_argument("--device", default=None)
     p.add_argument("--tree-budgets", default="32,128,512")
     p.add_argument("--out", default=None)
@@ -140,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EngineConfig(model=a.model, draft_model=a.draft_model, spec=a.spec, block_size=a.block_size,
                        budget=a.budget, dtype=a.dtype, device=a.device, max_num_seqs=max(a.batch, 1),
                        max_model_len=a.max_model_len, cuda_graphs=False, random_weights=a.random_weights,
-                       random_drafter=a.random_drafter,
+                       random_drafter=a.random_drafter, draft_quantization=a.draft_quantization,
                        kv_cache_memory_gb=None)
     res = bench(cfg, a.batch, a.prompt_len, a.iters, [int(x) for x in a.tree_budgets.split(",") if x])
     res["model"] = a.random_weights or a.model or "default"
+    res["draft_quantization"] = a.draft_quantization
     print(json.dumps(res, indent=1))
     if a.out:
         with open(a.out, "w") as f:

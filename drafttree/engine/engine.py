@@ -31,6 +31,8 @@ class EngineConfig:
     speculate_sampled: bool | None = None  # rounds with a row at T > 0 speculate too; default: the
                                         # drafter config's ddtree_default_speculate_sampled, else on
     dtype: str | None = None            # auto: bf16 on CUDA, fp32 on CPU
+    draft_quantization: str | None = None   # fp8: the drafter's weights (and its LM head copy) as
+                                        # e4m3 with a scale per row; the output is unchanged
     device: str | None = None           # auto: cuda if available
     max_num_seqs: int = 8
     max_model_len: int | None = None

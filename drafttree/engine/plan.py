@@ -68,19 +68,25 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
     from drafttree.bench.shapes import drafter_for, random_drafter, random_target
     from drafttree.loader.default_model import resolve_model
     from drafttree.loader.weights import load_target
+    from drafttree.models import quant
     from drafttree.models.dflash import load_drafter
 
     wants_drafter = cfg.spec not in (None, "none")
+    if cfg.draft_quantization is not None:
+        quant.check(cfg.draft_quantization, device)   # before any weights load
+    model_dir = None
     if cfg.random_weights:
         target = random_target(cfg.random_weights, device, dtype)
         drafter = random_drafter(cfg.random_weights, target, device, dtype) if wants_drafter else None
-        return None, target, drafter
-    model_dir = resolve_model(cfg.model)
-    target, _ = load_target(model_dir, dtype, device)
-    dpath = resolve_drafter(cfg)
-    drafter = load_drafter(dpath, target, dtype, device) if dpath is not None else None
-    if drafter is None and cfg.random_drafter and wants_drafter:
-        drafter = drafter_for(target, device, dtype, cfg.block_size or 16)
+    else:
+        model_dir = resolve_model(cfg.model)
+        target, _ = load_target(model_dir, dtype, device)
+        dpath = resolve_drafter(cfg)
+        drafter = load_drafter(dpath, target, dtype, device) if dpath is not None else None
+        if drafter is None and cfg.random_drafter and wants_drafter:
+            drafter = drafter_for(target, device, dtype, cfg.block_size or 16)
+    if drafter is not None and cfg.draft_quantization is not None:
+        quant.quantize_drafter(drafter, cfg.draft_quantization)
     return model_dir, target, drafter
 
 

@@ -7,6 +7,7 @@ from torch import nn
 from drafttree.config import ModelConfig
 from drafttree.models import gemv_kernel
 from drafttree.models.layers import MLP, Attention, AttnMeta, RMSNorm, Rotary
+from drafttree.models.quant import weight_scale
 
 
 class DecoderLayer(nn.Module):
@@ -43,8 +44,9 @@ class DecoderLayer(nn.Module):
         the gate/up projection, SiLU·up its epilogue) if `fused`, else the torch ops."""
         post, mlp = self.post_attention_layernorm, self.mlp
         if fused:
-            x, h = gemv_kernel.norm_glu_gemv(x, attn_out, post.weight, post.eps, mlp.gate_up_proj.weight)
-            return x, gemv_kernel.gemv(h, mlp.down_proj.weight)
+            x, h = gemv_kernel.norm_glu_gemv(x, attn_out, post.weight, post.eps, mlp.gate_up_proj.weight,
+                                             weight_scale(mlp.gate_up_proj))
+            return x, gemv_kernel.gemv(h, mlp.down_proj.weight, None, weight_scale(mlp.down_proj))
         x, h = post.add_and_norm(x, attn_out)
         return x, mlp(h)
 

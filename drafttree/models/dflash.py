@@ -18,6 +18,7 @@ from drafttree.config import ModelConfig
 from drafttree.models import attn_kernel, gemv_kernel
 from drafttree.models.decoder import DecoderLayer
 from drafttree.models.layers import AttnMeta, RMSNorm, Rotary, apply_rope, attend, cached_attention, write_kv
+from drafttree.models.quant import weight_scale
 from drafttree.models.rope_kernel import qk_rope_write_kv
 from drafttree.phases import SpecConfig
 
@@ -99,7 +100,8 @@ class DraftLayer(DecoderLayer):
         attn, ln = self.self_attn, self.input_layernorm
         fused = gemv_kernel.usable(x)   # the block's rows: the norm inside the QKV projection
         if fused:
-            qkv = gemv_kernel.norm_gemv(x, None, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)[1]
+            qkv = gemv_kernel.norm_gemv(x, None, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                                        weight_scale(attn.qkv_proj))[1]
         else:
             qkv = attn.qkv_proj(ln(x))
         qkv_ctx = attn.qkv_proj(ctx)          # the context vector is not layer-normed here
@@ -111,7 +113,8 @@ class DraftLayer(DecoderLayer):
             k = apply_rope(torch.cat([kc, kb], dim=1), *rope_kv)
             v = torch.cat([vc, vb], dim=1)
             out = cached_attention(apply_rope(q, *rope_q), k, v, meta, k_cache, v_cache)
-        o = gemv_kernel.gemv(out, attn.o_proj.weight, attn.o_proj.bias) if fused else attn.o_proj(out)
+        o = (gemv_kernel.gemv(out, attn.o_proj.weight, attn.o_proj.bias, weight_scale(attn.o_proj)) if fused
+             else attn.o_proj(out))
         return self.residual_mlp(x, o, fused)
 
     def _attend_kernel(self, qkv: torch.Tensor, rope_kv, meta: AttnMeta, k_cache: torch.Tensor,
@@ -168,7 +171,7 @@ class DFlashDrafter(nn.Module):
                       v_cache: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Project context features into the cache only (no queries), at cache rows `rows`
         ([B, 1]; default 0..B-1): after prefill, and in decode rounds without speculation."""
-        ctx = self.context(ctx_feat.to(self.fc.weight.dtype))
+        ctx = self.context(ctx_feat.to(self.norm.weight.dtype))
         cos, sin = self.rotary(ctx_pos, ctx.dtype)
         if rows is None:
             rows = torch.arange(ctx.shape[0], device=ctx.device)[:, None]
@@ -178,8 +181,9 @@ class DFlashDrafter(nn.Module):
 
     def draft_logits(self, hidden: torch.Tensor, depth: int | None = None) -> torch.Tensor:
         """Block positions 1..depth (default bs-1) predict the tokens at those same positions:
-        [B, depth, V]."""
-        return self.lm_head(hidden[:, 1:None if depth is None else 1 + depth]).float()
+        [B, depth, V]; through the fp8 copy of the LM head if the drafter has one (`quant`)."""
+        head = self.__dict__.get("draft_head") or self.lm_head
+        return head(hidden[:, 1:None if depth is None else 1 + depth]).float()
 
 
 def load_drafter(path: Path, target: nn.Module, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:

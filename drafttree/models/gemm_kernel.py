@@ -48,6 +48,13 @@ ENABLED = os.environ.get("DRAFTTREE_GEMM", "1") == "1"
 # early loads compete with the kernel before for HBM. DRAFTTREE_GEMM_PREFETCH=n sets n for every
 # class (A/B runs).
 Blocks = tuple[int, int, int, int, int, int, int, int]
+# fp8 weights (`quant.Fp8Linear`: e4m3, a scale per weight row) always take these tiles, at any
+# row count (the torch ops have no weight-only fp8 product); the most-rows field is not used.
+BLOCKS_FP8: dict[str, list[tuple[int, Blocks]]] = {
+    "norm": [(0, (64, 128, 4, 4, 2, 16, 0, 0))],
+    "plain": [(1 << 26, (64, 256, 4, 3, 1, 16, 0, 0)), (0, (64, 128, 4, 4, 2, 16, 0, 0))],
+    "glu": [(0, (64, 128, 4, 4, 2, 16, 0, 0))],
+}
 FINISH_BLOCK = 256   # outputs per program of the launch that adds the input splits
 PREFETCH = int(os.environ["DRAFTTREE_GEMM_PREFETCH"]) if os.environ.get("DRAFTTREE_GEMM_PREFETCH") else None
 BLOCKS: dict[str, list[tuple[int, Blocks | None]]] = {
@@ -104,9 +111,9 @@ def _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, m, M, pid, 
         h = v.to(tl.float32)
         sq = h * h
         v = (tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[:, None] * h).to(dt)
-    acc = tl.dot(w, v, acc, input_precision="ieee")
+    acc = tl.dot(w.to(dt), v, acc, input_precision="ieee")   # fp8 weights: exact in 16 bits
     if GLU:
-        acc_up = tl.dot(w_up, v, acc_up, input_precision="ieee")
+        acc_up = tl.dot(w_up.to(dt), v, acc_up, input_precision="ieee")
     return acc, acc_up, sq
 
 
@@ -121,9 +128,9 @@ def _weight_tiles(w_ptr, n, k, N, K: tl.constexpr, GLU: tl.constexpr):
     return w, w_up
 
 
-def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, ws_ptr, ss_ptr, M, N, eps,
+def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sc_ptr, xo_ptr, y_ptr, ws_ptr, ss_ptr, M, N, eps,
                  K: tl.constexpr, HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr,
-                 GLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 GLU: tl.constexpr, W8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  KS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PRE: tl.constexpr,
                  PDL: tl.constexpr):
     pid, pk = tl.program_id(0), tl.program_id(1)
@@ -150,6 +157,10 @@ def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, ws_ptr, ss_pt
         acc, acc_up, sqb = _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, kb, wb, wb_up, acc, acc_up, m, M, pid, K,
                                       HAS_D, NORM, GLU)
         ss += sqb
+    if W8:   # each weight row's scale (gate row n and up row N + n have their own)
+        acc = acc * tl.load(sc_ptr + n, mask=n < N, other=0.0)[:, None]
+        if GLU:
+            acc_up = acc_up * tl.load(sc_ptr + N + n, mask=n < N, other=0.0)[:, None]
     out_ok = (n[:, None] < N) & (m[None, :] < M)
     ss = tl.sum(ss, axis=0) + ss_pre
     if SPLIT > 1:   # fp32 partial sums [split, M, N (+ N for up)]; _finish_kernel adds them
@@ -200,12 +211,15 @@ def _finish_kernel(ws_ptr, ss_ptr, b_ptr, y_ptr, M, N, eps, K: tl.constexpr, HAS
 
 
 def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
-           w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gemv_kernel._launch` for x [..., K] of 2 to MAX_ROWS rows (checked by the caller)."""
-    blocks = blocks_for(kind, w.numel())
+           w: torch.Tensor, b: torch.Tensor | None,
+           scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gemv_kernel._launch` for x [..., K] of 2 to MAX_ROWS rows (checked by the caller); with
+    `scale` (fp8 weights w, fp32 scale [rows of w]) any rows, always these tiles."""
+    w8 = scale is not None
+    blocks = blocks_for(kind, w.numel(), BLOCKS_FP8 if w8 else None)
     K = w.shape[1]
     M = x.numel() // K
-    if blocks is None or M > blocks[6]:
+    if not w8 and (blocks is None or M > blocks[6]):
         return torch_ops(kind, x, delta, g, eps, w, b)
     x, d, xo, y = outputs(kind, x, delta, w)
     N = y.shape[-1]
@@ -220,8 +234,8 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     ss = torch.empty(split, M, dtype=torch.float32, device=x.device) if split > 1 and norm else y
     pdl = pdl_options(x.device)
     jit_kernel(_gemm_kernel, interpreting(), ("M", "N"))[(cdiv(N, bn), split, cdiv(M, bm))](
-        x, d, g.contiguous() if norm else x, w, b if b is not None else w, xo, y, ws, ss, M, N, eps, K=K,
-        HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, BM=bm,
+        x, d, g.contiguous() if norm else x, w, b if b is not None else w, scale if w8 else w, xo, y, ws, ss, M,
+        N, eps, K=K, HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, W8=w8, BM=bm,
         BN=bn, BK=bk, KS=ks, SPLIT=split, STAGES=stages, PRE=pre, num_warps=warps, **pdl)
     if split > 1:
         finish_splits(ws, ss, b, w, y, eps, K, norm, glu, split, pdl)

@@ -162,27 +162,28 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def norm_gemv(x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor, eps: float, w: torch.Tensor,
-              b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              b: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, (rmsnorm(x + delta) * g) @ w.T + b) for x [..., K] of up to gemm_kernel.MAX_ROWS
-    rows; w [N, K]."""
-    return _launch("norm", x, delta, g, eps, w, b)
+    rows; w [N, K] (fp8 with `scale` [N]: `quant.Fp8Linear`'s)."""
+    return _launch("norm", x, delta, g, eps, w, b, scale)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T + b for x [..., K] of up to gemm_kernel.MAX_ROWS rows; w [N, K]."""
-    return _launch("plain", x, None, None, 0.0, w, b)[1]
+def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+         scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + b for x [..., K] of up to gemm_kernel.MAX_ROWS rows; w [N, K] (scale: as norm_gemv)."""
+    return _launch("plain", x, None, None, 0.0, w, b, scale)[1]
 
 
 def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
-            w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            w: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = w.shape
     rows = x.numel() // K
     if x.shape[-1] != K or rows > gemm_kernel.MAX_ROWS or not w.is_contiguous() or kind == "glu" and N % 2:
         even = ", w's rows [gate | up]: an even count" if kind == "glu" else ""
         raise ValueError(f"{kind} gemv: x {tuple(x.shape)}, w {tuple(w.shape)} "
                          f"(at most {gemm_kernel.MAX_ROWS} rows, w contiguous{even})")
-    if rows > 1:
-        return gemm_kernel.launch(kind, x, delta, g, eps, w, b)
+    if rows > 1 or scale is not None:   # fp8 weights: the tiles at one row too
+        return gemm_kernel.launch(kind, x, delta, g, eps, w, b, scale)
     x, d, xo, y = gemm_kernel.outputs(kind, x, delta, w)
     N = y.shape[-1]
     bn, bk, warps, pre = blocks_for(kind, w.numel())
@@ -195,7 +196,7 @@ def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Ten
 
 
 def norm_glu_gemv(x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor, eps: float,
-                  w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  w: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, silu(gate) * up) for [gate | up] = norm_gemv(x, delta, g, eps, w)[1], w [2I, K]:
     a program owns gate rows n and up rows I + n, so SiLU·up is its epilogue."""
-    return _launch("glu", x, delta, g, eps, w, None)
+    return _launch("glu", x, delta, g, eps, w, None, scale)

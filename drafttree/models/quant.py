@@ -1,0 +1,109 @@
+"""fp8 weight-only projections for the drafter (`--draft-quantization fp8`).
+
+A DDTree round of Qwen3-8B's shape reads 3.3 GB for its drafter (1.2 GB of it the LM head it
+borrows from the target) beside the target's 15.1: the drafter's projections are memory-bound at
+a draft block's 16 rows, so halving their bytes halves their time. Each weight row is stored as
+float8 e4m3 with one fp32 scale (its absmax maps to 448); `gemm_kernel`'s tiles load the e4m3
+values, widen them to the activations' 16-bit dtype (exact: e4m3 fits in bf16 and fp16), run the
+tensor-core dot and multiply each output by its row's scale. Without the kernels (CPU, fp32) the
+weights are widened back for the torch ops.
+
+Only the drafter is quantized: its tokens are proposals that the target verifies, so the output
+stays exactly plain decoding's; only the acceptance can move
+(benchmarks/results/2026-12-02_cpu_fp8_drafter_tau.md: τ 2.204 against 2.207 at T = 0).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafttree.models import gemm_kernel
+from drafttree.triton_jit import dots_run_on, interpreting, kernels_run_on
+
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+METHODS = ("fp8",)
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w as e4m3 [N, K], fp32 scales [N]) with w ~ q * scale[:, None]: each row's absmax -> 448."""
+    scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / E4M3_MAX
+    q = (w.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def check(method: str, device: torch.device | str) -> None:
+    """Refuse a quantization this code does not know, or fp8 on a device that cannot run it: CUDA
+    needs Triton's e4m3 conversion (compute capability 8.9 or newer); elsewhere the weights are
+    widened for the torch ops."""
+    if method not in METHODS:
+        raise ValueError(f"unknown draft quantization {method!r}; choose one of {list(METHODS)}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not interpreting() and not (
+            kernels_run_on(dev) and torch.cuda.get_device_capability(dev) >= (8, 9)):
+        raise ValueError(f"fp8 drafter weights need Triton and compute capability 8.9 or newer on {dev}")
+
+
+def kernel_takes(x: torch.Tensor) -> bool:
+    """Whether x's projection runs in `gemm_kernel`'s tiles (else the widened weights' torch ops)."""
+    return (gemm_kernel.ENABLED and not torch.is_grad_enabled() and x.dtype in (torch.bfloat16, torch.float16)
+            and kernels_run_on(x.device) and dots_run_on(x.device))
+
+
+class Fp8Linear(nn.Module):
+    """nn.Linear's forward from e4m3 weights [N, K] and a scale per row (`quantize_rows`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        q, scale = quantize_rows(weight)
+        self.register_buffer("weight", q)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", bias)
+        self.out_features, self.in_features = weight.shape
+
+    @classmethod
+    def of(cls, lin: nn.Linear) -> "Fp8Linear":
+        return cls(lin.weight.detach(), None if lin.bias is None else lin.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernel_takes(x):
+            return gemm_kernel.launch("plain", x, None, None, 0.0, self.weight, self.bias, self.scale)[1]
+        return F.linear(x, dequantize(self.weight, self.scale, x.dtype), self.bias)
+
+
+def weight_scale(lin: nn.Module) -> torch.Tensor | None:
+    """The per-row scales of an Fp8Linear's weight; None for a 16- or 32-bit nn.Linear."""
+    return lin.scale if isinstance(lin, Fp8Linear) else None
+
+
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def quantize_drafter(drafter: nn.Module, method: str) -> int:
+    """Replace the drafter's fc and every layer's projections by Fp8Linear, and give it an fp8 copy
+    of the target's LM head for its draft logits (the target keeps its own). Returns the bytes the
+    drafter's reads shrink by per round (its weights and the LM head)."""
+    check(method, drafter.fc.weight.device)
+    saved = 0
+
+    def swap(parent: nn.Module, name: str) -> None:
+        nonlocal saved
+        lin = getattr(parent, name)
+        q = Fp8Linear.of(lin)
+        saved += lin.weight.numel() * (lin.weight.element_size() - 1)
+        setattr(parent, name, q)
+
+    swap(drafter, "fc")
+    for layer in drafter.layers:
+        for path in PROJECTIONS:
+            parent, name = path.split(".")
+            swap(getattr(layer, parent), name)
+    head = drafter.lm_head.weight
+    drafter.__dict__["draft_head"] = Fp8Linear(head.detach())
+    saved += head.numel() * (head.element_size() - 1)
+    return saved

@@ -1,0 +1,175 @@
+"""fp8 weight-only drafter projections (`models/quant.py`, `gemm_kernel`'s W8 tiles).
+
+The quantization itself, the tiles against the torch ops on the widened weights (fp32 under the
+Triton interpreter on CPU; fp32 and bf16 on CUDA), and the engine: with an fp8 drafter, DDTree
+and DFlash still emit exactly plain decoding's tokens (CPU, fp32). The sampled distribution with
+an fp8 drafter is in test_spec_sampling.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drafttree import LLM, SamplingParams
+from drafttree.models import gemm_kernel, gemv_kernel, quant
+from drafttree.models.layers import add_rms_norm, rms_norm, silu_mul
+from tests.test_spec_lossless import check_lossless, make_prompts, taus_of, zoo  # noqa: F401  (fixture)
+from tests.test_tree_kernel import _CPU, DEVICE, interpreted_on_cpu
+
+DTYPES = [torch.float32] + ([] if _CPU else [torch.bfloat16])   # bf16 dots are not interpreted
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}   # fp32: a row scaled 50x, summed in another order
+
+
+def test_quantize_rows_round_trip():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 300, generator=gen) * torch.logspace(-3, 2, 37)[:, None]
+    w[5] = 0.0   # an all-zero row: no division by zero
+    q, scale = quant.quantize_rows(w)
+    assert q.dtype == quant.FP8 and scale.dtype == torch.float32 and scale.shape == (37,)
+    assert torch.isfinite(q.float()).all()
+    nonzero = torch.ones(37, dtype=torch.bool)
+    nonzero[5] = False
+    assert torch.equal(q.float().abs().amax(1)[nonzero], torch.full((36,), quant.E4M3_MAX))   # absmax -> 448
+    back = quant.dequantize(q, scale, torch.float32)
+    assert torch.equal(back[5], torch.zeros(300))
+    # e4m3 keeps 3 mantissa bits: half a step is 2^-4 of a normal value; subnormals (below
+    # 2^-6 of the scale) are 2^-9 apart
+    err = (back - w).abs()
+    assert (err <= w.abs() * 2 ** -4 + scale[:, None] * 2 ** -10).all()
+    assert err.max() > 0   # the values did go through e4m3
+
+
+@pytest.fixture
+def _kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    interpreted_on_cpu(monkeypatch)
+
+
+def _operands(kind: str, rows: int, K: int, N: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x, delta = (torch.randn(1, rows, K, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    g = (1 + torch.rand(K, generator=gen)).to(dtype).to(DEVICE)
+    w = torch.randn(2 * N if kind == "glu" else N, K, generator=gen) / K ** 0.5
+    w[0] *= 50   # rows of very different scales
+    q, scale = (t.to(DEVICE) for t in quant.quantize_rows(w))
+    return x, delta, g, q, scale
+
+
+@pytest.mark.usefixtures("_kernels")
+@pytest.mark.parametrize("kind", ["norm", "plain", "glu"])
+@pytest.mark.parametrize("rows", [1, 16, 33, 100])   # 100: past the 16-bit tiles' MAX_ROWS
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("blocks", [None, (16, 64, 4, 2, 3, 16, 0, 1)], ids=["code", "split3_pre1"])
+def test_fp8_tiles_match_the_widened_weights(kind, rows, dtype, blocks, monkeypatch):
+    """Every kind, one row (routed from the GEMVs to the tiles), a draft block, a verify, more rows
+    than the 16-bit tiles take; the code's blocks and three input splits with a step loaded before
+    the wait. Reference: the torch ops on the weights widened back (in fp32)."""
+    if blocks is not None:
+        monkeypatch.setitem(gemm_kernel.BLOCKS_FP8, kind, [(0, blocks)])
+    K, N = 300, 40
+    x, delta, g, q, scale = _operands(kind, rows, K, N, dtype, rows + K)
+    w = quant.dequantize(q, scale, torch.float32)
+    if kind == "plain":
+        y = gemm_kernel.launch("plain", x, None, None, 0.0, q, None, scale)[1] if rows > 64 else \
+            gemv_kernel.gemv(x, q, None, scale)
+        want = F.linear(x.float(), w)
+    else:
+        args = (x, delta, g, 1e-6, q)
+        call = gemv_kernel.norm_glu_gemv if kind == "glu" else gemv_kernel.norm_gemv
+        xo, y = (gemm_kernel.launch(kind, *args, None, scale) if rows > 64
+                 else call(*args, scale=scale) if kind == "glu" else call(*args, None, scale))
+        want_x, h = add_rms_norm(x, delta, g, 1e-6)
+        torch.testing.assert_close(xo, want_x, atol=0, rtol=2 ** -7 if dtype != torch.float32 else 0)
+        want = F.linear(h.float(), w)
+        if kind == "glu":
+            want = silu_mul(want)
+    assert y.shape == (1, rows, N) and y.dtype == dtype
+    tol = TOL[dtype] * (2 if kind == "glu" else 1)
+    torch.testing.assert_close(y.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.usefixtures("_kernels")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_linear_forward(dtype, monkeypatch):
+    """Fp8Linear: the tiles where `kernel_takes` the input (16-bit on a GPU), else the torch ops on
+    the widened weights; bias added once either way."""
+    gen = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(96, 24).to(DEVICE)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(24, 96, generator=gen))
+    f8 = quant.Fp8Linear.of(lin)
+    assert f8.weight.dtype == quant.FP8 and lin.weight.dtype == torch.float32   # the source is untouched
+    x = torch.randn(2, 5, 96, generator=gen).to(dtype).to(DEVICE)
+    want = F.linear(x.float(), quant.dequantize(f8.weight, f8.scale, torch.float32), lin.bias.float())
+    with torch.no_grad():
+        torch.testing.assert_close(f8(x).float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+        monkeypatch.setattr(quant, "kernel_takes", lambda x: True)   # the tiles in fp32 too
+        torch.testing.assert_close(f8(x).float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_check_refuses_unknown_methods_and_old_gpus(monkeypatch):
+    with pytest.raises(ValueError, match="unknown draft quantization 'int4'"):
+        quant.check("int4", "cpu")
+    quant.check("fp8", "cpu")
+    monkeypatch.setattr(quant, "interpreting", lambda: False)
+    monkeypatch.setattr(quant, "kernels_run_on", lambda dev: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 0))
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        quant.check("fp8", "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    quant.check("fp8", "cuda")
+
+
+def test_engine_refuses_an_unknown_quantization_before_loading(zoo, monkeypatch):
+    pair = zoo("qwen3")
+    import drafttree.loader.weights as weights
+
+    monkeypatch.setattr(weights, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(ValueError, match="unknown draft quantization"):
+        LLM(model=str(pair.target), draft_model=str(pair.drafter), spec="ddtree", device="cpu",
+            draft_quantization="int3")
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("shape,spec,budget", [("llama", "ddtree", 32), ("qwen3", "ddtree", 8),
+                                               ("qwen2", "dflash", None)])
+def test_fp8_drafter_is_lossless(zoo, shape, spec, budget):
+    """fp32 on CPU: the fp8 drafter's rounds emit plain greedy decoding's tokens; its weights and
+    LM head copy are e4m3, the target's LM head is untouched."""
+    pair = zoo(shape)
+    llm = LLM(model=str(pair.target), draft_model=str(pair.drafter), spec=spec, block_size=4, budget=budget,
+              device="cpu", dtype="float32", max_num_seqs=3, max_model_len=128, draft_quantization="fp8")
+    runner = llm.engine.runner
+    d = runner.drafter
+    assert d.fc.weight.dtype == quant.FP8 and d.draft_head.weight.dtype == quant.FP8
+    assert all(layer.mlp.down_proj.weight.dtype == quant.FP8 for layer in d.layers)
+    assert runner.target.lm_head.weight.dtype == torch.float32 and d.lm_head is runner.target.lm_head
+    outs = check_lossless(pair, llm, make_prompts(pair.vocab), max_tau=4)
+    assert max(taus_of(outs)) >= 2, "no round accepted a drafted token"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec,budget", [("dflash", None), ("ddtree", 32)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fp8_drafter_graphed_equals_eager(zoo, spec, budget, batch, monkeypatch):
+    """bf16 on CUDA: graph replay with the fp8 drafter gives eager's tokens (greedy and sampled), every
+    drafter projection and the draft head run as W8 tiles, and no batch falls back."""
+    pair = zoo("qwen3", 61)
+    scaled, real = [], gemm_kernel.launch
+
+    def counted(*a):
+        if len(a) == 8 and a[7] is not None:   # a scale: fp8 weights
+            scaled.append(a[0])
+        return real(*a)
+    monkeypatch.setattr(gemm_kernel, "launch", counted)
+    prompts = [list(range(3, 3 + 5 * (i + 1))) for i in range(batch)]
+    sp = [SamplingParams(temperature=0.8 * (i % 2), top_p=0.9, max_tokens=40, seed=i, ignore_eos=True)
+          for i in range(batch)]
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(model=str(pair.target), draft_model=str(pair.drafter), spec=spec, block_size=4, budget=budget,
+                  device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=256, cuda_graphs=graphs,
+                  draft_quantization="fp8")
+        outs[graphs] = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert outs[True] == outs[False] and llm.engine.runner.graphs.fallbacks == 0
+    assert {"norm", "plain", "glu"} <= set(scaled)

@@ -49,14 +49,18 @@ ENABLED = os.environ.get("DRAFTTREE_GEMM", "1") == "1"
 # class (A/B runs).
 Blocks = tuple[int, int, int, int, int, int, int, int]
 # fp8 weights (`quant.Fp8Linear`: e4m3, a scale per weight row) always take these tiles, at any
-# row count (the torch ops have no weight-only fp8 product); the most-rows field is not used.
+# row count (the torch ops have no weight-only fp8 product); the most-rows field is not used. The
+# fastest per Qwen3-8B drafter matrix at a draft block's 16 rows on an H200 (`gemv_bench.py --fp8
+# --rows 16`, run 26), µs against bf16's torch ops: QKV + norm 21.0 / 26.8, o 11.0 / 13.6,
+# gate/up + SiLU·up 57.2 / 62.7, down 25.5 / 29.0, fc 40.0 / 44.8, the LM head 204 / 302. Wider
+# tiles lost (gate/up at 128 x 256: 237 µs), and so did the token rows as the MMA's M with the
+# weights as its B (QKV, gate/up, down and LM head 318 against 308 µs at their fastest blocks).
+# Widening e4m3 in registers costs about what the bytes save: these tiles read 1.2-3 TB/s.
 BLOCKS_FP8: dict[str, list[tuple[int, Blocks]]] = {
-    "norm": [(0, (64, 128, 4, 4, 2, 16, 0, 0))],
-    "plain": [(1 << 26, (64, 256, 4, 3, 1, 16, 0, 0)), (0, (64, 128, 4, 4, 2, 16, 0, 0))],
-    "glu": [(0, (64, 128, 4, 4, 2, 16, 0, 0))],
+    "norm": [(0, (128, 128, 4, 3, 4, 16, 0, 0))],
+    "plain": [(1 << 28, (64, 128, 4, 3, 1, 16, 0, 0)), (0, (64, 256, 4, 3, 4, 16, 0, 0))],
+    "glu": [(0, (64, 128, 4, 3, 4, 16, 0, 0))],
 }
-# fp8 tiles: the token rows as the MMA's M and the widened weights as its B (else the weights as M)
-FP8_TOKEN_ROWS_M = os.environ.get("DRAFTTREE_FP8_TOKEN_ROWS_M", "1") == "1"
 FINISH_BLOCK = 256   # outputs per program of the launch that adds the input splits
 PREFETCH = int(os.environ["DRAFTTREE_GEMM_PREFETCH"]) if os.environ.get("DRAFTTREE_GEMM_PREFETCH") else None
 BLOCKS: dict[str, list[tuple[int, Blocks | None]]] = {
@@ -97,7 +101,7 @@ def set_blocks(kind: str, numel: int, blocks: Any, split: bool = False,
 
 @device_function
 def _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, m, M, pid, K: tl.constexpr,
-               HAS_D: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, TOK_M: tl.constexpr):
+               HAS_D: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr):
     """Inputs k [S] of token rows m against the weight tiles w (and w_up) [BN, S] the caller
     loaded; returns the sums and the step's squares [S, BM] (zeros without NORM)."""
     dt = xo_ptr.dtype.element_ty
@@ -113,14 +117,9 @@ def _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, m, M, pid, 
         h = v.to(tl.float32)
         sq = h * h
         v = (tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[:, None] * h).to(dt)
-    if TOK_M:   # acc [BM, BN]: the token rows are the MMA's M, the weights (widened) its B
-        acc = tl.dot(tl.trans(v), tl.trans(w.to(dt)), acc, input_precision="ieee")
-        if GLU:
-            acc_up = tl.dot(tl.trans(v), tl.trans(w_up.to(dt)), acc_up, input_precision="ieee")
-    else:   # fp8 weights are exact in 16 bits
-        acc = tl.dot(w.to(dt), v, acc, input_precision="ieee")
-        if GLU:
-            acc_up = tl.dot(w_up.to(dt), v, acc_up, input_precision="ieee")
+    acc = tl.dot(w.to(dt), v, acc, input_precision="ieee")   # fp8 weights: exact in 16 bits
+    if GLU:
+        acc_up = tl.dot(w_up.to(dt), v, acc_up, input_precision="ieee")
     return acc, acc_up, sq
 
 
@@ -137,19 +136,15 @@ def _weight_tiles(w_ptr, n, k, N, K: tl.constexpr, GLU: tl.constexpr):
 
 def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sc_ptr, xo_ptr, y_ptr, ws_ptr, ss_ptr, M, N, eps,
                  K: tl.constexpr, HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr,
-                 GLU: tl.constexpr, W8: tl.constexpr, TOK_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 GLU: tl.constexpr, W8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PRE: tl.constexpr,
                  PDL: tl.constexpr):
     pid, pk = tl.program_id(0), tl.program_id(1)
     dt = y_ptr.dtype.element_ty
     n = pid * BN + tl.arange(0, BN)
     m = tl.program_id(2) * BM + tl.arange(0, BM)
-    if TOK_M:
-        acc = tl.zeros([BM, BN], tl.float32)
-        acc_up = tl.zeros([BM, BN], tl.float32)
-    else:
-        acc = tl.zeros([BN, BM], tl.float32)    # y transposed: the weight rows are the MMA's M
-        acc_up = tl.zeros([BN, BM], tl.float32)   # GLU: rows N + n of w, the up half
+    acc = tl.zeros([BN, BM], tl.float32)    # y transposed: the weight rows are the MMA's M
+    acc_up = tl.zeros([BN, BM], tl.float32)   # GLU: rows N + n of w, the up half
     ss = tl.zeros([BK, BM], tl.float32)   # per lane, summed across lanes once, after the loop
     ss_pre = tl.zeros([BM], tl.float32)
     if PRE > 0:   # the first PRE steps' weights, one tile, loaded before the wait: under PDL, while
@@ -158,7 +153,7 @@ def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sc_ptr, xo_ptr, y_ptr, ws_pt
         w, w_up = _weight_tiles(w_ptr, n, k, N, K, GLU)
         pdl_wait(PDL)
         acc, acc_up, sq = _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, m, M, pid, K, HAS_D,
-                                     NORM, GLU, TOK_M)
+                                     NORM, GLU)
         ss_pre = tl.sum(sq, axis=0)
     else:
         pdl_wait(PDL)
@@ -166,11 +161,8 @@ def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sc_ptr, xo_ptr, y_ptr, ws_pt
         kb = pk * KS + k0 + tl.arange(0, BK)
         wb, wb_up = _weight_tiles(w_ptr, n, kb, N, K, GLU)
         acc, acc_up, sqb = _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, kb, wb, wb_up, acc, acc_up, m, M, pid, K,
-                                      HAS_D, NORM, GLU, TOK_M)
+                                      HAS_D, NORM, GLU)
         ss += sqb
-    if TOK_M:
-        acc = tl.trans(acc)
-        acc_up = tl.trans(acc_up)
     if W8:   # each weight row's scale (gate row n and up row N + n have their own)
         acc = acc * tl.load(sc_ptr + n, mask=n < N, other=0.0)[:, None]
         if GLU:
@@ -249,8 +241,7 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     pdl = pdl_options(x.device)
     jit_kernel(_gemm_kernel, interpreting(), ("M", "N"))[(cdiv(N, bn), split, cdiv(M, bm))](
         x, d, g.contiguous() if norm else x, w, b if b is not None else w, scale if w8 else w, xo, y, ws, ss, M,
-        N, eps, K=K, HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, W8=w8,
-        TOK_M=w8 and FP8_TOKEN_ROWS_M, BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, STAGES=stages, PRE=pre,
+        N, eps, K=K, HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, W8=w8, BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, STAGES=stages, PRE=pre,
         num_warps=warps, **pdl)
     if split > 1:
         finish_splits(ws, ss, b, w, y, eps, K, norm, glu, split, pdl)

@@ -28,8 +28,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "ddtree_default_speculate_sampled, else on")
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--draft-quantization", choices=["fp8"], default=None,
-                   help="the drafter's weights and its copy of the LM head as fp8 e4m3, a scale per row (halves "
-                        "its reads; the output is unchanged, the acceptance may move; CUDA 8.9+ or CPU)")
+                   help="the drafter's weights and its copy of the LM head as fp8 e4m3, a scale per row: the "
+                        "output is unchanged, the acceptance may move; pays for large drafters only (CUDA "
+                        "compute capability 8.9+, or CPU)")
     g.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     g.add_argument("--max-num-seqs", type=int, default=8, help="largest batch (KV cache rows)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length per request")

@@ -182,8 +182,8 @@ class DFlashDrafter(nn.Module):
     def draft_logits(self, hidden: torch.Tensor, depth: int | None = None) -> torch.Tensor:
         """Block positions 1..depth (default bs-1) predict the tokens at those same positions:
         [B, depth, V]; through the fp8 copy of the LM head if the drafter has one (`quant`)."""
-        head = self.__dict__.get("draft_head") or self.lm_head
-        return head(hidden[:, 1:None if depth is None else 1 + depth]).float()
+        head = self.__dict__.get("draft_head")
+        return (self.lm_head if head is None else head)(hidden[:, 1:None if depth is None else 1 + depth]).float()
 
 
 def load_drafter(path: Path, target: nn.Module, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:

@@ -137,8 +137,8 @@ def _weight_tiles(w_ptr, n, k, N, K: tl.constexpr, GLU: tl.constexpr):
 def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sc_ptr, xo_ptr, y_ptr, ws_ptr, ss_ptr, M, N, eps,
                  K: tl.constexpr, HAS_D: tl.constexpr, HAS_B: tl.constexpr, NORM: tl.constexpr,
                  GLU: tl.constexpr, W8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PRE: tl.constexpr,
-                 PDL: tl.constexpr):
+                 BK: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+                 PRE: tl.constexpr, PDL: tl.constexpr):
     pid, pk = tl.program_id(0), tl.program_id(1)
     dt = y_ptr.dtype.element_ty
     n = pid * BN + tl.arange(0, BN)
@@ -241,8 +241,8 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     pdl = pdl_options(x.device)
     jit_kernel(_gemm_kernel, interpreting(), ("M", "N"))[(cdiv(N, bn), split, cdiv(M, bm))](
         x, d, g.contiguous() if norm else x, w, b if b is not None else w, scale if w8 else w, xo, y, ws, ss, M,
-        N, eps, K=K, HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, W8=w8, BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, STAGES=stages, PRE=pre,
-        num_warps=warps, **pdl)
+        N, eps, K=K, HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, W8=w8, BM=bm, BN=bn,
+        BK=bk, KS=ks, SPLIT=split, STAGES=stages, PRE=pre, num_warps=warps, **pdl)
     if split > 1:
         finish_splits(ws, ss, b, w, y, eps, K, norm, glu, split, pdl)
     return xo, y

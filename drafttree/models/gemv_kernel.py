@@ -162,7 +162,8 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def norm_gemv(x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor, eps: float, w: torch.Tensor,
-              b: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              b: torch.Tensor | None = None,
+              scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, (rmsnorm(x + delta) * g) @ w.T + b) for x [..., K] of up to gemm_kernel.MAX_ROWS
     rows; w [N, K] (fp8 with `scale` [N]: `quant.Fp8Linear`'s)."""
     return _launch("norm", x, delta, g, eps, w, b, scale)
@@ -175,7 +176,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
 
 
 def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
-            w: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            w: torch.Tensor, b: torch.Tensor | None,
+            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = w.shape
     rows = x.numel() // K
     if x.shape[-1] != K or rows > gemm_kernel.MAX_ROWS or not w.is_contiguous() or kind == "glu" and N % 2:

@@ -1,16 +1,17 @@
 """fp8 weight-only projections for the drafter (`--draft-quantization fp8`).
 
 A DDTree round of Qwen3-8B's shape reads 3.3 GB for its drafter (1.2 GB of it the LM head it
-borrows from the target) beside the target's 15.1: the drafter's projections are memory-bound at
-a draft block's 16 rows, so halving their bytes halves their time. Each weight row is stored as
-float8 e4m3 with one fp32 scale (its absmax maps to 448); `gemm_kernel`'s tiles load the e4m3
-values, widen them to the activations' 16-bit dtype (exact: e4m3 fits in bf16 and fp16), run the
-tensor-core dot and multiply each output by its row's scale. Without the kernels (CPU, fp32) the
-weights are widened back for the torch ops.
+borrows from the target) beside the target's 15.1, at a draft block's 16 rows. Each weight row
+is stored as float8 e4m3 with one fp32 scale (its absmax maps to 448); `gemm_kernel`'s tiles load
+the e4m3 values, widen them to the activations' 16-bit dtype (exact: e4m3 fits in bf16 and fp16),
+run the tensor-core dot and multiply each output by its row's scale. Without the kernels (CPU,
+fp32) the weights are widened back for the torch ops.
 
-Only the drafter is quantized: its tokens are proposals that the target verifies, so the output
-stays exactly plain decoding's; only the acceptance can move
-(benchmarks/results/2026-12-02_cpu_fp8_drafter_tau.md: τ 2.204 against 2.207 at T = 0).
+Widening in registers costs about what the halved bytes save, so the gain is small: 0.06-0.11 ms
+of a 6.3-6.4 ms round on the Qwen3-8B shape, and a loss on the small SmolLM2 drafter (H200, run
+26). Only the drafter is quantized: its tokens are proposals that the target verifies, so the
+output stays exactly plain decoding's; only the acceptance can move
+(benchmarks/results/2026-12-02_cpu_fp8_drafter_tau.md).
 """
 from __future__ import annotations
 
@@ -26,10 +27,15 @@ E4M3_MAX = 448.0
 METHODS = ("fp8",)
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w as e4m3 [N, K], fp32 scales [N]) with w ~ q * scale[:, None]: each row's absmax -> 448."""
-    scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / E4M3_MAX
-    q = (w.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+def quantize_rows(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w as e4m3 [N, K], fp32 scales [N]) with w ~ q * scale[:, None]: each row's absmax -> 448.
+    `chunk` rows at a time, so that an LM head's fp32 copies stay small."""
+    q = torch.empty(w.shape, dtype=FP8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for i in range(0, w.shape[0], chunk):
+        rows = w[i:i + chunk].float()
+        scale[i:i + chunk] = rows.abs().amax(dim=1).clamp(min=1e-12) / E4M3_MAX
+        q[i:i + chunk] = (rows / scale[i:i + chunk, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
     return q, scale
 
 
@@ -106,4 +112,6 @@ def quantize_drafter(drafter: nn.Module, method: str) -> int:
     head = drafter.lm_head.weight
     drafter.__dict__["draft_head"] = Fp8Linear(head.detach())
     saved += head.numel() * (head.element_size() - 1)
+    if head.is_cuda:   # the replaced 16-bit weights back to the device, before the KV cache is sized
+        torch.cuda.empty_cache()
     return saved

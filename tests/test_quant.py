@@ -193,3 +193,16 @@ def test_fp8_drafter_graphed_equals_eager(zoo, spec, budget, batch, monkeypatch)
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, sp)]
     assert outs[True] == outs[False] and llm.engine.runner.graphs.fallbacks == 0
     assert {"norm", "plain", "glu"} <= set(scaled)
+
+
+def test_graph_plan_names_the_quantization(zoo):
+    """`drafttree graphs` shows it (the widths do not change) and refuses an unknown one, weight-free."""
+    from drafttree.engine.engine import EngineConfig
+    from drafttree.engine.plan import describe_plan
+    pair = zoo("qwen3")
+    cfg = dict(model=str(pair.target), draft_model=str(pair.drafter), spec="ddtree", budget=32)
+    text = describe_plan(EngineConfig(**cfg, draft_quantization="fp8"))
+    assert "draft_quantization=fp8" in text and "verify=33" in text
+    assert "draft_quantization" not in describe_plan(EngineConfig(**cfg))
+    with pytest.raises(ValueError, match="unknown draft quantization"):
+        describe_plan(EngineConfig(**cfg, draft_quantization="int4"))

@@ -100,12 +100,17 @@ def describe_plan(cfg: EngineConfig) -> str:
     if dcfg is not None:
         dcfg.check_fits(target)
     spec = resolve_spec(cfg, dcfg)
+    if cfg.draft_quantization is not None:
+        from drafttree.models.quant import check
+        check(cfg.draft_quantization, "cpu")   # the method's name; the device is checked at start-up
     from drafttree.runner.model_runner import CacheConfig
     cache = CacheConfig(cfg.max_num_seqs, cfg.max_model_len or target.max_position_embeddings, spec.kv_headroom)
     plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, cache.kv_buckets)
     sched = ",".join(f"{b}:{n}" for b, n in spec.budget_schedule) or "-"
     head = (f"spec={spec.method} block_size={spec.block_size} budget={spec.budget} budget_schedule={sched} "
-            f"speculate_sampled={'on' if spec.sampled else 'off'} max_num_seqs={cfg.max_num_seqs}\n"
+            f"speculate_sampled={'on' if spec.sampled else 'off'} max_num_seqs={cfg.max_num_seqs}"
+            + (f" draft_quantization={cfg.draft_quantization}" if cfg.draft_quantization and spec.speculative else "")
+            + "\n"
             f"max_model_len={cache.max_model_len} (the KV budget may lower it at start-up)\n"
             f"widths per request at batch 1: " + ", ".join(f"{p.value}={spec.width(p)}" for p in spec.round_phases)
             + ("; prefill graphed per (prompts, length bucket), captured at first use\n"

@@ -105,7 +105,7 @@ for name, (N, K) in {**projections(cfg), "lm_head": (cfg.vocab_size, cfg.hidden_
     t = t_torch = graphed_us(torch_op, n=calls_per_graph)
     torch_total += t
     print(f"{name} ({kind}): N {N}, K {K}, {gb * 1e3:.1f} MB")
-    print(f"  torch ops (prologue + cuBLAS):                   {t:7.1f} us  {gb / t * 1e6:6.0f} GB/s")
+    print(f"  torch ops (prologue + cuBLAS):                   {t:7.1f} us  {N * K * 2 / t / 1e3:6.0f} GB/s")   # bf16
     times = {}
     for blocks in grid:
         table[kind] = [(0, with_covers(blocks))]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from drafttree import LLM, SamplingParams
 from drafttree.models import gemm_kernel, gemv_kernel, quant
-from drafttree.models.layers import add_rms_norm, rms_norm, silu_mul
+from drafttree.models.layers import add_rms_norm, silu_mul
 from tests.test_spec_lossless import check_lossless, make_prompts, taus_of, zoo  # noqa: F401  (fixture)
 from tests.test_tree_kernel import _CPU, DEVICE, interpreted_on_cpu
 
@@ -172,8 +172,8 @@ def test_fp8_drafter_is_lossless(zoo, shape, spec, budget):
 @pytest.mark.parametrize("spec,budget", [("dflash", None), ("ddtree", 32)])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fp8_drafter_graphed_equals_eager(zoo, spec, budget, batch, monkeypatch):
-    """bf16 on CUDA: graph replay with the fp8 drafter gives eager's tokens (greedy and sampled), every
-    drafter projection and the draft head run as W8 tiles, and no batch falls back."""
+    """bf16 on CUDA: graph replay with the fp8 drafter gives eager's tokens (greedy and sampled), each
+    kind of projection (QKV + norm, plain, gate/up) runs as a W8 tile, and no batch falls back."""
     pair = zoo("qwen3", 61)
     scaled, real = [], gemm_kernel.launch
 

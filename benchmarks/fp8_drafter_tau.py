@@ -5,6 +5,7 @@ layer's projections and its copy of the target's LM head as float8 e4m3 with one
 
     python benchmarks/fp8_drafter_tau.py [--out DIR] [bench args...]
 """
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -13,9 +14,10 @@ from drafttree.bench.cli import main as bench
 
 
 def main() -> int:
-    args = sys.argv[1:]
-    out = Path(args[args.index("--out") + 1]) if "--out" in args else Path("fp8_tau_out")
-    rest = [a for i, a in enumerate(args) if a != "--out" and (i == 0 or args[i - 1] != "--out")]
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="fp8_tau_out")
+    a, rest = p.parse_known_args()
+    out = Path(a.out)
     taus = {}
     for name, extra in (("as_loaded", []), ("fp8", ["--draft-quantization", "fp8"])):
         rc = bench(["--methods", "ddtree", "--out", str(out / name), *extra, *rest])

@@ -60,24 +60,17 @@ KIND = {"qkv": "norm", "o": "plain", "gate_up": "glu", "down": "plain", "lm_head
 
 def calls(kind, ws):
     """(the torch ops, the fused kernel) for one shape, each cycling over the weight copies (with
-    --fp8, the tiles over e4m3 copies of them)."""
-    if args.fp8:
-        qs = [quant.quantize_rows(w) for w in ws]
-        h = torch.randn(1, args.rows, ws[0].shape[1], device=dev, dtype=dt) if kind == "plain" else x
-        ops = (lambda w: F.linear(h, w)) if kind == "plain" else \
-            (lambda w: gemm_kernel.torch_ops(kind, x, delta, g, 1e-6, w, None)[1])
-        norm = kind != "plain"
-        return cycling(ops, ws), cycling(lambda qs_: gemm_kernel.launch(
-            kind, h, delta if norm else None, g if norm else None, 1e-6, qs_[0], None, qs_[1])[1], qs)
+    --fp8, the fused kernel over e4m3 copies of them and their scales)."""
+    qs = [quant.quantize_rows(w) for w in ws] if args.fp8 else [(w, None) for w in ws]
     if kind == "plain":
         h = torch.randn(1, args.rows, ws[0].shape[1], device=dev, dtype=dt)
-        return cycling(lambda w: F.linear(h, w), ws), cycling(lambda w: gemv_kernel.gemv(h, w), ws)
+        return cycling(lambda w: F.linear(h, w), ws), cycling(lambda q: gemv_kernel.gemv(h, q[0], None, q[1]), qs)
     torch_ops = cycling(lambda w: gemm_kernel.torch_ops(kind, x, delta, g, 1e-6, w, None)[1], ws)
     if args.prenormed and args.rows > 1:   # the tiles' prologue off: NORM and HAS_D follow g and delta
-        return torch_ops, cycling(lambda w: gemm_kernel.launch(kind, add_rms_norm(x, delta, g, 1e-6)[1], None, None,
-                                                               0.0, w, None)[1], ws)
+        return torch_ops, cycling(lambda q: gemm_kernel.launch(kind, add_rms_norm(x, delta, g, 1e-6)[1], None, None,
+                                                               0.0, q[0], None, q[1])[1], qs)
     fused = gemv_kernel.norm_glu_gemv if kind == "glu" else gemv_kernel.norm_gemv
-    return torch_ops, cycling(lambda w: fused(x, delta, g, 1e-6, w)[1], ws)
+    return torch_ops, cycling(lambda q: fused(x, delta, g, 1e-6, q[0], scale=q[1])[1], qs)
 
 sweep = (args.block_n, args.block_k, args.warps) + ((args.stages, args.splits, args.row_block, args.prefetch)
                                                    if tiles else (args.prefetch,))

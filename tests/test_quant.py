@@ -111,7 +111,7 @@ def _reference(kind: str, x, delta, g, q, scale) -> torch.Tensor:
 @pytest.mark.usefixtures("_kernels")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_linear_forward(dtype, monkeypatch):
-    """Fp8Linear: the tiles where `kernel_takes` the input (16-bit on a GPU), else the torch ops on
+    """Fp8Linear: the tiles where `gemm_kernel.takes` the input (16-bit on a GPU), else the torch ops on
     the widened weights; bias added once either way."""
     gen = torch.Generator().manual_seed(3)
     lin = torch.nn.Linear(96, 24).to(DEVICE)
@@ -123,7 +123,7 @@ def test_fp8_linear_forward(dtype, monkeypatch):
     want = F.linear(x.float(), quant.dequantize(f8.weight, f8.scale, torch.float32), lin.bias.float())
     with torch.no_grad():
         torch.testing.assert_close(f8(x).float(), want, atol=TOL[dtype], rtol=TOL[dtype])
-        monkeypatch.setattr(quant, "kernel_takes", lambda x: True)   # the tiles in fp32 too
+        monkeypatch.setattr(gemm_kernel, "takes", lambda x: True)   # the tiles in fp32 too
         torch.testing.assert_close(f8(x).float(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 

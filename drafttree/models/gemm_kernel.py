@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from drafttree.models.layers import add_rms_norm, rms_norm, silu_mul
-from drafttree.triton_jit import cdiv, device_function, interpreting, jit_kernel, next_pow2, pdl_options, pdl_wait
+from drafttree.triton_jit import (cdiv, device_function, dots_run_on, interpreting, jit_kernel, kernels_run_on,
+                                  next_pow2, pdl_options, pdl_wait)
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -76,6 +77,18 @@ def glu_out(gate, up, dt):
     """silu(gate) * up of fp32 sums, rounded where the unfused ops round: gate and up, silu, product."""
     gate = gate.to(dt).to(tl.float32)
     return (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
+
+
+def runs_16bit(x: torch.Tensor) -> bool:
+    """Whether x can take a Triton projection: no autograd (the kernels have no backward: a
+    drafter's training keeps the torch ops), 16-bit, a device where the kernels run."""
+    return not torch.is_grad_enabled() and x.dtype in (torch.bfloat16, torch.float16) and kernels_run_on(x.device)
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether x's rows can go through these tiles (any count; `launch` still picks the torch ops
+    for a 16-bit weight class without blocks): enabled, `runs_16bit`, where `tl.dot` runs."""
+    return ENABLED and runs_16bit(x) and dots_run_on(x.device)
 
 
 def blocks_for(kind: str, numel: int, table: dict[str, list[tuple[int, Any]]] | None = None) -> Any:

@@ -39,8 +39,7 @@ import torch
 
 from drafttree.models import gemm_kernel
 from drafttree.models.gemm_kernel import glu_out
-from drafttree.triton_jit import (cdiv, device_function, dots_run_on, interpreting, jit_kernel, kernels_run_on,
-                                  pdl_options, pdl_wait)
+from drafttree.triton_jit import cdiv, device_function, interpreting, jit_kernel, pdl_options, pdl_wait
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -155,10 +154,9 @@ def usable(x: torch.Tensor) -> bool:
     backward: a drafter's training keeps the torch ops), 16-bit, one token row (the GEMVs) or 2 to
     gemm_kernel.MAX_ROWS rows (its tensor-core kernel, where `tl.dot` runs)."""
     rows = x.numel() // x.shape[-1]
-    if not (ENABLED and not torch.is_grad_enabled() and x.dtype in (torch.bfloat16, torch.float16)
-            and kernels_run_on(x.device)):
+    if not (ENABLED and gemm_kernel.runs_16bit(x)):
         return False
-    return rows == 1 or (gemm_kernel.ENABLED and rows <= gemm_kernel.MAX_ROWS and dots_run_on(x.device))
+    return rows == 1 or (rows <= gemm_kernel.MAX_ROWS and gemm_kernel.takes(x))
 
 
 def norm_gemv(x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor, eps: float, w: torch.Tensor,

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafttree.models import gemm_kernel
-from drafttree.triton_jit import dots_run_on, interpreting, kernels_run_on
+from drafttree.triton_jit import interpreting, kernels_run_on
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -55,12 +55,6 @@ def check(method: str, device: torch.device | str) -> None:
         raise ValueError(f"fp8 drafter weights need Triton and compute capability 8.9 or newer on {dev}")
 
 
-def kernel_takes(x: torch.Tensor) -> bool:
-    """Whether x's projection runs in `gemm_kernel`'s tiles (else the widened weights' torch ops)."""
-    return (gemm_kernel.ENABLED and not torch.is_grad_enabled() and x.dtype in (torch.bfloat16, torch.float16)
-            and kernels_run_on(x.device) and dots_run_on(x.device))
-
-
 class Fp8Linear(nn.Module):
     """nn.Linear's forward from e4m3 weights [N, K] and a scale per row (`quantize_rows`)."""
 
@@ -77,7 +71,7 @@ class Fp8Linear(nn.Module):
         return cls(lin.weight.detach(), None if lin.bias is None else lin.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernel_takes(x):
+        if gemm_kernel.takes(x):   # else the widened weights' torch ops
             return gemm_kernel.launch("plain", x, None, None, 0.0, self.weight, self.bias, self.scale)[1]
         return F.linear(x, dequantize(self.weight, self.scale, x.dtype), self.bias)
 
@@ -90,28 +84,15 @@ def weight_scale(lin: nn.Module) -> torch.Tensor | None:
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def quantize_drafter(drafter: nn.Module, method: str) -> int:
+def quantize_drafter(drafter: nn.Module, method: str) -> None:
     """Replace the drafter's fc and every layer's projections by Fp8Linear, and give it an fp8 copy
-    of the target's LM head for its draft logits (the target keeps its own). Returns the bytes the
-    drafter's reads shrink by per round (its weights and the LM head)."""
+    of the target's LM head for its draft logits (the target keeps its own)."""
     check(method, drafter.fc.weight.device)
-    saved = 0
-
-    def swap(parent: nn.Module, name: str) -> None:
-        nonlocal saved
-        lin = getattr(parent, name)
-        q = Fp8Linear.of(lin)
-        saved += lin.weight.numel() * (lin.weight.element_size() - 1)
-        setattr(parent, name, q)
-
-    swap(drafter, "fc")
-    for layer in drafter.layers:
-        for path in PROJECTIONS:
-            parent, name = path.split(".")
-            swap(getattr(layer, parent), name)
+    parents = [(drafter, "fc")] + [(getattr(layer, path.split(".")[0]), path.split(".")[1])
+                                   for layer in drafter.layers for path in PROJECTIONS]
+    for parent, name in parents:
+        setattr(parent, name, Fp8Linear.of(getattr(parent, name)))
     head = drafter.lm_head.weight
     drafter.__dict__["draft_head"] = Fp8Linear(head.detach())
-    saved += head.numel() * (head.element_size() - 1)
     if head.is_cuda:   # the replaced 16-bit weights back to the device, before the KV cache is sized
         torch.cuda.empty_cache()
-    return saved

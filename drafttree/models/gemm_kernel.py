@@ -56,12 +56,21 @@ Blocks = tuple[int, int, int, int, int, int, int, int]
 # gate/up + SiLU·up 57.2 / 62.7, down 25.5 / 29.0, fc 40.0 / 44.8, the LM head 204 / 302. Wider
 # tiles lost (gate/up at 128 x 256: 237 µs), and so did the token rows as the MMA's M with the
 # weights as its B (QKV, gate/up, down and LM head 318 against 308 µs at their fastest blocks).
-# Widening e4m3 in registers costs about what the bytes save: these tiles read 1.2-3 TB/s.
+# They read 1.2-3 TB/s (run 26, widening e4m3 to bf16).
 BLOCKS_FP8: dict[str, list[tuple[int, Blocks]]] = {
     "norm": [(0, (128, 128, 4, 3, 4, 16, 0, 0))],
     "plain": [(1 << 28, (64, 128, 4, 3, 1, 16, 0, 0)), (0, (64, 256, 4, 3, 4, 16, 0, 0))],
     "glu": [(0, (64, 128, 4, 3, 4, 16, 0, 0))],
 }
+# How the fp8 tiles multiply (the kernel's W8; 0 is 16-bit weights): "f16" dots (e4m3 -> f16 is one
+# conversion per pair; bf16 inputs are exact in f16 but past its range, clamped, or below its
+# normals), or "widen" e4m3 to the inputs' dtype (exact; fp32 inputs always do). On an H200 (run 27)
+# the Qwen3-8B drafter's draft + tree took 0.918-0.923 ms with f16 dots against 1.058-1.061 widened
+# (a bf16 drafter: 1.164), though one matrix at a time they time alike: the tiles wait on their
+# loads either way. e4m3 x e4m3 dots, the inputs quantized per step, timed alike too and lost
+# precision: not kept. DRAFTTREE_FP8_DOT picks one (A/B runs).
+FP8_DOTS = {"widen": 1, "f16": 2}
+FP8_DOT = os.environ.get("DRAFTTREE_FP8_DOT", "f16")
 FINISH_BLOCK = 256   # outputs per program of the launch that adds the input splits
 PREFETCH = int(os.environ["DRAFTTREE_GEMM_PREFETCH"]) if os.environ.get("DRAFTTREE_GEMM_PREFETCH") else None
 BLOCKS: dict[str, list[tuple[int, Blocks | None]]] = {
@@ -114,7 +123,7 @@ def set_blocks(kind: str, numel: int, blocks: Any, split: bool = False,
 
 @device_function
 def _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, m, M, pid, K: tl.constexpr,
-               HAS_D: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr):
+               HAS_D: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, W8: tl.constexpr):
     """Inputs k [S] of token rows m against the weight tiles w (and w_up) [BN, S] the caller
     loaded; returns the sums and the step's squares [S, BM] (zeros without NORM)."""
     dt = xo_ptr.dtype.element_ty
@@ -130,9 +139,15 @@ def _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, m, M, pid, 
         h = v.to(tl.float32)
         sq = h * h
         v = (tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[:, None] * h).to(dt)
-    acc = tl.dot(w.to(dt), v, acc, input_precision="ieee")   # fp8 weights: exact in 16 bits
-    if GLU:
-        acc_up = tl.dot(w_up.to(dt), v, acc_up, input_precision="ieee")
+    if W8 == 2:   # FP8_DOTS["f16"]
+        vh = tl.clamp(v.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        acc = tl.dot(w.to(tl.float16), vh, acc)
+        if GLU:
+            acc_up = tl.dot(w_up.to(tl.float16), vh, acc_up)
+    else:   # 16-bit weights, or e4m3 widened to the inputs' dtype (exact)
+        acc = tl.dot(w.to(dt), v, acc, input_precision="ieee")
+        if GLU:
+            acc_up = tl.dot(w_up.to(dt), v, acc_up, input_precision="ieee")
     return acc, acc_up, sq
 
 
@@ -166,7 +181,7 @@ def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sc_ptr, xo_ptr, y_ptr, ws_pt
         w, w_up = _weight_tiles(w_ptr, n, k, N, K, GLU)
         pdl_wait(PDL)
         acc, acc_up, sq = _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, k, w, w_up, acc, acc_up, m, M, pid, K, HAS_D,
-                                     NORM, GLU)
+                                     NORM, GLU, W8)
         ss_pre = tl.sum(sq, axis=0)
     else:
         pdl_wait(PDL)
@@ -174,7 +189,7 @@ def _gemm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sc_ptr, xo_ptr, y_ptr, ws_pt
         kb = pk * KS + k0 + tl.arange(0, BK)
         wb, wb_up = _weight_tiles(w_ptr, n, kb, N, K, GLU)
         acc, acc_up, sqb = _tile_step(x_ptr, d_ptr, g_ptr, xo_ptr, kb, wb, wb_up, acc, acc_up, m, M, pid, K,
-                                      HAS_D, NORM, GLU)
+                                      HAS_D, NORM, GLU, W8)
         ss += sqb
     if W8:   # each weight row's scale (gate row n and up row N + n have their own)
         acc = acc * tl.load(sc_ptr + n, mask=n < N, other=0.0)[:, None]
@@ -247,6 +262,7 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     ks = cdiv(cdiv(K, max(1, split)), bk) * bk   # inputs per split, a multiple of bk
     split = cdiv(K, ks)
     pre = PREFETCH if PREFETCH is not None else pre
+    dot = (FP8_DOTS[FP8_DOT] if runs_16bit(x) else FP8_DOTS["widen"]) if w8 else 0
     pre = 1 << (min(pre, ks // bk).bit_length() - 1) if pre > 0 else 0
     glu, norm = kind == "glu", g is not None
     ws = torch.empty(split, M, 2 * N if glu else N, dtype=torch.float32, device=x.device) if split > 1 else y
@@ -254,7 +270,7 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     pdl = pdl_options(x.device)
     jit_kernel(_gemm_kernel, interpreting(), ("M", "N"))[(cdiv(N, bn), split, cdiv(M, bm))](
         x, d, g.contiguous() if norm else x, w, b if b is not None else w, scale if w8 else w, xo, y, ws, ss, M,
-        N, eps, K=K, HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, W8=w8, BM=bm, BN=bn,
+        N, eps, K=K, HAS_D=delta is not None, HAS_B=b is not None, NORM=norm, GLU=glu, W8=dot, BM=bm, BN=bn,
         BK=bk, KS=ks, SPLIT=split, STAGES=stages, PRE=pre, num_warps=warps, **pdl)
     if split > 1:
         finish_splits(ws, ss, b, w, y, eps, K, norm, glu, split, pdl)

@@ -3,14 +3,14 @@
 A DDTree round of Qwen3-8B's shape reads 3.3 GB for its drafter (1.2 GB of it the LM head it
 borrows from the target) beside the target's 15.1, at a draft block's 16 rows. Each weight row
 is stored as float8 e4m3 with one fp32 scale (its absmax maps to 448); `gemm_kernel`'s tiles load
-the e4m3 values, widen them to the activations' 16-bit dtype (exact: e4m3 fits in bf16 and fp16),
-run the tensor-core dot and multiply each output by its row's scale. Without the kernels (CPU,
-fp32) the weights are widened back for the torch ops.
+the e4m3 values, convert them to f16 (exact: e4m3 fits in f16 and bf16), run the tensor-core dot
+with the activations in f16 and multiply each output by its row's scale (`gemm_kernel.FP8_DOTS`).
+Without the kernels (CPU, fp32) the weights are widened back for the torch ops.
 
-Widening in registers costs about what the halved bytes save, so the gain is small: 0.06-0.11 ms
-of a 6.3-6.4 ms round on the Qwen3-8B shape, and a loss on the small SmolLM2 drafter (H200, run
-26). Only the drafter is quantized: its tokens are proposals that the target verifies, so the
-output stays exactly plain decoding's; only the acceptance can move
+On the Qwen3-8B shape the DDTree round takes 6.17-6.19 ms against 6.41 with the bf16 drafter
+(H200, run 27); on the small SmolLM2 drafter the draft phase is slower (0.193 against 0.181 ms),
+so the option is off by default. Only the drafter is quantized: its tokens are proposals that
+the target verifies, so the output stays exactly plain decoding's; only the acceptance can move
 (benchmarks/results/2026-12-02_cpu_fp8_drafter_tau.md).
 """
 from __future__ import annotations

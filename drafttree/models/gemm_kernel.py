@@ -51,12 +51,9 @@ ENABLED = os.environ.get("DRAFTTREE_GEMM", "1") == "1"
 Blocks = tuple[int, int, int, int, int, int, int, int]
 # fp8 weights (`quant.Fp8Linear`: e4m3, a scale per weight row) always take these tiles, at any
 # row count (the torch ops have no weight-only fp8 product); the most-rows field is not used. The
-# fastest per Qwen3-8B drafter matrix at a draft block's 16 rows on an H200 (`gemv_bench.py --fp8
-# --rows 16`, run 26), µs against bf16's torch ops: QKV + norm 21.0 / 26.8, o 11.0 / 13.6,
-# gate/up + SiLU·up 57.2 / 62.7, down 25.5 / 29.0, fc 40.0 / 44.8, the LM head 204 / 302. Wider
-# tiles lost (gate/up at 128 x 256: 237 µs), and so did the token rows as the MMA's M with the
-# weights as its B (QKV, gate/up, down and LM head 318 against 308 µs at their fastest blocks).
-# They read 1.2-3 TB/s (run 26, widening e4m3 to bf16).
+# fastest per Qwen3-8B drafter matrix at 16 rows on an H200 (`gemv_bench.py --fp8 --rows 16`, run
+# 26; wider tiles, and the token rows as the MMA's M, lost): µs against bf16's torch ops, QKV + norm
+# 21.0 / 26.8, o 11.0 / 13.6, gate/up 57.2 / 62.7, down 25.5 / 29.0, fc 40.0 / 44.8, LM head 204 / 302.
 BLOCKS_FP8: dict[str, list[tuple[int, Blocks]]] = {
     "norm": [(0, (128, 128, 4, 3, 4, 16, 0, 0))],
     "plain": [(1 << 28, (64, 128, 4, 3, 1, 16, 0, 0)), (0, (64, 256, 4, 3, 4, 16, 0, 0))],
@@ -64,13 +61,12 @@ BLOCKS_FP8: dict[str, list[tuple[int, Blocks]]] = {
 }
 # How the fp8 tiles multiply (the kernel's W8; 0 is 16-bit weights): "f16" dots (e4m3 -> f16 is one
 # conversion per pair; bf16 inputs are exact in f16 but past its range, clamped, or below its
-# normals), or "widen" e4m3 to the inputs' dtype (exact; fp32 inputs always do). On an H200 (run 27)
-# the Qwen3-8B drafter's draft + tree took 0.918-0.923 ms with f16 dots against 1.058-1.061 widened
-# (a bf16 drafter: 1.164), though one matrix at a time they time alike: the tiles wait on their
-# loads either way. e4m3 x e4m3 dots, the inputs quantized per step, timed alike too and lost
-# precision: not kept. DRAFTTREE_FP8_DOT picks one (A/B runs).
+# normals), or "widen" e4m3 to the inputs' dtype (exact; fp32 inputs always do). The Qwen3-8B
+# drafter's draft + tree: 0.92 ms with f16 dots, 1.06 widened (H200, run 27). DRAFTTREE_FP8_DOT: A/B.
 FP8_DOTS = {"widen": 1, "f16": 2}
 FP8_DOT = os.environ.get("DRAFTTREE_FP8_DOT", "f16")
+if FP8_DOT not in FP8_DOTS:
+    raise ValueError(f"DRAFTTREE_FP8_DOT={FP8_DOT!r}: choose one of {list(FP8_DOTS)}")
 FINISH_BLOCK = 256   # outputs per program of the launch that adds the input splits
 PREFETCH = int(os.environ["DRAFTTREE_GEMM_PREFETCH"]) if os.environ.get("DRAFTTREE_GEMM_PREFETCH") else None
 BLOCKS: dict[str, list[tuple[int, Blocks | None]]] = {

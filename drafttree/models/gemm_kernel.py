@@ -258,8 +258,8 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     ks = cdiv(cdiv(K, max(1, split)), bk) * bk   # inputs per split, a multiple of bk
     split = cdiv(K, ks)
     pre = PREFETCH if PREFETCH is not None else pre
-    dot = (FP8_DOTS[FP8_DOT] if runs_16bit(x) else FP8_DOTS["widen"]) if w8 else 0
     pre = 1 << (min(pre, ks // bk).bit_length() - 1) if pre > 0 else 0
+    dot = (FP8_DOTS[FP8_DOT] if runs_16bit(x) else FP8_DOTS["widen"]) if w8 else 0
     glu, norm = kind == "glu", g is not None
     ws = torch.empty(split, M, 2 * N if glu else N, dtype=torch.float32, device=x.device) if split > 1 else y
     ss = torch.empty(split, M, dtype=torch.float32, device=x.device) if split > 1 and norm else y

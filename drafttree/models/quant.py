@@ -7,8 +7,8 @@ the e4m3 values, convert them to f16 (exact: e4m3 fits in f16 and bf16), run the
 with the activations in f16 and multiply each output by its row's scale (`gemm_kernel.FP8_DOTS`).
 Without the kernels (CPU, fp32) the weights are widened back for the torch ops.
 
-On the Qwen3-8B shape the DDTree round takes 6.17-6.19 ms against 6.41 with the bf16 drafter
-(H200, run 27); on the small SmolLM2 drafter the draft phase is slower (0.193 against 0.181 ms),
+On the Qwen3-8B shape the DDTree round takes 6.17-6.23 ms against 6.41-6.48 with the bf16
+drafter (H200, run 27); on the small SmolLM2 drafter the draft phase is slower (0.193 against 0.181 ms),
 so the option is off by default. Only the drafter is quantized: its tokens are proposals that
 the target verifies, so the output stays exactly plain decoding's; only the acceptance can move
 (benchmarks/results/2026-12-02_cpu_fp8_drafter_tau.md).

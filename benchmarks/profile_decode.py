@@ -1,6 +1,7 @@
 """Kernel-level profile of graphed rounds (which kernels dominate a decode step or a DDTree round).
 
-    python benchmarks/profile_decode.py [shape] [none|ddtree]     (CUDA; random weights)
+    python benchmarks/profile_decode.py [shape] [none|ddtree] [fp8]     (CUDA; random weights; fp8:
+                                                                        the drafter's weights)
 """
 import sys
 
@@ -13,6 +14,8 @@ from drafttree.sampling import SampleMode, SamplingParams
 shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-8b"
 spec = sys.argv[2] if len(sys.argv) > 2 else "none"
 extra = dict(block_size=16, budget=32) if spec == "ddtree" else {}
+if len(sys.argv) > 3:
+    extra["draft_quantization"] = sys.argv[3]
 eng = Engine(EngineConfig(spec=spec, random_weights=shape, max_num_seqs=1, max_model_len=2048, **extra))
 r = eng.runner
 r.prefill(0, [list(range(1, 513))], [SamplingParams(temperature=0.0)], [0])
@@ -29,5 +32,6 @@ with torch.inference_mode():
     rounds()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         rounds()
-print(f"{shape}, spec {spec}, {ROUNDS} graphed rounds at batch 1, KV bucket {r.round_kv_len(512)}")
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
+drafter = extra.get("draft_quantization") or "bf16"
+print(f"{shape}, spec {spec}, drafter {drafter}, {ROUNDS} graphed rounds at batch 1, KV bucket {r.round_kv_len(512)}")
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90))

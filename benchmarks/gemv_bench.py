@@ -85,6 +85,8 @@ def with_covers(blocks: tuple) -> tuple:
 
 best: list[tuple[str, int, tuple]] = []
 fused_total = torch_total = 0.0
+if args.fp8:   # which way the tiles multiply (DRAFTTREE_FP8_DOT)
+    print(f"{args.shape}, {args.rows} rows, fp8 tiles with {gemm_kernel.FP8_DOT} dots")
 drafter_fc = (cfg.hidden_size, len(SHAPES[args.shape][1]["target_layer_ids"]) * cfg.hidden_size)
 for name, (N, K) in {**projections(cfg), "lm_head": (cfg.vocab_size, cfg.hidden_size), "fc": drafter_fc}.items():
     if name not in args.only.split(","):

@@ -1,7 +1,7 @@
 """fp8 weight-only drafter projections (`models/quant.py`, `gemm_kernel`'s W8 tiles).
 
-The quantization itself, the tiles against the torch ops on the widened weights (fp32 under the
-Triton interpreter on CPU; fp32 and bf16 on CUDA), and the engine: with an fp8 drafter, DDTree
+The quantization itself, the tiles against the torch ops on the widened weights, in each way of
+multiplying (fp32 and fp16 under the Triton interpreter on CPU; bf16 too on CUDA), and the engine: with an fp8 drafter, DDTree
 and DFlash still emit exactly plain decoding's tokens (CPU, fp32). The sampled distribution with
 an fp8 drafter is in test_spec_sampling.py.
 """

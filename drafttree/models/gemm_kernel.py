@@ -259,7 +259,7 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     split = cdiv(K, ks)
     pre = PREFETCH if PREFETCH is not None else pre
     pre = 1 << (min(pre, ks // bk).bit_length() - 1) if pre > 0 else 0
-    dot = (FP8_DOTS[FP8_DOT] if runs_16bit(x) else FP8_DOTS["widen"]) if w8 else 0
+    dot = (FP8_DOTS["widen"] if x.dtype == torch.float32 else FP8_DOTS[FP8_DOT]) if w8 else 0
     glu, norm = kind == "glu", g is not None
     ws = torch.empty(split, M, 2 * N if glu else N, dtype=torch.float32, device=x.device) if split > 1 else y
     ss = torch.empty(split, M, dtype=torch.float32, device=x.device) if split > 1 and norm else y

@@ -8,7 +8,8 @@ the one-launch KV write against two indexed assignments; each timed as a CUDA gr
 import torch
 
 from drafttree.bench.graph_timer import graphed_us
-from drafttree.models import attn_kernel, layers
+from drafttree.kernels import attn_kernel
+from drafttree.models import layers
 
 Hkv, g, hd, L, SEEN = 8, 4, 128, 1024, 513
 dev, dt = "cuda", torch.bfloat16

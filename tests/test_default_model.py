@@ -278,7 +278,7 @@ def test_topk_filter_keeps_real_logits_on_its_fast_path(converted_dir: Path) -> 
     Real logits cluster by token id: groups of consecutive entries failed this (3% of chunks)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from drafttree.spec.topk_kernel import filter_counts, filter_plan
+    from drafttree.kernels.topk_kernel import filter_counts, filter_plan
 
     tok = AutoTokenizer.from_pretrained(str(converted_dir))
     model = AutoModelForCausalLM.from_pretrained(str(converted_dir), dtype=torch.float32).eval()

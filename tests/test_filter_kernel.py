@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.test_tree_kernel import _CPU, DEVICE, interpreted_on_cpu
-from drafttree import filter_kernel
-from drafttree.filter_kernel import filter_thresholds_fused
+from drafttree.kernels import filter_kernel
+from drafttree.kernels.filter_kernel import filter_thresholds_fused
 from drafttree.sampling import (SampleMode, SamplingTensors, filter_thresholds, gumbel_noise, pick_tokens,
                                 sample_rows, thresholds_by_sort)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafttree.models import gemm_kernel, gemv_kernel
+from drafttree.kernels import gemm_kernel, gemv_kernel
 from drafttree.models.layers import add_rms_norm, rms_norm, silu_mul
 from tests.test_spec_lossless import zoo  # noqa: F401  (fixture)
 from tests.test_tree_kernel import _CPU, DEVICE, interpreted_on_cpu
@@ -283,7 +283,7 @@ def test_fused_draft_layer_equals_the_layer(zoo, monkeypatch, rows, blocks):
 def test_dependent_launch_only_compiled_on_cuda(monkeypatch):
     """PDL needs compiled kernels on a Hopper or newer GPU and a Triton that has it: never on CPU,
     under the interpreter, on Ampere or with an older Triton."""
-    from drafttree import triton_jit
+    from drafttree.kernels import triton_jit
     assert not triton_jit.pdl_on("cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not triton_jit.pdl_on("cuda")
@@ -304,7 +304,7 @@ def test_dependent_launch_only_compiled_on_cuda(monkeypatch):
 def test_blocks_from_a_sweep_file(tmp_path, monkeypatch):
     """DRAFTTREE_BLOCKS: a one-row sweep's blocks go to the GEMVs; a few-row sweep's to the tiles
     where they beat the torch ops, else None; each in a class of its own."""
-    from drafttree.models import kernel_blocks
+    from drafttree.kernels import kernel_blocks
     one = {k: list(v) for k, v in gemv_kernel.BLOCKS.items()}
     few = {k: list(v) for k, v in gemm_kernel.BLOCKS.items()}
     path = tmp_path / "sweep.json"

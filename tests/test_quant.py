@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from drafttree import LLM, SamplingParams
-from drafttree.models import gemm_kernel, gemv_kernel, quant
+from drafttree.kernels import gemm_kernel, gemv_kernel
+from drafttree.models import quant
 from drafttree.models.layers import add_rms_norm, silu_mul
 from tests.test_spec_lossless import check_lossless, make_prompts, taus_of, zoo  # noqa: F401  (fixture)
 from tests.test_tree_kernel import _CPU, DEVICE, interpreted_on_cpu

@@ -30,7 +30,7 @@ if _CPU and "triton" not in sys.modules:
 triton = pytest.importorskip("triton")
 
 from drafttree.spec.tree import DraftTree, build_tree
-from drafttree.spec.tree_kernel import available, build_tree_fused
+from drafttree.kernels.tree_kernel import available, build_tree_fused
 from tests.test_tree import (
     KINDS,
     brute_force_scores,
@@ -194,8 +194,8 @@ def test_topk_kernel_matches_a_stable_sort(V, k, chunk, dtype, filtered, monkeyp
     """The two-launch top-K and normalizer: the k best ids, equal values to the smaller id first
     (coarse integer logits make many ties), log-probs against torch's log_softmax; -inf
     entries and a whole -inf chunk included."""
-    from drafttree.spec import topk_kernel
-    from drafttree.spec.topk_kernel import top_log_probs_fused
+    from drafttree.kernels import topk_kernel
+    from drafttree.kernels.topk_kernel import top_log_probs_fused
     monkeypatch.setattr(topk_kernel, "FILTERED", filtered)
     g = torch.Generator().manual_seed(V + k)
     x = torch.randint(-6, 6, (2, 3, V), generator=g).float().to(dtype)
@@ -216,8 +216,8 @@ def test_topk_kernel_matches_a_stable_sort(V, k, chunk, dtype, filtered, monkeyp
 def test_topk_kernel_filtered_path_on_distinct_logits(k, chunk):
     """Distinct logits, where (checked here) every chunk has at most CAP entries at or above its
     threshold, so the group-maxima filter, not the fallback sort, picks each chunk's top K."""
-    from drafttree.spec import topk_kernel
-    from drafttree.spec.topk_kernel import top_log_probs_fused
+    from drafttree.kernels import topk_kernel
+    from drafttree.kernels.topk_kernel import top_log_probs_fused
     assert topk_kernel.FILTERED   # the default
     V = 3 * chunk + 77
     x = torch.randn(2, 2, V, generator=torch.Generator().manual_seed(k))
@@ -234,7 +234,7 @@ def test_topk_kernel_filtered_path_on_distinct_logits(k, chunk):
 def test_topk_kernel_filter_threshold_with_tied_group_maxima(k, chunk):
     """More groups than K2 share the largest maximum: the threshold is that value, every tied
     entry is a candidate (within CAP) and the top K comes back smaller id first."""
-    from drafttree.spec.topk_kernel import filter_plan, top_log_probs_fused
+    from drafttree.kernels.topk_kernel import filter_plan, top_log_probs_fused
     k2 = max(2, 1 << (k - 1).bit_length())
     groups, cap, _ = filter_plan(k2, chunk)
     V = 2 * chunk
@@ -252,7 +252,7 @@ def test_topk_kernel_filter_at_its_capacity(extra):
     """A chunk with exactly CAP candidates (ties at the threshold, from more than K2 groups) takes
     the filtered path with every slot full; one more sends it to the whole-chunk sort. Both give
     the K smallest ids of the tied top value."""
-    from drafttree.spec.topk_kernel import filter_counts, filter_plan, top_log_probs_fused
+    from drafttree.kernels.topk_kernel import filter_counts, filter_plan, top_log_probs_fused
     k, chunk = 8, 512
     groups, cap, _ = filter_plan(k, chunk)
     x = -torch.rand(1, 1, 2 * chunk, generator=torch.Generator().manual_seed(extra))

@@ -15,8 +15,8 @@ def _version(dist: str) -> str | None:
 
 
 def environment() -> dict:
-    from drafttree import triton_jit
-    from drafttree.models import attn_kernel, gemm_kernel, gemv_kernel
+    from drafttree.kernels import triton_jit
+    from drafttree.kernels import attn_kernel, gemm_kernel, gemv_kernel
     return {"torch": torch.__version__, "triton": _version("triton"), "drafttree": _version("drafttree"),
             "cuda": torch.version.cuda,
             "kernels": {"attention": attn_kernel.ENABLED, "one_token_projections": gemv_kernel.ENABLED,

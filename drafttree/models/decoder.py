@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from drafttree.config import ModelConfig
-from drafttree.models import gemv_kernel
+from drafttree.kernels import gemv_kernel
 from drafttree.models.layers import MLP, Attention, AttnMeta, RMSNorm, Rotary
 from drafttree.models.quant import weight_scale
 

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from drafttree.config import ModelConfig
-from drafttree.models import attn_kernel, gemv_kernel
+from drafttree.kernels import attn_kernel, gemv_kernel
 from drafttree.models.decoder import DecoderLayer
 from drafttree.models.layers import AttnMeta, RMSNorm, Rotary, apply_rope, attend, cached_attention, write_kv
 from drafttree.models.quant import weight_scale
-from drafttree.models.rope_kernel import qk_rope_write_kv
+from drafttree.kernels.rope_kernel import qk_rope_write_kv
 from drafttree.phases import SpecConfig
 
 

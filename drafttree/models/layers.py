@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafttree.config import ModelConfig
-from drafttree.models import attn_kernel
+from drafttree.kernels import attn_kernel
 from drafttree.models.fused import fused
-from drafttree.models.rope_kernel import qk_rope_write_kv
+from drafttree.kernels.rope_kernel import qk_rope_write_kv
 
 
 class RMSNorm(nn.Module):

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafttree.models import gemm_kernel
-from drafttree.triton_jit import interpreting, kernels_run_on
+from drafttree.kernels import gemm_kernel
+from drafttree.kernels.triton_jit import interpreting, kernels_run_on
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0

@@ -23,7 +23,7 @@ import torch
 
 from drafttree.runner.cuda_graph import collector_paused, warm_up
 from drafttree.runner.kv_cache import attn_meta, causal
-from drafttree.triton_jit import next_pow2
+from drafttree.kernels.triton_jit import next_pow2
 
 MIN_LEN = 16
 MAX_TOKENS = 2048

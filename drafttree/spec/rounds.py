@@ -19,7 +19,7 @@ from drafttree.phases import Phase
 from drafttree.runner.kv_cache import attn_meta
 from drafttree.sampling import SampleMode, pick_tokens
 from drafttree.spec.tree import DraftTree, accept, build_tree, chain_tree
-from drafttree.spec.tree_kernel import available as fused_tree_ok, build_tree_fused
+from drafttree.kernels.tree_kernel import available as fused_tree_ok, build_tree_fused
 
 if TYPE_CHECKING:
     from drafttree.runner.model_runner import ModelRunner

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from drafttree.models.fused import fused
-from drafttree.triton_jit import interpreting, kernels_run_on
+from drafttree.kernels.triton_jit import interpreting, kernels_run_on
 
 
 @dataclass
@@ -102,14 +102,14 @@ def chunked_topk(x: torch.Tensor, k: int, chunk: int = 4096) -> tuple[torch.Tens
     return val, i1.flatten(-2).gather(-1, j).clamp_(max=V - 1)
 
 
-# Largest k for which the two-launch Triton top-K (spec/topk_kernel.py) replaces the torch ops.
+# Largest k for which the two-launch Triton top-K (kernels/topk_kernel.py) replaces the torch ops.
 MAX_FUSED_TOPK = 128
 
 
 def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best tokens per position and their log-probabilities, [R, L, k] each, descending."""
     if draft_logits.is_cuda and k <= MAX_FUSED_TOPK and kernels_run_on(draft_logits.device):
-        from drafttree.spec.topk_kernel import top_log_probs_fused
+        from drafttree.kernels.topk_kernel import top_log_probs_fused
         return top_log_probs_fused(draft_logits, k, interpret=interpreting())
     logits = draft_logits.float()
     top_val, top_idx = chunked_topk(logits, k) if logits.is_cuda else logits.topk(k, dim=-1)

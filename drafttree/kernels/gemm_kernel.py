@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from drafttree.models.layers import add_rms_norm, rms_norm, silu_mul
-from drafttree.triton_jit import (cdiv, device_function, dots_run_on, interpreting, jit_kernel, kernels_run_on,
+from drafttree.kernels.triton_jit import (cdiv, device_function, dots_run_on, interpreting, jit_kernel, kernels_run_on,
                                   next_pow2, pdl_options, pdl_wait)
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from drafttree.models import gemm_kernel
+from drafttree.kernels import gemm_kernel
 
 Table = dict[str, list[tuple[int, Any]]]
 ONE_ROW, FEW_ROWS = 4, 8   # fields of gemv_kernel.Blocks, gemm_kernel.Blocks

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from drafttree.spec.topk_kernel import high_key
-from drafttree.triton_jit import cdiv, device_function, jit_kernel, pdl_options, pdl_wait
+from drafttree.kernels.topk_kernel import high_key
+from drafttree.kernels.triton_jit import cdiv, device_function, jit_kernel, pdl_options, pdl_wait
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from drafttree.spec.topk_kernel import high_key
+from drafttree.kernels.topk_kernel import high_key
 from drafttree.spec.tree import (
     DraftTree,
     _pair_index,
@@ -34,7 +34,7 @@ from drafttree.spec.tree import (
     check_tree_args,
     top_log_probs,
 )
-from drafttree.triton_jit import interpreting, jit_kernel, kernels_run_on, next_pow2
+from drafttree.kernels.triton_jit import interpreting, jit_kernel, kernels_run_on, next_pow2
 
 tl: Any = None  # triton.language, bound by jit_kernel()
 _PAIRS: dict[tuple[int, int, torch.device], torch.Tensor] = {}

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from drafttree.models.rope_kernel import norm_rope
-from drafttree.triton_jit import (device_function, dots_run_on, interpreting, jit_kernel, next_pow2,
+from drafttree.kernels.rope_kernel import norm_rope
+from drafttree.kernels.triton_jit import (device_function, dots_run_on, interpreting, jit_kernel, next_pow2,
                                   pdl_options, pdl_wait)
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from drafttree.models import gemm_kernel
-from drafttree.models.gemm_kernel import glu_out
-from drafttree.triton_jit import cdiv, device_function, interpreting, jit_kernel, pdl_options, pdl_wait
+from drafttree.kernels import gemm_kernel
+from drafttree.kernels.gemm_kernel import glu_out
+from drafttree.kernels.triton_jit import cdiv, device_function, interpreting, jit_kernel, pdl_options, pdl_wait
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
@@ -70,7 +70,7 @@ def set_blocks(kind: str, numel: int, blocks: Blocks, split: bool = False) -> No
 
 
 if os.environ.get("DRAFTTREE_BLOCKS"):   # a sweep's blocks, for another GPU or model
-    from drafttree.models.kernel_blocks import load
+    from drafttree.kernels.kernel_blocks import load
     load(os.environ["DRAFTTREE_BLOCKS"], BLOCKS, gemm_kernel.BLOCKS)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from drafttree.triton_jit import device_function, jit_kernel, next_pow2
+from drafttree.kernels.triton_jit import device_function, jit_kernel, next_pow2
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 INT32_MAX = 2**31 - 1

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from drafttree.triton_jit import device_function, interpreting, jit_kernel, next_pow2, pdl_options, pdl_wait
+from drafttree.kernels.triton_jit import device_function, interpreting, jit_kernel, next_pow2, pdl_options, pdl_wait
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 

@@ -1,0 +1,1 @@
+"""Hand-written kernels (Triton) and the lazy loader they compile through."""

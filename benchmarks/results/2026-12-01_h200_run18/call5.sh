@@ -1,4 +1,0 @@
-#!/usr/bin/env bash
-# Run 18, call 5: SmolLM2-135M shape, DDTree round and decode step, alternating: the code's
-# blocks; call 2's one-token GEMV sweep (/tmp/smol1.json); the few-row tiles under 2^22 off.
-export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=/tmp/drafttree-cache; mkdir -p $OUT/l; cp /tmp/smol1.json /tmp/tiles_off.json $OUT/l/; P="--batch 1 --prompt-len 512 --max-model-len 2048 --iters 30 --tree-budgets"; for i in 1 2; do for b in code sweep off; do e=(); [ $b = sweep ] && e=(DRAFTTREE_BLOCKS=/tmp/smol1.json); [ $b = off ] && e=(DRAFTTREE_BLOCKS=/tmp/tiles_off.json); env "${e[@]}" timeout 60 python3 -m drafttree.bench.phases $P "" --random-weights smollm2-135m --spec ddtree --budget 32 --block-size 16 --out $OUT/l/smol_${b}_$i.json > $OUT/l/smol_${b}_$i.txt 2>&1; echo "$b $i: $(grep -h '"decode"\|"round"\|Error' $OUT/l/smol_${b}_$i.txt | tail -3 | tr -s ' \n' ' ')"; done; done; tar czf $OUT/l.tgz -C $OUT l && rm -rf $OUT/l

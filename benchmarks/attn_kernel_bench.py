@@ -9,7 +9,7 @@ import torch
 
 from drafttree.bench.graph_timer import graphed_us
 from drafttree.kernels import attn_kernel
-from drafttree.models import layers
+from drafttree.kernels import torch_ops
 
 Hkv, g, hd, L, SEEN = 8, 4, 128, 1024, 513
 dev, dt = "cuda", torch.bfloat16
@@ -26,7 +26,7 @@ for B, W in ((1, 1), (1, 33), (16, 1), (16, 33), (32, 17)):
     mask[..., :SEEN] = True
     k, v = kc[:, :, :L], vc[:, :, :L]
     grouped = mask.expand(B, g, W, L).reshape(B, 1, g * W, L)
-    row = [graphed_us(lambda: layers.small_attention(q_heads, k, v, grouped, hd ** -0.5))]
+    row = [graphed_us(lambda: torch_ops.small_attention(q_heads, k, v, grouped, hd ** -0.5))]
     for t in (132, 264, 528, 1056):
         attn_kernel.TARGET_PROGRAMS = t
         row.append(graphed_us(lambda: attn_kernel.few_row_attention(q, k, v, mask, hd ** -0.5)))

@@ -12,7 +12,7 @@ import torch
 
 from drafttree.kernels import filter_kernel
 from drafttree.bench.graph_timer import graphed_us
-from drafttree.sampling import thresholds_by_sort
+from drafttree.kernels.torch_ops import thresholds_by_sort
 
 CASES = {"top-p": (0.8, 0, 0.95), "top-k+top-p": (0.8, 50, 0.9), "top-k": (1.0, 40, 1.0)}
 

@@ -1,5 +1,5 @@
 """The fused projections (`kernels/gemv_kernel.py`, and for `--rows` above 1 `kernels/gemm_kernel.py`)
-against the torch ops they replace, on one model's layer shapes (`drafttree.bench.shapes`), bf16;
+against the torch ops they replace, on one model's layer shapes (`drafttree.models.random_shapes`), bf16;
 each timed as a CUDA graph of calls cycling over weight copies, at least 48 calls and one per
 copy, the copies together larger than L2 (so the weights come from HBM, as in a forward). Sweeps
 each kernel's block shape per matrix (one row: rows per program, columns per step, warps, steps
@@ -18,7 +18,8 @@ that file as `DRAFTTREE_BLOCKS=best.json` (`kernels/kernel_blocks.py`).
 `--prenormed` times the QKV and gate/up tiles without their norm prologue, after the torch ops'
 add + RMSNorm launch: the alternative to the prologue where it loses to cuBLAS. `--fp8` times the
 tiles on e4m3 weights with a scale per row (`models/quant.py`, the drafter's option) against the
-bf16 torch ops; `--only ...,lm_head,fc` adds the LM head (the drafter's copy of it) and the drafter's fc.
+bf16 torch ops (`--fp8-dot widen`: the e4m3 weights widened to bf16 for the dots instead of the
+code's f16 dots); `--only ...,lm_head,fc` adds the LM head (the drafter's copy of it) and the drafter's fc.
 """
 import argparse
 import itertools
@@ -29,10 +30,10 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 from drafttree.bench.graph_timer import cycling, graphed_us, weight_copies
-from drafttree.bench.shapes import SHAPES, projections
-from drafttree.kernels import gemm_kernel, gemv_kernel
+from drafttree.models.random_shapes import SHAPES, projections
+from drafttree.kernels import dispatch, gemm_kernel, gemv_kernel, torch_ops
+from drafttree.kernels.torch_ops import add_rms_norm
 from drafttree.models import quant
-from drafttree.models.layers import add_rms_norm
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
@@ -48,6 +49,8 @@ ap.add_argument("--prenormed", action="store_true",
                 help="more than one row: the norm as its own launch, the QKV and gate/up tiles without it")
 ap.add_argument("--only", default="qkv,o,gate_up,down", help="the matrices to time (also: lm_head, fc)")
 ap.add_argument("--fp8", action="store_true", help="the tiles on e4m3 weights (BLOCKS_FP8), any rows")
+ap.add_argument("--fp8-dot", default=gemm_kernel.FP8_DOT, choices=sorted(gemm_kernel.FP8_DOTS),
+                help="with --fp8: f16 dots (the code's), or e4m3 widened to the inputs' dtype")
 ap.add_argument("--out", default="")
 args = ap.parse_args()
 tiles = args.rows > 1 or args.fp8   # gemm_kernel's blocks (8 fields), not the GEMVs' (4)
@@ -65,13 +68,13 @@ def calls(kind, ws):
     qs = [quant.quantize_rows(w) for w in ws] if args.fp8 else [(w, None) for w in ws]
     if kind == "plain":
         h = torch.randn(1, args.rows, ws[0].shape[1], device=dev, dtype=dt)
-        return cycling(lambda w: F.linear(h, w), ws), cycling(lambda q: gemv_kernel.gemv(h, q[0], None, q[1]), qs)
-    torch_ops = cycling(lambda w: gemm_kernel.torch_ops(kind, x, delta, g, 1e-6, w, None)[1], ws)
+        return cycling(lambda w: F.linear(h, w), ws), cycling(lambda q: dispatch.gemv(h, q[0], None, q[1]), qs)
+    unfused = cycling(lambda w: torch_ops.projection(kind, x, delta, g, 1e-6, w, None)[1], ws)
     if args.prenormed and args.rows > 1:   # the tiles' prologue off: NORM and HAS_D follow g and delta
-        return torch_ops, cycling(lambda q: gemm_kernel.launch(kind, add_rms_norm(x, delta, g, 1e-6)[1], None, None,
-                                                               0.0, q[0], None, q[1])[1], qs)
-    fused = gemv_kernel.norm_glu_gemv if kind == "glu" else gemv_kernel.norm_gemv
-    return torch_ops, cycling(lambda q: fused(x, delta, g, 1e-6, q[0], scale=q[1])[1], qs)
+        return unfused, cycling(lambda q: gemm_kernel.launch(kind, add_rms_norm(x, delta, g, 1e-6)[1], None, None,
+                                                             0.0, q[0], None, q[1])[1], qs)
+    fused = dispatch.norm_glu_gemv if kind == "glu" else dispatch.norm_gemv
+    return unfused, cycling(lambda q: fused(x, delta, g, 1e-6, q[0], scale=q[1])[1], qs)
 
 sweep = (args.block_n, args.block_k, args.warps) + ((args.stages, args.splits, args.row_block, args.prefetch)
                                                    if tiles else (args.prefetch,))
@@ -86,7 +89,8 @@ def with_covers(blocks: tuple) -> tuple:
 
 best: list[tuple[str, int, tuple]] = []
 fused_total = torch_total = 0.0
-if args.fp8:   # which way the tiles multiply (DRAFTTREE_FP8_DOT)
+if args.fp8:   # which way the tiles multiply with 16-bit inputs
+    gemm_kernel.FP8_DOT = args.fp8_dot
     print(f"{args.shape}, {args.rows} rows, fp8 tiles with {gemm_kernel.FP8_DOT} dots")
 drafter_fc = (cfg.hidden_size, len(SHAPES[args.shape][1]["target_layer_ids"]) * cfg.hidden_size)
 for name, (N, K) in {**projections(cfg), "lm_head": (cfg.vocab_size, cfg.hidden_size), "fc": drafter_fc}.items():

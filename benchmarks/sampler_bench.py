@@ -1,29 +1,31 @@
 """The target's sampler alone, graphed: `pick_tokens` with its compiled piece (`sample_rows`)
-against all torch ops (DRAFTTREE_COMPILE=0 for that call, and top-k / top-p thresholds by a sort),
-µs per call, for the shapes a round hands it, unfiltered (SAMPLE) and with top-p (FILTERED). For
-FILTERED also the compiled piece after thresholds found by the sort (`sampling.FILTER_KERNEL` off,
-the torch ops' way) instead of the radix-descent kernel (`filter_kernel`).
+against all torch ops (`settings.compile` "0" for that call, and top-k / top-p thresholds by a
+sort), µs per call, for the shapes a round hands it, unfiltered (SAMPLE) and with top-p (FILTERED).
+For FILTERED also the compiled piece after thresholds found by the sort (`sampling.filter_thresholds`
+patched to `torch_ops.thresholds_by_sort`, the torch ops' way) instead of the radix-descent kernel
+(`filter_kernel`).
 
     python benchmarks/sampler_bench.py [--out results.json]      (CUDA)
 """
 import argparse
 import json
-import os
 
 import torch
 
-from drafttree.bench.graph_timer import graphed_us
 from drafttree import sampling
+from drafttree.bench.graph_timer import graphed_us
+from drafttree.kernels.torch_ops import thresholds_by_sort
 from drafttree.sampling import SampleMode, SamplingTensors, pick_tokens
+from drafttree.settings import using
 
 
 def by_sort(logits: torch.Tensor, st: SamplingTensors, pos: torch.Tensor) -> torch.Tensor:
     """`pick_tokens(..., FILTERED)` with the thresholds of the sort (captured so: the graph keeps it)."""
-    kernel, sampling.FILTER_KERNEL = sampling.FILTER_KERNEL, False
+    kernel, sampling.filter_thresholds = sampling.filter_thresholds, thresholds_by_sort
     try:
         return pick_tokens(logits, st, pos, SampleMode.FILTERED)
     finally:
-        sampling.FILTER_KERNEL = kernel
+        sampling.filter_thresholds = kernel
 
 
 def main() -> None:
@@ -47,9 +49,8 @@ def main() -> None:
             def call(mode: SampleMode = mode) -> torch.Tensor:
                 return pick_tokens(logits, st, pos, mode)
             eager_call = call if mode is SampleMode.SAMPLE else (lambda: by_sort(logits, st, pos))
-            os.environ["DRAFTTREE_COMPILE"] = "0"
-            eager, want = graphed_us(eager_call), eager_call()
-            os.environ["DRAFTTREE_COMPILE"] = "1"
+            with using(compile="0"):
+                eager, want = graphed_us(eager_call), eager_call()
             sort = graphed_us(eager_call) if mode is SampleMode.FILTERED else None
             compiled, got = graphed_us(call), call()
             same = float((got == want).float().mean())

@@ -1,4 +1,4 @@
-"""The vocabulary top-K kernel (`spec/topk_kernel.py`) at several chunk sizes, with and without the
+"""The vocabulary top-K kernel (`kernels/topk_kernel.py`) at several chunk sizes, with and without the
 group-maxima filter, on DDTree's draft logits [R, 15, 151,936] bf16; each timed as a CUDA graph
 of 20 calls. Outputs must agree.
 
@@ -11,7 +11,7 @@ import torch
 from drafttree.bench.graph_timer import graphed_us
 from drafttree.kernels import topk_kernel
 from drafttree.kernels.topk_kernel import top_log_probs_fused
-from drafttree.spec.tree import chunked_topk
+from drafttree.kernels.torch_ops import chunked_topk
 
 ap = argparse.ArgumentParser()
 ap.add_argument("cases", nargs="*", default=["1x8", "1x32", "16x8", "1x128"], help="rows x k")

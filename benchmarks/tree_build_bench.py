@@ -1,5 +1,5 @@
 """The DDTree build on the H200, by part: the vocabulary top-K (chunk kernel + merge,
-`spec/topk_kernel.py`), the whole build (top-K + `spec/tree_kernel.py`) and plain torch ops
+`kernels/topk_kernel.py`), the whole build (top-K + `kernels/tree_kernel.py`) and plain torch ops
 (`build_tree`), on draft logits [1, 15, 151,936] bf16 (Qwen3-8B's vocabulary, block 16); each
 timed as a CUDA graph of 50 calls. The num_warps of the top-K's two kernels can be swept.
 
@@ -19,8 +19,8 @@ import torch
 
 from drafttree.bench.graph_timer import graphed_us
 from drafttree.kernels import topk_kernel
-from drafttree.spec.tree import build_tree, top_log_probs
-from drafttree.kernels.tree_kernel import build_tree_fused
+from drafttree.kernels.dispatch import build_tree_fused, top_log_probs
+from drafttree.spec.tree import build_tree
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--budgets", default="32,128,512")

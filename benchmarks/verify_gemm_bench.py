@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from drafttree.bench.graph_timer import cycling, graphed_us, weight_copies
-from drafttree.bench.shapes import SHAPES, projections
+from drafttree.models.random_shapes import SHAPES, projections
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))

@@ -58,14 +58,14 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from drafttree.engine.engine import Engine
+    from drafttree.loader.chat_template import apply_chat_template, has_chat_template
     from drafttree.sampling import SamplingParams
 
     eng = Engine(engine_config(a))
     prompt = a.prompt
     tok = eng.tokenizer
-    if not a.raw and tok is not None and getattr(tok, "chat_template", None):
-        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+    if not a.raw and has_chat_template(tok):
+        prompt = apply_chat_template(tok, [{"role": "user", "content": prompt}])
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
                             max_tokens=a.max_tokens)
     eng.stream_text = not a.json

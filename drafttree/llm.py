@@ -1,13 +1,16 @@
-"""Offline Python API in the style of vLLM: LLM(...).generate(prompts, SamplingParams(...))."""
+"""Offline Python API in the style of vLLM: LLM(...).generate(prompts, SamplingParams(...)) for raw
+completions, LLM(...).chat(messages, ...) for conversations rendered with the model's chat template."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence as Seq
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from tqdm import tqdm
 
 from drafttree.engine.engine import Engine, EngineConfig
 from drafttree.engine.sequence import Sequence
+from drafttree.loader.chat_template import apply_chat_template
 from drafttree.sampling import SamplingParams
 
 
@@ -45,15 +48,36 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def apply_chat_template(self, messages: Seq[Mapping[str, Any]], **kwargs: Any) -> str:
+        """The prompt text `chat` would generate from for one conversation."""
+        return apply_chat_template(self.engine.tokenizer, messages, **kwargs)
+
+    def chat(self, messages: Seq[Mapping[str, Any]] | Seq[Seq[Mapping[str, Any]]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations, as vLLM's `LLM.chat`.
+
+        `messages` is one conversation in the OpenAI format (a list of {"role", "content"} dicts) or a
+        list of them (a batch); each is rendered with the tokenizer's chat template (or `chat_template`),
+        ending with the assistant's turn opened (`add_generation_prompt`), and then generated as
+        `generate` would. `chat_template_kwargs` reach the template (e.g. {"enable_thinking": False}).
+        Returns one RequestOutput per conversation, whose `prompt` is the rendered text. Raises
+        ValueError when the model has no tokenizer or no chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        if not conversations:
+            raise ValueError("chat() needs at least one conversation")
+        prompts = [self.apply_chat_template(c, chat_template=chat_template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            **(chat_template_kwargs or {})) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate(self, prompts: str | list[int] | Iterable[str | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
+        """Complete prompts: each a string (tokenized as is: no chat template, no special tokens added)
+        or a list of token ids. For an instruction-tuned model's conversational reply use `chat`, which
+        applies the chat template first. One RequestOutput per prompt, in order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)

@@ -59,6 +59,11 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return out + [max_num_seqs]
 
 
+def batch_bucket(batch: int, max_num_seqs: int) -> int:
+    """The smallest of `batch_buckets(max_num_seqs)` that holds `batch` rows."""
+    return next(b for b in batch_buckets(max_num_seqs) if b >= batch)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     method: str = "none"
@@ -167,9 +172,15 @@ class SpecConfig:
         return self.block_size if self.speculative else 1
 
     @property
+    def verify_width_max(self) -> int:
+        """The widest verify forward at any batch size: the budget changes only at the batch
+        sizes its schedule names, so those and batch 1 cover every width."""
+        return max(self.width(Phase.VERIFY, b) for b in (1, *(b for b, _ in self.budget_schedule)))
+
+    @property
     def kv_headroom(self) -> int:
-        """Cache slots a round may write past the committed length (target and drafter)."""
+        """Cache slots a round may write past the committed length (target and drafter): the
+        widest forward that writes new slots (the context phase writes committed ones)."""
         if not self.speculative:
-            return 1
-        verify = max(self.budgets) + 1 if self.method == "ddtree" else self.block_size
-        return max(verify, self.width(Phase.DRAFT))
+            return self.width(Phase.DECODE)
+        return max(self.verify_width_max, self.width(Phase.DRAFT))

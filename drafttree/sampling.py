@@ -7,18 +7,16 @@ choice needs no generator state, so it can live inside a CUDA graph.
 """
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 import torch
 
-from drafttree.models.fused import fused
-from drafttree.kernels.triton_jit import dots_run_on, interpreting
+from drafttree.kernels import dispatch
+from drafttree.kernels.fused import fused
 
 _M32 = 0xFFFFFFFF
-FILTER_KERNEL = os.environ.get("DRAFTTREE_FILTER_KERNEL", "1") == "1"   # 0: the sort (A/B runs)
 
 
 @dataclass
@@ -104,36 +102,9 @@ def filter_thresholds(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Ten
     then, over that set K and q = softmax(x / T) restricted to K, keeps x_i iff the mass of K's
     strictly greater logits is below p (ties kept; the max always). So thr is the smallest kept
     logit, exactly, or -inf where nothing is filtered (k 0 or >= V and p 1; rows at T = 0). On
-    CUDA with triton a radix descent finds it without a sort (`filter_kernel`; DRAFTTREE_FILTER_KERNEL=0:
-    the sort)."""
-    if logits.is_cuda and FILTER_KERNEL and dots_run_on(logits.device):   # int8 products: Ampere+
-        from drafttree.kernels.filter_kernel import MAX_VOCAB, filter_thresholds_fused
-        if logits.shape[-1] < MAX_VOCAB:
-            return filter_thresholds_fused(logits, temp, top_k, top_p, interpret=interpreting())
-    return thresholds_by_sort(logits, temp, top_k, top_p)
-
-
-def thresholds_by_sort(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor,
-                       top_p: torch.Tensor) -> torch.Tensor:
-    """`filter_thresholds` in torch ops, by a sort of every row's logits."""
-    R, N, V = logits.shape
-    x = logits.float().sort(dim=-1, descending=True).values
-    sampled = temp > 0
-    use_k = (sampled & (top_k > 0) & (top_k < V))[:, None]
-    kth = x.gather(-1, (top_k.long().clamp(1, V) - 1)[:, None, None].expand(R, N, 1))
-    thr_k = torch.where(use_k[..., None], kth, float("-inf"))
-    top = x[..., :1]
-    w = torch.where((x >= thr_k) & (x > float("-inf")),
-                    ((x - top) / torch.where(sampled, temp, 1.0)[:, None, None]).exp(), 0.0).double()
-    # the mass of strictly greater logits: the mass before the first of each run of equal ones
-    before = w.cumsum(-1) - w
-    rank = torch.arange(V, device=x.device)
-    first = torch.where(torch.cat([torch.ones_like(x[..., :1], dtype=torch.bool), x[..., 1:] != x[..., :-1]], -1),
-                        rank, 0).cummax(-1).values
-    kept = (before.gather(-1, first) < top_p.double()[:, None, None] * w.sum(-1, keepdim=True)).sum(-1, keepdim=True)
-    thr_p = x.gather(-1, (kept - 1).clamp(min=0))
-    use_p = (sampled & (top_p < 1.0))[:, None, None] & (top > float("-inf"))
-    return torch.where(use_p, thr_p, thr_k).squeeze(-1)
+    CUDA with triton a radix descent finds it without a sort (`filter_kernel`), elsewhere a sort
+    (`torch_ops.thresholds_by_sort`): `dispatch.filter_thresholds` chooses."""
+    return dispatch.filter_thresholds(logits, temp, top_k, top_p)
 
 
 class SampleMode(IntEnum):

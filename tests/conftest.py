@@ -1,14 +1,80 @@
-"""Shared test fixtures."""
+"""Fixtures the test modules share, the `gpu` marker's deselection, and Triton's interpreter.
+
+Without CUDA the Triton kernels run under Triton's interpreter on CPU, which has to be on when
+triton is first imported. pytest imports this file before any test module, so it imports triton
+here (where installed) with TRITON_INTERPRET=1 and then restores the variable: only the tests that
+ask for it (`helpers.interpreted_on_cpu`) run kernels interpreted.
+"""
 from __future__ import annotations
+
+import os
+import sys
 
 import pytest
 import torch
 
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    _before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        if _before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _before
 
-@pytest.fixture(scope="module")
+from tests.helpers import SCALE, VOCAB, Pair  # noqa: E402  (after triton's import)
+from tests.tiny import make_drafter, make_target  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without CUDA, tests and parameters marked `gpu` are deselected rather than skipped: a CPU
+    run lists only what it runs, and its skips are the ones that say something."""
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+
+
+@pytest.fixture
+def set_settings(monkeypatch):
+    """set_settings(attn_kernel=False, ...): the settings in force (`drafttree.settings`, what the
+    DRAFTTREE_* variables set) changed for the rest of the test."""
+    from drafttree import settings
+
+    def change(**changes) -> None:
+        monkeypatch.setattr(settings, "_current", settings.current().replace(**changes))
+    return change
+
+
+@pytest.fixture(scope="session", autouse=True)
 def one_thread():
-    """Tiny models run fastest on one thread, and do not stall when other processes share the cores."""
+    """Every test on one thread. The models here are tiny (the real one small), where a second
+    thread mostly waits; and with other processes on the cores, threads that wait for each other
+    stall a test many times over (a graph-runner test on CPU: 76 s on two threads, 3.5 s on one)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """zoo(shape, vocab) -> a random target of that shape with a random drafter (block size 4),
+    written once per module, its engines and plain outputs cached (`helpers.Pair`)."""
+    pairs: dict[tuple[str, int], Pair] = {}
+
+    def get(shape: str, vocab: int = VOCAB) -> Pair:
+        if (shape, vocab) not in pairs:
+            root = tmp_path_factory.mktemp(f"{shape}-v{vocab}")
+            target = make_target(root / "target", shape, vocab=vocab, scale=SCALE)
+            drafter = make_drafter(root / "drafter", target, block_size=4)
+            pairs[shape, vocab] = Pair(target, drafter, vocab)
+        return pairs[shape, vocab]
+
+    return get

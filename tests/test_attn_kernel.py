@@ -1,21 +1,23 @@
 """The few-row attention kernel against softmax attention in torch, and on the decode path.
 
-Without CUDA the kernel runs under the Triton interpreter on CPU (set up by test_tree_kernel).
+Without CUDA the kernel runs under the Triton interpreter on CPU (conftest.py turns it on).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.test_tree_kernel import _CPU, DEVICE, interpreted_on_cpu
-from drafttree.kernels import attn_kernel
-from tests.test_spec_lossless import zoo  # noqa: F401  (fixture)
+from drafttree.kernels import attn_kernel, dispatch, torch_ops
+from drafttree.settings import using
+from tests.helpers import DEVICE, TRITON_REASON, gpu, greedy, interpreted_on_cpu, make_prompts
+
+pytest.importorskip("triton", reason=TRITON_REASON)
 
 
 @pytest.fixture(autouse=True)
-def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
+def _kernel_device(monkeypatch: pytest.MonkeyPatch, set_settings) -> None:
     interpreted_on_cpu(monkeypatch)
-    monkeypatch.setattr(attn_kernel, "ENABLED", True)
+    set_settings(attn_kernel=True)
 
 
 def reference(q, k, v, mask, scale):
@@ -36,10 +38,8 @@ def reference(q, k, v, mask, scale):
     (2, 2, 1, 5, 64, 16),      # one key block
     (1, 1, 3, 7, 700, 64),
 ])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, gpu(torch.bfloat16)])   # bf16 dots are not interpreted
 def test_matches_softmax_attention(B, Hkv, g, W, L, hd, dtype):
-    if dtype == torch.bfloat16 and _CPU:
-        pytest.skip("bf16 dots are a GPU case")
     gen = torch.Generator().manual_seed(B * 1000 + L)
     rows, max_len = B + 2, L + 50   # the kernel reads views of a larger cache
     k_cache = torch.randn(rows, Hkv, max_len, hd, generator=gen).to(dtype).to(DEVICE)
@@ -103,20 +103,17 @@ def test_decode_through_the_kernels_is_lossless(zoo, monkeypatch, shape, spec, b
     norm where the shape has it, rope, KV write, attention) give plain greedy's tokens through
     the torch ops."""
     from drafttree.llm import LLM
-    from drafttree.models import layers
-    from tests.test_spec_lossless import greedy, make_prompts
     pair = zoo(shape)
     prompts = make_prompts(pair.vocab)[:2]
-    with monkeypatch.context() as torch_ops:
-        torch_ops.setattr(attn_kernel, "ENABLED", False)
-        want = [pair.plain(p, 8) for p in prompts]
+    with using(attn_kernel=False):
+        want = [pair.plain(p, 5) for p in prompts]   # interpreted kernels are slow: a few steps
     ran = []
-    monkeypatch.setattr(layers, "few_rows", lambda q, rows: True)
+    monkeypatch.setattr(dispatch, "few_rows", lambda q, rows: True)
     real = attn_kernel._attention
     monkeypatch.setattr(attn_kernel, "_attention", lambda *a: ran.append(a[-1] is not None) or real(*a))
     llm = LLM(model=str(pair.target), draft_model=None if spec == "none" else str(pair.drafter), spec=spec,
               budget=budget, device=DEVICE, dtype="float32", max_num_seqs=2, max_model_len=128)
-    assert [o.token_ids for o in llm.generate(prompts, greedy(8))] == want
+    assert [o.token_ids for o in llm.generate(prompts, greedy(5))] == want
     assert ran and any(ran) == (spec == "none")   # the rope inside the attention: one-token decodes only
 
 
@@ -126,8 +123,7 @@ def test_drafter_attention_through_the_kernels(zoo, monkeypatch, tmp_path, shape
     in one q/k norm + rope + KV write launch, then the block's queries) drafts what its torch ops
     draft, round for round: the same draft logits, not only the target's tokens."""
     from drafttree.llm import LLM
-    from drafttree.models import dflash, layers
-    from tests.test_spec_lossless import greedy, make_prompts
+    from drafttree.models import dflash
     from tests.tiny import edit_tensors, make_drafter
     pair = zoo(shape)
     prompts = make_prompts(pair.vocab)[:2]
@@ -139,16 +135,15 @@ def test_drafter_attention_through_the_kernels(zoo, monkeypatch, tmp_path, shape
 
     def run(kernels: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
         drafted, kernel_calls = [], []
-        with monkeypatch.context() as m:
-            m.setattr(attn_kernel, "ENABLED", kernels)
-            m.setattr(layers, "few_rows", lambda q, rows: True)
+        with monkeypatch.context() as m, using(attn_kernel=kernels):
+            m.setattr(dispatch, "few_rows", lambda q, rows: True)
             m.setattr(dflash.DFlashDrafter, "draft_logits", lambda d, *a: drafted.append(real_logits(d, *a).clone())
                       or drafted[-1])
             real_attend = dflash.DraftLayer._attend_kernel
             m.setattr(dflash.DraftLayer, "_attend_kernel", lambda *a: kernel_calls.append(1) or real_attend(*a))
             llm = LLM(model=str(pair.target), draft_model=str(drafter), spec="ddtree", budget=4, device=DEVICE,
                       dtype="float32", max_num_seqs=2, max_model_len=128, cuda_graphs=False)
-            out = [o.token_ids for o in llm.generate(prompts, greedy(8))]
+            out = [o.token_ids for o in llm.generate(prompts, greedy(5))]
         assert bool(kernel_calls) == kernels
         return out, drafted
 
@@ -189,8 +184,8 @@ def test_kernels_keep_off_gpus_older_than_ampere(monkeypatch):
 
 @pytest.mark.parametrize("heads,kv_heads,hd,norm", [(4, 2, 16, True), (3, 1, 32, False), (8, 8, 16, True)])
 def test_qk_rope_write_kv_matches_the_torch_ops(heads, kv_heads, hd, norm):
-    """q/k norm, rope and the cache write in one launch, against layers' torch ops."""
-    from drafttree.models import layers
+    """q/k norm, rope and the cache write in one launch, against the torch ops; and the torch
+    fallback `dispatch` takes with the attention kernels off, against the same."""
     from drafttree.kernels.rope_kernel import qk_rope_write_kv
     gen = torch.Generator().manual_seed(heads * 10 + hd)
     B, W, L = 2, 5, 24
@@ -207,13 +202,20 @@ def test_qk_rope_write_kv_matches_the_torch_ops(heads, kv_heads, hd, norm):
                          kc, vc, rows, slots)
     wq, wk, wv = qkv.view(B, W, -1, hd).split([heads, kv_heads, kv_heads], dim=2)
     if norm:
-        wq, wk = layers._rms_norm(wq, qw, 1e-6), layers._rms_norm(wk, kw, 1e-6)
-    wq, wk = layers._rope(wq, cos, sin), layers._rope(wk, cos, sin)
+        wq, wk = torch_ops._rms_norm(wq, qw, 1e-6), torch_ops._rms_norm(wk, kw, 1e-6)
+    wq, wk = torch_ops._rope(wq, cos, sin), torch_ops._rope(wk, cos, sin)
     want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
     want_k[rows, :, slots], want_v[rows, :, slots] = wk, wv
     torch.testing.assert_close(q, wq, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kc, want_k, atol=1e-5, rtol=1e-5)
     assert torch.equal(vc, want_v)
+    tc, tv = torch.zeros_like(kc), torch.zeros_like(vc)
+    with using(attn_kernel=False):
+        tq = dispatch.qk_rope_write_kv(qkv, heads, kv_heads, qw if norm else None, kw if norm else None, 1e-6, cos,
+                                       sin, tc, tv, rows, slots)
+    torch.testing.assert_close(tq, wq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tc, want_k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(tv, want_v)
 
 
 @pytest.mark.parametrize("B,heads,kv_heads,W,L,hd,norm", [

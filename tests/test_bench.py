@@ -8,8 +8,6 @@ import pytest
 from drafttree.bench.cli import main
 from tests.tiny import make_drafter, make_target
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def test_bench_writes_results_and_plots(tmp_path):
     t = make_target(tmp_path / "t", "llama", vocab=9, layers=2, scale=3.0)
@@ -25,9 +23,16 @@ def test_bench_writes_results_and_plots(tmp_path):
     runs = {(r["method"], r["budget"], r["temperature"]) for r in res["results"]}
     assert runs == {(m, b, T) for T in (0.0, 1.0) for m, b in (("ar", None), ("dflash", None),
                                                                 ("ddtree", 2), ("ddtree", 8))}
+    ar = {r["temperature"]: r for r in res["results"] if r["method"] == "ar"}
     for r in res["results"]:
-        assert r["output_tokens"] == 36 and r["tokens_per_s"] > 0 and r["speedup"] > 0
-        assert sum(r["tau_histogram"].values()) == r["rounds"]
+        assert r["output_tokens"] == 36 and r["tokens_per_s"] == pytest.approx(36 / r["wall_s"])
+        # against AR's throughput at the same temperature, from the same results
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / ar[r["temperature"]]["tokens_per_s"])
+        hist = {int(tau): n for tau, n in r["tau_histogram"].items()}
+        accepted = sum(tau * n for tau, n in hist.items())
+        assert sum(hist.values()) == r["rounds"] and r["tau_mean"] == pytest.approx(accepted / r["rounds"])
+        # each of the 3 requests: one token from its prefill, then its rounds' (the last may run past 12)
+        assert 36 <= 3 + accepted <= 3 * (12 - 1 + 4)
         assert 0 < r["ttft_ms"] < 1e3 * r["wall_s"] / 3 and r["decode_tokens_per_s"] > 0
         # on CPU the phase timer counts host time inside each round, so within the round's wall
         assert 0 < r["round_gpu_ms"] <= r["round_ms"] < 1e3 * r["wall_s"]
@@ -86,7 +91,7 @@ def test_projection_shapes_are_the_layers(shape):
     """The kernel benchmarks time the weights a decoder layer of the shape really has."""
     import torch
 
-    from drafttree.bench.shapes import SHAPES, projections
+    from drafttree.models.random_shapes import SHAPES, projections
     from drafttree.models.decoder import DecoderLayer
     cfg = SHAPES[shape][0]
     with torch.device("meta"):

@@ -10,7 +10,6 @@ from drafttree import LLM, SamplingParams
 from drafttree.loader.weights import load_target
 from tests.tiny import make_target
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 

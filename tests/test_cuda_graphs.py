@@ -11,7 +11,7 @@ from drafttree.phases import Phase, SpecConfig, batch_buckets
 from drafttree.runner.cuda_graph import graph_plan
 from tests.tiny import make_drafter, make_target
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.gpu   # deselected without CUDA (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_bf16_graphs_through_the_fused_projections_equal_eager(pair, spec, budge
 
 @cuda
 @pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", None), ("ddtree", 32)])
-def test_bf16_graphs_with_dependent_launches_equal_without(pair, spec, budget, monkeypatch):
+def test_bf16_graphs_with_dependent_launches_equal_without(pair, spec, budget, set_settings):
     """Programmatic dependent launch (Hopper): a kernel's programs start while the one before
     runs and load their first weights; graphed tokens equal those of launches that wait."""
     from drafttree.kernels import triton_jit
@@ -110,7 +110,7 @@ def test_bf16_graphs_with_dependent_launches_equal_without(pair, spec, budget, m
     sp = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
           SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=1, ignore_eos=True)]
     with_pdl, llm = _outputs(t, d, spec, True, prompts, sp, budget=budget, dtype="bfloat16")
-    monkeypatch.setattr(triton_jit, "PDL_MODE", 0)
+    set_settings(pdl=False)
     without, _ = _outputs(t, d, spec, True, prompts, sp, budget=budget, dtype="bfloat16")
     assert with_pdl == without and llm.engine.runner.graphs.fallbacks == 0
 
@@ -123,8 +123,8 @@ def test_fp32_graphed_speculation_equals_plain_through_the_code_blocks(pair, spe
     verify and draft rows through the tensor-core tiles, plain decoding through the GEMVs. The
     engine sends only 16-bit rows there; here fp32 ones too (the kernels take fp32, and their fp32
     dots are exact products), so that tokens must be equal."""
-    from drafttree.kernels import gemm_kernel, gemv_kernel
-    monkeypatch.setattr(gemv_kernel, "usable", lambda x: not torch.is_grad_enabled() and x.is_cuda
+    from drafttree.kernels import dispatch, gemm_kernel
+    monkeypatch.setattr(dispatch, "projection_kernels", lambda x: not torch.is_grad_enabled() and x.is_cuda
                         and x.numel() // x.shape[-1] <= gemm_kernel.MAX_ROWS)
     tiled = []   # per few-row call: did a tile run (a class with blocks, covering its rows)?
     real = gemm_kernel.launch
@@ -485,7 +485,7 @@ def test_speculation_off_writes_the_drafter_context_prefill_would(pair, device):
     assert len(phases) == len(out) - 1 and all(p[-1] is Phase.DECODE for p in phases)
     assert 1 <= contexts <= len(phases) // (C - 1) + 1 < len(phases), (contexts, len(phases), C)
     assert 1 <= int(r.state.ctx_n[0]) <= r.ctx_bound <= C
-    context_phase(r, 1)   # the features still pending: the last ctx_n committed positions
+    context_phase(r.round_ctx, 1)   # the features still pending: the last ctx_n committed positions
     ref = LLM(**kw)
     ref.generate([prompt + out[:-1]], SamplingParams(temperature=0.0, max_tokens=1))
     n = len(prompt) + len(out) - 1      # every position through the target: all but the last token
@@ -545,7 +545,7 @@ def test_gpu_context_phases_write_what_eager_writes(pair, spec, budget):
     assert graphed.engine.runner.graphs.fallbacks == 0
     e, g = eager.engine.runner, graphed.engine.runner
     for r in (e, g):
-        context_phase(r, len(prompts))
+        context_phase(r.round_ctx, len(prompts))
     for i, p in enumerate(prompts):   # request i in cache row i; positions through the target
         n = len(p) + len(want[i]) - 1
         torch.testing.assert_close(g.dkv.k[:, i, :, :n], e.dkv.k[:, i, :, :n], atol=1e-5, rtol=1e-5)

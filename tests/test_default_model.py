@@ -71,6 +71,12 @@ def _reference_model(gguf_file: Path) -> torch.nn.Module:
     return model
 
 
+@pytest.fixture(scope="module")
+def reference_model(gguf_path: Path) -> torch.nn.Module:
+    """`_reference_model`, built once for the tests that compare with it (it dequantizes every tensor)."""
+    return _reference_model(gguf_path).eval()
+
+
 def test_cache_root_follows_env(session_cache: Path) -> None:
     assert cache_root() == session_cache
 
@@ -100,7 +106,7 @@ def test_converted_dir_layout(converted_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_logits_match_transformers_gguf_loader(converted_dir: Path, gguf_path: Path) -> None:
+def test_logits_match_transformers_gguf_loader(converted_dir: Path, reference_model: torch.nn.Module) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(converted_dir))
@@ -109,7 +115,7 @@ def test_logits_match_transformers_gguf_loader(converted_dir: Path, gguf_path: P
     with torch.no_grad():
         got = ours(ids).logits
     del ours
-    ref = _reference_model(gguf_path).eval()
+    ref = reference_model
     with torch.no_grad():
         want = ref(ids).logits
     assert got.shape == want.shape == (1, ids.shape[1], 49152)
@@ -214,7 +220,8 @@ def test_missing_package_gives_install_hint(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.slow
-def test_engine_greedy_equals_transformers_on_the_gguf(converted_dir: Path, gguf_path: Path) -> None:
+def test_engine_greedy_equals_transformers_on_the_gguf(converted_dir: Path,
+                                                      reference_model: torch.nn.Module) -> None:
     """The embedded default through our engine (no model flag) gives transformers' greedy tokens."""
     from drafttree import LLM, SamplingParams
 
@@ -222,7 +229,7 @@ def test_engine_greedy_equals_transformers_on_the_gguf(converted_dir: Path, gguf
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}])
                for q in ("What is the capital of France?", "Write quicksort in Python.")]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    ref = _reference_model(gguf_path).eval()
+    ref = reference_model
     for prompt, out in zip(prompts, outs):
         x = torch.tensor([llm.tokenizer.encode(prompt, add_special_tokens=False)])
         assert out.prompt_token_ids == x[0].tolist()

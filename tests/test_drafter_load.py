@@ -16,9 +16,6 @@ VOCAB = 31
 LAYERS = 3
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     return make_target(tmp_path_factory.mktemp("target") / "llama", "llama", vocab=VOCAB, layers=LAYERS)
@@ -295,9 +292,9 @@ def test_draft_matches_reference_implementation(target, tmp_path, monkeypatch, i
     calls = []
     original = rounds.draft
 
-    def recording_draft(r, B, kv_len):
-        logits = original(r, B, kv_len)
-        calls.append((int(r.state.start[0]), int(r.state.bonus[0]), logits[0].clone()))
+    def recording_draft(rc, B, kv_len):
+        logits = original(rc, B, kv_len)
+        calls.append((int(rc.state.start[0]), int(rc.state.bonus[0]), logits[0].clone()))
         return logits
 
     monkeypatch.setattr(rounds, "draft", recording_draft)

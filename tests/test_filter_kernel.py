@@ -1,7 +1,7 @@
 """Top-k / top-p thresholds: the radix-descent kernel and the sort in torch ops against a plain
 reference of their definition (`sampling.filter_thresholds`), and the sampler through them.
 
-Without CUDA the kernel runs under the Triton interpreter on CPU (set up by test_tree_kernel).
+Without CUDA the kernel runs under the Triton interpreter on CPU (conftest.py turns it on).
 
 Top-p's decision at a logit compares the mass of the greater ones with p times the kept set's.
 The reference sums in float64, the torch ops in float64 from float32 terms, the kernel in fixed
@@ -16,11 +16,13 @@ import math
 import pytest
 import torch
 
-from tests.test_tree_kernel import _CPU, DEVICE, interpreted_on_cpu
 from drafttree.kernels import filter_kernel
 from drafttree.kernels.filter_kernel import filter_thresholds_fused
-from drafttree.sampling import (SampleMode, SamplingTensors, filter_thresholds, gumbel_noise, pick_tokens,
-                                sample_rows, thresholds_by_sort)
+from drafttree.kernels.torch_ops import thresholds_by_sort
+from drafttree.sampling import SampleMode, SamplingTensors, filter_thresholds, gumbel_noise, pick_tokens, sample_rows
+from tests.helpers import DEVICE, ON_CPU, TRITON_REASON, interpreted_on_cpu
+
+pytest.importorskip("triton", reason=TRITON_REASON)
 
 MARGIN = 1e-5
 NEG = float("-inf")
@@ -97,7 +99,7 @@ def make_case(gen: torch.Generator, R: int, N: int, V: int, rows=MIXED, scale: f
 def check(logits, temp, top_k, top_p, chunk: int | None = None) -> torch.Tensor:
     """The kernel's thresholds (and kept sets) equal the reference's and the torch ops'."""
     want = reference(logits.cpu(), temp.cpu(), top_k.cpu(), top_p.cpu())
-    got = filter_thresholds_fused(logits, temp, top_k, top_p, interpret=_CPU, chunk=chunk).cpu()
+    got = filter_thresholds_fused(logits, temp, top_k, top_p, interpret=ON_CPU, chunk=chunk).cpu()
     by_sort = thresholds_by_sort(logits, temp, top_k, top_p).cpu()
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert torch.equal(got, want), (got, want)
@@ -162,7 +164,7 @@ def test_full_vocabulary_and_the_long_tail(monkeypatch):
     """A ~50k vocabulary: top-p 1 keeps every token though the tail's mass is below float32's
     resolution of the total; top-p and top-k rows over it, at the chunking the code plans (with
     wider blocks: fewer interpreted steps)."""
-    if _CPU:
+    if ON_CPU:
         monkeypatch.setattr(filter_kernel, "BLOCKS", (1024, 1024))
     gen = torch.Generator().manual_seed(0)
     rows = [(1.0, 0, None), (0.8, 0, 0.95), (1.0, 50, 0.9)]
@@ -199,7 +201,7 @@ def test_chunking_does_not_change_the_threshold():
     temp = torch.tensor([0.9, 1.1], device=DEVICE)
     top_k = torch.tensor([0, 40], device=DEVICE)
     top_p = torch.tensor([0.8, 0.9], device=DEVICE)
-    runs = [filter_thresholds_fused(logits, temp, top_k, top_p, interpret=_CPU, chunk=c) for c in (256, 768, 1500)]
+    runs = [filter_thresholds_fused(logits, temp, top_k, top_p, interpret=ON_CPU, chunk=c) for c in (256, 768, 1500)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
 
 
@@ -232,7 +234,7 @@ def test_picks_as_before_on_untied_logits():
     scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None, None]
     old = old_filter_logits(scaled, top_k, top_p)
     thr = filter_thresholds_fused(logits.to(DEVICE), temp.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE),
-                                  interpret=_CPU).cpu()
+                                  interpret=ON_CPU).cpu()
     sampled = temp > 0
     assert torch.equal((logits >= thr[..., None])[sampled], (old > NEG)[sampled])
     want = (old + gumbel_noise(st.seed, pos, V)).argmax(-1)
@@ -243,7 +245,6 @@ def test_picks_as_before_on_untied_logits():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_CPU, reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(1, 1, 49152), (16, 32, 49152), (1, 33, 151936)])
 def test_cuda_graphed_matches_the_sort(shape):
     from drafttree.bench.graph_timer import graphed

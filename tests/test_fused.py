@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from drafttree.kernels import torch_ops
 from drafttree.models import layers
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -14,7 +15,7 @@ needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc")
 
 
 @needs_cc
-def test_many_variants_compile_and_match_eager(monkeypatch, one_thread):
+def test_many_variants_compile_and_match_eager(set_settings):
     torch._dynamo.reset()
     # every tensor rank and dtype is one more compiled variant: 12 here, the old limit was 8
     cases = [(dt, rank) for dt in (torch.float32, torch.bfloat16, torch.float16) for rank in (2, 3, 4, 5)]
@@ -24,10 +25,10 @@ def test_many_variants_compile_and_match_eager(monkeypatch, one_thread):
         w = torch.randn(64, generator=g).to(dt)
         eps = 1e-5
         d = torch.randn(x.shape, generator=g).to(dt)
-        monkeypatch.setenv("DRAFTTREE_COMPILE", "0")
-        want = layers.rms_norm(x, w, eps), *layers.add_rms_norm(x, d, w, eps)
-        monkeypatch.setenv("DRAFTTREE_COMPILE", "cpu")
-        got = layers.rms_norm(x, w, eps), *layers.add_rms_norm(x, d, w, eps)
+        set_settings(compile="0")
+        want = torch_ops.rms_norm(x, w, eps), *torch_ops.add_rms_norm(x, d, w, eps)
+        set_settings(compile="cpu")
+        got = torch_ops.rms_norm(x, w, eps), *torch_ops.add_rms_norm(x, d, w, eps)
         tol = 1e-5 if dt == torch.float32 else 3e-2
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=tol, rtol=tol)
@@ -41,7 +42,7 @@ def test_small_attention_equals_sdpa(dtype):
     q, k, v = (torch.randn(B, Hkv, n, hd, generator=g).to(dtype) for n in (rows, L, L))
     mask = torch.rand(B, 1, rows, L, generator=g) < 0.7
     mask[..., 0] = True                                             # every row sees something
-    got = layers.small_attention(q, k, v, mask, hd ** -0.5)
+    got = torch_ops.small_attention(q, k, v, mask, hd ** -0.5)
     want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                             scale=hd ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -49,7 +50,7 @@ def test_small_attention_equals_sdpa(dtype):
 
 
 @needs_cc
-def test_qk_pieces_compile_and_match_eager(monkeypatch, one_thread):
+def test_qk_pieces_compile_and_match_eager(set_settings):
     g = torch.Generator().manual_seed(2)
     q, k = torch.randn(2, 5, 4, 16, generator=g), torch.randn(2, 5, 2, 16, generator=g)
     qw, kw = torch.randn(16, generator=g), torch.randn(16, generator=g)
@@ -57,20 +58,21 @@ def test_qk_pieces_compile_and_match_eager(monkeypatch, one_thread):
     cos, sin = ang.cos(), ang.sin()
     outs = {}
     for mode in ("0", "cpu"):
-        monkeypatch.setenv("DRAFTTREE_COMPILE", mode)
-        outs[mode] = (*layers.rope_qk(q, k, cos, sin), *layers.norm_rope_qk(q, k, qw, kw, 1e-6, cos, sin))
-    want = (layers._rope(q, cos, sin), layers._rope(k, cos, sin),
-            layers._rope(layers._rms_norm(q, qw, 1e-6), cos, sin), layers._rope(layers._rms_norm(k, kw, 1e-6), cos, sin))
+        set_settings(compile=mode)
+        outs[mode] = (*torch_ops.rope_qk(q, k, cos, sin), *torch_ops.norm_rope_qk(q, k, qw, kw, 1e-6, cos, sin))
+    want = (torch_ops._rope(q, cos, sin), torch_ops._rope(k, cos, sin),
+            torch_ops._rope(torch_ops._rms_norm(q, qw, 1e-6), cos, sin),
+            torch_ops._rope(torch_ops._rms_norm(k, kw, 1e-6), cos, sin))
     for got in outs.values():
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @needs_cc
-def test_round_metadata_compiles_and_matches_eager(monkeypatch, one_thread):
+def test_round_metadata_compiles_and_matches_eager(set_settings):
     """The rope tables and the attention mask a round builds, compiled as on CUDA, against eager:
     the mask exactly (a decode, a draft block, a tree, at two KV lengths), the tables to rounding."""
-    from drafttree.runner.kv_cache import attn_meta
+    from drafttree.models.kv_cache import attn_meta
     g = torch.Generator().manual_seed(3)
     rotary = layers.Rotary(layers.ModelConfig(arch="llama", vocab_size=8, hidden_size=64, intermediate_size=64,
                                               num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32))
@@ -80,7 +82,7 @@ def test_round_metadata_compiles_and_matches_eager(monkeypatch, one_thread):
               torch.rand(2, 6, 6, generator=g) < 0.5]
     outs = {}
     for mode in ("0", "cpu"):
-        monkeypatch.setenv("DRAFTTREE_COMPILE", mode)
+        set_settings(compile=mode)
         metas = [attn_meta(start, intra, L) for intra in intras for L in (48, 64)]
         outs[mode] = rotary(pos, torch.bfloat16), rotary(pos, torch.float32), metas
     (cb, sb), (cf, sf), metas = outs["cpu"]
@@ -92,13 +94,13 @@ def test_round_metadata_compiles_and_matches_eager(monkeypatch, one_thread):
 
 
 @needs_cc
-def test_acceptance_walk_compiles_and_matches_eager(monkeypatch, one_thread):
+def test_acceptance_walk_compiles_and_matches_eager(set_settings):
     """`accept` compiled as on CUDA gives exactly eager's lengths, paths and tokens, on built
     trees (several budgets and depths), arbitrary trees and chains, with picks that follow a path."""
     import random
 
     from drafttree.spec.tree import accept, build_tree, chain_tree
-    from tests.test_tree import path_picks, random_tree
+    from tests.tree_reference import path_picks, random_tree
     rng, gen = random.Random(9), torch.Generator().manual_seed(9)
     cases = []
     for _ in range(12):
@@ -113,7 +115,7 @@ def test_acceptance_walk_compiles_and_matches_eager(monkeypatch, one_thread):
         cases.append((chain, torch.randint(0, 3, (R, L + 1), generator=gen), None))
     outs = {}
     for mode in ("0", "cpu"):
-        monkeypatch.setenv("DRAFTTREE_COMPILE", mode)
+        set_settings(compile=mode)
         outs[mode] = [accept(tree, pick, L) for tree, pick, L in cases]
     for got, want in zip(outs["cpu"], outs["0"]):
         for a, b in ((got.accept_len, want.accept_len), (got.path, want.path), (got.tokens, want.tokens)):
@@ -122,7 +124,7 @@ def test_acceptance_walk_compiles_and_matches_eager(monkeypatch, one_thread):
 
 
 @needs_cc
-def test_draft_inputs_compile_and_match_eager(monkeypatch, one_thread):
+def test_draft_inputs_compile_and_match_eager(set_settings):
     """The drafter's pending context and block inputs, compiled as on CUDA, equal eager's exactly."""
     from drafttree.spec import rounds
     g = torch.Generator().manual_seed(4)
@@ -131,7 +133,7 @@ def test_draft_inputs_compile_and_match_eager(monkeypatch, one_thread):
     bonus = torch.tensor([7, 2, 5])
     outs = {}
     for mode in ("0", "cpu"):
-        monkeypatch.setenv("DRAFTTREE_COMPILE", mode)
+        set_settings(compile=mode)
         ctx_feat, ctx_pos = rounds._pending(start, n, feat)
         outs[mode] = (ctx_feat, ctx_pos, *rounds._block(start, bonus, ctx_pos, 4, 99),
                       *rounds._block(start[:1], bonus[:1], ctx_pos[:1], 16, 99))
@@ -142,7 +144,7 @@ def test_draft_inputs_compile_and_match_eager(monkeypatch, one_thread):
     assert pos[1].tolist() == [30, 31, 32, 33] and slots[1].tolist() == [26, 27, 28, 29, 29, 30, 31, 32, 33]
 
 
-def test_pending_append_compiles_and_matches_eager(monkeypatch, one_thread):
+def test_pending_append_compiles_and_matches_eager(set_settings):
     """A decode step's feature append, compiled as on CUDA, writes in place what eager writes, into
     the rows given (a slice of the buffer) and nowhere else; a full row overwrites its last entry."""
     from drafttree.spec import rounds
@@ -151,7 +153,7 @@ def test_pending_append_compiles_and_matches_eager(monkeypatch, one_thread):
     new = torch.randn(3, 6, generator=g)
     outs = {}
     for mode in ("0", "cpu"):
-        monkeypatch.setenv("DRAFTTREE_COMPILE", mode)
+        set_settings(compile=mode)
         n, feat = torch.tensor([1, 4, 5, 2]), feat0.clone()
         rounds._append_pending(n[:3], feat[:3], new)
         outs[mode] = (n, feat)
@@ -163,10 +165,10 @@ def test_pending_append_compiles_and_matches_eager(monkeypatch, one_thread):
         assert torch.equal(feat[b, :at], feat0[b, :at])
 
 
-def test_a_piece_whose_compiler_fails_runs_as_torch_ops(monkeypatch, caplog):
+def test_a_piece_whose_compiler_fails_runs_as_torch_ops(monkeypatch, set_settings, caplog):
     """A compiler failure (here a stand-in for one) warns once and leaves the piece to the torch
     ops, with their results; an error of the inputs still raises."""
-    from drafttree.models import fused as fused_mod
+    from drafttree.kernels import fused as fused_mod
     calls = []
 
     def broken(fn):
@@ -175,10 +177,10 @@ def test_a_piece_whose_compiler_fails_runs_as_torch_ops(monkeypatch, caplog):
             raise RuntimeError("backend compiler failed\ndetails")
         return run
     monkeypatch.setattr(fused_mod, "_compile", broken)
-    monkeypatch.setenv("DRAFTTREE_COMPILE", "cpu")
+    set_settings(compile="cpu")
     piece = fused_mod.fused(lambda x, y: x * 2 + y)
     x = torch.arange(4.0)
-    with caplog.at_level("WARNING", logger="drafttree.models.fused"):
+    with caplog.at_level("WARNING", logger="drafttree.kernels.fused"):
         assert torch.equal(piece(x, 1.0), x * 2 + 1) and torch.equal(piece(x, 3.0), x * 2 + 3)
     assert len(calls) == 1 and "backend compiler failed" in caplog.text and "details" not in caplog.text
     with pytest.raises(RuntimeError):
@@ -186,7 +188,7 @@ def test_a_piece_whose_compiler_fails_runs_as_torch_ops(monkeypatch, caplog):
 
 
 @needs_cc
-def test_sampler_compiles_and_matches_eager(monkeypatch, one_thread):
+def test_sampler_compiles_and_matches_eager(set_settings):
     """`sample_rows` (compiled on CUDA) picks what its torch ops pick: rows at temperature 0
     and sampled rows, one node and several, unfiltered and after a top-p filter."""
     from drafttree.sampling import SampleMode, SamplingTensors, pick_tokens
@@ -199,9 +201,9 @@ def test_sampler_compiles_and_matches_eager(monkeypatch, one_thread):
         st.seed.copy_(torch.arange(R) + 11)
         pos = torch.arange(N)[None, :] + 40 + torch.arange(R)[:, None]
         for mode in (SampleMode.SAMPLE, SampleMode.FILTERED):
-            monkeypatch.setenv("DRAFTTREE_COMPILE", "0")
+            set_settings(compile="0")
             want = pick_tokens(logits, st, pos, mode)
-            monkeypatch.setenv("DRAFTTREE_COMPILE", "cpu")
+            set_settings(compile="cpu")
             got = pick_tokens(logits, st, pos, mode)
             assert torch.equal(got, want), (R, N, mode)
         if R > 1:

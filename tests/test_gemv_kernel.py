@@ -5,16 +5,16 @@ dots are not emulated: the many-row bf16 cases are GPU cases."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from drafttree.kernels import gemm_kernel, gemv_kernel
-from drafttree.models.layers import add_rms_norm, rms_norm, silu_mul
-from tests.test_spec_lossless import zoo  # noqa: F401  (fixture)
-from tests.test_tree_kernel import _CPU, DEVICE, interpreted_on_cpu
+from drafttree.kernels import dispatch, gemm_kernel, gemv_kernel, torch_ops
+from drafttree.kernels.torch_ops import add_rms_norm, rms_norm, silu_mul
+from tests.helpers import DEVICE, TRITON_REASON, gpu, greedy, interpreted_on_cpu, make_prompts
+
+pytest.importorskip("triton", reason=TRITON_REASON)
 
 
 @pytest.fixture(autouse=True)
@@ -36,23 +36,35 @@ ROWS = [pytest.param(1, None, id="1row"), pytest.param(1, "prefetch", id="1row_p
         pytest.param(33, "torch", id="33rows_torch_ops")]
 
 
-def _rows_case(monkeypatch: pytest.MonkeyPatch, rows: int, blocks, dtype: torch.dtype) -> None:
+def _rows_and_dtypes() -> list:
+    """ROWS in fp32 and in bf16. bf16 on the tiles (more than one row, not the torch ops) is a GPU
+    case: the interpreter does not emulate bf16 dots."""
+    cases = []
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        for p in ROWS:
+            rows, blocks = p.values
+            tiles = rows > 1 and blocks != "torch" and dtype == torch.bfloat16
+            cases.append((gpu if tiles else pytest.param)(rows, blocks, dtype, id=f"{p.id}-{name}"))
+    return cases
+
+
+ROWS_AND_DTYPES = _rows_and_dtypes()
+
+
+def _rows_case(monkeypatch: pytest.MonkeyPatch, rows: int, blocks) -> None:
     if blocks == "prefetch":   # the GEMVs' first four input steps loaded at once, before the wait
         for kind in gemv_kernel.BLOCKS:
             monkeypatch.setitem(gemv_kernel.BLOCKS, kind, [(0, (4, 32, 4, 4))])
         return
-    if rows > 1 and blocks != "torch" and dtype != torch.float32 and _CPU:
-        pytest.skip("bf16 dots are a GPU case")
     for kind in gemm_kernel.BLOCKS if blocks else ():
         monkeypatch.setitem(gemm_kernel.BLOCKS, kind, [(0, None if blocks == "torch" else blocks)])
 
 
 @pytest.mark.parametrize("K,N", [(300, 40), (256, 16), (64, 7)])   # ragged K and N blocks too
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_delta,with_bias", [(True, False), (False, True)])
-@pytest.mark.parametrize("rows,blocks", ROWS)
+@pytest.mark.parametrize("rows,blocks,dtype", ROWS_AND_DTYPES)
 def test_norm_gemv_matches_the_torch_ops(K, N, dtype, with_delta, with_bias, rows, blocks, monkeypatch):
-    _rows_case(monkeypatch, rows, blocks, dtype)
+    _rows_case(monkeypatch, rows, blocks)
     gen = torch.Generator().manual_seed(K + N)
     x, delta = (torch.randn(1, rows, K, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
     g = (1 + torch.rand(K, generator=gen)).to(dtype).to(DEVICE)
@@ -62,7 +74,7 @@ def test_norm_gemv_matches_the_torch_ops(K, N, dtype, with_delta, with_bias, row
         want_x, h = add_rms_norm(x, delta, g, 1e-6)
     else:
         want_x, h = x, rms_norm(x, g, 1e-6)
-    got_x, y = gemv_kernel.norm_gemv(x, delta if with_delta else None, g, 1e-6, w, b)
+    got_x, y = dispatch.norm_gemv(x, delta if with_delta else None, g, 1e-6, w, b)
     assert y.shape == (1, rows, N) and y.dtype == dtype
     if dtype == torch.float32 or DEVICE == "cuda":
         assert torch.equal(got_x, want_x)
@@ -72,25 +84,24 @@ def test_norm_gemv_matches_the_torch_ops(K, N, dtype, with_delta, with_bias, row
 
 
 @pytest.mark.parametrize("K,I", [(300, 40), (64, 7)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_delta", [True, False])
-@pytest.mark.parametrize("rows,blocks", ROWS)
+@pytest.mark.parametrize("rows,blocks,dtype", ROWS_AND_DTYPES)
 def test_norm_glu_gemv_matches_the_torch_ops(K, I, dtype, with_delta, rows, blocks, monkeypatch):
     """The gate/up projection with SiLU·up as its epilogue: against add + norm, the projection
     and silu_mul; and against silu_mul of the plain norm_gemv's output, which rounds at the same
     points (equal but for the dot's order and, interpreted, the truncating bf16 casts)."""
-    _rows_case(monkeypatch, rows, blocks, dtype)
+    _rows_case(monkeypatch, rows, blocks)
     gen = torch.Generator().manual_seed(K + I)
     x, delta = (torch.randn(1, rows, K, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
     delta = delta if with_delta else None
     g = (1 + torch.rand(K, generator=gen)).to(dtype).to(DEVICE)
     w = (torch.randn(2 * I, K, generator=gen) / K ** 0.5).to(dtype).to(DEVICE)
-    got_x, h = gemv_kernel.norm_glu_gemv(x, delta, g, 1e-6, w)
+    got_x, h = dispatch.norm_glu_gemv(x, delta, g, 1e-6, w)
     hn = add_rms_norm(x, delta, g, 1e-6)[1] if with_delta else rms_norm(x, g, 1e-6)
-    assert h.shape == (1, rows, I) and torch.equal(got_x, gemv_kernel.norm_gemv(x, delta, g, 1e-6, w)[0])
+    assert h.shape == (1, rows, I) and torch.equal(got_x, dispatch.norm_gemv(x, delta, g, 1e-6, w)[0])
     tol = 2 * TOL[dtype]   # two rounded factors (the torch ops also round the normed input)
     torch.testing.assert_close(h.float(), silu_mul(F.linear(hn, w)).float(), atol=tol, rtol=tol)
-    gu = gemv_kernel.norm_gemv(x, delta, g, 1e-6, w)[1]
+    gu = dispatch.norm_gemv(x, delta, g, 1e-6, w)[1]
     g_, u = gu.float().chunk(2, dim=-1)   # the unfused kernels' rounding: silu(gate) rounded, times up
     near = 1e-5 if dtype == torch.float32 else 2 ** -6   # bf16: two steps (the interpreter truncates)
     torch.testing.assert_close(h.float(), (F.silu(g_).to(dtype).float() * u).to(dtype).float(), atol=near, rtol=near)
@@ -104,7 +115,7 @@ def test_plain_gemv_matches_linear(blocks, with_bias, monkeypatch):
     x = torch.randn(1, 1, 300, generator=gen).to(DEVICE)
     w = (torch.randn(21, 300, generator=gen) / 300 ** 0.5).to(DEVICE)
     b = torch.randn(21, generator=gen).to(DEVICE) if with_bias else None
-    torch.testing.assert_close(gemv_kernel.gemv(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dispatch.gemv(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["norm", "glu"])
@@ -134,11 +145,11 @@ def test_tile_weights_loaded_before_the_wait(kind, prefetch, blocks, monkeypatch
     g = (1 + torch.rand(300, generator=gen)).to(DEVICE)
     w = (torch.randn(80, 300, generator=gen) / 300 ** 0.5).to(DEVICE)
     if kind == "plain":
-        got_x, y = x, gemv_kernel.gemv(x, w)
+        got_x, y = x, dispatch.gemv(x, w)
         want_x, want = x, F.linear(x, w)
     else:
-        got_x, y = (gemv_kernel.norm_glu_gemv if kind == "glu" else gemv_kernel.norm_gemv)(x, delta, g, 1e-6, w)
-        want_x, want = gemm_kernel.torch_ops(kind, x, delta, g, 1e-6, w, None)
+        got_x, y = (dispatch.norm_glu_gemv if kind == "glu" else dispatch.norm_gemv)(x, delta, g, 1e-6, w)
+        want_x, want = torch_ops.projection(kind, x, delta, g, 1e-6, w, None)
     assert torch.equal(got_x, want_x)
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
 
@@ -148,14 +159,16 @@ def test_rows_past_a_class_take_the_torch_ops(rows, tiled, monkeypatch):
     """A class's blocks cover at most their last field's token rows; more rows run the torch ops."""
     monkeypatch.setitem(gemm_kernel.BLOCKS, "plain", [(0, ROW_BLOCKS[:6] + (33, 0))])
     ran = []
-    real = gemm_kernel.torch_ops
-    monkeypatch.setattr(gemm_kernel, "torch_ops", lambda *a: ran.append(a[0]) or real(*a))
+    real = torch_ops.projection
+    monkeypatch.setattr(torch_ops, "projection", lambda *a: ran.append(a[0]) or real(*a))
     gen = torch.Generator().manual_seed(rows)
     h = torch.randn(1, rows, 200, generator=gen).to(DEVICE)
     w = (torch.randn(80, 200, generator=gen) / 200 ** 0.5).to(DEVICE)
-    torch.testing.assert_close(gemm_kernel.launch("plain", h, None, None, 0.0, w, None)[1], F.linear(h, w),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dispatch.gemv(h, w), F.linear(h, w), atol=1e-5, rtol=1e-5)
     assert ran == ([] if tiled else ["plain"])
+    if not tiled:   # the tiles themselves refuse rows their blocks do not cover
+        with pytest.raises(ValueError, match="no blocks"):
+            gemm_kernel.launch("plain", h, None, None, 0.0, w, None)
 
 
 def test_block_classes(monkeypatch):
@@ -175,30 +188,30 @@ def test_block_classes(monkeypatch):
 def test_refuses_too_many_rows_and_an_odd_gate_up():
     x = torch.zeros(gemm_kernel.MAX_ROWS + 1, 1, 64, device=DEVICE)
     g, w = torch.ones(64, device=DEVICE), torch.zeros(8, 64, device=DEVICE)
-    for call in (lambda: gemv_kernel.norm_gemv(x, None, g, 1e-6, w), lambda: gemv_kernel.gemv(x, w),
-                 lambda: gemv_kernel.norm_glu_gemv(x, None, g, 1e-6, w)):
+    for call in (lambda: dispatch.norm_gemv(x, None, g, 1e-6, w), lambda: dispatch.gemv(x, w),
+                 lambda: dispatch.norm_glu_gemv(x, None, g, 1e-6, w)):
         with pytest.raises(ValueError, match=f"at most {gemm_kernel.MAX_ROWS} rows"):
             call()
     for rows in (1, 2):   # [gate | up] needs an even row count
         with pytest.raises(ValueError, match="glu gemv"):
-            gemv_kernel.norm_glu_gemv(x[:rows], None, g, 1e-6, torch.zeros(7, 64, device=DEVICE))
+            dispatch.norm_glu_gemv(x[:rows], None, g, 1e-6, torch.zeros(7, 64, device=DEVICE))
 
 
 @torch.no_grad()
-def test_usable_for_few_16_bit_rows(monkeypatch):
-    monkeypatch.setattr(gemv_kernel, "ENABLED", True)
-    monkeypatch.setattr(gemm_kernel, "ENABLED", True)
+def test_projection_kernels_for_few_16_bit_rows(set_settings):
+    set_settings(gemv=True, gemm=True)
     one = torch.zeros(1, 1, 64, dtype=torch.bfloat16, device=DEVICE)
     most = torch.zeros(2, gemm_kernel.MAX_ROWS // 2, 64, dtype=torch.bfloat16, device=DEVICE)
-    assert gemv_kernel.usable(one) and gemv_kernel.usable(most)
-    assert not gemv_kernel.usable(one.float())                 # fp32 keeps cuBLAS: decode == verify
-    assert not gemv_kernel.usable(torch.zeros(1, gemm_kernel.MAX_ROWS + 1, 64, dtype=torch.bfloat16, device=DEVICE))
+    assert dispatch.projection_kernels(one) and dispatch.projection_kernels(most)
+    assert not dispatch.projection_kernels(one.float())                 # fp32 keeps cuBLAS: decode == verify
+    too_many = torch.zeros(1, gemm_kernel.MAX_ROWS + 1, 64, dtype=torch.bfloat16, device=DEVICE)
+    assert not dispatch.projection_kernels(too_many)
     with torch.enable_grad():   # no backward: training keeps the torch ops
-        assert not gemv_kernel.usable(one)
-    monkeypatch.setattr(gemm_kernel, "ENABLED", False)   # DRAFTTREE_GEMM=0: one row only
-    assert gemv_kernel.usable(one) and not gemv_kernel.usable(most)
-    monkeypatch.setattr(gemv_kernel, "ENABLED", False)
-    assert not gemv_kernel.usable(one)
+        assert not dispatch.projection_kernels(one)
+    set_settings(gemm=False)   # DRAFTTREE_GEMM=0: one row only
+    assert dispatch.projection_kernels(one) and not dispatch.projection_kernels(most)
+    set_settings(gemv=False)
+    assert not dispatch.projection_kernels(one)
 
 
 @pytest.mark.parametrize("shape", ["qwen3", "qwen2", "llama"])   # q/k norm; QKV bias; neither
@@ -206,18 +219,17 @@ def test_decode_through_the_kernels(zoo, monkeypatch, shape):
     """Plain greedy decoding with every one-token layer through the fused projections gives the
     torch ops' tokens (fp32 let in here, on tiny models; the engine takes them for 16-bit only)."""
     from drafttree.llm import LLM
-    from tests.test_spec_lossless import greedy, make_prompts
     pair = zoo(shape)
     prompts = make_prompts(pair.vocab)[:2]
-    want = [pair.plain(p, 8) for p in prompts]
+    want = [pair.plain(p, 4) for p in prompts]   # interpreted launches are slow: 3 decode steps each
     calls = []
-    real = gemv_kernel.norm_glu_gemv
-    monkeypatch.setattr(gemv_kernel, "usable", lambda x: x.shape[0] * x.shape[1] == 1)
-    monkeypatch.setattr(gemv_kernel, "norm_glu_gemv", lambda *a: calls.append(1) or real(*a))
+    real = dispatch.norm_glu_gemv
+    monkeypatch.setattr(dispatch, "projection_kernels", lambda x: x.shape[0] * x.shape[1] == 1)
+    monkeypatch.setattr(dispatch, "norm_glu_gemv", lambda *a: calls.append(1) or real(*a))
     llm = LLM(model=str(pair.target), spec="none", device=DEVICE, dtype="float32", max_num_seqs=1,
               max_model_len=128, cuda_graphs=False)
-    assert [o.token_ids for o in llm.generate(prompts, greedy(8))] == want
-    assert len(calls) >= 7 * 3   # 7 one-token steps per prompt, 3 layers each
+    assert [o.token_ids for o in llm.generate(prompts, greedy(4))] == want
+    assert len(calls) >= 2 * 3 * 3   # 3 one-token steps per prompt, 3 layers each
 
 
 @pytest.mark.parametrize("shape", ["qwen2", "qwen3", "llama"])
@@ -230,7 +242,7 @@ def test_fused_layer_equals_the_layer(zoo, monkeypatch, shape, first, rows, bloc
     from drafttree.config import ModelConfig
     from drafttree.models.decoder import DecoderLayer
     from drafttree.models.layers import Attention
-    _rows_case(monkeypatch, rows, blocks, torch.float32)
+    _rows_case(monkeypatch, rows, blocks)
     cfg = ModelConfig.from_dir(zoo(shape).target)
     torch.manual_seed(5)
     layer = DecoderLayer(cfg).to(DEVICE)
@@ -241,9 +253,9 @@ def test_fused_layer_equals_the_layer(zoo, monkeypatch, shape, first, rows, bloc
     x, delta = torch.randn(2, 1, rows, cfg.hidden_size, device=DEVICE)
     delta = None if first else delta
     with torch.no_grad():
-        monkeypatch.setattr(gemv_kernel, "usable", lambda x: False)
+        monkeypatch.setattr(dispatch, "projection_kernels", lambda x: False)
         want = layer(x, delta, None, None, None, None)
-        monkeypatch.setattr(gemv_kernel, "usable", lambda x: True)
+        monkeypatch.setattr(dispatch, "projection_kernels", lambda x: True)
         got = layer(x, delta, None, None, None, None)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
@@ -256,7 +268,7 @@ def test_fused_draft_layer_equals_the_layer(zoo, monkeypatch, rows, blocks):
     block's own k and v on, so all three halves of the QKV output are checked."""
     from drafttree.config import ModelConfig
     from drafttree.models import dflash
-    _rows_case(monkeypatch, rows, blocks, torch.float32)
+    _rows_case(monkeypatch, rows, blocks)
     cfg = ModelConfig.from_dir(zoo("qwen3").target)
     torch.manual_seed(6)
     layer = dflash.DraftLayer(cfg).to(DEVICE)
@@ -273,16 +285,16 @@ def test_fused_draft_layer_equals_the_layer(zoo, monkeypatch, rows, blocks):
     rope = (torch.ones(1, rows, 1, cfg.head_dim, device=DEVICE), torch.zeros(1, rows, 1, cfg.head_dim, device=DEVICE))
     rope_kv = tuple(t.expand(1, rows + 3, 1, cfg.head_dim) for t in (rope[0][:, :1], rope[1][:, :1]))
     with torch.no_grad():
-        monkeypatch.setattr(gemv_kernel, "usable", lambda x: False)
+        monkeypatch.setattr(dispatch, "projection_kernels", lambda x: False)
         want = layer(x, ctx, rope, rope_kv, None, None, None)
-        monkeypatch.setattr(gemv_kernel, "usable", lambda x: True)
+        monkeypatch.setattr(dispatch, "projection_kernels", lambda x: True)
         got = layer(x, ctx, rope, rope_kv, None, None, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_dependent_launch_only_compiled_on_cuda(monkeypatch):
+def test_dependent_launch_only_compiled_on_cuda(monkeypatch, set_settings):
     """PDL needs compiled kernels on a Hopper or newer GPU and a Triton that has it: never on CPU,
-    under the interpreter, on Ampere or with an older Triton."""
+    under the interpreter, on Ampere, with an older Triton or with `settings.pdl` off."""
     from drafttree.kernels import triton_jit
     assert not triton_jit.pdl_on("cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -291,14 +303,16 @@ def test_dependent_launch_only_compiled_on_cuda(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")   # a Hopper GPU, as far as pdl_on can tell
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(triton_jit, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(triton_jit, "PDL_MODE", 2)
-    assert triton_jit.pdl_options("cuda") == {"PDL": 2, "launch_pdl": True}
+    set_settings(pdl=True)
+    assert triton_jit.pdl_options("cuda") == {"PDL": 1, "launch_pdl": True}
+    set_settings(pdl=False)   # DRAFTTREE_PDL=0
+    assert triton_jit.pdl_options("cuda") == {"PDL": 0}
+    set_settings(pdl=True)
     monkeypatch.setattr(triton_jit, "_triton_has_pdl", lambda: False)   # an older Triton
     assert triton_jit.pdl_options("cuda") == {"PDL": 0}
     monkeypatch.setattr(triton_jit, "_triton_has_pdl", lambda: True)
     monkeypatch.setattr(triton_jit, "_capability", lambda index: (8, 0))   # Ampere
     assert not triton_jit.pdl_on("cuda")
-
 
 
 def test_blocks_from_a_sweep_file(tmp_path, monkeypatch):
@@ -330,16 +344,25 @@ def test_blocks_from_a_sweep_file(tmp_path, monkeypatch):
         kernel_blocks.load(str(tmp_path / "missing.json"), one, few)
 
 
-def test_sweep_file_applies_at_import(tmp_path):
-    import subprocess
-    import sys
+def test_sweep_file_from_the_settings(tmp_path, set_settings):
+    """`settings.blocks` (DRAFTTREE_BLOCKS): the kernels look their blocks up in the code's tables
+    with that file applied, leaving the tables themselves as they are; a bad file is refused,
+    naming the variable."""
+    from drafttree.settings import Settings
     path = tmp_path / "sweep.json"
-    path.write_text(json.dumps([["glu", 1_800_000, None]]))
-    code = "from drafttree.models import gemm_kernel, gemv_kernel; print(gemm_kernel.blocks_for('glu', 1_800_000))"
-    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DRAFTTREE_BLOCKS": str(path)},
-                         capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.strip() == "None", run.stderr
-    path.write_text("[1]")
-    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DRAFTTREE_BLOCKS": str(path)},
-                         capture_output=True, text=True)
-    assert run.returncode != 0 and "DRAFTTREE_BLOCKS=" in run.stderr
+    path.write_text(json.dumps([["glu", 1_800_000, None], ["norm", 600_000, [8, 256, 4, 1]]]))
+    code_glu, code_norm = gemm_kernel.blocks_for("glu", 1_800_000), gemv_kernel.blocks_for("norm", 600_000)
+    assert code_glu is not None and code_norm != (8, 256, 4, 1)
+    set_settings(blocks=Settings.from_env({"DRAFTTREE_BLOCKS": str(path)}).blocks)
+    assert gemm_kernel.blocks_for("glu", 1_800_000) is None
+    assert gemv_kernel.blocks_for("norm", 600_000) == (8, 256, 4, 1)
+    assert gemm_kernel.blocks_for("glu", 1_800_000, gemm_kernel.BLOCKS) == code_glu   # the code's table untouched
+    set_settings(blocks=None)
+    assert gemm_kernel.blocks_for("glu", 1_800_000) == code_glu
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1]")
+    set_settings(blocks=str(bad))
+    with pytest.raises(ValueError, match="DRAFTTREE_BLOCKS="):
+        gemm_kernel.blocks_for("glu", 10)
+    with pytest.raises(ValueError, match="DRAFTTREE_BLOCKS="):
+        Settings.from_env({"DRAFTTREE_BLOCKS": str(tmp_path / "missing.json")})

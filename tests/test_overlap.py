@@ -42,7 +42,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.mark.parametrize("spec", ["none", "dflash", "ddtree"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_overlap_emits_what_reading_first_emits(pair, spec, temperature, one_thread):
+def test_overlap_emits_what_reading_first_emits(pair, spec, temperature):
     """Six requests through three rows (admissions while a round is in flight), of different
     lengths, two of them stopped by a token id inside a round."""
     prompts = _prompts(6)
@@ -62,7 +62,7 @@ def test_overlap_emits_what_reading_first_emits(pair, spec, temperature, one_thr
 
 
 @pytest.mark.parametrize("spec", ["none", "ddtree"])
-def test_overlap_stops_at_the_context_end(pair, spec, one_thread):
+def test_overlap_stops_at_the_context_end(pair, spec):
     """Requests that run into max_model_len: the engine reads first near the end, so no round
     writes past a cache row (CPU indexing would raise) and the outputs stop where they should."""
     prompts = _prompts(3, seed=1)
@@ -75,7 +75,7 @@ def test_overlap_stops_at_the_context_end(pair, spec, one_thread):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_abort_while_a_round_is_in_flight(pair, overlap, one_thread):
+def test_abort_while_a_round_is_in_flight(pair, overlap):
     """Aborting the first of three running requests moves the last one's row while its next round
     is unread: the other two still emit what they emit alone."""
     prompts = _prompts(3, seed=2)
@@ -99,7 +99,7 @@ def test_overlap_default_follows_the_device(pair):
     assert _engine(pair, "none", True).overlap is True
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("spec", ["none", "dflash", "ddtree"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_overlap_emits_what_reading_first_emits(pair, spec, dtype):

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from drafttree import LLM, SamplingParams
-from drafttree.kernels import gemm_kernel, gemv_kernel
+from drafttree.kernels import dispatch, gemm_kernel
+from drafttree.kernels.torch_ops import add_rms_norm, silu_mul
 from drafttree.models import quant
-from drafttree.models.layers import add_rms_norm, silu_mul
-from tests.test_spec_lossless import check_lossless, make_prompts, taus_of, zoo  # noqa: F401  (fixture)
-from tests.test_tree_kernel import _CPU, DEVICE, interpreted_on_cpu
+from tests.helpers import (DEVICE, check_lossless, gpu, interpreted_on_cpu, make_prompts, requires_triton,
+                           taus_of)
 
-DTYPES = [torch.float32, torch.float16] + ([] if _CPU else [torch.bfloat16])   # bf16 dots are not interpreted
+DTYPES = [torch.float32, torch.float16, gpu(torch.bfloat16)]   # bf16 dots are not interpreted
 # fp32: a row scaled 50x, summed in another order
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
@@ -57,6 +57,7 @@ def _operands(kind: str, rows: int, K: int, N: int, dtype: torch.dtype, seed: in
     return x, delta, g, q, scale
 
 
+@requires_triton
 @pytest.mark.usefixtures("_kernels")
 @pytest.mark.parametrize("kind", ["norm", "plain", "glu"])
 @pytest.mark.parametrize("rows", [1, 16, 33, 100])   # 100: past the 16-bit tiles' MAX_ROWS
@@ -76,10 +77,10 @@ def test_fp8_tiles_match_the_widened_weights(kind, rows, dtype, blocks, dot, mon
     x, delta, g, q, scale = _operands(kind, rows, K, N, dtype, rows + K)
     if kind == "plain":
         y = gemm_kernel.launch("plain", x, None, None, 0.0, q, None, scale)[1] if rows > 64 else \
-            gemv_kernel.gemv(x, q, None, scale)
+            dispatch.gemv(x, q, None, scale)
     else:
         args = (x, delta, g, 1e-6, q)
-        call = gemv_kernel.norm_glu_gemv if kind == "glu" else gemv_kernel.norm_gemv
+        call = dispatch.norm_glu_gemv if kind == "glu" else dispatch.norm_gemv
         xo, y = (gemm_kernel.launch(kind, *args, None, scale) if rows > 64
                  else call(*args, scale=scale) if kind == "glu" else call(*args, None, scale))
         torch.testing.assert_close(xo, add_rms_norm(x, delta, g, 1e-6)[0], atol=0,
@@ -113,10 +114,11 @@ def _reference(kind: str, x, delta, g, q, scale) -> torch.Tensor:
     return (F.silu(gate).to(dt).float() * up).to(dt)
 
 
+@requires_triton
 @pytest.mark.usefixtures("_kernels")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_linear_forward(dtype, monkeypatch):
-    """Fp8Linear: the tiles where `gemm_kernel.takes` the input (16-bit on a GPU), else the torch ops on
+    """Fp8Linear: the tiles where `dispatch.tiles_take` the input (16-bit on a GPU), else the torch ops on
     the widened weights; bias added once either way."""
     gen = torch.Generator().manual_seed(3)
     lin = torch.nn.Linear(96, 24).to(DEVICE)
@@ -128,7 +130,7 @@ def test_fp8_linear_forward(dtype, monkeypatch):
     want = F.linear(x.float(), quant.dequantize(f8.weight, f8.scale, torch.float32), lin.bias.float())
     with torch.no_grad():
         torch.testing.assert_close(f8(x).float(), want, atol=TOL[dtype], rtol=TOL[dtype])
-        monkeypatch.setattr(gemm_kernel, "takes", lambda x: True)   # the tiles in fp32 too
+        monkeypatch.setattr(dispatch, "tiles_take", lambda x: True)   # the tiles in fp32 too
         torch.testing.assert_close(f8(x).float(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -136,12 +138,12 @@ def test_check_refuses_unknown_methods_and_old_gpus(monkeypatch):
     with pytest.raises(ValueError, match="unknown draft quantization 'int4'"):
         quant.check("int4", "cpu")
     quant.check("fp8", "cpu")
-    monkeypatch.setattr(quant, "interpreting", lambda: False)
-    monkeypatch.setattr(quant, "kernels_run_on", lambda dev: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 0))
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr(dispatch, "kernels_run_on", lambda dev: True)
+    monkeypatch.setattr(dispatch, "capability", lambda dev: (8, 0))
     with pytest.raises(ValueError, match="compute capability 8.9"):
         quant.check("fp8", "cuda")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    monkeypatch.setattr(dispatch, "capability", lambda dev: (9, 0))
     quant.check("fp8", "cuda")
 
 
@@ -155,7 +157,6 @@ def test_engine_refuses_an_unknown_quantization_before_loading(zoo, monkeypatch)
             draft_quantization="int3")
 
 
-@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("shape,spec,budget", [("llama", "ddtree", 32), ("qwen3", "ddtree", 8),
                                                ("qwen2", "dflash", None)])
 def test_fp8_drafter_is_lossless(zoo, shape, spec, budget):
@@ -173,7 +174,7 @@ def test_fp8_drafter_is_lossless(zoo, shape, spec, budget):
     assert max(taus_of(outs)) >= 2, "no round accepted a drafted token"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("spec,budget", [("dflash", None), ("ddtree", 32)])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fp8_drafter_graphed_equals_eager(zoo, spec, budget, batch, monkeypatch):

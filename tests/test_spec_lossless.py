@@ -8,80 +8,16 @@ so that they cannot pass on rounds that accept nothing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
-
 import pytest
 import torch
 
 from drafttree import LLM, SamplingParams
 from drafttree.spec import rounds
-from tests.tiny import copy_checkpoint, edit_config, edit_tensors, make_drafter, make_target
+from tests.helpers import MAX_TOKENS, VOCAB, check_lossless, greedy, make_prompts, taus_of
+from tests.tiny import copy_checkpoint, edit_config, edit_tensors
 
 SHAPE_NAMES = ["llama", "qwen2", "qwen3", "llama3"]
-VOCAB = 7            # the main vocabulary: a random drafter guesses right about 1 time in 7
 SMALL_VOCAB = 5      # small enough for a tree to hold every prefix of a short block
-SCALE = 3.0          # sharper random targets: their greedy outputs vary instead of repeating one token
-LENS = (1, 7, 30)
-MAX_TOKENS = 40
-
-
-def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def make_prompts(vocab: int, lens=LENS, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
-
-
-@dataclass
-class Pair:
-    """A random target, a random drafter for it (block size 4), and cached plain outputs."""
-    target: Path
-    drafter: Path
-    vocab: int
-    _plain: dict = field(default_factory=dict)
-    _llms: dict = field(default_factory=dict)
-
-    def llm(self, spec: str = "none", block_size: int | None = None, budget: int | None = None,
-            max_num_seqs: int = 3, max_model_len: int = 128, drafter: Path | None = None) -> LLM:
-        """One engine per configuration, reused across tests (so engines also serve several
-        generate calls in a row, over cache rows that earlier requests left dirty)."""
-        key = (spec, block_size, budget, max_num_seqs, max_model_len, drafter)
-        if key not in self._llms:
-            self._llms[key] = LLM(model=str(self.target),
-                                  draft_model=None if spec == "none" else str(drafter or self.drafter),
-                                  spec=spec, block_size=block_size, budget=budget, device="cpu",
-                                  dtype="float32", max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-        return self._llms[key]
-
-    def plain(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-        """Reference: plain greedy decoding, one request at a time."""
-        key = (tuple(prompt), max_tokens)
-        if key not in self._plain:
-            (out,) = self.llm("none", max_num_seqs=1).generate([prompt], greedy(max_tokens))
-            assert len(out.token_ids) == max_tokens
-            self._plain[key] = out.token_ids
-        return self._plain[key]
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def zoo(tmp_path_factory):
-    pairs: dict[tuple[str, int], Pair] = {}
-
-    def get(shape: str, vocab: int = VOCAB) -> Pair:
-        if (shape, vocab) not in pairs:
-            root = tmp_path_factory.mktemp(f"{shape}-v{vocab}")
-            target = make_target(root / "target", shape, vocab=vocab, scale=SCALE)
-            drafter = make_drafter(root / "drafter", target, block_size=4)
-            pairs[shape, vocab] = Pair(target, drafter, vocab)
-        return pairs[shape, vocab]
-
-    return get
 
 
 class TreeLog:
@@ -157,31 +93,6 @@ def inside_block_positions(out) -> list[int]:
     """Output indices j committed by a round that accepted >= 2 tokens, j not the round's last:
     a request stopping at j stops inside an accepted block."""
     return [j for a, b in round_spans(out)[1:] if b - a >= 2 for j in range(a, b - 1)]
-
-
-def check_lossless(pair: Pair, llm: LLM, prompts, max_tokens=MAX_TOKENS, *, max_tau: int):
-    """Generate all prompts in one call; every output must equal plain greedy decoding, and the
-    per-round metrics must be consistent with it."""
-    params = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-    outs = llm.generate(prompts, [greedy(n) for n in params])
-    for p, n, out in zip(prompts, params, outs):
-        want = pair.plain(p, n)
-        assert out.token_ids == want, f"prompt of {len(p)} tokens diverged at index " \
-            f"{next((i for i, (a, b) in enumerate(zip(out.token_ids, want)) if a != b), len(want))}"
-        assert out.finish_reason == "length"
-        taus = out.metrics["accept_lengths"]
-        assert out.metrics["rounds"] == len(taus)
-        assert all(1 <= t <= max_tau for t in taus), taus
-        # the prefill gives one token; the last round is the one that reached max_tokens
-        if n == 1:
-            assert taus == []
-        else:
-            assert 1 + sum(taus[:-1]) < n <= 1 + sum(taus), (n, taus)
-    return outs
-
-
-def taus_of(outs) -> list[int]:
-    return [t for o in outs for t in o.metrics["accept_lengths"]]
 
 
 # -- DFlash ----------------------------------------------------------------------------------
@@ -456,12 +367,12 @@ def test_admit_min_batches_admissions(zoo, spec, block_size, budget):
 def test_few_row_attention_path_on_the_cache(zoo, monkeypatch, spec, budget):
     """The attention that CUDA takes for decode, draft and verify (two matmuls over views of the
     cache), forced on CPU: same tokens as plain greedy through SDPA, batched."""
-    from drafttree.models import layers
+    from drafttree.kernels import dispatch
     pair = zoo("qwen3")
     prompts = make_prompts(pair.vocab)
     want = [pair.plain(p) for p in prompts]
     calls = []
-    monkeypatch.setattr(layers, "few_rows", lambda q, rows: calls.append(rows) or rows <= 128)
+    monkeypatch.setattr(dispatch, "few_rows", lambda q, rows: calls.append(rows) or rows <= 128)
     llm = LLM(model=str(pair.target), draft_model=None if spec == "none" else str(pair.drafter), spec=spec,
               budget=budget, device="cpu", dtype="float32", max_num_seqs=3, max_model_len=128)
     assert [o.token_ids for o in llm.generate(prompts, greedy())] == want
@@ -473,16 +384,16 @@ def test_parked_rows_write_inside_the_cache(zoo, monkeypatch, spec, budget):
     """A graph runs its whole batch bucket, rows without a request parked. Their round must write
     only cache slots that exist: the KV-write kernel has no bounds check, and a slot of -1 wrote
     before the cache (an illegal address on the GPU at batch 16)."""
-    from drafttree.models import layers
+    from drafttree.kernels import dispatch
     from drafttree.sampling import SampleMode
     llm = zoo("qwen3").llm(spec, budget=budget)
     r = llm.engine.runner
     seen = []
-    real = layers.write_kv
-    monkeypatch.setattr(layers, "write_kv", lambda kc, vc, rows, slots, k, v:
+    real = dispatch.write_kv
+    monkeypatch.setattr(dispatch, "write_kv", lambda kc, vc, rows, slots, k, v:
                         seen.append((int(slots.min()), int(slots.max()), kc.shape[-2])) or real(kc, vc, rows, slots, k, v))
     R = r.state.start.shape[0]
     r.state.park(0, R)
-    rounds.spec_round(r, R, 64, SampleMode.GREEDY)
+    rounds.spec_round(r.round_ctx, R, 64, SampleMode.GREEDY)
     assert seen and all(0 <= lo and hi < L for lo, hi, L in seen), seen
     assert bool((r.state.start >= r.state.ctx_n).all())

@@ -122,8 +122,6 @@ def test_chi2_sf_closed_forms():
 
 # -- models and exact distributions ------------------------------------------------------------
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):

@@ -6,7 +6,7 @@ import torch
 
 from drafttree import LLM, SamplingParams
 from drafttree.loader.weights import load_target
-from drafttree.runner.kv_cache import KVCache, attn_meta, causal
+from drafttree.models.kv_cache import KVCache, attn_meta, causal
 from tests.tiny import SHAPES, make_target
 
 SHAPE_NAMES = sorted(SHAPES)

@@ -1,54 +1,29 @@
 """The fused tree kernel against `build_tree`, field by field.
 
-Without CUDA the kernel runs under the Triton interpreter on CPU
-(TRITON_INTERPRET=1, which must be set before triton is first imported).
+Without CUDA the kernel runs under the Triton interpreter on CPU (conftest.py turns it on).
 """
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import pytest
 import torch
 
-_CPU = not torch.cuda.is_available()
-if _CPU and "triton" not in sys.modules:
-    _before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton
-    except ImportError:
-        pass
-    finally:  # keep the interpreter off for other test modules
-        if _before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _before
-
-triton = pytest.importorskip("triton")
-
+from drafttree.kernels import dispatch
+from drafttree.kernels.tree_kernel import available
 from drafttree.spec.tree import DraftTree, build_tree
-from drafttree.kernels.tree_kernel import available, build_tree_fused
-from tests.test_tree import (
-    KINDS,
-    brute_force_scores,
-    check_tree,
-    log_probs,
-    make_logits,
-)
+from tests.helpers import DEVICE, ON_CPU, TRITON_REASON, interpreted_on_cpu
+from tests.tree_reference import KINDS, brute_force_scores, check_tree, log_probs, make_logits
 
-DEVICE = "cpu" if _CPU else "cuda"
+pytest.importorskip("triton", reason=TRITON_REASON)
+
 FIELDS = ("tokens", "parents", "depth", "valid", "visible")
 
 
-def interpreted_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without CUDA, run Triton kernels under the interpreter (skip if triton came in without it)."""
-    if _CPU:
-        if type(triton.language.standard.flip).__name__ != "InterpretedFunction":
-            pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: int) -> DraftTree:
+    """The fused build (`dispatch.build_tree_fused`) as the rounds take it, a DraftTree."""
+    return DraftTree(*dispatch.build_tree_fused(draft_logits, root_tokens, budget))
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +62,7 @@ def node_scores(tree: DraftTree, logits: torch.Tensor) -> list[list[float]]:
 
 # On CUDA nearly every random case is a new Triton compile (its L, K and budget are constexprs,
 # a few seconds each): fewer cases there; the interpreter runs them all in CI.
-RANDOM_CASES, TIE_CASES = (40, 8) if _CPU else (12, 4)
+RANDOM_CASES, TIE_CASES = (40, 8) if ON_CPU else (12, 4)
 
 
 def random_case(rng: random.Random, gen: torch.Generator,
@@ -158,11 +133,17 @@ def test_edge_cases() -> None:
 
 
 def test_availability_and_fallback() -> None:
+    """The rounds build with the kernel where it runs and the budget is one it wins at, else with
+    `build_tree`."""
+    from drafttree.spec.rounds import tree_builder
     assert available(DEVICE, 128) and not available(DEVICE, 129)
+    device = torch.device(DEVICE)
+    assert tree_builder(device, 128) is not build_tree and tree_builder(device, 129) is build_tree
     # meta tensors hold no data: only build_tree's static-shape path can take them
-    assert not available("meta")
-    tree = build_tree_fused(torch.empty(2, 15, 1000, device="meta"),
-                            torch.empty(2, dtype=torch.long, device="meta"), 64)
+    assert not available("meta") and not dispatch.fused_tree_usable("meta", 64)
+    build = tree_builder(torch.device("meta"), 64)
+    assert build is build_tree
+    tree = build(torch.empty(2, 15, 1000, device="meta"), torch.empty(2, dtype=torch.long, device="meta"), 64)
     assert tree.visible.shape == (2, 65, 65)
 
 
@@ -172,7 +153,6 @@ def graphed_us(fn, iters: int = 200) -> tuple[float, DraftTree]:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_CPU, reason="needs CUDA")
 @pytest.mark.parametrize("R", [1, 8])
 def test_cuda_full_vocab_graphed(R: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(R)
@@ -202,7 +182,7 @@ def test_topk_kernel_matches_a_stable_sort(V, k, chunk, dtype, filtered, monkeyp
     x[0, 0, :chunk] = float("-inf")
     x[1, 2, 7] = float("-inf")
     x = x.to(DEVICE)
-    lp, idx = top_log_probs_fused(x, k, interpret=_CPU, chunk=chunk)
+    lp, idx = top_log_probs_fused(x, k, interpret=ON_CPU, chunk=chunk)
     xf = x.float()
     want_val, want_idx = torch.sort(xf, dim=-1, descending=True, stable=True)
     assert torch.equal(idx, want_idx[..., :k])
@@ -224,7 +204,7 @@ def test_topk_kernel_filtered_path_on_distinct_logits(k, chunk):
     k2 = max(2, 1 << (k - 1).bit_length())
     cap = topk_kernel.filter_plan(k2, chunk)[1]
     assert (topk_kernel.filter_counts(x, k2, chunk) <= cap).all()
-    lp, idx = top_log_probs_fused(x.to(DEVICE), k, interpret=_CPU, chunk=chunk)
+    lp, idx = top_log_probs_fused(x.to(DEVICE), k, interpret=ON_CPU, chunk=chunk)
     want_val, want_idx = torch.sort(x, dim=-1, descending=True, stable=True)
     assert torch.equal(idx.cpu(), want_idx[..., :k])
     torch.testing.assert_close(lp.cpu(), want_val[..., :k] - torch.logsumexp(x, -1, keepdim=True))
@@ -242,7 +222,7 @@ def test_topk_kernel_filter_threshold_with_tied_group_maxima(k, chunk):
     tied = torch.arange(k2 + 4) * 3 + 1   # in chunk 0, one entry in each of k2 + 4 groups
     assert len(set((tied % groups).tolist())) == k2 + 4 and k2 + 4 <= cap and tied[-1] < chunk
     x[0, 0, tied] = 5.0
-    lp, idx = top_log_probs_fused(x.to(DEVICE), k, interpret=_CPU, chunk=chunk)
+    lp, idx = top_log_probs_fused(x.to(DEVICE), k, interpret=ON_CPU, chunk=chunk)
     assert torch.equal(idx.cpu()[0, 0], tied[:k])
     torch.testing.assert_close(lp.cpu(), 5.0 - torch.logsumexp(x, -1, keepdim=True).expand(1, 1, k))
 
@@ -260,7 +240,7 @@ def test_topk_kernel_filter_at_its_capacity(extra):
     x[0, 0, tied] = 5.0
     assert len(set((tied % groups).tolist())) > k
     assert filter_counts(x, k, chunk)[0, 0, 0] == cap + extra
-    lp, idx = top_log_probs_fused(x.to(DEVICE), k, interpret=_CPU, chunk=chunk)
+    lp, idx = top_log_probs_fused(x.to(DEVICE), k, interpret=ON_CPU, chunk=chunk)
     assert torch.equal(idx.cpu()[0, 0], tied.sort().values[:k])
     torch.testing.assert_close(lp.cpu(), 5.0 - torch.logsumexp(x, -1, keepdim=True).expand(1, 1, k))
 

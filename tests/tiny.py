@@ -110,3 +110,19 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
 
     shutil.copytree(src, dst)
     return dst
+
+
+def write_tokenizer(path: Path, vocab: int) -> Path:
+    """A character-level tokenizer of `vocab` ids beside a tiny checkpoint, so that text prompts
+    (the CLI's) reach it: id 0 unknown, then printable ASCII, then fillers. No EOS token and no
+    chat template, so a prompt is its characters and only max_tokens ends a generation."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>"] + [chr(c) for c in range(32, 127)]
+    pieces = (pieces + [f"<extra_{i}>" for i in range(max(vocab - len(pieces), 0))])[:vocab]
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(str(path))
+    return path

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="drafttree bench", description=__doc__)
     p.add_argument("--model", default=None)
     p.add_argument("--draft-model", default=None, help="default: the shipped drafter of the default model")
-    p.add_argument("--random-weights", default=None, help="timing only: a shape from drafttree.bench.shapes")
+    p.add_argument("--random-weights", default=None, help="timing only: a shape from drafttree.models.random_shapes")
     p.add_argument("--random-drafter", action="store_true", help="timing only: a random drafter for --model")
     p.add_argument("--prompts", default="humaneval", help="humaneval | sharegpt-heldout | FILE.jsonl")
     p.add_argument("--num-prompts", type=int, default=16)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return merge(a.from_results, out)
     vocab = None
     if a.random_weights:
-        from drafttree.bench.shapes import SHAPES
+        from drafttree.models.random_shapes import SHAPES
         vocab = SHAPES[a.random_weights][0].vocab_size
     prompts = load_prompts(a.prompts, a.num_prompts, random_vocab=vocab)
     plan = [(m, b, float(T)) for T in a.temperatures.split(",") for m, b in runs(a)]

@@ -1,10 +1,11 @@
-"""What a timing depends on besides its command: library versions and the kernel switches."""
+"""What a timing depends on besides its command: library versions and the settings in force."""
 from __future__ import annotations
 
 import importlib.metadata
-import os
 
 import torch
+
+from drafttree.settings import current
 
 
 def _version(dist: str) -> str | None:
@@ -16,10 +17,10 @@ def _version(dist: str) -> str | None:
 
 def environment() -> dict:
     from drafttree.kernels import triton_jit
-    from drafttree.kernels import attn_kernel, gemm_kernel, gemv_kernel
+    s = current()
     return {"torch": torch.__version__, "triton": _version("triton"), "drafttree": _version("drafttree"),
             "cuda": torch.version.cuda,
-            "kernels": {"attention": attn_kernel.ENABLED, "one_token_projections": gemv_kernel.ENABLED,
-                        "few_row_projections": gemv_kernel.ENABLED and gemm_kernel.ENABLED,
-                        "dependent_launch": triton_jit.pdl_options("cuda")["PDL"]},
-            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DRAFTTREE_")}}
+            "kernels": {"attention": s.attn_kernel, "one_token_projections": s.gemv,
+                        "few_row_projections": s.gemv and s.gemm,
+                        "dependent_launch": triton_jit.pdl_on("cuda")},
+            "settings": s.as_dict()}

@@ -63,6 +63,7 @@ def capture(fn: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
 def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tree: list[int]) -> dict:
     eng = Engine(cfg)
     r, dev, spec = eng.runner, eng.device, eng.spec
+    rc = r.round_ctx   # what the round functions take
     V = r.target.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     r.prefill(0, [torch.randint(0, V - 2, (prompt_len,), generator=g).tolist() for _ in range(batch)],
@@ -80,21 +81,21 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
                  "widths": {p.value: spec.width(p) for p in spec.round_phases}, "environment": environment(),
                  "eager_ms": {}, "graph_ms": {}}
     ms = res["eager_ms"]
-    ms["decode"] = timed(lambda: rounds.decode_round(r, B, kv_len, SampleMode.GREEDY), reset, dev, iters)
+    ms["decode"] = timed(lambda: rounds.decode_round(rc, B, kv_len, SampleMode.GREEDY), reset, dev, iters)
     if spec.speculative:
-        ms["context"] = timed(lambda: rounds.context_phase(r, B), reset, dev, iters)
+        ms["context"] = timed(lambda: rounds.context_phase(rc, B), reset, dev, iters)
         box: dict = {}
-        ms["draft"] = timed(lambda: box.update(l=rounds.draft(r, B, kv_len)), reset, dev, iters)
-        ms["tree_build"] = timed(lambda: box.update(t=rounds.make_tree(r, box["l"], B)), reset, dev, iters)
-        ms["verify"] = timed(lambda: box.update(v=rounds.verify_forward(r, B, kv_len, box["t"], SampleMode.GREEDY)),
+        ms["draft"] = timed(lambda: box.update(l=rounds.draft(rc, B, kv_len)), reset, dev, iters)
+        ms["tree_build"] = timed(lambda: box.update(t=rounds.make_tree(rc, box["l"], B)), reset, dev, iters)
+        ms["verify"] = timed(lambda: box.update(v=rounds.verify_forward(rc, B, kv_len, box["t"], SampleMode.GREEDY)),
                              reset, dev, iters)
-        ms["accept_commit"] = timed(lambda: rounds.accept_commit(r, B, box["t"], *box["v"]), reset, dev, iters)
-        ms["round"] = timed(lambda: rounds.spec_round(r, B, kv_len, SampleMode.GREEDY), reset, dev, iters)
+        ms["accept_commit"] = timed(lambda: rounds.accept_commit(rc, B, box["t"], *box["v"]), reset, dev, iters)
+        ms["round"] = timed(lambda: rounds.spec_round(rc, B, kv_len, SampleMode.GREEDY), reset, dev, iters)
         ms["round_in_decode_steps"] = ms["round"] / ms["decode"]
     if dev.type == "cuda":
         gm = res["graph_ms"]
         pool = torch.cuda.graph_pool_handle()
-        dg = capture(lambda: rounds.decode_round(r, B, kv_len, SampleMode.GREEDY), pool)
+        dg = capture(lambda: rounds.decode_round(rc, B, kv_len, SampleMode.GREEDY), pool)
         gm["decode"] = timed(dg.replay, reset, dev, iters)
         if spec.speculative:
             gr = GraphRunner(r)

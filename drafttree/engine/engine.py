@@ -10,44 +10,16 @@ from pathlib import Path
 import torch
 
 from drafttree.config import parse_dtype, resolve_device
+from drafttree.engine.config import EngineConfig
 from drafttree.engine.inflight import Launched, RoundOutputs
+from drafttree.engine.plan import load_models, resolve_spec
 from drafttree.engine.sequence import Sequence, Status
-from drafttree.runner.kv_cache import KVCache
+from drafttree.models.kv_cache import KVCache
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
+from drafttree.settings import Settings, current
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineConfig:
-    model: str | None = None            # HF directory, .gguf file, or None for the default
-    draft_model: str | None = None
-    spec: str | None = None             # none | dflash | ddtree; default ddtree with a drafter
-    block_size: int | None = None       # default: the drafter's
-    budget: int | None = None           # DDTree nodes; default: the drafter's ddtree_default_budget, else 32
-    budget_schedule: str | None = None  # DDTree budget by batch bucket, e.g. "8:16,32:4"; default: the
-                                        # drafter config's, if any ("none": no schedule)
-    speculate_sampled: bool | None = None  # rounds with a row at T > 0 speculate too; default: the
-                                        # drafter config's ddtree_default_speculate_sampled, else on
-    dtype: str | None = None            # auto: bf16 on CUDA, fp32 on CPU
-    draft_quantization: str | None = None   # fp8: the drafter's weights (and its LM head copy) as
-                                        # e4m3 with a scale per row; the output is unchanged
-    device: str | None = None           # auto: cuda if available
-    max_num_seqs: int = 8
-    max_model_len: int | None = None
-    kv_cache_memory_gb: float | None = None   # default: 1 GiB on CPU, 60% of free on CUDA
-    cuda_graphs: bool | None = None     # default: on for CUDA
-    prefill_graphs: bool | None = None  # graphed prefill per (prompts, length bucket), captured at
-                                        # first use; default: on with CUDA graphs
-    max_prefill_tokens: int = 8192      # padded tokens in one batched prefill
-    prefill_chunk: int = 2048           # prompt tokens per prefill forward (chunked prefill)
-    admit_min: int = 1                  # while requests run, admit waiting ones only once this many
-                                        # rows are free (or all waiting fit): fewer, larger prefills
-    overlap: bool | None = None         # launch each round before reading the previous one's tokens
-                                        # (hides the host's work between rounds); default: on for CUDA
-    random_weights: str | None = None   # timing-only: a shape from drafttree.bench.shapes
-    random_drafter: bool = False        # timing-only: an untrained drafter for the given target
 
 
 @dataclass
@@ -64,9 +36,9 @@ class EngineStats:
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
+        self.settings: Settings = current()   # DRAFTTREE_*: read from the environment once per process
         self.device = resolve_device(cfg.device)
         self.dtype = parse_dtype(cfg.dtype, str(self.device))
-        from drafttree.engine.plan import load_models, resolve_spec
         self.model_dir, target, drafter = load_models(cfg, self.device, self.dtype)
         tcfg = target.cfg
         self.spec = resolve_spec(cfg, drafter.cfg if drafter is not None else None)
@@ -113,17 +85,30 @@ class Engine:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * 0.6)
+                source = "the default: 60% of the free CUDA memory"
             else:
                 budget = 1 << 30
+                source = "the default on CPU"
         else:
             budget = int(gb * (1 << 30))
+            source = "kv_cache_memory_gb"
         rows = self.cfg.max_num_seqs
         headroom = self.spec.kv_headroom
         fit = budget // (rows * bpt) - headroom
-        max_len = min(self.cfg.max_model_len or tcfg.max_position_embeddings, fit)
+        wanted = self.cfg.max_model_len or tcfg.max_position_embeddings
+        max_len = min(wanted, fit)
+        fix = ("raise --kv-cache-memory-gb or lower --max-num-seqs (in Python: kv_cache_memory_gb, "
+               "max_num_seqs)")
         if max_len < 16:
             raise ValueError(f"KV cache budget of {budget / 2**30:.2f} GiB holds only {max(fit, 0)} tokens "
-                             f"per sequence for {rows} sequences; raise kv_cache_memory_gb or lower max_num_seqs")
+                             f"per sequence for {rows} sequences; {fix}")
+        if fit < wanted:
+            whose = "the requested" if self.cfg.max_model_len else "the model's"
+            kept = f" ({headroom} of each row is headroom for a round's writes)" if headroom else ""
+            log.warning("max_model_len %d < %s %d: the KV cache budget of %.3g GiB (%s) holds %d rows x %d "
+                        "tokens at %d bytes per token%s; %s, or pass --max-model-len %d to ask for less",
+                        max_len, whose, wanted, budget / 2**30, source, rows, fit + headroom, bpt, kept, fix,
+                        max_len)
         return max_len, rows
 
     # -- requests ----------------------------------------------------------------------------

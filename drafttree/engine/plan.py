@@ -6,21 +6,20 @@ from pathlib import Path
 import torch
 
 from drafttree.config import ModelConfig, resolve_device
-from drafttree.engine.engine import EngineConfig
+from drafttree.engine.config import EngineConfig
 from drafttree.models.dflash import DFlashConfig
 from drafttree.phases import SpecConfig, schedule_for
+from drafttree.settings import current
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
 # Devices on which the default model decodes with DDTree and the shipped drafter when no flags
 # are given: where the pair was measured at least as fast as plain decoding. On the H200 (budget
-# 31, T = 0, runs 22-23) it is 1.00-1.01x plain decoding at batch 1 and 1.17-1.19x at batch 4;
-# its config's schedule '16:0' decodes plainly from batch 16 until the batch shrinks, and rounds
-# with a sampled request decode plainly (at T = 1 DDTree was 0.81x plain decoding, run 23).
-# On 2 CPU cores the wider verify forward costs more than the tokens a round accepts, so the
-# CPU decodes plainly unless asked (benchmarks/results/2026-12-01_h200_run22.md,
-# ..._shipped_pair_v2.md).
-# `--spec ddtree` / `dflash` use it anywhere.
+# 31, T = 0) it is 1.00-1.01x plain decoding at batch 1 and 1.17-1.19x at batch 4; its config's
+# schedule '16:0' decodes plainly from batch 16 until the batch shrinks, and rounds with a
+# sampled request decode plainly (at T = 1 DDTree was 0.81x plain decoding). On 2 CPU cores the
+# wider verify forward costs more than the tokens a round accepts, so the CPU decodes plainly
+# unless asked (docs/performance.md). `--spec ddtree` / `dflash` use it anywhere.
 SHIPPED_DRAFTER_BY_DEFAULT_ON = ("cuda",)
 
 
@@ -65,11 +64,11 @@ def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
 
 def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
     """(model directory or None, target, drafter or None), all checked before anything is kept."""
-    from drafttree.bench.shapes import drafter_for, random_drafter, random_target
     from drafttree.loader.default_model import resolve_model
+    from drafttree.loader.drafter import load_drafter
     from drafttree.loader.weights import load_target
     from drafttree.models import quant
-    from drafttree.models.dflash import load_drafter
+    from drafttree.models.random_shapes import drafter_for, random_drafter, random_target
 
     wants_drafter = cfg.spec not in (None, "none")
     if cfg.draft_quantization is not None:
@@ -115,5 +114,6 @@ def describe_plan(cfg: EngineConfig) -> str:
             f"widths per request at batch 1: " + ", ".join(f"{p.value}={spec.width(p)}" for p in spec.round_phases)
             + ("; prefill graphed per (prompts, length bucket), captured at first use\n"
                if cfg.prefill_graphs is not False
-               else "; prefill runs eagerly\n"))
+               else "; prefill runs eagerly\n")
+            + f"settings: {current().describe()}\n")
     return head + format_plan(plan)

@@ -14,24 +14,20 @@ tokens, row m being token m % W of query head h * g + m // W. The cache is
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from drafttree.kernels.rope_kernel import norm_rope
-from drafttree.kernels.triton_jit import (device_function, dots_run_on, interpreting, jit_kernel, next_pow2,
-                                  pdl_options, pdl_wait)
+from drafttree.kernels.triton_jit import device_function, interpreting, jit_kernel, next_pow2, pdl_options, pdl_wait
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
-# DRAFTTREE_ATTN_KERNEL=0 keeps the cuBLAS + fused-softmax path (for A/B benchmarks).
-ENABLED = os.environ.get("DRAFTTREE_ATTN_KERNEL", "1") != "0"
 BLOCK_N = 64          # keys per inner step
 MAX_BLOCK_M = 64      # query rows per program; more rows take more programs
 # fp32 (exact `ieee` dots) at 64 rows made a graphed DFlash round of the SmolLM2 shape 6.9 ms
-# against 2.6 at 16 (H200, benchmarks/results/2026-11-30_h200_run8.md)
+# against 2.6 at 16 (H200)
 MAX_BLOCK_M_FP32 = 16
 # Splits are sized so that a launch has about TARGET_PROGRAMS programs: a decode at batch 1 has
 # only Hkv programs per split, and one program's key blocks run one after another (a block's
@@ -177,14 +173,6 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, s
         HKV_PAD=next_pow2(Hkv), HD=hd, num_warps=1)
 
 
-def usable(q: torch.Tensor, hd: int | None = None) -> bool:
-    """Whether the kernels here run for q (or k) [..., hd] (or any tensor on the device, with
-    `hd`): enabled, Triton there (Ampere or newer on CUDA), and a head dim `tl.dot` takes (a
-    power of two, at least 16)."""
-    hd = q.shape[-1] if hd is None else hd
-    return ENABLED and hd >= 16 and hd == next_pow2(hd) and dots_run_on(q.device)
-
-
 def plan_split_blocks(programs: int, L: int) -> int:
     """Key blocks per split for `programs` (batch x KV heads x row blocks) over L keys; past
     MAX_SPLITS splits (very long contexts) the splits grow, so that the merge stays small."""
@@ -217,7 +205,8 @@ def rope_attention(qkv: torch.Tensor, heads: int, k: torch.Tensor, v: torch.Tens
     """`few_row_attention` from the fused QKV output qkv [B, W, (H + 2 Hkv) * hd], in the same
     launches: q and k normed (if weights) and roped, k and v written to k, v [B, Hkv, L, hd] (views
     of the cache, rows 0..B-1) at `rope.slots`. One launch per layer fewer than `rope_kernel`, but
-    every split recomputes its query rows' rope: worth it for decode tokens (run 13)."""
+    every split recomputes its query rows' rope: worth it for decode tokens only (a DDTree verify at
+budget 32 lost more than decode gained)."""
     return _attention(qkv.contiguous(), heads, k, v, mask, scale, rope)
 
 
@@ -246,7 +235,7 @@ def _attention(q: torch.Tensor, H: int, k: torch.Tensor, v: torch.Tensor, mask: 
     interpret = interpreting()
     pdl = pdl_options(q.device)
     # L (a KV bucket: few values) stays specialized: with it unspecialized and q token-major, a
-    # batch-16 verify took 102 us against 56 before both changes (run 6); not yet split apart
+    # batch-16 verify took 102 us against 56 before both changes; not yet split apart
     jit_kernel(_split_kernel, interpret, ("M", "W", "G", "NS", "NMB"))[(B * Hkv * nmb, ns)](
         q, k, v, mask, acc, ml, out, M, W, G, L, ns, nmb, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),

@@ -40,7 +40,7 @@ from drafttree.kernels.triton_jit import cdiv, device_function, jit_kernel, pdl_
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
 BLOCKS = (256, 128)  # entries per histogram product: counts, masses
-# Entries per program (benchmarks/filter_bench.py, H200, run 25, µs per call at chunks of 1,024 to
+# Entries per program (benchmarks/filter_bench.py, H200, µs per call at chunks of 1,024 to
 # 16,384): one row of 49,152 fastest at 2,048 (86 against 102-124 beside it), one of 151,936 at
 # 4,096 (187-193 against 235-330), 33 rows of 151,936 and 128 or 512 rows of 49,152 at 8,192 (or
 # 16,384, within 2 %). So a program takes V * rows / SPREAD entries, a power of two from MIN_CHUNK

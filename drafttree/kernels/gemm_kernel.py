@@ -12,47 +12,43 @@ atomics.
 
 The normed input is rounded to the model dtype for the tensor-core dot (its 1/rms is not), and the
 dot sums in another order than cuBLAS: 16-bit models only, like the GEMVs. A weight class without
-blocks in BLOCKS runs the torch ops instead (`torch_ops`): on an H200 these tiles beat cuBLAS
-where cuBLAS pays a split-K reduce launch (the o and down projections of Qwen3-8B's shape) and on
-small weights, where a projection's time is its launches and its latency.
+blocks in BLOCKS keeps the torch ops (`dispatch` routes it to `torch_ops.projection`): on an H200
+these tiles beat cuBLAS where cuBLAS pays a split-K reduce launch (the o and down projections of
+Qwen3-8B's shape) and on small weights, where a projection's time is its launches and its latency.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from drafttree.models.layers import add_rms_norm, rms_norm, silu_mul
-from drafttree.kernels.triton_jit import (cdiv, device_function, dots_run_on, interpreting, jit_kernel, kernels_run_on,
-                                  next_pow2, pdl_options, pdl_wait)
+from drafttree.kernels import kernel_blocks
+from drafttree.kernels.triton_jit import (cdiv, device_function, interpreting, jit_kernel, next_pow2, pdl_options,
+                                         pdl_wait)
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
 MAX_ROWS = 64
-ENABLED = os.environ.get("DRAFTTREE_GEMM", "1") == "1"
 # Per kernel, (least weight elements, (weight rows per program, inputs per step, warps, pipeline
 # stages, input splits, token rows per program, most token rows, input steps loaded before the
 # PDL wait) or None), largest class first, as gemv_kernel.BLOCKS; more token rows than a class's
 # most take the torch ops. None keeps the torch ops (cuBLAS, and the norm or SiLU·up launch) where
-# this kernel did not beat them: on an H200 at 33 rows (`benchmarks/gemv_bench.py --rows 33`, run
-# 15) the Qwen3-8B o and down projections won (13.2 against 14.1 µs, 29.6 against 30.1), QKV with
-# its norm and gate/up with SiLU·up lost (23.7 against 20.7, 69.3 against 57.8). Under 2^22
-# elements (the SmolLM2-135M shape, 0.3 to 1.8 M; run 17, weights from HBM) every matrix won in
-# programs of 16 rows, 4 pipeline stages and 2 splits: 17.8 against 23.4 µs a layer. At 64 rows
-# (a draft block or DFlash verify at batch 4) the default pair was slower with them, so they stop
-# at 33 rows. 2^22 to 2^24 was not swept. Steps before the wait (one tile, loaded while the kernel
-# before still runs; a power of two, clamped to a split's steps): the SmolLM2-shape DDTree round
-# took 1.148-1.156 ms with 4, 1.155-1.168 with 2 and 1.189-1.192 with none; the Qwen3-8B shape's
-# verify 5.50 ms with 1 against 5.10 with none (H200, run 20): its programs outnumber the SMs, and
-# early loads compete with the kernel before for HBM. DRAFTTREE_GEMM_PREFETCH=n sets n for every
-# class (A/B runs).
+# this kernel did not beat them: on an H200 at 33 rows (`benchmarks/gemv_bench.py --rows 33`) the
+# Qwen3-8B o and down projections won (13.2 against 14.1 µs, 29.6 against 30.1), QKV with its
+# norm and gate/up with SiLU·up lost (23.7 against 20.7, 69.3 against 57.8). Under 2^22 elements
+# (the SmolLM2-135M shape, 0.3 to 1.8 M; weights from HBM) every matrix won in programs of 16
+# rows, 4 pipeline stages and 2 splits: 17.8 against 23.4 µs a layer. At 64 rows (a draft block
+# or DFlash verify at batch 4) the default pair was slower with them, so they stop at 33 rows.
+# 2^22 to 2^24 was not swept. Steps before the wait (one tile, loaded while the kernel before
+# still runs; a power of two, clamped to a split's steps): the SmolLM2-shape DDTree round took
+# 1.148-1.156 ms with 4, 1.155-1.168 with 2 and 1.189-1.192 with none; the Qwen3-8B shape's
+# verify 5.50 ms with 1 against 5.10 with none (H200): its programs outnumber the SMs, and early
+# loads compete with the kernel before for HBM.
 Blocks = tuple[int, int, int, int, int, int, int, int]
 # fp8 weights (`quant.Fp8Linear`: e4m3, a scale per weight row) always take these tiles, at any
 # row count (the torch ops have no weight-only fp8 product); the most-rows field is not used. The
-# fastest per Qwen3-8B drafter matrix at 16 rows on an H200 (`gemv_bench.py --fp8 --rows 16`, run
-# 26; wider tiles, and the token rows as the MMA's M, lost): µs against bf16's torch ops, QKV + norm
+# fastest per Qwen3-8B drafter matrix at 16 rows on an H200 (`gemv_bench.py --fp8 --rows 16`;
+# wider tiles, and the token rows as the MMA's M, lost): µs against bf16's torch ops, QKV + norm
 # 21.0 / 26.8, o 11.0 / 13.6, gate/up 57.2 / 62.7, down 25.5 / 29.0, fc 40.0 / 44.8, LM head 204 / 302.
 BLOCKS_FP8: dict[str, list[tuple[int, Blocks]]] = {
     "norm": [(0, (128, 128, 4, 3, 4, 16, 0, 0))],
@@ -61,14 +57,12 @@ BLOCKS_FP8: dict[str, list[tuple[int, Blocks]]] = {
 }
 # How the fp8 tiles multiply (the kernel's W8; 0 is 16-bit weights): "f16" dots (e4m3 -> f16 is one
 # conversion per pair; bf16 inputs are exact in f16 but past its range, clamped, or below its
-# normals), or "widen" e4m3 to the inputs' dtype (exact; fp32 inputs always do). The Qwen3-8B
-# drafter's draft + tree: 0.92 ms with f16 dots, 1.06 widened (H200, run 27). DRAFTTREE_FP8_DOT: A/B.
+# normals), or "widen" e4m3 to the inputs' dtype (exact), which fp32 inputs always take. 16-bit
+# inputs take FP8_DOT: the Qwen3-8B drafter's draft + tree took 0.92 ms with f16 dots, 1.06
+# widened (H200). (`benchmarks/gemv_bench.py --fp8-dot widen` sets it to time the other way.)
 FP8_DOTS = {"widen": 1, "f16": 2}
-FP8_DOT = os.environ.get("DRAFTTREE_FP8_DOT", "f16")
-if FP8_DOT not in FP8_DOTS:
-    raise ValueError(f"DRAFTTREE_FP8_DOT={FP8_DOT!r}: choose one of {list(FP8_DOTS)}")
+FP8_DOT = "f16"
 FINISH_BLOCK = 256   # outputs per program of the launch that adds the input splits
-PREFETCH = int(os.environ["DRAFTTREE_GEMM_PREFETCH"]) if os.environ.get("DRAFTTREE_GEMM_PREFETCH") else None
 BLOCKS: dict[str, list[tuple[int, Blocks | None]]] = {
     "norm": [(1 << 22, None), (0, (64, 64, 4, 4, 2, 16, 33, 4))],
     "plain": [(1 << 24, (64, 128, 4, 3, 4, 64, 64, 0)), (1 << 22, None), (1 << 19, (32, 128, 4, 4, 2, 16, 33, 4)),
@@ -84,37 +78,23 @@ def glu_out(gate, up, dt):
     return (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
 
 
-def runs_16bit(x: torch.Tensor) -> bool:
-    """Whether x can take a Triton projection: no autograd (the kernels have no backward: a
-    drafter's training keeps the torch ops), 16-bit, a device where the kernels run."""
-    return not torch.is_grad_enabled() and x.dtype in (torch.bfloat16, torch.float16) and kernels_run_on(x.device)
-
-
-def takes(x: torch.Tensor) -> bool:
-    """Whether x's rows can go through these tiles (any count; `launch` still picks the torch ops
-    for a 16-bit weight class without blocks): enabled, `runs_16bit`, where `tl.dot` runs."""
-    return ENABLED and runs_16bit(x) and dots_run_on(x.device)
-
-
-def blocks_for(kind: str, numel: int, table: dict[str, list[tuple[int, Any]]] | None = None) -> Any:
-    """The blocks of the first class (largest first) that `numel` weight elements reach, in `table`
-    (this module's BLOCKS unless given)."""
-    return next(blocks for least, blocks in (BLOCKS if table is None else table)[kind] if numel >= least)
+def blocks_for(kind: str, numel: int, table: kernel_blocks.Table | None = None) -> Any:
+    """The blocks of weights of `numel` elements in `table` (this module's BLOCKS, with the
+    settings' sweep file applied, unless given)."""
+    return kernel_blocks.lookup(kernel_blocks.in_force(BLOCKS, one_row=False) if table is None else table, kind, numel)
 
 
 def set_blocks(kind: str, numel: int, blocks: Any, split: bool = False,
-               table: dict[str, list[tuple[int, Any]]] | None = None) -> None:
-    """Give weights of `numel` elements `blocks` in `table` (this module's BLOCKS unless given): in
-    the class they fall in, or (`split`) in a new class from the power of two at or below `numel`
-    (from a sweep per matrix)."""
-    classes = (BLOCKS if table is None else table)[kind]
-    at = next(i for i, (least, _) in enumerate(classes) if numel >= least)
-    least = 1 << (numel.bit_length() - 1) if split else classes[at][0]
-    blocks = None if blocks is None else tuple(blocks)
-    if least == classes[at][0]:
-        classes[at] = (least, blocks)
-    else:
-        classes.insert(at, (least, blocks))
+               table: kernel_blocks.Table | None = None) -> None:
+    """`kernel_blocks.assign` in `table` (this module's BLOCKS unless given)."""
+    kernel_blocks.assign(BLOCKS if table is None else table, kind, numel, blocks, split)
+
+
+def tiles_cover(kind: str, numel: int, rows: int) -> bool:
+    """Whether 16-bit weights of `numel` elements have blocks, and those cover `rows` token rows
+    (else the torch ops, where these tiles lost)."""
+    blocks = blocks_for(kind, numel)
+    return blocks is not None and rows <= blocks[6]
 
 
 @device_function
@@ -243,21 +223,21 @@ def _finish_kernel(ws_ptr, ss_ptr, b_ptr, y_ptr, M, N, eps, K: tl.constexpr, HAS
 def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
            w: torch.Tensor, b: torch.Tensor | None,
            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gemv_kernel._launch` for x [..., K] of 2 to MAX_ROWS rows (checked by the caller); with
-    `scale` (fp8 weights w, fp32 scale [rows of w]) any rows, always these tiles."""
+    """`gemv_kernel.launch` for x [..., K] of 2 to MAX_ROWS rows whose weight class has blocks that
+    cover them (`tiles_cover`; checked by the caller); with `scale` (fp8 weights w, fp32 scale
+    [rows of w]) any rows."""
     w8 = scale is not None
     blocks = blocks_for(kind, w.numel(), BLOCKS_FP8 if w8 else None)
     K = w.shape[1]
     M = x.numel() // K
     if not w8 and (blocks is None or M > blocks[6]):
-        return torch_ops(kind, x, delta, g, eps, w, b)
+        raise ValueError(f"{kind} tiles: no blocks for {w.numel()} weight elements at {M} rows")
     x, d, xo, y = outputs(kind, x, delta, w)
     N = y.shape[-1]
     bn, bk, warps, stages, split, bm, _, pre = blocks
     bm = min(bm, max(16, next_pow2(M)))
     ks = cdiv(cdiv(K, max(1, split)), bk) * bk   # inputs per split, a multiple of bk
     split = cdiv(K, ks)
-    pre = PREFETCH if PREFETCH is not None else pre
     pre = 1 << (min(pre, ks // bk).bit_length() - 1) if pre > 0 else 0
     dot = (FP8_DOTS["widen"] if x.dtype == torch.float32 else FP8_DOTS[FP8_DOT]) if w8 else 0
     glu, norm = kind == "glu", g is not None
@@ -292,13 +272,3 @@ def outputs(kind: str, x: torch.Tensor, delta: torch.Tensor | None,
     N = w.shape[0] // 2 if kind == "glu" else w.shape[0]
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     return x, delta.contiguous() if delta is not None else x, xo, y
-
-
-def torch_ops(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
-              w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """What `launch` computes, as the unfused layers compute it (add + norm, cuBLAS, SiLU·up)."""
-    h = x
-    if g is not None:
-        x, h = add_rms_norm(x, delta, g, eps) if delta is not None else (x, rms_norm(x, g, eps))
-    y = F.linear(h, w, b)
-    return x, silu_mul(y) if kind == "glu" else y

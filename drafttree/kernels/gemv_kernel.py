@@ -1,9 +1,10 @@
 """One-token projections with their prologue and epilogue in the same launch (16-bit models;
-DRAFTTREE_GEMV=0 turns them off).
+`settings.gemv` off, DRAFTTREE_GEMV=0, turns them off).
 
 A decode step of one token runs, per layer, a residual add + RMSNorm before the QKV and the
 gate/up projections and SiLU·up between the gate/up and down projections: three small launches
-beside the weight reads. Here each runs inside a projection's own kernel:
+beside the weight reads. Here each runs inside a projection's own kernel (the calls are
+`dispatch`'s):
 
     norm_gemv(x, delta, g, eps, W, b) -> (x + delta, W · rmsnorm(x + delta) * g + b)
     norm_glu_gemv(x, delta, g, eps, W) -> (x + delta, silu(gate) * up),
@@ -24,35 +25,32 @@ size: `benchmarks/gemv_bench.py` sweeps them on the GPU.
 On Hopper or newer GPUs the layer's kernels launch as programmatic dependent launches
 (`triton_jit.pdl_on`): a GEMV's programs start while the kernel before still runs, load their
 first weight steps (BLOCKS' last field), and wait there for that kernel's outputs. The decode step
-of Qwen3-8B's shape took 4.22–4.28 ms against 4.32–4.38 without (H200, run 16).
+of Qwen3-8B's shape took 4.22–4.28 ms against 4.32–4.38 without (H200).
 
-The same three calls take 2 to gemm_kernel.MAX_ROWS rows (a verify, a draft block): they go to
-`gemm_kernel`, tensor-core tiles with the same prologue and epilogue, or the torch ops for the
-weight classes and row counts where those tiles lost (DRAFTTREE_GEMM=0: the torch ops for all).
+The same three calls take 2 to gemm_kernel.MAX_ROWS rows (a verify, a draft block): `dispatch`
+sends those to `gemm_kernel`, tensor-core tiles with the same prologue and epilogue, or to the
+torch ops for the weight classes and row counts where those tiles lost.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from drafttree.kernels import gemm_kernel
+from drafttree.kernels import gemm_kernel, kernel_blocks
 from drafttree.kernels.gemm_kernel import glu_out
 from drafttree.kernels.triton_jit import cdiv, device_function, interpreting, jit_kernel, pdl_options, pdl_wait
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 
-ENABLED = os.environ.get("DRAFTTREE_GEMV", "1") == "1"
 # Per kernel, (least weight elements, (weight rows per program, input columns per step, warps,
 # steps loaded before the PDL wait)), largest class first: a weight takes the first class it
 # reaches (a gate/up program's rows are that many gate rows and as many up rows). The fastest of
 # benchmarks/gemv_bench.py per Qwen3-8B matrix on an H200 (gate/up 101 M elements, QKV 25 M,
-# o 17 M, down 50 M; runs 13 and 14), below 4 M elements per SmolLM2-135M matrix with weights
-# from HBM (run 18: its decode step 0.590 -> 0.537 ms against run 9's and 14's sweeps, whose
-# weights sat in L2). Pipeline stages (num_stages 1 or 3) made no difference in run 10. Steps
-# before the wait: the decode step per setting (run 16); a power of two, clamped to the whole
-# steps of K.
+# o 17 M, down 50 M), below 4 M elements per SmolLM2-135M matrix with weights from HBM (its
+# decode step 0.590 -> 0.537 ms against sweeps whose weights sat in L2). Pipeline stages
+# (num_stages 1 or 3) made no difference. Steps before the wait: the fastest decode step per
+# setting; a power of two, clamped to the whole steps of K.
 Blocks = tuple[int, int, int, int]
 BLOCKS: dict[str, list[tuple[int, Blocks]]] = {
     "norm": [(1 << 26, (8, 1024, 4, 1)), (1 << 22, (16, 512, 4, 1)), (0, (8, 512, 2, 1))],
@@ -62,16 +60,12 @@ BLOCKS: dict[str, list[tuple[int, Blocks]]] = {
 
 
 def blocks_for(kind: str, numel: int) -> Blocks:
-    return gemm_kernel.blocks_for(kind, numel, BLOCKS)
+    """The blocks of weights of `numel` elements (BLOCKS, with the settings' sweep file applied)."""
+    return kernel_blocks.lookup(kernel_blocks.in_force(BLOCKS, one_row=True), kind, numel)
 
 
 def set_blocks(kind: str, numel: int, blocks: Blocks, split: bool = False) -> None:
-    gemm_kernel.set_blocks(kind, numel, blocks, split, BLOCKS)
-
-
-if os.environ.get("DRAFTTREE_BLOCKS"):   # a sweep's blocks, for another GPU or model
-    from drafttree.kernels.kernel_blocks import load
-    load(os.environ["DRAFTTREE_BLOCKS"], BLOCKS, gemm_kernel.BLOCKS)
+    kernel_blocks.assign(BLOCKS, kind, numel, blocks, split)
 
 
 @device_function
@@ -149,41 +143,24 @@ def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl
     tl.store(y_ptr + n, acc.to(dt), mask=n < N)
 
 
-def usable(x: torch.Tensor) -> bool:
-    """Whether a forward over x [B, W, D] takes these kernels: enabled, no autograd (they have no
-    backward: a drafter's training keeps the torch ops), 16-bit, one token row (the GEMVs) or 2 to
-    gemm_kernel.MAX_ROWS rows (its tensor-core kernel, where `tl.dot` runs)."""
-    rows = x.numel() // x.shape[-1]
-    if not (ENABLED and gemm_kernel.runs_16bit(x)):
-        return False
-    return rows == 1 or (rows <= gemm_kernel.MAX_ROWS and gemm_kernel.takes(x))
-
-
-def norm_gemv(x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor, eps: float, w: torch.Tensor,
-              b: torch.Tensor | None = None,
-              scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, (rmsnorm(x + delta) * g) @ w.T + b) for x [..., K] of up to gemm_kernel.MAX_ROWS
-    rows; w [N, K] (fp8 with `scale` [N]: `quant.Fp8Linear`'s)."""
-    return _launch("norm", x, delta, g, eps, w, b, scale)
-
-
-def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-         scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T + b for x [..., K] of up to gemm_kernel.MAX_ROWS rows; w [N, K] (scale: as norm_gemv)."""
-    return _launch("plain", x, None, None, 0.0, w, b, scale)[1]
-
-
-def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
-            w: torch.Tensor, b: torch.Tensor | None,
-            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def check(kind: str, x: torch.Tensor, w: torch.Tensor) -> int:
+    """The token rows of x [..., K] for a fused projection of kind `kind` by w [N, K]; a
+    ValueError where the kernels cannot take them."""
     N, K = w.shape
     rows = x.numel() // K
     if x.shape[-1] != K or rows > gemm_kernel.MAX_ROWS or not w.is_contiguous() or kind == "glu" and N % 2:
         even = ", w's rows [gate | up]: an even count" if kind == "glu" else ""
         raise ValueError(f"{kind} gemv: x {tuple(x.shape)}, w {tuple(w.shape)} "
                          f"(at most {gemm_kernel.MAX_ROWS} rows, w contiguous{even})")
-    if rows > 1 or scale is not None:   # fp8 weights: the tiles at one row too
-        return gemm_kernel.launch(kind, x, delta, g, eps, w, b, scale)
+    return rows
+
+
+def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
+           w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-token projection of kind "norm" (x + delta, (rmsnorm(x + delta) * g) @ w.T + b),
+    "plain" (x @ w.T + b) or "glu" (x + delta, silu(gate) * up of the "norm" product, w [gate | up])
+    for x [..., K] of one row (`check`ed by the caller), 16-bit w [N, K]: (residual stream, y)."""
+    K = w.shape[1]
     x, d, xo, y = gemm_kernel.outputs(kind, x, delta, w)
     N = y.shape[-1]
     bn, bk, warps, pre = blocks_for(kind, w.numel())
@@ -193,10 +170,3 @@ def _launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Ten
         HAS_D=delta is not None, HAS_B=b is not None, NORM=g is not None, GLU=kind == "glu", BN=bn,
         BK=bk, PRE=pre, num_warps=warps, **pdl_options(x.device))
     return xo, y
-
-
-def norm_glu_gemv(x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor, eps: float,
-                  w: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, silu(gate) * up) for [gate | up] = norm_gemv(x, delta, g, eps, w)[1], w [2I, K]:
-    a program owns gate rows n and up rows I + n, so SiLU·up is its epilogue."""
-    return _launch("glu", x, delta, g, eps, w, None, scale)

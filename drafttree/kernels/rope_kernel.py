@@ -4,7 +4,7 @@ into the KV cache at their slots. In torch (compiled) this is two kernels for q 
 for the cache write. One-token decodes do the same work inside the attention's split launch
 instead (`attn_kernel.rope_attention`, the same formulas); wider forwards take this kernel.
 
-Arithmetic is fp32 with one rounding to the model dtype after the norm (as `layers._rms_norm`)
+Arithmetic is fp32 with one rounding to the model dtype after the norm (as `torch_ops._rms_norm`)
 and one at the store: graphs and eager CUDA rounds both run this kernel, so they agree; CPU
 rounds keep the torch ops.
 """
@@ -23,7 +23,7 @@ tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 def norm_rope(x, xr, w, wr, cos, sin, eps, HD: tl.constexpr, NORM: tl.constexpr):
     """Per-head RMSNorm (with NORM) and rope of rows x [R, HD] in the model dtype; xr holds the
     same rows at the rotated dims (d + HD/2) % HD, w and wr the norm weight at d and there (fp32).
-    One rounding to the model dtype after the norm, as `layers._rms_norm`; fp32 out."""
+    One rounding to the model dtype after the norm, as `torch_ops._rms_norm`; fp32 out."""
     dt = x.dtype
     x = x.to(tl.float32)
     xr = xr.to(tl.float32)

@@ -33,10 +33,10 @@ FILTERED = True
 # benchmarks/topk_chunk_bench.py (H200, vocabulary 151,936, bf16): with the filter 8,192 is the
 # best chunk at k = 8 / 32 / 128 (35 / 43 / 87 us per 15 positions), against 4,096 without it.
 # Today's filter (strided float groups, a counted threshold, keys for the candidates only) takes
-# k = 32 / 128 to 28.0 / 68.0 us (run 12).
+# k = 32 / 128 to 28.0 / 68.0 us.
 CHUNK = 8192
-CHUNK_WARPS = 4   # top-K at k = 32: 28.0 us, against 31.0 at 8 warps (H200, run 12)
-MERGE_WARPS = 4   # top-K at k = 32 (run 8's kernel): 42.7 us, against 44.2 at 2 warps, 49.2 at 1
+CHUNK_WARPS = 4   # top-K at k = 32: 28.0 us, against 31.0 at 8 warps (H200)
+MERGE_WARPS = 4   # top-K at k = 32 (an earlier chunk kernel): 42.7 us, against 44.2 at 2 warps, 49.2 at 1
 
 
 @device_function
@@ -142,7 +142,7 @@ def filter_counts(x: torch.Tensor, k2: int, chunk: int = CHUNK) -> torch.Tensor:
 
 def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
                         chunk: int = CHUNK, warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`tree.top_log_probs` in two launches: [R, L, k] log-probs (float32, descending) and token
+    """`torch_ops.top_log_probs` in two launches: [R, L, k] log-probs (float32, descending) and token
     ids (int64) of the k best tokens of each position of logits [R, L, V] (any float dtype)."""
     R, L, V = logits.shape
     if k > V or V >= INT32_MAX:

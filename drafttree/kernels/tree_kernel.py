@@ -1,8 +1,8 @@
-"""`build_tree` fused into one Triton kernel launch.
+"""`spec.tree.build_tree` fused into one Triton kernel launch.
 
-The vocabulary top-K and the log-softmax normalizer come from `tree.top_log_probs`
-(on CUDA, the kernels of `topk_kernel.py`), shared verbatim with `build_tree`.
-Everything after them runs in one program per request: the L level selections
+The vocabulary top-K and the log-softmax normalizer come from `dispatch.top_log_probs`
+(on CUDA, the kernels of `topk_kernel.py`), shared verbatim with `build_tree`; `build`
+takes them. Everything after them runs in one program per request: the L level selections
 (a bitonic top-B over the candidate pairs), the final best-first order (a running
 bitonic merge of each level into the best B so far), parents, depths and the
 ancestor mask.
@@ -22,18 +22,11 @@ before triton is first imported, the kernel runs (slowly) on CPU tensors.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from drafttree.kernels.topk_kernel import high_key
-from drafttree.spec.tree import (
-    DraftTree,
-    _pair_index,
-    build_tree,
-    check_tree_args,
-    top_log_probs,
-)
 from drafttree.kernels.triton_jit import interpreting, jit_kernel, kernels_run_on, next_pow2
 
 tl: Any = None  # triton.language, bound by jit_kernel()
@@ -44,9 +37,18 @@ _PAIRS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 MAX_FUSED_BUDGET = 128
 
 
+class TreeTensors(NamedTuple):
+    """The fields of a `spec.tree.DraftTree`, as `build_tree` makes them."""
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    valid: torch.Tensor
+    visible: torch.Tensor
+
+
 def available(device: torch.device | str, budget: int | None = None) -> bool:
-    """Whether `build_tree_fused` runs the kernel (rather than `build_tree`) on `device`:
-    CUDA with triton installed, or CPU/CUDA under TRITON_INTERPRET=1 (slow; for tests).
+    """Whether the kernel runs on `device`: CUDA with triton installed, or CPU/CUDA under
+    TRITON_INTERPRET=1 (slow; for tests).
 
     With `budget`, also whether the kernel is the faster choice (budget <= MAX_FUSED_BUDGET).
     """
@@ -194,11 +196,17 @@ def _tree_kernel(lp_ptr, idx_ptr, pair_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr,
 
 
 def _pairs(budget: int, k: int, device: torch.device) -> torch.Tensor:
-    """The candidate (slot, rank) pairs of `build_tree`, in its order, as slot << 16 | rank."""
+    """The candidate (slot, rank) pairs of `build_tree` (its `_pair_index`), in its order, as
+    slot << 16 | rank: slot i pairs with ranks below min(k, budget // (i + 1)), as any other pair
+    is outscored by at least `budget` candidates. Static-shape tensor ops, as capture needs."""
     key = (budget, k, device)
     if key in _PAIRS:
         return _PAIRS[key]
-    slot, rank = _pair_index(budget, k, device)
+    m = sum(min(k, budget // s) for s in range(1, budget + 1))
+    slots = torch.arange(budget, device=device)
+    count = torch.clamp(budget // (slots + 1), max=k)
+    slot = torch.repeat_interleave(slots, count, output_size=m)
+    rank = torch.arange(m, device=device) - (count.cumsum(0) - count)[slot]
     pairs = ((slot << 16) | rank).int()
     # a tensor made during graph capture is filled only at replay: do not keep it
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
@@ -206,18 +214,15 @@ def _pairs(budget: int, k: int, device: torch.device) -> torch.Tensor:
     return pairs
 
 
-def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: int) -> DraftTree:
-    """Same contract and result as `build_tree`; one kernel after the vocabulary top-K.
-
-    Falls back to `build_tree` where `available(device)` is False (whatever the budget).
-    """
-    R, L, V = check_tree_args(draft_logits, budget)
-    device = draft_logits.device
-    if not available(device) or budget >= 1 << 16 or L * budget >= 1 << 29:
-        return build_tree(draft_logits, root_tokens, budget)
-    B, K = budget, min(budget, V)
-
-    top_lp, top_idx = top_log_probs(draft_logits, K)   # the same scores as build_tree, bit for bit
+def build(top_lp: torch.Tensor, top_idx: torch.Tensor, root_tokens: torch.Tensor, budget: int) -> TreeTensors:
+    """`build_tree`'s tree of `budget` nodes per request from the top-K log-probs and token ids
+    [R, L, K] of its draft logits (K = min(budget, V), descending) and the roots [R]. Where the
+    kernel runs (`available`), at budgets below 2^16 and L * budget below 2^29."""
+    R, L, K = top_lp.shape
+    device = top_lp.device
+    B = budget
+    if K > B or not (1 <= B < 1 << 16 and L * B < 1 << 29):
+        raise ValueError(f"fused tree: budget {B}, top-{K} of {L} positions")
     top_lp = top_lp.contiguous()
 
     pairs = _pairs(B, K, device) if L > 1 else torch.zeros(1, dtype=torch.int32, device=device)
@@ -238,7 +243,7 @@ def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budg
         valid, visible, scratch, R, L=L, K=K, M=M, N=N, B=B, B_PAD=b_pad,
         LOG_B=b_pad.bit_length() - 1, M_PAD=m_pad, LOG_M=m_pad.bit_length() - 1,
         N_PAD=next_pow2(N), BI=bi, BJ=bj,
-        # budget 32 on an H200: 63 us for the whole build at 4 warps, 74 at 2, 109 at 1 (run 8)
+        # budget 32 on an H200: 63 us for the whole build at 4 warps, 74 at 2, 109 at 1
         num_warps=4 if m_pad <= 256 else 8,
     )
-    return DraftTree(tokens, parents, depth, valid.view(torch.bool), visible.view(torch.bool))
+    return TreeTensors(tokens, parents, depth, valid.view(torch.bool), visible.view(torch.bool))

@@ -13,12 +13,10 @@ from typing import Any
 
 import torch
 
+from drafttree.settings import current
+
 tl: Any = None  # triton.language, bound by jit_kernel() for `pdl_wait`
 
-# Programmatic dependent launch: with 2, a kernel lets the next one start once all its programs
-# have started; with 1, once all have waited for the kernel before; 0 launches every kernel after
-# its predecessor has finished (for A/B benchmarks). Decode step on an H200 (run 16): 2 fastest.
-PDL_MODE = int(os.environ.get("DRAFTTREE_PDL", "2"))
 _KERNELS: dict[tuple[Callable[..., Any], bool, tuple[str, ...]], Callable[..., Any]] = {}
 _DEVICE_FNS: dict[Callable[..., Any], Any] = {}
 _TRITON_OK: bool | None = None
@@ -33,6 +31,8 @@ def next_pow2(n: int) -> int:
 
 
 def interpreting() -> bool:
+    """Whether kernels run under Triton's interpreter (TRITON_INTERPRET, Triton's own variable,
+    read at each launch: tests turn it on and off)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
@@ -61,6 +61,11 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def capability(device: torch.device | str) -> tuple[int, int]:
+    """The compute capability of a CUDA device."""
+    return _capability(torch.device(device).index)
+
+
 def dots_run_on(device: torch.device | str) -> bool:
     """`kernels_run_on`, for kernels with `tl.dot` in 16-bit floats: on CUDA, Ampere or newer
     (older GPUs keep the torch ops)."""
@@ -83,18 +88,18 @@ def _triton_has_pdl() -> bool:
 
 
 def pdl_on(device: torch.device | str) -> bool:
-    """Whether kernels on `device` launch with programmatic dependent launch (Hopper or newer,
-    compiled, a Triton that has it): a kernel's programs may then start while its predecessor's
-    last ones still run, load what no kernel writes (weights), and wait (`pdl_wait`) before
-    anything else."""
+    """Whether kernels on `device` launch with programmatic dependent launch (`settings.pdl`;
+    Hopper or newer, compiled, a Triton that has it): a kernel's programs may then start while its
+    predecessor's last ones still run, load what no kernel writes (weights), and wait (`pdl_wait`)
+    before anything else."""
     dev = torch.device(device)
-    return (PDL_MODE > 0 and dev.type == "cuda" and not interpreting() and torch.cuda.is_available()
+    return (current().pdl and dev.type == "cuda" and not interpreting() and torch.cuda.is_available()
             and triton_importable() and _triton_has_pdl() and _capability(dev.index) >= (9, 0))
 
 
 def pdl_options(device: torch.device | str) -> dict[str, Any]:
     """The launch keywords of a kernel with a `PDL` argument (passed to `pdl_wait`), on `device`."""
-    return {"PDL": PDL_MODE, "launch_pdl": True} if pdl_on(device) else {"PDL": 0}
+    return {"PDL": 1, "launch_pdl": True} if pdl_on(device) else {"PDL": 0}
 
 
 def device_function(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -137,15 +142,13 @@ def jit_kernel(fn: Callable[..., Any], interpret: bool,
 
 @device_function
 def pdl_wait(PDL: tl.constexpr):
-    """Under programmatic dependent launch: wait until the kernels before this one have finished
-    and their writes are seen; let the next kernel's programs start before that wait (PDL 2) or
-    after it (1). Every kernel launched with `pdl_options` calls it in every program before it
-    reads or writes anything an earlier kernel may touch; before it, only loads of weights. So a
-    wait also covers the kernels before the one it waits for. A no-op without PDL (0)."""
-    if PDL == 2:
+    """Under programmatic dependent launch (PDL 1): let the next kernel's programs start, then
+    wait until the kernels before this one have finished and their writes are seen. Letting the
+    next kernel start before the wait rather than after it made the decode step fastest (H200).
+    Every kernel launched with `pdl_options` calls it in every program before it reads or writes
+    anything an earlier kernel may touch; before it, only loads of weights. So a wait also covers
+    the kernels before the one it waits for. A no-op without PDL (0)."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if PDL > 0:
         tl.extra.cuda.gdc_wait()
-    if PDL == 1:
-        tl.extra.cuda.gdc_launch_dependents()
 

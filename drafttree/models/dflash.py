@@ -8,6 +8,7 @@ The drafter borrows the target's embedding and LM head (references, not copies).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,11 +16,11 @@ import torch
 from torch import nn
 
 from drafttree.config import ModelConfig
-from drafttree.kernels import attn_kernel, gemv_kernel
+from drafttree.kernels import dispatch
+from drafttree.kernels.torch_ops import apply_rope
 from drafttree.models.decoder import DecoderLayer
-from drafttree.models.layers import AttnMeta, RMSNorm, Rotary, apply_rope, attend, cached_attention, write_kv
+from drafttree.models.layers import AttnMeta, RMSNorm, Rotary, attend, cached_attention
 from drafttree.models.quant import weight_scale
-from drafttree.kernels.rope_kernel import qk_rope_write_kv
 from drafttree.phases import SpecConfig
 
 
@@ -31,6 +32,30 @@ def _is_schedule(value: object) -> bool:
     except ValueError:
         return False
     return True
+
+
+def default_target_layer_ids(num_layers: int, n: int) -> list[int]:
+    """n layer ids spread over [1, L-3]: round(1 + i*(L-4)/(n-1)), halves rounded away from the
+    middle so the set is symmetric (30 layers, n=5: [1, 7, 14, 21, 27]); then made strictly
+    increasing inside [0, L-1]."""
+    if not 1 <= n <= num_layers:
+        raise ValueError(f"cannot pick {n} distinct target layers out of {num_layers}")
+    if n == 1:
+        return [num_layers // 2]
+    lo, hi = 1.0, float(num_layers - 3)
+    mid = (lo + hi) / 2
+    raw = []
+    for i in range(n):
+        x = lo + i * (hi - lo) / (n - 1)
+        raw.append(math.floor(x + 0.5) if x >= mid else math.ceil(x - 0.5))
+    ids = sorted(min(max(r, 0), num_layers - 1) for r in raw)
+    for i in range(1, n):
+        ids[i] = max(ids[i], ids[i - 1] + 1)
+    for i in range(n - 1, -1, -1):
+        ids[i] = min(ids[i], num_layers - n + i)
+        if i + 1 < n:
+            ids[i] = min(ids[i], ids[i + 1] - 1)
+    return ids
 
 
 @dataclass
@@ -98,10 +123,10 @@ class DraftLayer(DecoderLayer):
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_kv, meta: AttnMeta,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         attn, ln = self.self_attn, self.input_layernorm
-        fused = gemv_kernel.usable(x)   # the block's rows: the norm inside the QKV projection
+        fused = dispatch.projection_kernels(x)   # the block's rows: the norm inside the QKV projection
         if fused:
-            qkv = gemv_kernel.norm_gemv(x, None, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                        weight_scale(attn.qkv_proj))[1]
+            qkv = dispatch.norm_gemv(x, None, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                                     weight_scale(attn.qkv_proj))[1]
         else:
             qkv = attn.qkv_proj(ln(x))
         qkv_ctx = attn.qkv_proj(ctx)          # the context vector is not layer-normed here
@@ -113,7 +138,7 @@ class DraftLayer(DecoderLayer):
             k = apply_rope(torch.cat([kc, kb], dim=1), *rope_kv)
             v = torch.cat([vc, vb], dim=1)
             out = cached_attention(apply_rope(q, *rope_q), k, v, meta, k_cache, v_cache)
-        o = (gemv_kernel.gemv(out, attn.o_proj.weight, attn.o_proj.bias, weight_scale(attn.o_proj)) if fused
+        o = (dispatch.gemv(out, attn.o_proj.weight, attn.o_proj.bias, weight_scale(attn.o_proj)) if fused
              else attn.o_proj(out))
         return self.residual_mlp(x, o, fused)
 
@@ -125,8 +150,8 @@ class DraftLayer(DecoderLayer):
         attn = self.self_attn
         norm = attn.q_norm is not None
         qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if norm else (None, None)
-        q = qk_rope_write_kv(qkv, attn.h, attn.hkv, qw, kw, attn.q_norm.eps if norm else 0.0, *rope_kv,
-                             k_cache, v_cache, meta.rows, meta.slots)
+        q = dispatch.qk_rope_write_kv(qkv, attn.h, attn.hkv, qw, kw, attn.q_norm.eps if norm else 0.0, *rope_kv,
+                                      k_cache, v_cache, meta.rows, meta.slots)
         return attend(q[:, q.shape[1] - meta.mask.shape[2]:], meta, k_cache, v_cache)
 
 
@@ -161,7 +186,7 @@ class DFlashDrafter(nn.Module):
         x = self.embed(block_ids)
         ctx = self.context(ctx_feat.to(x.dtype))
         rope_kv = self.rotary(torch.cat([ctx_pos, block_pos], dim=1), x.dtype)
-        kernels = attn_kernel.usable(x, self.cfg.model.head_dim) and not meta.gather_rows
+        kernels = dispatch.attention_kernels(x, self.cfg.model.head_dim) and not meta.gather_rows
         rope_q = None if kernels else self.rotary(block_pos, x.dtype)   # the kernels take it from rope_kv
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, rope_q, rope_kv, meta, k_cache[i], v_cache[i])
@@ -177,34 +202,10 @@ class DFlashDrafter(nn.Module):
             rows = torch.arange(ctx.shape[0], device=ctx.device)[:, None]
         for i, layer in enumerate(self.layers):
             _, k, v = layer.self_attn.project(ctx)
-            write_kv(k_cache[i], v_cache[i], rows, ctx_pos, apply_rope(k, cos, sin), v)
+            dispatch.write_kv(k_cache[i], v_cache[i], rows, ctx_pos, apply_rope(k, cos, sin), v)
 
     def draft_logits(self, hidden: torch.Tensor, depth: int | None = None) -> torch.Tensor:
         """Block positions 1..depth (default bs-1) predict the tokens at those same positions:
         [B, depth, V]; through the fp8 copy of the LM head if the drafter has one (`quant`)."""
         head = self.__dict__.get("draft_head")
         return (self.lm_head if head is None else head)(hidden[:, 1:None if depth is None else 1 + depth]).float()
-
-
-def load_drafter(path: Path, target: nn.Module, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
-    """Load a published-format DFlash checkpoint, refusing one that does not fit `target`."""
-    from drafttree.loader.weights import layer_state_dict, load_into, read_safetensors
-
-    cfg = DFlashConfig.from_dir(path)
-    cfg.check_fits(target.cfg)
-    src = {k.removeprefix("model."): v for k, v in read_safetensors(path).items()}
-
-    def take(name: str) -> torch.Tensor:
-        if name not in src:
-            raise ValueError(f"drafter checkpoint {path} is missing tensor {name!r}")
-        return src[name]
-
-    state = {"fc.weight": take("fc.weight"), "hidden_norm.weight": take("hidden_norm.weight"),
-             "norm.weight": take("norm.weight")}
-    for i in range(cfg.model.num_layers):
-        state.update(layer_state_dict(src, f"layers.{i}.", take))
-    with torch.device("meta"):
-        drafter = DFlashDrafter(cfg)
-    load_into(drafter, state, dtype, device)
-    drafter.rotary = Rotary(cfg.model).to(device)
-    return drafter.borrow(target.embed_tokens, target.lm_head).eval().requires_grad_(False)

@@ -5,13 +5,12 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from drafttree.config import ModelConfig
-from drafttree.kernels import attn_kernel
-from drafttree.models.fused import fused
-from drafttree.kernels.rope_kernel import qk_rope_write_kv
+from drafttree.kernels import dispatch
+from drafttree.kernels.fused import fused
+from drafttree.kernels.torch_ops import add_rms_norm, rms_norm, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -26,23 +25,6 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta)): a residual add and the next norm in one kernel."""
         return add_rms_norm(x, delta, self.weight, self.eps)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-rms_norm = fused(_rms_norm)
-
-
-@fused
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    x = x + delta
-    return x, _rms_norm(x, weight, eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -81,28 +63,6 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
-
-
-apply_rope = fused(_rope)
-
-
-@fused
-def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rope(q, cos, sin), _rope(k, cos, sin)
-
-
-@fused
-def norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's per-head q/k RMSNorm and rope, for q and k, in one kernel."""
-    return _rope(_rms_norm(q, q_weight, eps), cos, sin), _rope(_rms_norm(k, k_weight, eps), cos, sin)
-
-
 @dataclass
 class AttnMeta:
     """How one forward's new tokens meet the KV cache. Batch row b uses cache row b.
@@ -131,16 +91,6 @@ class AttnMeta:
         return self._grouped[g]
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
-    """Caches [rows, Hkv, max_len, hd]; k, v [B, W, Hkv, hd] go to cache[rows[b], :, slots[b, i]]."""
-    if attn_kernel.usable(k) and k.stride(-1) == 1 and v.stride(-1) == 1:
-        attn_kernel.write_kv(k_cache, v_cache, rows, slots, k, v)
-    else:
-        k_cache[rows, :, slots] = k
-        v_cache[rows, :, slots] = v
-
-
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """q [B, W, H, hd]; k, v [B, Wk, Hkv, hd] written at meta.slots; returns [B, W, H*hd].
@@ -149,64 +99,20 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     heads fold into one batch stride and the matmuls read the cache in place: a token-major cache
     made torch copy it for every batch above 1 (benchmarks/attn_layouts.py: 8x slower at batch 16).
     """
-    write_kv(k_cache, v_cache, meta.rows, meta.slots, k, v)
+    dispatch.write_kv(k_cache, v_cache, meta.rows, meta.slots, k, v)
     return attend(q, meta, k_cache, v_cache)
 
 
 def attend(q: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """The attention of `cached_attention` once K/V are in the cache: q [B, W, H, hd] -> [B, W, H*hd]."""
-    B, W, H, hd = q.shape
+    B, hd = q.shape[0], q.shape[-1]
     L = meta.kv_len
     if meta.gather_rows:
         kc, vc = k_cache[meta.rows[:, 0], :, :L], v_cache[meta.rows[:, 0], :, :L]   # copies
     else:
         kc = k_cache[:B, :, :L]  # [B, Hkv, L, hd], a view
         vc = v_cache[:B, :, :L]
-    Hkv = kc.shape[1]
-    g = H // Hkv
-    scale = 1.0 / math.sqrt(hd)
-    if few_rows(q, g * W) and attn_kernel.usable(q):
-        return attn_kernel.few_row_attention(q, kc, vc, meta.mask, scale).view(B, W, H * hd)
-    # GQA without repeating K/V: the g query heads of a group become g*W query rows.
-    qg = q.view(B, W, Hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * W, hd)
-    if few_rows(qg, g * W):
-        out = small_attention(qg, kc, vc, meta.grouped_mask(g), scale)
-    else:
-        out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.grouped_mask(g), scale=scale)
-    return out.view(B, Hkv, g, W, hd).permute(0, 3, 1, 2, 4).reshape(B, W, H * hd)
-
-
-# Query rows (query heads per KV head x tokens) up to which CUDA attention takes the few-row path
-# (the Triton kernel, else two matmuls around a fused softmax) instead of SDPA. 256 covers DDTree's
-# verify at budget 32 with 4 query heads per KV head (132 rows, Qwen3-8B).
-FEW_ROWS = 256
-
-
-def few_rows(q: torch.Tensor, rows: int) -> bool:
-    """Whether attention with `rows` query rows per KV head takes the few-query-row path
-    (decode, draft, verify on CUDA)."""
-    return q.is_cuda and rows <= FEW_ROWS
-
-
-def small_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """Attention for few query rows (decode, draft, verify): two cuBLAS matmuls in the cache's
-    dtype around one fused softmax. The fused SDPA kernels spent ~80 us per call on a 1-row
-    query over a long masked cache; compiling the matmuls too made them fp32 GEMVs (~80 us)."""
-    p = masked_softmax(torch.matmul(q, k.transpose(-1, -2)), mask, scale)
-    return torch.matmul(p, v)
-
-
-@fused
-def masked_softmax(s: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    p = (s.float() * scale).masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return p.to(s.dtype)
-
-
-@fused
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return dispatch.attention(q, kc, vc, meta.mask, 1.0 / math.sqrt(hd), meta.grouped_mask)
 
 
 class MLP(nn.Module):
@@ -258,24 +164,16 @@ class Attention(nn.Module):
     def attend_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttnMeta,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """`from_qkv` before the o projection: [B, W, H*hd]."""
-        if attn_kernel.usable(qkv, self.hd):   # norm, rope and the KV write in one launch
-            norm = self.q_norm is not None
-            qw, kw = (self.q_norm.weight, self.k_norm.weight) if norm else (None, None)
-            eps = self.q_norm.eps if norm else 0.0
-            B, W, _ = qkv.shape
-            # One token: inside the attention's own launch. A wider forward would redo each query
-            # row's rope once per split (a DDTree verify at budget 32 lost more than decode gained).
-            if W == 1 and not meta.gather_rows and few_rows(qkv, self.h // self.hkv):
-                L = meta.kv_len
-                r = attn_kernel.Rope(qw, kw, eps, *rope, meta.slots)
-                out = attn_kernel.rope_attention(qkv, self.h, k_cache[:B, :, :L], v_cache[:B, :, :L], meta.mask,
-                                                 1.0 / math.sqrt(self.hd), r)
-                return out.view(B, W, self.h * self.hd)
-            q = qk_rope_write_kv(qkv, self.h, self.hkv, qw, kw, eps, *rope, k_cache, v_cache, meta.rows, meta.slots)
-            return attend(q, meta, k_cache, v_cache)
-        q, k, v = self._split(qkv)
-        if self.q_norm is not None:
-            q, k = norm_rope_qk(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope)
-        else:
-            q, k = rope_qk(q, k, *rope)
-        return cached_attention(q, k, v, meta, k_cache, v_cache)
+        norm = self.q_norm is not None
+        qw, kw = (self.q_norm.weight, self.k_norm.weight) if norm else (None, None)
+        eps = self.q_norm.eps if norm else 0.0
+        B, W, _ = qkv.shape
+        if dispatch.rope_in_attention(qkv, self.hd, self.h // self.hkv, meta.gather_rows):   # a decode token
+            L = meta.kv_len
+            r = dispatch.Rope(qw, kw, eps, *rope, meta.slots)
+            out = dispatch.rope_attention(qkv, self.h, k_cache[:B, :, :L], v_cache[:B, :, :L], meta.mask,
+                                          1.0 / math.sqrt(self.hd), r)
+            return out.view(B, W, self.h * self.hd)
+        q = dispatch.qk_rope_write_kv(qkv, self.h, self.hkv, qw, kw, eps, *rope, k_cache, v_cache, meta.rows,
+                                      meta.slots)
+        return attend(q, meta, k_cache, v_cache)

@@ -5,10 +5,10 @@ borrows from the target) beside the target's 15.1, at a draft block's 16 rows. E
 is stored as float8 e4m3 with one fp32 scale (its absmax maps to 448); `gemm_kernel`'s tiles load
 the e4m3 values, convert them to f16 (exact: e4m3 fits in f16 and bf16), run the tensor-core dot
 with the activations in f16 and multiply each output by its row's scale (`gemm_kernel.FP8_DOTS`).
-Without the kernels (CPU, fp32) the weights are widened back for the torch ops.
+Without the kernels (CPU, fp32) the weights are widened back for the torch ops (`dispatch.fp8_linear`).
 
 On the Qwen3-8B shape the DDTree round takes 6.17-6.23 ms against 6.41-6.48 with the bf16
-drafter (H200, run 27); on the small SmolLM2 drafter the draft phase is slower (0.193 against 0.181 ms),
+drafter (H200); on the small SmolLM2 drafter the draft phase is slower (0.193 against 0.181 ms),
 so the option is off by default. Only the drafter is quantized: its tokens are proposals that
 the target verifies, so the output stays exactly plain decoding's; only the acceptance can move
 (benchmarks/results/2026-12-02_cpu_fp8_drafter_tau.md).
@@ -16,11 +16,10 @@ the target verifies, so the output stays exactly plain decoding's; only the acce
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from drafttree.kernels import gemm_kernel
-from drafttree.kernels.triton_jit import interpreting, kernels_run_on
+from drafttree.kernels import dispatch
+from drafttree.kernels.torch_ops import dequantize  # noqa: F401  (quantize_rows' inverse, for callers)
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -39,20 +38,14 @@ def quantize_rows(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, tor
     return q, scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale[:, None]).to(dtype)
-
-
 def check(method: str, device: torch.device | str) -> None:
     """Refuse a quantization this code does not know, or fp8 on a device that cannot run it: CUDA
     needs Triton's e4m3 conversion (compute capability 8.9 or newer); elsewhere the weights are
     widened for the torch ops."""
     if method not in METHODS:
         raise ValueError(f"unknown draft quantization {method!r}; choose one of {list(METHODS)}")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not interpreting() and not (
-            kernels_run_on(dev) and torch.cuda.get_device_capability(dev) >= (8, 9)):
-        raise ValueError(f"fp8 drafter weights need Triton and compute capability 8.9 or newer on {dev}")
+    if not dispatch.fp8_runs_on(device):
+        raise ValueError(f"fp8 drafter weights need Triton and compute capability 8.9 or newer on {device}")
 
 
 class Fp8Linear(nn.Module):
@@ -71,9 +64,7 @@ class Fp8Linear(nn.Module):
         return cls(lin.weight.detach(), None if lin.bias is None else lin.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if gemm_kernel.takes(x):   # else the widened weights' torch ops
-            return gemm_kernel.launch("plain", x, None, None, 0.0, self.weight, self.bias, self.scale)[1]
-        return F.linear(x, dequantize(self.weight, self.scale, x.dtype), self.bias)
+        return dispatch.fp8_linear(x, self.weight, self.bias, self.scale)
 
 
 def weight_scale(lin: nn.Module) -> torch.Tensor | None:

@@ -1,8 +1,10 @@
 """CUDA graphs for every phase of a round, each captured at its own width.
 
-Every width comes from `SpecConfig.width(phase)`; nothing here chooses a token count. Graphs
-read and write the runner's persistent buffers (state, KV caches), so a replay needs no input
-copies. Rows between the real batch size and the bucket are parked first (`RoundState.park`).
+Every width comes from `SpecConfig.width(phase, batch)`; nothing here chooses a token count, and
+capture checks that the buffers a graph reads and writes have those widths. Graphs read and
+write the runner's persistent buffers (its `RoundContext`: state, KV caches), so a replay needs
+no input copies. Rows between the real batch size and the bucket are parked first
+(`RoundState.park`).
 """
 from __future__ import annotations
 
@@ -119,17 +121,34 @@ class GraphRunner:
         return graph_plan(self.spec, self.r.target.cfg, d, self.r.cache_cfg.max_num_seqs, self.kv_buckets)
 
     def _phase_fns(self, B: int, mode: SampleMode, L: int) -> list[tuple[Phase, Callable[[], None]]]:
+        # The runner's round context, looked up through the weak proxy when a phase runs: a
+        # function kept past capture must not keep the runner's buffers alive.
         r = self.r
         if not self.spec.speculates_at(B, mode is SampleMode.GREEDY):
-            context = [(Phase.CONTEXT, lambda: context_phase(r, B))] if r.drafter is not None else []
-            return context + [(Phase.DECODE, lambda: decode_round(r, B, L, mode))]
+            context = [(Phase.CONTEXT, lambda: context_phase(r.round_ctx, B))] if r.drafter is not None else []
+            return context + [(Phase.DECODE, lambda: decode_round(r.round_ctx, B, L, mode))]
 
         def draft() -> None:
-            self.trees[(B, mode, L)] = draft_phase(r, B, L)
+            self.trees[(B, mode, L)] = draft_phase(r.round_ctx, B, L)
 
         def verify() -> None:
-            verify_phase(r, B, L, self.trees[(B, mode, L)], mode)
+            verify_phase(r.round_ctx, B, L, self.trees[(B, mode, L)], mode)
         return [(Phase.DRAFT, draft), (Phase.VERIFY, verify)]
+
+    def check_widths(self, B: int, mode: SampleMode, L: int) -> None:
+        """The static buffers a graph set for batch bucket B reads and writes have the widths
+        `spec.width` gives (host-known shapes: no sync): pending drafter features and committed
+        tokens per row, the KV slots past the context, and the draft tree that feeds the verify
+        graph."""
+        r, s, spec = self.r, self.r.state, self.spec
+        widths = {"pending features": (s.ctx_feat.shape[1], spec.width(Phase.CONTEXT, B)),
+                  "committed tokens": (s.out_tokens.shape[1], spec.max_commit),
+                  "KV headroom": (r.kv.max_len - r.cache_cfg.max_model_len, spec.kv_headroom)}
+        tree = self.trees.get((B, mode, L))
+        if tree is not None:
+            widths["draft tree"] = (tree.num_nodes, spec.width(Phase.VERIFY, B))
+        bad = {k: v for k, v in widths.items() if v[0] != v[1]}
+        assert not bad, f"batch bucket {B}: buffer widths (have, want) {bad}"
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -153,6 +172,7 @@ class GraphRunner:
                 for _, fn in fns:
                     fn()
             warm_up(every_phase)
+            self.check_widths(B, mode, L)
             self.r.state.park(0, B)
             for phase, fn in fns:
                 g = torch.cuda.CUDAGraph()

@@ -1,4 +1,5 @@
-"""Owns the models, the KV caches and the per-row device state; runs prefill and rounds."""
+"""Owns the models, the KV caches and the per-row device state (one `RoundContext`, which the
+round functions and their CUDA graphs take); runs prefill and rounds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,19 +9,19 @@ import torch
 from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashDrafter
-from drafttree.phases import Phase, SpecConfig, batch_buckets
-from drafttree.runner.kv_cache import KVCache, attn_meta, causal
-from drafttree.runner.state import RoundState
-from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
+from drafttree.models.kv_cache import KVCache, attn_meta, causal
+from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
 from drafttree.runner.phase_timer import PhaseTimer
+from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
 from drafttree.spec.rounds import context_phase, decode_round, draft_phase, verify_phase
+from drafttree.spec.state import RoundContext, RoundState
 
 
 @dataclass
 class CacheConfig:
     max_num_seqs: int       # cache rows = the largest batch
     max_model_len: int      # prompt + generated tokens per request
-    headroom: int           # extra slots a round writes past the committed length
+    headroom: int           # extra slots a round writes past the committed length (spec.kv_headroom)
 
     @property
     def max_len(self) -> int:
@@ -40,7 +41,7 @@ class CacheConfig:
         return batch_buckets(self.max_num_seqs)
 
     def batch_bucket(self, b: int) -> int:
-        return next(B for B in self.batch_buckets if B >= b)
+        return batch_bucket(b, self.max_num_seqs)
 
     def kv_bucket(self, needed: int) -> int:
         return next(n for n in self.kv_buckets if n >= min(needed, self.max_len))
@@ -55,20 +56,22 @@ class CacheConfig:
 class ModelRunner:
     def __init__(self, target: DecoderLM, drafter: DFlashDrafter | None, spec: SpecConfig,
                  cache: CacheConfig, device: torch.device, dtype: torch.dtype, prefill_chunk: int = 2048) -> None:
-        self.target, self.drafter, self.spec = target, drafter, spec
         self.prefill_chunk = prefill_chunk
         self.cache_cfg, self.device, self.dtype = cache, device, dtype
         tc: ModelConfig = target.cfg
         rows, L = cache.max_num_seqs, cache.max_len
-        self.kv = KVCache.allocate(tc.num_layers, rows, L, tc.num_kv_heads, tc.head_dim, dtype, device)
-        self.capture_layers: tuple[int, ...] = ()
-        feat = 0
+        if cache.headroom != spec.kv_headroom:
+            raise ValueError(f"cache headroom {cache.headroom} != spec.kv_headroom {spec.kv_headroom}")
+        kv = KVCache.allocate(tc.num_layers, rows, L, tc.num_kv_heads, tc.head_dim, dtype, device)
+        dkv, capture_layers, feat = None, (), 0
         if drafter is not None:
             dc = drafter.cfg.model
-            self.dkv = KVCache.allocate(dc.num_layers, rows, L, dc.num_kv_heads, dc.head_dim, dtype, device)
-            self.capture_layers = drafter.cfg.target_layer_ids
-            feat = len(self.capture_layers) * tc.hidden_size
-        self.state = RoundState.allocate(rows, spec.max_commit, feat, dtype, device)
+            dkv = KVCache.allocate(dc.num_layers, rows, L, dc.num_kv_heads, dc.head_dim, dtype, device)
+            capture_layers = drafter.cfg.target_layer_ids
+            feat = len(capture_layers) * tc.hidden_size
+        # pending drafter features: what one context phase writes, at most what a verify commits
+        state = RoundState.allocate(rows, spec.width(Phase.CONTEXT), feat, dtype, device)
+        self.round_ctx = RoundContext(target, drafter, spec, state, kv, dkv, capture_layers, rows)
         # Host-side bound on any row's pending drafter features (state.ctx_n), kept without a
         # sync: a verify leaves at most max_commit, a decode step adds one, a context phase
         # leaves one (its decode step's). Prefill and parking set 1, within any bound.
@@ -76,6 +79,35 @@ class ModelRunner:
         self.graphs = None  # set by the engine when CUDA graphs are captured
         self.prefill_graphs = None   # a PrefillGraphs, when the engine is asked for them
         self.timer = PhaseTimer(torch.device(device))
+
+    # What the rounds work on, read through the one RoundContext (graphs captured over it).
+    @property
+    def target(self) -> DecoderLM:
+        return self.round_ctx.target
+
+    @property
+    def drafter(self) -> DFlashDrafter | None:
+        return self.round_ctx.drafter
+
+    @property
+    def spec(self) -> SpecConfig:
+        return self.round_ctx.spec
+
+    @property
+    def state(self) -> RoundState:
+        return self.round_ctx.state
+
+    @property
+    def kv(self) -> KVCache:
+        return self.round_ctx.kv
+
+    @property
+    def dkv(self) -> KVCache | None:
+        return self.round_ctx.dkv
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.round_ctx.capture_layers
 
     # -- prefill -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -176,15 +208,15 @@ class ModelRunner:
     def eager_round(self, B: int, kv_len: int, mode: SampleMode, phases: tuple[Phase, ...]) -> None:
         if Phase.CONTEXT in phases:
             with self.timer.phase("context"):
-                context_phase(self, B)
+                context_phase(self.round_ctx, B)
         if Phase.DECODE in phases:
             with self.timer.phase("decode"):
-                decode_round(self, B, kv_len, mode)
+                decode_round(self.round_ctx, B, kv_len, mode)
             return
         with self.timer.phase("draft"):
-            tree = draft_phase(self, B, kv_len)
+            tree = draft_phase(self.round_ctx, B, kv_len)
         with self.timer.phase("verify"):
-            verify_phase(self, B, kv_len, tree, mode)
+            verify_phase(self.round_ctx, B, kv_len, tree, mode)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Keep running requests packed in rows 0..B-1 when one finishes. `length`: the committed

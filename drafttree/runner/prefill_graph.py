@@ -2,7 +2,7 @@
 
 An eager prefill of a small model is host-bound: on an H200, the SmolLM2 shape with a drafter
 took 21–37 ms per prefill of 64–500 tokens for 0.9–1.7 ms of GPU work, and 1.7–3.4 ms graphed
-(benchmarks/results/2026-11-30_h200_run8.md). Here the forward over n prompts, padded to a
+(docs/performance.md). Here the forward over n prompts, padded to a
 length bucket Pb (a power of two, at least MIN_LEN), is captured once per (n, Pb) at its first
 use and replayed from static buffers: token ids, lengths and the cache rows the requests take.
 
@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from drafttree.runner.cuda_graph import collector_paused, warm_up
-from drafttree.runner.kv_cache import attn_meta, causal
+from drafttree.models.kv_cache import attn_meta, causal
 from drafttree.kernels.triton_jit import next_pow2
 
 MIN_LEN = 16

@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from drafttree.loader.chat_template import apply_chat_template, has_chat_template
 from drafttree.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -81,14 +82,13 @@ class OpenAIServing:
 
     def chat_prompt(self, req: ChatCompletionRequest) -> str:
         tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        if not has_chat_template(tok):
             raise OpenAIError(f"the model '{self.model_name}' has no chat template: use /v1/completions",
                               param="messages")
         try:
-            return tok.apply_chat_template([m.template_dict() for m in req.messages], tokenize=False,
-                                           add_generation_prompt=True)
-        except Exception as e:
-            raise OpenAIError(f"the chat template rejected the messages: {e}", param="messages") from e
+            return apply_chat_template(tok, [m.template_dict() for m in req.messages])
+        except ValueError as e:
+            raise OpenAIError(str(e), param="messages") from e
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Reply:
         self.check_model(req)

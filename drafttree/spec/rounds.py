@@ -1,4 +1,5 @@
-"""One decoding round for rows 0..B-1, as pure device work on the runner's static buffers.
+"""One decoding round for rows 0..B-1, as pure device work on the static buffers of a
+`RoundContext` (the runner owns it; CUDA graphs capture these functions over it).
 
 decode: target forward of width 1; with a drafter, the token's features join the pending ones,
 which a context phase writes into the drafter's cache before they could overflow their buffer
@@ -9,34 +10,29 @@ context, bonus). No host sync anywhere: the engine reads `out_tokens`/`out_n` af
 """
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING
-
 import torch
 
-from drafttree.models.fused import fused
+from drafttree.kernels import dispatch
+from drafttree.kernels.fused import fused
+from drafttree.models.kv_cache import attn_meta
 from drafttree.phases import Phase
-from drafttree.runner.kv_cache import attn_meta
 from drafttree.sampling import SampleMode, pick_tokens
+from drafttree.spec.state import RoundContext
 from drafttree.spec.tree import DraftTree, accept, build_tree, chain_tree
-from drafttree.kernels.tree_kernel import available as fused_tree_ok, build_tree_fused
-
-if TYPE_CHECKING:
-    from drafttree.runner.model_runner import ModelRunner
 
 
-def decode_round(r: "ModelRunner", B: int, kv_len: int, mode: SampleMode) -> None:
+def decode_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode) -> None:
     """One target token per row. With a drafter (speculation off for this round), the token's
     features are appended to the pending ones (`context_phase` writes them into its cache), so
     that drafting can resume at any round."""
-    s = r.state
+    s = rc.state
     start, bonus = s.start[:B], s.bonus[:B]
     ones = torch.ones(B, 1, 1, dtype=torch.bool, device=start.device)
     meta = attn_meta(start, ones, kv_len)
-    hidden, aux = r.target(bonus[:, None], start[:, None], meta, r.kv.k, r.kv.v, r.capture_layers)
-    if r.drafter is not None:
+    hidden, aux = rc.target(bonus[:, None], start[:, None], meta, rc.kv.k, rc.kv.v, rc.capture_layers)
+    if rc.drafter is not None:
         _append_pending(s.ctx_n[:B], s.ctx_feat[:B], aux[:, 0])
-    picks = pick_tokens(r.target.logits(hidden), s.sampling, start[:, None] + 1, mode)[:, 0]
+    picks = pick_tokens(rc.target.logits(hidden), s.sampling, start[:, None] + 1, mode)[:, 0]
     s.out_tokens[:B, 0] = picks
     s.out_n[:B] = 1
     s.bonus[:B] = picks
@@ -54,17 +50,17 @@ def _append_pending(n: torch.Tensor, feat: torch.Tensor, new: torch.Tensor) -> N
     n.copy_(at + 1)
 
 
-def context_phase(r: "ModelRunner", B: int) -> None:
+def context_phase(rc: RoundContext, B: int) -> None:
     """Write rows 0..B-1's pending features into the drafter's cache; none wait after it, until
     the decode step of the same round appends its token's (ctx_n is 0 only in between)."""
-    r.drafter.write_context(*pending_context(r, B), r.dkv.k, r.dkv.v)
-    r.state.ctx_n[:B] = 0
+    rc.drafter.write_context(*pending_context(rc, B), rc.dkv.k, rc.dkv.v)
+    rc.state.ctx_n[:B] = 0
 
 
-def pending_context(r: "ModelRunner", B: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pending_context(rc: RoundContext, B: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The features waiting for the drafter's cache and their positions, [B, C, F] and [B, C]:
     padded to C entries by repeating the last real one (same slot, same value)."""
-    s = r.state
+    s = rc.state
     return _pending(s.start[:B], s.ctx_n[:B], s.ctx_feat[:B])
 
 
@@ -87,75 +83,85 @@ def _block(start: torch.Tensor, bonus: torch.Tensor, ctx_pos: torch.Tensor, bs: 
     return block_ids, block_pos, torch.cat([ctx_pos, block_pos], dim=1), full
 
 
-def draft(r: "ModelRunner", B: int, kv_len: int) -> torch.Tensor:
+def draft(rc: RoundContext, B: int, kv_len: int) -> torch.Tensor:
     """Write the new context into the drafter's cache and draft one block: [B, D, V] logits for
     block positions 1..D, D = spec.depth_at(batch bucket)."""
-    s, spec, d = r.state, r.spec, r.drafter
+    s, spec, d = rc.state, rc.spec, rc.drafter
     start = s.start[:B]
-    ctx_feat, ctx_pos = pending_context(r, B)
+    ctx_feat, ctx_pos = pending_context(rc, B)
     block_ids, block_pos, slots, full = _block(start, s.bonus[:B], ctx_pos, spec.width(Phase.DRAFT),
                                                d.cfg.mask_token_id)
     meta = attn_meta(start, full, kv_len, slots=slots)
-    hidden = d(block_ids, block_pos, ctx_feat, ctx_pos, meta, r.dkv.k, r.dkv.v)
-    return d.draft_logits(hidden, spec.depth_at(r.cache_cfg.batch_bucket(B)))
+    hidden = d(block_ids, block_pos, ctx_feat, ctx_pos, meta, rc.dkv.k, rc.dkv.v)
+    return d.draft_logits(hidden, spec.depth_at(rc.batch_bucket(B)))
 
 
-def make_tree(r: "ModelRunner", draft_logits: torch.Tensor, B: int) -> DraftTree:
-    bonus = r.state.bonus[:B]
-    if r.spec.method == "ddtree":
-        # the budget follows the batch bucket, so a graph and its eager fallback agree
-        budget = r.spec.budget_at(r.cache_cfg.batch_bucket(B))
-        return tree_builder(draft_logits.device, budget)(draft_logits, bonus, budget)
-    return chain_tree(draft_logits.argmax(dim=-1), bonus)
+def make_tree(rc: RoundContext, draft_logits: torch.Tensor, B: int) -> DraftTree:
+    """The tree (DDTree) or chain (DFlash) to verify: spec.width(VERIFY, bucket) nodes per row,
+    the width every verify graph, mask and KV reservation was sized by. The width follows the
+    batch bucket, so a graph and its eager fallback agree."""
+    bonus = rc.state.bonus[:B]
+    width = rc.spec.width(Phase.VERIFY, rc.batch_bucket(B))
+    if rc.spec.method == "ddtree":
+        budget = width - 1   # nodes below the root, which is the bonus token
+        tree = tree_builder(draft_logits.device, budget)(draft_logits, bonus, budget)
+    else:
+        tree = chain_tree(draft_logits.argmax(dim=-1), bonus)
+    # shapes are host-known: no sync, and a capture records nothing for it
+    assert tree.tokens.shape == (B, width), f"tree {tuple(tree.tokens.shape)} for {B} rows at verify width {width}"
+    return tree
 
 
 def tree_builder(device: torch.device, budget: int):
     """The DDTree builder a round uses: the fused kernel where it is the faster choice
-    (DRAFTTREE_FUSED_TREE=0 turns it off), else `build_tree`; both give a valid top-B tree."""
-    if os.environ.get("DRAFTTREE_FUSED_TREE", "1") != "0" and fused_tree_ok(device, budget):
-        return build_tree_fused
-    return build_tree
+    (`dispatch.fused_tree_usable`), else `build_tree`; both give a valid top-B tree."""
+    if not dispatch.fused_tree_usable(device, budget):
+        return build_tree
+
+    def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: int) -> DraftTree:
+        return DraftTree(*dispatch.build_tree_fused(draft_logits, root_tokens, budget))
+    return build_tree_fused
 
 
-def draft_phase(r: "ModelRunner", B: int, kv_len: int) -> DraftTree:
+def draft_phase(rc: RoundContext, B: int, kv_len: int) -> DraftTree:
     """Draft one block and shape it into the tree (or chain) to verify."""
-    return make_tree(r, draft(r, B, kv_len), B)
+    return make_tree(rc, draft(rc, B, kv_len), B)
 
 
-def verify_forward(r: "ModelRunner", B: int, kv_len: int, tree: DraftTree,
+def verify_forward(rc: RoundContext, B: int, kv_len: int, tree: DraftTree,
                    mode: SampleMode) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over the tree; returns the target's pick at every node and the
     features of every node."""
-    s = r.state
+    s = rc.state
     start = s.start[:B]
     # node i sits in cache slot start+i, at rope position start+depth(i)
     pos = start[:, None] + tree.depth
     meta = attn_meta(start, tree.visible, kv_len)
-    hidden, aux = r.target(tree.tokens, pos, meta, r.kv.k, r.kv.v, r.capture_layers)
-    return pick_tokens(r.target.logits(hidden), s.sampling, pos + 1, mode), aux
+    hidden, aux = rc.target(tree.tokens, pos, meta, rc.kv.k, rc.kv.v, rc.capture_layers)
+    return pick_tokens(rc.target.logits(hidden), s.sampling, pos + 1, mode), aux
 
 
-def accept_commit(r: "ModelRunner", B: int, tree: DraftTree, picks: torch.Tensor, aux: torch.Tensor) -> None:
-    acc = accept(tree, picks, r.spec.depth)
-    commit(r, B, acc.path, acc.accept_len, acc.tokens, aux)
+def accept_commit(rc: RoundContext, B: int, tree: DraftTree, picks: torch.Tensor, aux: torch.Tensor) -> None:
+    acc = accept(tree, picks, rc.spec.depth)
+    commit(rc, B, acc.path, acc.accept_len, acc.tokens, aux)
 
 
-def verify_phase(r: "ModelRunner", B: int, kv_len: int, tree: DraftTree, mode: SampleMode) -> None:
-    accept_commit(r, B, tree, *verify_forward(r, B, kv_len, tree, mode))
+def verify_phase(rc: RoundContext, B: int, kv_len: int, tree: DraftTree, mode: SampleMode) -> None:
+    accept_commit(rc, B, tree, *verify_forward(rc, B, kv_len, tree, mode))
 
 
-def spec_round(r: "ModelRunner", B: int, kv_len: int, mode: SampleMode) -> None:
-    verify_phase(r, B, kv_len, draft_phase(r, B, kv_len), mode)
+def spec_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode) -> None:
+    verify_phase(rc, B, kv_len, draft_phase(rc, B, kv_len), mode)
 
 
-def commit(r: "ModelRunner", B: int, path: torch.Tensor, tau: torch.Tensor, tokens: torch.Tensor,
+def commit(rc: RoundContext, B: int, path: torch.Tensor, tau: torch.Tensor, tokens: torch.Tensor,
            aux: torch.Tensor) -> None:
     """Keep the accepted path: its K/V move to consecutive slots start..start+tau-1, its
     features become the drafter's next context, the last pick becomes the bonus."""
-    s = r.state
+    s = rc.state
     start = s.start[:B]
     dst = start[:, None] + torch.arange(path.shape[1], device=path.device)
-    r.kv.compact(start[:, None] + path, dst)
+    rc.kv.compact(start[:, None] + path, dst)
     s.ctx_feat[:B] = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[2])).to(s.ctx_feat.dtype)
     s.ctx_n[:B] = tau
     s.out_tokens[:B] = tokens

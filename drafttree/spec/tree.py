@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from drafttree.models.fused import fused
-from drafttree.kernels.triton_jit import interpreting, kernels_run_on
+from drafttree.kernels.dispatch import top_log_probs
+from drafttree.kernels.fused import fused
 
 
 @dataclass
@@ -84,39 +84,6 @@ def check_tree_args(draft_logits: torch.Tensor, budget: int) -> tuple[int, int, 
     if L < 1:
         raise ValueError("draft_logits needs at least one position")
     return R, L, V
-
-
-def chunked_topk(x: torch.Tensor, k: int, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x.topk(k, dim=-1)` in two passes: the top k of each `chunk`-wide slice, then the top k
-    of those. The same values; on a GPU a few long rows are slow for one topk, many short ones
-    are not. Rows of fewer than 4 chunks, or k > chunk, take the plain path."""
-    V = x.shape[-1]
-    if V < 4 * chunk or k > chunk:
-        return x.topk(k, dim=-1)
-    n = -(-V // chunk)
-    xp = F.pad(x, (0, n * chunk - V), value=float("-inf")).view(*x.shape[:-1], n, chunk)
-    v1, i1 = xp.topk(k, dim=-1)
-    i1 = i1 + torch.arange(0, n * chunk, chunk, device=x.device)[:, None]
-    val, j = v1.flatten(-2).topk(k, dim=-1)
-    # a padding column can only win among -inf scores (never-valid nodes); keep its id in range
-    return val, i1.flatten(-2).gather(-1, j).clamp_(max=V - 1)
-
-
-# Largest k for which the two-launch Triton top-K (kernels/topk_kernel.py) replaces the torch ops.
-MAX_FUSED_TOPK = 128
-
-
-def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k best tokens per position and their log-probabilities, [R, L, k] each, descending."""
-    if draft_logits.is_cuda and k <= MAX_FUSED_TOPK and kernels_run_on(draft_logits.device):
-        from drafttree.kernels.topk_kernel import top_log_probs_fused
-        return top_log_probs_fused(draft_logits, k, interpret=interpreting())
-    logits = draft_logits.float()
-    top_val, top_idx = chunked_topk(logits, k) if logits.is_cuda else logits.topk(k, dim=-1)
-    # logsumexp, reusing the row max that topk already found.
-    row_max = top_val[..., :1]
-    lse = (logits - row_max).exp_().sum(-1, keepdim=True).log_() + row_max
-    return top_val - lse, top_idx
 
 
 def build_tree(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: int) -> DraftTree:

@@ -17,8 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashDrafter
-from drafttree.models.layers import apply_rope
-from drafttree.runner.kv_cache import KVCache, attn_meta, causal
+from drafttree.kernels.torch_ops import apply_rope
+from drafttree.models.kv_cache import KVCache, attn_meta, causal
 from drafttree.train.recipe import IGNORE, Blocks
 
 

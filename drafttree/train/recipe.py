@@ -1,5 +1,6 @@
-"""The DFlash training recipe as pure functions: target layers, anchors, blocks, labels, the
-training attention mask, the per-position loss weights, the batching and the LR schedule.
+"""The DFlash training recipe as pure functions: anchors, blocks, labels, the training attention
+mask, the per-position loss weights, the batching and the LR schedule. Which target layers feed
+a drafter is a fact of the drafter's shape (`models.dflash.default_target_layer_ids`).
 
 Layout: a batch row holds N blocks of `bs` tokens, flattened to W = N*bs query positions.
 Block n of row b is [ids[a], MASK * (bs-1)] at positions a..a+bs-1 with a = anchors[b, n];
@@ -14,32 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from drafttree.models.dflash import default_target_layer_ids  # noqa: F401  (a drafter-shape fact)
+
 IGNORE = -100
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))   # block size -> gamma, from the paper
-
-
-def default_target_layer_ids(num_layers: int, n: int) -> list[int]:
-    """n layer ids spread over [1, L-3]: round(1 + i*(L-4)/(n-1)), halves rounded away from the
-    middle so the set is symmetric (30 layers, n=5: [1, 7, 14, 21, 27]); then made strictly
-    increasing inside [0, L-1]."""
-    if not 1 <= n <= num_layers:
-        raise ValueError(f"cannot pick {n} distinct target layers out of {num_layers}")
-    if n == 1:
-        return [num_layers // 2]
-    lo, hi = 1.0, float(num_layers - 3)
-    mid = (lo + hi) / 2
-    raw = []
-    for i in range(n):
-        x = lo + i * (hi - lo) / (n - 1)
-        raw.append(math.floor(x + 0.5) if x >= mid else math.ceil(x - 0.5))
-    ids = sorted(min(max(r, 0), num_layers - 1) for r in raw)
-    for i in range(1, n):
-        ids[i] = max(ids[i], ids[i - 1] + 1)
-    for i in range(n - 1, -1, -1):
-        ids[i] = min(ids[i], num_layers - n + i)
-        if i + 1 < n:
-            ids[i] = min(ids[i], ids[i + 1] - 1)
-    return ids
 
 
 def default_gamma(block_size: int) -> float:

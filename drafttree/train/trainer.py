@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from drafttree.config import parse_dtype
 from drafttree.models.decoder import DecoderLM
-from drafttree.models.dflash import load_drafter
+from drafttree.loader.drafter import load_drafter
 from drafttree.train.data import TrainSequence, read_sequences, unused_token
 from drafttree.train.forward import (
     FeatureExtractor,

@@ -1,7 +1,9 @@
 """Static KV cache: one row per running request, allocated once; plus the attention metadata.
 
 Batch row b always uses cache row b (the engine keeps running requests packed in rows
-0..B-1), so a forward reads `cache[:, :B]` as a view and never gathers.
+0..B-1), so a forward reads `cache[:, :B]` as a view and never gathers. It sits with the
+models, whose attention defines its layout, so that the rounds (spec), the runner and the
+trainer all use it without importing one another.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafttree.models.fused import fused
+from drafttree.kernels.fused import fused
 from drafttree.models.layers import AttnMeta
 
 

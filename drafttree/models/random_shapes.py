@@ -1,4 +1,7 @@
-"""Model shapes for timing-only runs with random weights (no checkpoint needs to exist)."""
+"""Model shapes for timing-only runs with random weights (no checkpoint needs to exist).
+
+They sit beside the models so that the engine can build them (`EngineConfig.random_weights`)
+without importing the benchmark or training packages."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +9,7 @@ from torch import nn
 
 from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLM
-from drafttree.models.dflash import DFlashConfig, DFlashDrafter
+from drafttree.models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
 from drafttree.models.layers import Rotary
 
 SHAPES: dict[str, tuple[ModelConfig, dict]] = {
@@ -43,7 +46,11 @@ def _randomize(m: nn.Module, device: torch.device, dtype: torch.dtype, seed: int
 def random_target(shape: str, device: torch.device, dtype: torch.dtype) -> DecoderLM:
     if shape not in SHAPES:
         raise ValueError(f"unknown random shape {shape!r}; choose one of {sorted(SHAPES)}")
-    cfg = SHAPES[shape][0]
+    return random_model(SHAPES[shape][0], device, dtype)
+
+
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> DecoderLM:
+    """A target of any shape with random weights."""
     with torch.device("meta"):
         model = DecoderLM(cfg)
     _randomize(model, device, dtype, 0)
@@ -63,8 +70,6 @@ def drafter_for(target: DecoderLM, device: torch.device, dtype: torch.dtype, blo
                 layers: int = 3, layer_ids: tuple[int, ...] | None = None,
                 mask_token_id: int | None = None) -> DFlashDrafter:
     """An untrained drafter shaped for `target` (timing only)."""
-    from drafttree.train.recipe import default_target_layer_ids
-
     tcfg = target.cfg
     mcfg = ModelConfig(**{**tcfg.__dict__, "num_layers": layers, "arch": "qwen3", "qk_norm": True,
                           "tie_word_embeddings": False})

@@ -1,10 +1,15 @@
-"""Per-row decoding state that lives on the device between rounds (static buffers)."""
+"""What a round reads and writes: the per-row device state kept between rounds (static
+buffers) and `RoundContext`, everything the round functions take, which the runner owns."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from drafttree.models.decoder import DecoderLM
+from drafttree.models.dflash import DFlashDrafter
+from drafttree.models.kv_cache import KVCache
+from drafttree.phases import SpecConfig, batch_bucket
 from drafttree.sampling import SamplingTensors
 
 
@@ -18,7 +23,7 @@ class RoundState:
     row). A verify leaves up to C there, each decode step one more, a context phase none."""
     start: torch.Tensor          # [R] long
     bonus: torch.Tensor          # [R] long
-    ctx_feat: torch.Tensor       # [R, C, n*D]; C = max tokens committed per round
+    ctx_feat: torch.Tensor       # [R, C, n*D]; C = spec.width(CONTEXT) = max tokens committed per round
     ctx_n: torch.Tensor          # [R] long
     sampling: SamplingTensors
     out: torch.Tensor            # [R, 1 + C] long: how many tokens the last round committed, then
@@ -53,3 +58,23 @@ class RoundState:
         for t in (self.start, self.bonus, self.ctx_feat, self.ctx_n, self.out):
             t[dst] = t[src]
         self.sampling.copy_row(src, dst)
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """The models, buffers and sizes the round functions (`spec.rounds`) work on, for rows
+    0..B-1 of the caches. The runner builds it once; CUDA graphs capture the round functions over
+    these very tensors, so none may be replaced afterwards (frozen; they are written in place)."""
+    target: DecoderLM
+    drafter: DFlashDrafter | None
+    spec: SpecConfig
+    state: RoundState
+    kv: KVCache
+    dkv: KVCache | None              # the drafter's cache, when there is a drafter
+    capture_layers: tuple[int, ...]  # target layers whose features feed the drafter
+    max_num_seqs: int                # cache rows: the largest batch bucket
+
+    def batch_bucket(self, B: int) -> int:
+        """The batch bucket rows 0..B-1 run at: per-bucket choices (the DDTree budget) follow it,
+        so a graph captured for the bucket and its eager fallback make the same choice."""
+        return batch_bucket(B, self.max_num_seqs)

@@ -5,17 +5,18 @@ six kernels, a round's acceptance walk about 25. `torch.compile` fuses each `fus
 norms, rope, and a round's bookkeeping: rope tables, masks, draft inputs, the walk) into one or a
 few Triton kernels; it is applied only to CUDA tensors, so CPU runs (tests, CI) stay plain PyTorch.
 A piece whose compilation fails on a platform runs as torch ops from then on, with one warning.
-DRAFTTREE_COMPILE=0 turns it off; DRAFTTREE_COMPILE=cpu compiles on CPU too (for tests of the
-wrapper itself).
+`settings.compile` (DRAFTTREE_COMPILE) "0" turns it off; "cpu" compiles on CPU too (for tests of
+the wrapper itself).
 """
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Callable, TypeVar
 
 import torch
+
+from drafttree.settings import current
 
 F = TypeVar("F", bound=Callable)
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ def fused(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(x: torch.Tensor, *args, **kwargs):
-        mode = os.environ.get("DRAFTTREE_COMPILE", "1")
+        mode = current().compile
         if mode == "0" or not (x.is_cuda or mode == "cpu") or compiled == [None]:
             return fn(x, *args, **kwargs)
         if not compiled:

@@ -1,0 +1,35 @@
+"""What an engine is asked for: models, speculation, sizes and switches (all optional)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None            # HF directory, .gguf file, or None for the default
+    draft_model: str | None = None
+    spec: str | None = None             # none | dflash | ddtree; default ddtree with a drafter
+    block_size: int | None = None       # default: the drafter's
+    budget: int | None = None           # DDTree nodes; default: the drafter's ddtree_default_budget, else 32
+    budget_schedule: str | None = None  # DDTree budget by batch bucket, e.g. "8:16,32:4"; default: the
+                                        # drafter config's, if any ("none": no schedule)
+    speculate_sampled: bool | None = None  # rounds with a row at T > 0 speculate too; default: the
+                                        # drafter config's ddtree_default_speculate_sampled, else on
+    dtype: str | None = None            # auto: bf16 on CUDA, fp32 on CPU
+    draft_quantization: str | None = None   # fp8: the drafter's weights (and its LM head copy) as
+                                        # e4m3 with a scale per row; the output is unchanged
+    device: str | None = None           # auto: cuda if available
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    kv_cache_memory_gb: float | None = None   # default: 1 GiB on CPU, 60% of free on CUDA
+    cuda_graphs: bool | None = None     # default: on for CUDA
+    prefill_graphs: bool | None = None  # graphed prefill per (prompts, length bucket), captured at
+                                        # first use; default: on with CUDA graphs
+    max_prefill_tokens: int = 8192      # padded tokens in one batched prefill
+    prefill_chunk: int = 2048           # prompt tokens per prefill forward (chunked prefill)
+    admit_min: int = 1                  # while requests run, admit waiting ones only once this many
+                                        # rows are free (or all waiting fit): fewer, larger prefills
+    overlap: bool | None = None         # launch each round before reading the previous one's tokens
+                                        # (hides the host's work between rounds); default: on for CUDA
+    random_weights: str | None = None   # timing-only: a shape from drafttree.models.random_shapes
+    random_drafter: bool = False        # timing-only: an untrained drafter for the given target

@@ -16,12 +16,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec", choices=["none", "dflash", "ddtree"], default=None,
                    help="speculative method (default: ddtree when a drafter is available)")
     g.add_argument("--block-size", type=int, default=None, help="draft width (default: the drafter's)")
-    g.add_argument("--budget", type=int, default=None, help="DDTree nodes per round; verify width = budget + 1 (default: the drafter config's ddtree_default_budget, else 32)")
+    g.add_argument("--budget", default="auto",
+                   help="'auto' (the default): every round chooses the budget (DDTree nodes up to the drafter "
+                        "config's ddtree_default_budget, else 32; the DFlash chain; or 0, a plain decode step) "
+                        "that maximises expected tokens/s from the measured cost of each and the drafter's "
+                        "predicted acceptance; N: DDTree verifies N + 1 tokens every round (DFlash: any N >= 1 "
+                        "drafts every round), 0 decodes plainly")
     g.add_argument("--budget-schedule", default=None,
-                   help="DDTree budget by batch bucket under load, e.g. '8:16,32:4' (batch:budget), or 'auto' "
-                        "(batch * (budget + 1) <= 256 verify tokens per forward, a roofline figure); "
-                        "budget 0 decodes plainly from that batch size on ('16:0', DFlash too); default: the "
-                        "drafter config's ddtree_default_budget_schedule, if any ('none' clears it)")
+                   help="DDTree budget by batch bucket under load, e.g. '8:16,32:4' (batch:budget; caps with "
+                        "--budget auto); budget 0 decodes plainly from that batch size on ('16:0', DFlash too); "
+                        "default with a fixed budget: the drafter config's ddtree_default_budget_schedule, if any "
+                        "('none' clears it)")
     g.add_argument("--speculate-sampled", action=argparse.BooleanOptionalAction, default=None,
                    help="whether rounds with a request at temperature > 0 speculate (else they decode plainly; "
                         "greedy rounds still speculate); default: the drafter config's "
@@ -82,7 +87,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     summary = {"text": seq.text if tok is not None else None, "token_ids": seq.output_ids,
                "finish_reason": seq.finish_reason, "prompt_tokens": len(seq.prompt_ids),
                "completion_tokens": n, "spec": eng.spec.method, "block_size": eng.spec.block_size,
-               "budget": eng.spec.budget, "rounds": seq.stats.rounds,
+               "budget": "auto" if eng.spec.adaptive else eng.spec.budget,
+               "budget_histogram": dict(sorted(eng.stats.budget_hist.items())), "rounds": seq.stats.rounds,
                "mean_accept_length": round(seq.stats.mean_accept_length, 3),
                "accept_histogram": seq.stats.histogram, **{k: round(v, 4) for k, v in t.items()}}
     if a.json:
@@ -103,9 +109,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_graphs(a: argparse.Namespace) -> int:
-    """Print the CUDA graph capture plan from the configs alone (no weights, no GPU)."""
+    """Print the CUDA graph capture plan from the configs alone (no weights, no GPU); with
+    --costs, start the engine and print the cost model it measured."""
     from drafttree.engine.plan import describe_plan
     print(describe_plan(engine_config(a)))
+    if a.costs:
+        from drafttree.engine.engine import Engine
+        eng = Engine(engine_config(a))
+        print(eng.costs.format() if eng.costs is not None else "no cost model: the budget is fixed")
     return 0
 
 
@@ -136,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--served-model-name", default=None)
     gr = sub.add_parser("graphs", help="print the CUDA graph capture plan (no GPU needed)")
     add_model_args(gr)
+    gr.add_argument("--costs", action="store_true",
+                    help="also load the models, capture the graphs and print the measured cost model")
     sub.add_parser("train-drafter", help="train a DFlash drafter (see drafttree train-drafter --help)")
     sub.add_parser("bench", help="AR vs DFlash vs DDTree benchmark (see drafttree bench --help)")
     a = p.parse_args(argv)

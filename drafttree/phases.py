@@ -22,22 +22,15 @@ class Phase(str, Enum):
 METHODS = ("none", "dflash", "ddtree")
 
 
-# Tokens one verify forward may carry, all requests together, before it stops costing about what
-# a decode step does: a GEMM over M tokens does ~M FLOPs per weight byte read, and an H200 does
-# ~200 FLOPs in the time it reads a byte. A roofline figure, not a measured one.
-AUTO_VERIFY_TOKENS = 256
-
-
-def auto_schedule(budget: int) -> tuple[tuple[int, int], ...]:
-    """Budgets that keep batch * (budget + 1) within AUTO_VERIFY_TOKENS from batch 2 on
-    (budget 1 at the least)."""
-    out, b = [], 2
-    while b <= 4096:
-        n = max(1, AUTO_VERIFY_TOKENS // b - 1)
-        if n < budget and (not out or n < out[-1][1]):
-            out.append((b, n))
+def auto_budgets(max_budget: int) -> tuple[int, ...]:
+    """The DDTree budgets an adaptive engine chooses among, below and at `max_budget`: powers of
+    two from 4 (a verify of 5 tokens costs about a decode step wherever a step reads weights),
+    then max_budget itself. Each is one more verify graph per (batch bucket, KV bucket, mode)."""
+    out, b = [], 4
+    while b < max_budget:
+        out.append(b)
         b *= 2
-    return tuple(out)
+    return tuple(out) + (max_budget,)
 
 
 def schedule_for(method: str, text: str | None) -> str | None:
@@ -68,14 +61,18 @@ def batch_bucket(batch: int, max_num_seqs: int) -> int:
 class SpecConfig:
     method: str = "none"
     block_size: int = 0   # draft width; 0 when no drafter
-    budget: int = 0       # DDTree tree nodes, root excluded (at batch 1)
+    budget: int = 0       # DDTree tree nodes, root excluded (at batch 1); adaptive: the largest choice
     # Under load: ((min_batch, budget), ...) — from a batch bucket of min_batch rows on, use that
     # DDTree budget (a wide tree pays at batch 1, not when the GPU is already busy); budget 0
     # turns speculation off there (plain decode rounds, DFlash or DDTree), until a later entry.
+    # Adaptive: the entry caps the budgets chosen there.
     budget_schedule: tuple[tuple[int, int], ...] = ()
     # Whether rounds in which some row samples (T > 0) speculate too; False: they decode plainly
     # (a pair whose τ at T > 0 does not pay for its round), greedy rounds still speculate.
     sampled: bool = True
+    # Adaptive: every round chooses its budget among `budgets_at(batch)` (0, decode, included)
+    # by measured cost and predicted acceptance; else it takes the largest of them.
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -86,6 +83,8 @@ class SpecConfig:
             raise ValueError(f"ddtree needs budget >= 1, got {self.budget}")
         if self.budget_schedule and not self.speculative:
             raise ValueError("a budget schedule needs spec ddtree or dflash")
+        if self.adaptive and not self.speculative:
+            raise ValueError("an adaptive budget needs spec ddtree or dflash")
         for b, n in self.budget_schedule:
             if b < 1 or n < 0:
                 raise ValueError(f"budget schedule entries need batch >= 1 and budget >= 0, got {b}:{n}")
@@ -96,11 +95,9 @@ class SpecConfig:
     @staticmethod
     def parse_schedule(text: str | None, budget: int = 0) -> tuple[tuple[int, int], ...]:
         """'8:16,32:4' -> ((8, 16), (32, 4)): batch buckets of 8+ rows use 16 nodes, 32+ use 4.
-        '16:0': no speculation from 16 rows on. 'auto': `auto_schedule(budget)`. 'none': ()."""
-        if not text or text.strip() == "none":
+        '16:0': no speculation from 16 rows on. 'none' or 'auto' (the measured choice): ()."""
+        if not text or text.strip() in ("none", "auto"):
             return ()
-        if text.strip() == "auto":
-            return auto_schedule(budget)
         try:
             pairs = [tuple(int(x) for x in item.split(":")) for item in text.split(",") if item.strip()]
         except ValueError:
@@ -117,23 +114,42 @@ class SpecConfig:
         return out
 
     def budget_at(self, batch: int) -> int:
-        """DDTree budget for a round over a batch bucket of `batch` rows (0: no speculation)."""
+        """The largest DDTree budget for a round over a batch bucket of `batch` rows (0: no
+        speculation); DFlash's chain counts as block_size - 1 nodes."""
+        return max(self.budgets_at(batch))
+
+    def budgets_at(self, batch: int, greedy: bool = True) -> tuple[int, ...]:
+        """The budgets a round over a batch bucket of `batch` rows may run at, ascending, 0 (a
+        decode round) first; `greedy`: every row of the round is at temperature 0. Fixed: 0 and
+        the scheduled budget; adaptive: 0 and every choice up to the scheduled cap."""
         n = self._scheduled(batch)
-        return self.budget if n is None else n
+        if not self.speculative or n == 0 or not (greedy or self.sampled):
+            return (0,)
+        if self.method == "dflash":
+            return (0, self.depth)
+        if not self.adaptive:
+            return (0, self.budget if n is None else n)
+        cap = self.budget if n is None else n
+        return (0,) + tuple(sorted({b for b in auto_budgets(self.budget) if b <= cap} | {cap}))
 
     def speculates_at(self, batch: int, greedy: bool = True) -> bool:
-        """Whether rounds over a batch bucket of `batch` rows draft and verify (else decode);
-        `greedy`: every row of the round is at temperature 0."""
-        return self.speculative and self._scheduled(batch) != 0 and (greedy or self.sampled)
+        """Whether rounds over a batch bucket of `batch` rows may draft and verify."""
+        return len(self.budgets_at(batch, greedy)) > 1
 
-    def phases_at(self, batch: int, greedy: bool = True) -> tuple[Phase, ...]:
-        """The phases of a round over a batch bucket of `batch` rows, in order."""
-        return (Phase.DRAFT, Phase.VERIFY) if self.speculates_at(batch, greedy) else (Phase.DECODE,)
+    def phases_at(self, batch: int, greedy: bool = True, budget: int | None = None) -> tuple[Phase, ...]:
+        """The phases of a round over a batch bucket of `batch` rows at `budget` (default: the
+        largest it may run at), in order."""
+        b = max(self.budgets_at(batch, greedy)) if budget is None else budget
+        return (Phase.DRAFT, Phase.VERIFY) if b > 0 else (Phase.DECODE,)
 
     @property
     def budgets(self) -> tuple[int, ...]:
-        """The DDTree budgets rounds may use (0, speculation off, is not one)."""
-        return tuple(sorted({self.budget, *(n for _, n in self.budget_schedule)} - {0}))
+        """Every budget rounds may verify at, over all batch buckets (0, speculation off, is not
+        one); the acceptance model predicts τ at each."""
+        if not self.speculative:
+            return ()
+        batches = (1, *(b for b, _ in self.budget_schedule))
+        return tuple(sorted({n for b in batches for n in self.budgets_at(b)} - {0}))
 
     @property
     def speculative(self) -> bool:
@@ -149,8 +165,10 @@ class SpecConfig:
         DDTree at budget n < block_size - 1 needs the drafter's LM head on n positions only."""
         return min(self.depth, self.budget_at(batch)) if self.method == "ddtree" else self.depth
 
-    def width(self, phase: Phase, batch: int = 1) -> int:
-        """Tokens per request in this phase's forward, for a batch bucket of `batch` rows."""
+    def width(self, phase: Phase, batch: int = 1, budget: int | None = None) -> int:
+        """Tokens per request in this phase's forward, for a batch bucket of `batch` rows; the
+        verify at `budget` (default: the largest the bucket may run at, which the draft phase
+        builds its tree at: a smaller budget verifies that tree's first budget + 1 nodes)."""
         if phase is Phase.DECODE:
             return 1
         if phase is Phase.CONTEXT:
@@ -158,7 +176,10 @@ class SpecConfig:
         if phase is Phase.DRAFT:
             return self.block_size
         if phase is Phase.VERIFY:
-            return self.budget_at(batch) + 1 if self.method == "ddtree" else self.block_size
+            allowed = self.budgets_at(batch) + self.budgets_at(batch, greedy=False)
+            b = self.budget_at(batch) if budget is None else budget
+            assert b in allowed and b > 0, f"batch bucket {batch} verifies at budgets {allowed}, not {b}"
+            return b + 1
         raise ValueError(f"{phase.value} has no fixed width")
 
     @property
@@ -175,7 +196,7 @@ class SpecConfig:
     def verify_width_max(self) -> int:
         """The widest verify forward at any batch size: the budget changes only at the batch
         sizes its schedule names, so those and batch 1 cover every width."""
-        return max(self.width(Phase.VERIFY, b) for b in (1, *(b for b, _ in self.budget_schedule)))
+        return max(self.budgets, default=0) + 1
 
     @property
     def kv_headroom(self) -> int:

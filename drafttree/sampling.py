@@ -29,6 +29,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Speculation for this request: at most this many verified draft nodes per round (None: no
+    # cap; 0: never speculated). Rows share a round's width, so a round verifies at most the
+    # smallest cap among its requests: a request at 0 makes the rounds it is in decode plainly.
+    max_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +45,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_budget is not None and self.max_budget < 0:
+            raise ValueError(f"max_budget must be >= 0 (0: no speculation), got {self.max_budget}")
 
     def resolved_seed(self) -> int:
         """The request's seed; a fresh random one per request when none was given."""

@@ -67,6 +67,10 @@ class Pair:
             max_num_seqs: int = 3, max_model_len: int = 128, drafter: Path | None = None) -> LLM:
         """One engine per configuration, reused across tests (so engines also serve several
         generate calls in a row, over cache rows that earlier requests left dirty)."""
+        if budget is None and spec != "none":
+            # the method as itself in every round (the default, auto, chooses per round and may
+            # decode plainly: tests/test_adaptive.py checks it)
+            budget = 32 if spec == "ddtree" else 1
         key = (spec, block_size, budget, max_num_seqs, max_model_len, drafter)
         if key not in self._llms:
             self._llms[key] = LLM(model=str(self.target),

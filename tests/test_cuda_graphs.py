@@ -56,7 +56,7 @@ def _outputs(t, d, spec, graphs, prompts, sp, max_num_seqs=8, budget=None, dtype
 
 
 @cuda
-@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", None), ("ddtree", 32), ("ddtree", 5)])
+@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", 1), ("ddtree", 32), ("ddtree", 5)])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_graph_replay_equals_eager(pair, spec, budget, batch, temperature):
@@ -76,7 +76,7 @@ def test_graph_replay_equals_eager(pair, spec, budget, batch, temperature):
 
 
 @cuda
-@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", None), ("ddtree", 32)])
+@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", 1), ("ddtree", 32)])
 def test_bf16_graphs_through_the_fused_projections_equal_eager(pair, spec, budget, monkeypatch):
     """bf16: one-token rows through the GEMVs, verify and draft rows through the few-row kernel
     (given blocks at every weight size, in two input splits and programs of 16 rows), graphed
@@ -98,7 +98,7 @@ def test_bf16_graphs_through_the_fused_projections_equal_eager(pair, spec, budge
 
 
 @cuda
-@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", None), ("ddtree", 32)])
+@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", 1), ("ddtree", 32)])
 def test_bf16_graphs_with_dependent_launches_equal_without(pair, spec, budget, set_settings):
     """Programmatic dependent launch (Hopper): a kernel's programs start while the one before
     runs and load their first weights; graphed tokens equal those of launches that wait."""
@@ -116,7 +116,7 @@ def test_bf16_graphs_with_dependent_launches_equal_without(pair, spec, budget, s
 
 
 @cuda
-@pytest.mark.parametrize("spec,budget", [("dflash", None), ("ddtree", 32), ("ddtree", 5)])
+@pytest.mark.parametrize("spec,budget", [("dflash", 1), ("ddtree", 32), ("ddtree", 5)])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fp32_graphed_speculation_equals_plain_through_the_code_blocks(pair, spec, budget, batch, monkeypatch):
     """Lossless on the GPU at the code's own few-row blocks (tiles for these small weights): the
@@ -212,7 +212,7 @@ def fake_cuda_graphs(monkeypatch):
         return run
 
     def recording_phase_fns(self, B, mode, L):
-        return [(phase, record(fn)) for phase, fn in phase_fns(self, B, mode, L)]
+        return [(phase, budget, record(fn)) for phase, budget, fn in phase_fns(self, B, mode, L)]
 
     monkeypatch.setattr(cuda_graph.GraphRunner, "_phase_fns", recording_phase_fns)
     monkeypatch.setattr(prefill_graph.PrefillGraphs, "forward_fn", lambda self, buf: record(forward_fn(self, buf)))
@@ -226,7 +226,8 @@ def fake_cuda_graphs(monkeypatch):
     return graphs
 
 
-@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", None), ("ddtree", 32)])
+@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", 1), ("ddtree", 32), ("dflash", "auto"),
+                                         ("ddtree", "auto")])
 def test_graph_runner_logic_on_cpu(pair, fake_cuda_graphs, spec, budget):
     """Bucketed replay (padding rows parked, batch 3 runs in the bucket of 4) gives eager's tokens."""
     t, d = pair
@@ -329,28 +330,35 @@ def test_budget_schedule_widths_and_plan(pair):
 
 
 def test_schedule_turns_speculation_off_from_a_batch_size(pair):
-    """'4:0': from 4 rows on, rounds are plain decode steps; the plan captures decode graphs there."""
+    """'4:0': from 4 rows on, rounds are plain decode steps; the plan captures decode graphs at
+    every bucket (a request's max_budget of 0 makes any round a decode step)."""
     from drafttree.config import ModelConfig
     t, _ = pair
     spec = SpecConfig("ddtree", block_size=8, budget=32, budget_schedule=SpecConfig.parse_schedule("2:8,4:0"))
     assert [spec.phases_at(b) for b in (1, 2, 4, 8)] == [(Phase.DRAFT, Phase.VERIFY)] * 2 + [(Phase.DECODE,)] * 2
     assert spec.budgets == (8, 32) and spec.kv_headroom == 33 and spec.round_phases == (Phase.DRAFT, Phase.VERIFY)
     plan = [(e.phase, e.width, e.batch_sizes) for e in graph_plan(spec, ModelConfig.from_dir(t), None, 8, [545])]
-    assert plan == [(Phase.CONTEXT, 8, (4, 8)), (Phase.DECODE, 1, (4, 8)), (Phase.DRAFT, 8, (1, 2)),
+    assert plan == [(Phase.CONTEXT, 8, (1, 2, 4, 8)), (Phase.DECODE, 1, (1, 2, 4, 8)), (Phase.DRAFT, 8, (1, 2)),
                     (Phase.VERIFY, 33, (1,)), (Phase.VERIFY, 9, (2,))]
     chain = SpecConfig("dflash", block_size=8, budget_schedule=SpecConfig.parse_schedule("2:0"))
     assert chain.phases_at(1) == (Phase.DRAFT, Phase.VERIFY) and chain.phases_at(2) == (Phase.DECODE,)
 
 
-def test_auto_schedule_keeps_verify_tokens_bounded():
-    from drafttree.phases import AUTO_VERIFY_TOKENS, batch_buckets
-    spec = SpecConfig("ddtree", block_size=16, budget=32, budget_schedule=SpecConfig.parse_schedule("auto", 32))
-    assert spec.budget_at(1) == 32 and spec.budget_at(2) == 32
-    for b in batch_buckets(512)[1:]:
-        n = spec.budget_at(b)
-        assert n <= 32 and (b * (n + 1) <= AUTO_VERIFY_TOKENS or n == 1), (b, n)
-    assert [spec.budget_at(b) for b in (8, 16, 32, 64, 128, 512)] == [31, 15, 7, 3, 1, 1]
-    assert SpecConfig.parse_schedule("auto", 4) == ((64, 3), (128, 1))
+def test_auto_budgets_and_their_widths():
+    """--budget auto: every round may run at 0 or one of the powers of two from 4 up to the
+    largest budget, and that itself; a schedule caps them; every width from `SpecConfig.width`."""
+    from drafttree.phases import auto_budgets
+    assert auto_budgets(31) == (4, 8, 16, 31) and auto_budgets(32) == (4, 8, 16, 32) and auto_budgets(2) == (2,)
+    assert SpecConfig.parse_schedule("auto", 32) == ()
+    spec = SpecConfig("ddtree", block_size=16, budget=31, budget_schedule=((4, 8), (8, 0)), adaptive=True)
+    assert [spec.budgets_at(b) for b in (1, 2, 4, 8)] == [(0, 4, 8, 16, 31)] * 2 + [(0, 4, 8), (0,)]
+    assert spec.budgets == (4, 8, 16, 31) and spec.kv_headroom == 32
+    assert [spec.width(Phase.VERIFY, 4, n) for n in (4, 8)] == [5, 9] and spec.width(Phase.VERIFY, 1) == 32
+    with pytest.raises(AssertionError):
+        spec.width(Phase.VERIFY, 4, 16)        # a budget the bucket never runs at
+    chain = SpecConfig("dflash", block_size=8, adaptive=True)
+    assert chain.budgets_at(1) == (0, 7) and chain.width(Phase.VERIFY, 1, 7) == 8 and chain.budgets == (7,)
+    assert SpecConfig("ddtree", 8, 32, sampled=False, adaptive=True).budgets_at(1, greedy=False) == (0,)
 
 
 def _finishing_at_different_times(t):
@@ -393,7 +401,7 @@ def test_speculation_off_under_load_is_lossless(pair, fake_cuda_graphs, spec, sc
     shrinks: plain decoding's tokens."""
     t, d = pair
     prompts, sp, want = _finishing_at_different_times(t)
-    llm = LLM(model=str(t), draft_model=str(d), spec=spec, budget=24 if spec == "ddtree" else None,
+    llm = LLM(model=str(t), draft_model=str(d), spec=spec, budget=24 if spec == "ddtree" else 1,
               budget_schedule=schedule, device="cpu", dtype="float32", max_num_seqs=8, max_model_len=128,
               cuda_graphs=graphs)
     drafter, calls = llm.engine.runner.drafter, {"context": 0, "draft": 0}
@@ -416,16 +424,16 @@ def test_sampled_rounds_decode_plainly_when_asked(pair, fake_cuda_graphs, spec, 
     from drafttree.sampling import SampleMode
     t, d = pair
     prompts, sp, want = _finishing_at_different_times(t)    # the sampled ones finish first
-    llm = LLM(model=str(t), draft_model=str(d), spec=spec, budget=24 if spec == "ddtree" else None,
+    llm = LLM(model=str(t), draft_model=str(d), spec=spec, budget=24 if spec == "ddtree" else 1,
               speculate_sampled=False, device="cpu", dtype="float32", max_num_seqs=8, max_model_len=128,
               cuda_graphs=graphs)
     runner, drafts, rounds = llm.engine.runner, [0], []
     runner.drafter.register_forward_hook(lambda *_: drafts.__setitem__(0, drafts[0] + 1))
     run_round = runner.run_round
 
-    def spy(B, mode, max_length):
+    def spy(B, mode, max_length, budget=None):
         before = drafts[0]
-        run_round(B, mode, max_length)
+        run_round(B, mode, max_length, budget)
         rounds.append((mode, drafts[0] > before))
     runner.run_round = spy
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
@@ -457,9 +465,13 @@ def test_speculate_sampled_resolution(pair, tmp_path):
     cfg = json.loads((off / "config.json").read_text())
     (off / "config.json").write_text(json.dumps({**cfg, "ddtree_default_speculate_sampled": False}))
     for path, flag, want in ((d, None, True), (off, None, False), (off, True, True), (d, False, False)):
-        ec = EngineConfig(model=str(t), draft_model=str(path), spec="ddtree", speculate_sampled=flag)
+        ec = EngineConfig(model=str(t), draft_model=str(path), spec="ddtree", budget=32, speculate_sampled=flag)
         assert resolve_spec(ec, DFlashConfig.from_dir(path)).sampled is want, (path, flag)
-    assert "speculate_sampled=off" in describe_plan(EngineConfig(model=str(t), draft_model=str(off)))
+    # auto chooses per round, sampled rounds too, unless the flag says otherwise
+    for flag, want in ((None, True), (False, False)):
+        ec = EngineConfig(model=str(t), draft_model=str(off), spec="ddtree", speculate_sampled=flag)
+        assert resolve_spec(ec, DFlashConfig.from_dir(off)).sampled is want, flag
+    assert "speculate_sampled=off" in describe_plan(EngineConfig(model=str(t), draft_model=str(off), budget=32))
     (off / "config.json").write_text(json.dumps({**cfg, "ddtree_default_speculate_sampled": "no"}))
     with pytest.raises(ValueError, match="ddtree_default_speculate_sampled must be true or false"):
         DFlashConfig.from_dir(off)
@@ -478,7 +490,7 @@ def test_speculation_off_writes_the_drafter_context_prefill_would(pair, device):
     off = LLM(**kw, budget_schedule="1:0")
     r = off.engine.runner
     phases, run_round = [], r.run_round
-    r.run_round = lambda B, mode, n: phases.append(r.round_phases(B, mode)) or run_round(B, mode, n)
+    r.run_round = lambda B, mode, n, b=None: phases.append(r.round_phases(B, mode, b)) or run_round(B, mode, n, b)
     out = off.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].token_ids
     C = off.engine.spec.max_commit
     contexts = sum(Phase.CONTEXT in p for p in phases)
@@ -508,14 +520,14 @@ def test_rounds_move_across_kv_buckets(pair, fake_cuda_graphs):
     assert gr.kv_buckets == [1024, 1200 + llm.engine.spec.kv_headroom]
     replayed = []
     orig = gr.replay
-    gr.replay = lambda b, mode, kv_len, phases: replayed.append(kv_len) or orig(b, mode, kv_len, phases)
+    gr.replay = lambda b, mode, kv_len, phases, n=0: replayed.append(kv_len) or orig(b, mode, kv_len, phases, n)
     assert llm.generate([prompt], sp)[0].token_ids == want
     assert set(replayed) == set(gr.kv_buckets) and gr.fallbacks == 0
 
 
 @cuda
 @pytest.mark.parametrize("spec,budget,schedule", [("none", None, None), ("ddtree", 16, "2:4"), ("ddtree", 16, "2:0"),
-                                                   ("dflash", None, "2:0")])
+                                                   ("dflash", 1, "2:0")])
 def test_gpu_kv_buckets_and_schedule_equal_eager(pair, spec, budget, schedule):
     t, d = pair
     prompts = [[(5 * j + i) % 57 + 1 for j in range(1000 - 300 * i)] for i in range(3)]
@@ -529,7 +541,7 @@ def test_gpu_kv_buckets_and_schedule_equal_eager(pair, spec, budget, schedule):
 
 
 @cuda
-@pytest.mark.parametrize("spec,budget", [("ddtree", 16), ("dflash", None)])
+@pytest.mark.parametrize("spec,budget", [("ddtree", 16), ("dflash", 1)])
 def test_gpu_context_phases_write_what_eager_writes(pair, spec, budget):
     """Speculation off: graphed context phases and decode steps give eager's tokens and, once the
     last pending features are written, eager's drafter cache."""
@@ -578,7 +590,7 @@ def _graphed_prefill_case(t, d, spec, budget, max_tokens=None, **kw):
     # graphs were reused for other prompts, and the one-prompt graph at other cache rows
     assert len(runs) > len(pg.graphs) > 1 and {r for r, n in runs if n == 1} >= {0, 1}, (runs, list(pg.graphs))
 
-@pytest.mark.parametrize("spec,budget", [("none", None), ("ddtree", 8), ("dflash", None)])
+@pytest.mark.parametrize("spec,budget", [("none", None), ("ddtree", 8), ("dflash", 1)])
 def test_graphed_prefill_logic_on_cpu(pair, fake_cuda_graphs, spec, budget):
     """A replay reruns the closure captured at the first use of its (prompts, length bucket) on
     later requests' ids, lengths and rows: a value baked in at capture would change tokens."""
@@ -635,7 +647,7 @@ def test_graphed_prefill_is_on_with_graphs(pair, fake_cuda_graphs):
 
 
 @cuda
-@pytest.mark.parametrize("spec,budget", [("none", None), ("ddtree", 8), ("dflash", None)])
+@pytest.mark.parametrize("spec,budget", [("none", None), ("ddtree", 8), ("dflash", 1)])
 def test_gpu_graphed_prefill_equals_eager(pair, spec, budget):
     t, d = pair
     _graphed_prefill_case(t, d, spec, budget, device="cuda")

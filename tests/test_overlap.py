@@ -49,7 +49,7 @@ def test_overlap_emits_what_reading_first_emits(pair, spec, temperature):
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=m, ignore_eos=True,
                              stop_token_ids=[3] if i in (1, 4) else [])
               for i, m in enumerate([5, 40, 17, 2, 33, 26])]
-    kw = dict(budget=6) if spec == "ddtree" else {}
+    kw = dict(budget=6) if spec == "ddtree" else dict(budget=1)
     want = _run(_engine(pair, spec, False, max_num_seqs=3, **kw), prompts, params)
     eng = _engine(pair, spec, True, max_num_seqs=3, **kw)
     got = _run(eng, prompts, params)
@@ -67,7 +67,7 @@ def test_overlap_stops_at_the_context_end(pair, spec):
     writes past a cache row (CPU indexing would raise) and the outputs stop where they should."""
     prompts = _prompts(3, seed=1)
     params = [SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)] * 3
-    kw = dict(budget=6) if spec == "ddtree" else {}
+    kw = dict(budget=6) if spec == "ddtree" else dict(budget=1)
     want = _run(_engine(pair, spec, False, max_num_seqs=2, max_model_len=48, **kw), prompts, params)
     got = _run(_engine(pair, spec, True, max_num_seqs=2, max_model_len=48, **kw), prompts, params)
     assert got == want
@@ -110,7 +110,7 @@ def test_gpu_overlap_emits_what_reading_first_emits(pair, spec, dtype):
                              stop_token_ids=[3] if i in (1, 4) else [])
               for i, m in enumerate([5, 40, 17, 2, 33, 26])]
     t, d = pair
-    kw = dict(budget=6) if spec == "ddtree" else {}
+    kw = dict(budget=6) if spec == "ddtree" else dict(budget=1)
     outs = [_run(Engine(EngineConfig(model=str(t), draft_model=str(d) if spec != "none" else None, spec=spec,
                                      device="cuda", dtype=dtype, max_num_seqs=3, max_model_len=256,
                                      overlap=overlap, **kw)), prompts, params) for overlap in (False, True)]

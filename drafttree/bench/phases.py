@@ -102,11 +102,13 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
             gr.buckets, gr.kv_buckets = [B], [kv_len]
             gr.capture()
             reset()
-            d, v = (gr.graphs[(p, B, SampleMode.GREEDY, kv_len)] for p in (Phase.DRAFT, Phase.VERIFY))
+            n = spec.budget_at(B)
+            d, v = (gr.graphs[(p, B, SampleMode.GREEDY, kv_len, n if p is Phase.VERIFY else 0)]
+                    for p in (Phase.DRAFT, Phase.VERIFY))
             gm["draft_and_tree"] = timed(d.replay, reset, dev, iters)
             gm["verify_accept_commit"] = timed(lambda: (d.replay(), v.replay()), reset, dev, iters) \
                 - gm["draft_and_tree"]
-            gm["round"] = timed(lambda: gr.replay(B, SampleMode.GREEDY, kv_len, spec.phases_at(B)), reset, dev, iters)
+            gm["round"] = timed(lambda: gr.replay(B, SampleMode.GREEDY, kv_len, spec.phases_at(B), n), reset, dev, iters)
             gm["round_in_decode_steps"] = gm["round"] / gm["decode"]
             lg = torch.randn(1, spec.depth, V, device=dev)
             root = torch.zeros(1, dtype=torch.long, device=dev)

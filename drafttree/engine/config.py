@@ -10,11 +10,15 @@ class EngineConfig:
     draft_model: str | None = None
     spec: str | None = None             # none | dflash | ddtree; default ddtree with a drafter
     block_size: int | None = None       # default: the drafter's
-    budget: int | None = None           # DDTree nodes; default: the drafter's ddtree_default_budget, else 32
-    budget_schedule: str | None = None  # DDTree budget by batch bucket, e.g. "8:16,32:4"; default: the
-                                        # drafter config's, if any ("none": no schedule)
-    speculate_sampled: bool | None = None  # rounds with a row at T > 0 speculate too; default: the
-                                        # drafter config's ddtree_default_speculate_sampled, else on
+    budget: int | str | None = None     # "auto" (None: the default): each round chooses its budget up to
+                                        # the drafter's ddtree_default_budget (else 32) by measured cost
+                                        # and predicted acceptance, 0 (decode) included; N: DDTree's tree
+                                        # at N nodes every round (DFlash: any N >= 1, the chain every round)
+    budget_schedule: str | None = None  # DDTree budget by batch bucket, e.g. "8:16,32:4" (caps when
+                                        # auto); default with a fixed budget: the drafter config's, if
+                                        # any ("none": no schedule)
+    speculate_sampled: bool | None = None  # rounds with a row at T > 0 speculate too; default: on when
+                                        # auto, else the drafter config's ddtree_default_speculate_sampled
     dtype: str | None = None            # auto: bf16 on CUDA, fp32 on CPU
     draft_quantization: str | None = None   # fp8: the drafter's weights (and its LM head copy) as
                                         # e4m3 with a scale per row; the output is unchanged

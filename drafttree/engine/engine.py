@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from drafttree.config import parse_dtype, resolve_device
+from drafttree.engine.budget import BudgetChooser
 from drafttree.engine.config import EngineConfig
 from drafttree.engine.inflight import Launched, RoundOutputs
 from drafttree.engine.plan import load_models, resolve_spec
@@ -31,6 +32,10 @@ class EngineStats:
     accept_hist: Counter = field(default_factory=Counter)   # τ -> rounds (bounded, unlike a list)
     round_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    budget_hist: Counter = field(default_factory=Counter)    # chosen budget -> rounds (0: decode)
+    method_rounds: Counter = field(default_factory=Counter)  # decode | dflash | ddtree -> rounds
+    method_rows: Counter = field(default_factory=Counter)    # ... -> request-rounds
+    method_tokens: Counter = field(default_factory=Counter)  # ... -> tokens committed (Σ τ)
 
 
 class Engine:
@@ -63,7 +68,7 @@ class Engine:
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
         self._inflight: Launched | None = None
         self._last_read = 0.0
-        self._outputs = RoundOutputs(rows, self.spec.max_commit, self.device)
+        self._outputs = RoundOutputs(rows, self.runner.state.out.shape[1], self.device)
         use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else self.device.type == "cuda"
         if cfg.prefill_graphs and not use_graphs:
             raise ValueError("prefill_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
@@ -74,6 +79,12 @@ class Engine:
         if use_graphs and cfg.prefill_graphs is not False:
             from drafttree.runner.prefill_graph import PrefillGraphs
             self.runner.prefill_graphs = PrefillGraphs(self.runner)
+        self.costs = None
+        if self.spec.adaptive:
+            from drafttree.runner.cost import measure
+            self.costs = measure(self.runner)
+            log.info("%s", self.costs.format())
+        self.chooser = BudgetChooser(self.costs, self.spec.budgets, self.spec.adaptive)
 
     def _size_cache(self, tcfg, drafter) -> tuple[int, int]:
         bpt = KVCache.bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, self.dtype)
@@ -211,8 +222,18 @@ class Engine:
         """Launch one round over the running requests (no host sync)."""
         t0 = time.perf_counter()
         mode = SampleMode.of([s.params for s in self.running])
-        self.runner.run_round(len(self.running), mode, max(s.length for s in self.running) + self._pending())
-        return self._outputs.launch(self.runner.state, list(self.running), t0)
+        budget = self._choose_budget(mode)
+        self.runner.run_round(len(self.running), mode, max(s.length for s in self.running) + self._pending(), budget)
+        return self._outputs.launch(self.runner.state, list(self.running), t0, budget)
+
+    def _choose_budget(self, mode: SampleMode) -> int:
+        """The next round's budget (0: decode), within the requests' max_budget caps."""
+        B = len(self.running)
+        bucket = self.runner.cache_cfg.batch_bucket(B)
+        greedy = sum(s.params.greedy for s in self.running)
+        caps = [s.params.max_budget for s in self.running if s.params.max_budget is not None]
+        allowed = self.spec.budgets_at(bucket, mode is SampleMode.GREEDY)
+        return self.chooser.choose(bucket, allowed, greedy, B - greedy, min(caps, default=None))
 
     def _read(self, launched: Launched) -> list[tuple[Sequence, list[int]]]:
         """Wait for a launched round's tokens (its one sync) and emit them. A request that finished
@@ -223,6 +244,11 @@ class Engine:
         self.stats.round_seconds += now - max(launched.t0, self._last_read)   # overlapped rounds counted once
         self._last_read = now
         self.stats.rounds += 1
+        budget = launched.budget
+        method = self.spec.method if budget else "decode"
+        self.stats.budget_hist[budget] += 1
+        self.stats.method_rounds[method] += 1
+        preds = 1 + self.spec.max_commit   # the predictions' first column in a row
         out = []
         for seq, row in zip(launched.seqs, rows):
             if seq.finished:
@@ -231,6 +257,10 @@ class Engine:
             seq.stats.rounds += 1
             seq.stats.accept_lengths.append(k)
             self.stats.accept_hist[k] += 1
+            self.stats.method_rows[method] += 1
+            self.stats.method_tokens[method] += k
+            if budget:
+                self.chooser.observe(seq.params.greedy, budget, k, row[preds:])
             out.append((seq, self._emit(seq, row[1:1 + k])))
         return out
 

@@ -21,9 +21,10 @@ class Launched:
     """A round over rows 0..B-1; row i held seqs[i] when it was launched (rows move as requests
     finish, so a late read maps by this list, not by seq.row)."""
     seqs: list[Sequence]
-    host: torch.Tensor                  # [B, 1 + C]: out_n, then out_tokens
+    host: torch.Tensor                  # [B, 1 + C + P]: out_n, out_tokens, then out_pred
     done: torch.cuda.Event | None       # recorded after the copy (CUDA)
     t0: float                           # host time before the launch
+    budget: int = 0                     # the round's budget (0: a decode round)
 
     def read(self) -> list[list[int]]:
         if self.done is not None:
@@ -41,21 +42,21 @@ class RoundOutputs:
     again two launches later, after the engine has read (or abandoned) that round; the copies run
     in stream order."""
 
-    def __init__(self, rows: int, commit: int, device: torch.device) -> None:
-        cuda = device.type == "cuda"
-        self.bufs = [torch.empty(rows, 1 + commit, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"   # width: the round state's out buffer's, 1 + C + P
+        self.bufs = [torch.empty(rows, width, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self.next = 0
 
-    def launch(self, state: RoundState, seqs: list[Sequence], t0: float) -> Launched:
-        """Queue the copy of the round just launched over len(seqs) rows (no host sync); t0: the
-        host time before its launch."""
+    def launch(self, state: RoundState, seqs: list[Sequence], t0: float, budget: int = 0) -> Launched:
+        """Queue the copy of the round just launched over len(seqs) rows at `budget` (no host
+        sync); t0: the host time before its launch."""
         B, i = len(seqs), self.next
         self.next ^= 1
         dev = state.out[:B]
         host, done = self.bufs[i][:B], self.events[i]
         if done is None:
-            return Launched(seqs, host.copy_(dev), None, t0)
+            return Launched(seqs, host.copy_(dev), None, t0, budget)
         host.copy_(dev, non_blocking=True)
         done.record()
-        return Launched(seqs, host, done, t0)
+        return Launched(seqs, host, done, t0, budget)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from drafttree.config import ModelConfig, resolve_device
+from drafttree.config import ModelConfig
 from drafttree.engine.config import EngineConfig
 from drafttree.models.dflash import DFlashConfig
 from drafttree.phases import SpecConfig, schedule_for
@@ -13,20 +13,6 @@ from drafttree.settings import current
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
-# Devices on which the default model decodes with DDTree and the shipped drafter when no flags
-# are given: where the pair was measured at least as fast as plain decoding. On the H200 (budget
-# 31, T = 0) it is 1.00-1.01x plain decoding at batch 1 and 1.17-1.19x at batch 4; its config's
-# schedule '16:0' decodes plainly from batch 16 until the batch shrinks, and rounds with a
-# sampled request decode plainly (at T = 1 DDTree was 0.81x plain decoding). On 2 CPU cores the
-# wider verify forward costs more than the tokens a round accepts, so the CPU decodes plainly
-# unless asked (docs/performance.md). `--spec ddtree` / `dflash` use it anywhere.
-SHIPPED_DRAFTER_BY_DEFAULT_ON = ("cuda",)
-
-
-def shipped_drafter_by_default(cfg: EngineConfig) -> bool:
-    return resolve_device(cfg.device).type in SHIPPED_DRAFTER_BY_DEFAULT_ON
-
-
 DEFAULT_BUDGET = 32   # DDTree nodes per round, unless the drafter's config names its own
 
 
@@ -36,14 +22,14 @@ def is_default_model(model: str | None) -> bool:
 
 
 def resolve_drafter(cfg: EngineConfig) -> Path | None:
-    """The drafter directory to load: the one given, else the shipped one for the default model
-    (when a speculative method is asked for, or by default on SHIPPED_DRAFTER_BY_DEFAULT_ON)."""
+    """The drafter directory to load: the one given, else the shipped one for the default model,
+    on every device: with the budget chosen per round (the default), speculation runs only where
+    the measured cost and the predicted acceptance say it pays."""
     if cfg.spec == "none":
         return None
     if cfg.draft_model:
         return Path(cfg.draft_model)
-    wanted = cfg.spec is not None or shipped_drafter_by_default(cfg)
-    if wanted and is_default_model(cfg.model) and (SHIPPED_DRAFTER / "config.json").is_file():
+    if is_default_model(cfg.model) and (SHIPPED_DRAFTER / "config.json").is_file():
         return SHIPPED_DRAFTER
     return None
 
@@ -55,11 +41,32 @@ def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
     if method == "none":
         return SpecConfig()
     bs = drafter.block_size if cfg.block_size is None else cfg.block_size
+    adaptive = parse_budget(cfg.budget) is None
     default = drafter.default_budget or DEFAULT_BUDGET
-    budget = (default if cfg.budget is None else cfg.budget) if method == "ddtree" else 0
-    schedule = cfg.budget_schedule if cfg.budget_schedule is not None else schedule_for(method, drafter.default_schedule)
-    sampled = cfg.speculate_sampled if cfg.speculate_sampled is not None else drafter.default_sampled
-    return SpecConfig(method, bs, budget, SpecConfig.parse_schedule(schedule, budget), sampled is not False)
+    budget = (default if adaptive else parse_budget(cfg.budget)) if method == "ddtree" else 0
+    if not adaptive and parse_budget(cfg.budget) == 0:
+        return SpecConfig()   # a fixed budget of 0: plain decoding
+    # The drafter config's schedule and sampled-round choice were measured stand-ins for the
+    # choice that `auto` makes every round; an explicit one still applies (as caps when auto).
+    schedule = cfg.budget_schedule if cfg.budget_schedule is not None else \
+        None if adaptive else schedule_for(method, drafter.default_schedule)
+    sampled = cfg.speculate_sampled if cfg.speculate_sampled is not None else \
+        True if adaptive else drafter.default_sampled
+    return SpecConfig(method, bs, budget, SpecConfig.parse_schedule(schedule, budget), sampled is not False,
+                      adaptive)
+
+
+def parse_budget(value: int | str | None) -> int | None:
+    """None for 'auto' (and None, the default), else the fixed budget (>= 0)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"budget must be 'auto' or a number of tree nodes, got {value!r}") from None
+    if n < 0:
+        raise ValueError(f"budget must be >= 0, got {n}")
+    return n
 
 
 def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
@@ -106,7 +113,8 @@ def describe_plan(cfg: EngineConfig) -> str:
     cache = CacheConfig(cfg.max_num_seqs, cfg.max_model_len or target.max_position_embeddings, spec.kv_headroom)
     plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, cache.kv_buckets)
     sched = ",".join(f"{b}:{n}" for b, n in spec.budget_schedule) or "-"
-    head = (f"spec={spec.method} block_size={spec.block_size} budget={spec.budget} budget_schedule={sched} "
+    budget = f"auto(<={spec.budget}: {','.join(map(str, spec.budgets))})" if spec.adaptive else spec.budget
+    head = (f"spec={spec.method} block_size={spec.block_size} budget={budget} budget_schedule={sched} "
             f"speculate_sampled={'on' if spec.sampled else 'off'} max_num_seqs={cfg.max_num_seqs}"
             + (f" draft_quantization={cfg.draft_quantization}" if cfg.draft_quantization and spec.speculative else "")
             + "\n"

@@ -74,10 +74,9 @@ def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | Non
         if phase is Phase.CONTEXT and not spec.speculative:
             continue
         cfg = drafter if phase in (Phase.CONTEXT, Phase.DRAFT) and drafter is not None else target
-        asks = Phase.DECODE if phase is Phase.CONTEXT else phase   # a drafter's decode steps need it
-        having = [b for b in buckets if any(asks in spec.phases_at(b, greedy) for greedy in (True, False))]
-        for W in sorted({spec.width(phase, b) for b in having}, reverse=True):
-            bs = tuple(b for b in having if spec.width(phase, b) == W)
+        widths = {b: phase_widths(spec, phase, b) for b in buckets}
+        for W in sorted({w for ws in widths.values() for w in ws}, reverse=True):
+            bs = tuple(b for b in buckets if W in widths[b])
             B = bs[-1]
             rows = B * (W - 1 if phase is Phase.DRAFT else W)
             # logits (fp32) with sort/noise temporaries + a few hidden-size activations per token
@@ -89,6 +88,18 @@ def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | Non
             attn = 0 if phase is Phase.CONTEXT else 4 * B * W * cfg.num_heads * kv_lengths[-1]
             out.append(PlanEntry(phase, W, bs, tuple(kv_lengths), 2 * rows * per_row + attn))
     return out
+
+
+def phase_widths(spec: SpecConfig, phase: Phase, batch: int) -> set[int]:
+    """The widths `phase` runs at over a batch bucket of `batch` rows, greedy or sampled: every
+    bucket may decode (budget 0: the schedule, the choice or a request's cap), and verifies at
+    each of its budgets."""
+    budgets = {n for greedy in (True, False) for n in spec.budgets_at(batch, greedy) if n}
+    if phase is Phase.VERIFY:
+        return {spec.width(phase, batch, n) for n in budgets}
+    if phase is Phase.DRAFT:
+        return {spec.width(phase, batch)} if budgets else set()
+    return {spec.width(phase, batch)}
 
 
 def format_plan(plan: list[PlanEntry]) -> str:
@@ -110,7 +121,8 @@ class GraphRunner:
         self.spec: SpecConfig = runner.spec
         self.buckets = runner.cache_cfg.batch_buckets
         self.kv_buckets = runner.cache_cfg.kv_buckets
-        self.graphs: dict[tuple[Phase, int, SampleMode, int], torch.cuda.CUDAGraph] = {}
+        # (phase, batch bucket, sampler mode, KV length, budget: the verify's, else 0) -> graph
+        self.graphs: dict[tuple[Phase, int, SampleMode, int, int], torch.cuda.CUDAGraph] = {}
         self.trees: dict[tuple[int, SampleMode, int], object] = {}   # draft outputs feeding verify graphs
         self.pool = None
         self.fallbacks = 0
@@ -120,20 +132,27 @@ class GraphRunner:
         d = self.r.drafter.cfg.model if self.r.drafter is not None else None
         return graph_plan(self.spec, self.r.target.cfg, d, self.r.cache_cfg.max_num_seqs, self.kv_buckets)
 
-    def _phase_fns(self, B: int, mode: SampleMode, L: int) -> list[tuple[Phase, Callable[[], None]]]:
+    def _phase_fns(self, B: int, mode: SampleMode, L: int) -> list[tuple[Phase, int, Callable[[], None]]]:
+        """(phase, budget, function) for every graph of a set: the decode round (after the
+        drafter's context write, with a drafter), the draft at the bucket's largest budget and a
+        verify per budget of the bucket, each verifying the draft's first budget + 1 nodes."""
         # The runner's round context, looked up through the weak proxy when a phase runs: a
         # function kept past capture must not keep the runner's buffers alive.
         r = self.r
-        if not self.spec.speculates_at(B, mode is SampleMode.GREEDY):
-            context = [(Phase.CONTEXT, lambda: context_phase(r.round_ctx, B))] if r.drafter is not None else []
-            return context + [(Phase.DECODE, lambda: decode_round(r.round_ctx, B, L, mode))]
+        out: list[tuple[Phase, int, Callable[[], None]]] = []
+        if r.drafter is not None:
+            out.append((Phase.CONTEXT, 0, lambda: context_phase(r.round_ctx, B)))
+        out.append((Phase.DECODE, 0, lambda: decode_round(r.round_ctx, B, L, mode)))
+        budgets = [n for n in self.spec.budgets_at(B, mode is SampleMode.GREEDY) if n]
+        if not budgets:
+            return out
 
         def draft() -> None:
             self.trees[(B, mode, L)] = draft_phase(r.round_ctx, B, L)
 
-        def verify() -> None:
-            verify_phase(r.round_ctx, B, L, self.trees[(B, mode, L)], mode)
-        return [(Phase.DRAFT, draft), (Phase.VERIFY, verify)]
+        def verify(n: int) -> Callable[[], None]:
+            return lambda: verify_phase(r.round_ctx, B, L, self.trees[(B, mode, L)], mode, n)
+        return out + [(Phase.DRAFT, 0, draft)] + [(Phase.VERIFY, n, verify(n)) for n in budgets]
 
     def check_widths(self, B: int, mode: SampleMode, L: int) -> None:
         """The static buffers a graph set for batch bucket B reads and writes have the widths
@@ -168,17 +187,18 @@ class GraphRunner:
             fns = self._phase_fns(B, mode, L)
 
             def every_phase() -> None:
-                self.r.state.park(0, B)
-                for _, fn in fns:
+                for phase, _, fn in fns:
+                    if phase is not Phase.DECODE:   # a decode round follows its context phase
+                        self.r.state.park(0, B)
                     fn()
             warm_up(every_phase)
             self.check_widths(B, mode, L)
             self.r.state.park(0, B)
-            for phase, fn in fns:
+            for phase, budget, fn in fns:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
                     fn()
-                self.graphs[(phase, B, mode, L)] = g
+                self.graphs[(phase, B, mode, L, budget)] = g
 
     def _state_tensors(self) -> list[torch.Tensor]:
         s = self.r.state
@@ -187,14 +207,16 @@ class GraphRunner:
     def bucket(self, b: int) -> int | None:
         return next((B for B in self.buckets if B >= b), None)
 
-    def replay(self, b: int, mode: SampleMode, kv_len: int, phases: tuple[Phase, ...]) -> bool:
-        """Run one round (`phases`, from `ModelRunner.round_phases`) for rows 0..b-1 attending
-        over kv_len cache slots, from graphs; False (counted, warned once per shape) if none fits."""
+    def replay(self, b: int, mode: SampleMode, kv_len: int, phases: tuple[Phase, ...], budget: int = 0) -> bool:
+        """Run one round (`phases`, from `ModelRunner.round_phases`, verifying at `budget`) for
+        rows 0..b-1 attending over kv_len cache slots, from graphs; False (counted, warned once
+        per shape) if none fits."""
         B = self.bucket(b)
-        keys = [(p, B, mode, kv_len) for p in phases]
+        keys = [(p, B, mode, kv_len, budget if p is Phase.VERIFY else 0) for p in phases]
         if B is None or any(k not in self.graphs for k in keys):
             self.fallbacks += 1
-            shape = tuple((p.value, self.spec.width(p, B or b)) for p in phases)
+            shape = tuple((p.value, self.spec.width(p, B or b, budget if p is Phase.VERIFY else None))
+                          for p in phases)
             if (b, mode, kv_len) not in self._warned:
                 self._warned.add((b, mode, kv_len))
                 log.warning("no CUDA graph for batch %d (phases %s, %s, kv length %d): running eagerly",

@@ -70,7 +70,7 @@ class ModelRunner:
             capture_layers = drafter.cfg.target_layer_ids
             feat = len(capture_layers) * tc.hidden_size
         # pending drafter features: what one context phase writes, at most what a verify commits
-        state = RoundState.allocate(rows, spec.width(Phase.CONTEXT), feat, dtype, device)
+        state = RoundState.allocate(rows, spec.width(Phase.CONTEXT), feat, dtype, device, len(spec.budgets))
         self.round_ctx = RoundContext(target, drafter, spec, state, kv, dkv, capture_layers, rows)
         # Host-side bound on any row's pending drafter features (state.ctx_n), kept without a
         # sync: a verify leaves at most max_commit, a decode step adds one, a context phase
@@ -175,8 +175,9 @@ class ModelRunner:
 
     # -- rounds ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run_round(self, B: int, mode: SampleMode, max_length: int) -> None:
-        """One round for rows 0..B-1; `max_length` bounds their committed lengths (host-known).
+    def run_round(self, B: int, mode: SampleMode, max_length: int, budget: int | None = None) -> None:
+        """One round for rows 0..B-1 at `budget` (0: a decode round; default: the largest the
+        batch bucket may run at); `max_length` bounds their committed lengths (host-known).
         Attention covers the smallest KV bucket that holds what the round writes; a batch no
         graph fits runs eagerly at the same shapes, so both give the same tokens."""
         if max_length > self.cache_cfg.max_model_len:
@@ -184,20 +185,32 @@ class ModelRunner:
             raise RuntimeError(f"a round over rows of up to {max_length} committed tokens; the cache holds "
                                f"{self.cache_cfg.max_model_len} per row")
         kv_len = self.round_kv_len(max_length)
-        phases = self.round_phases(B, mode)
-        if self.graphs is None or not self.graphs.replay(B, mode, kv_len, phases):
-            self.eager_round(B, kv_len, mode, phases)
+        phases = self.round_phases(B, mode, budget)
+        budget = self.verify_budget(B, phases, budget)
+        if self.graphs is None or not self.graphs.replay(B, mode, kv_len, phases, budget):
+            self.eager_round(B, kv_len, mode, phases, budget)
         if self.drafter is not None:
             self.ctx_bound = (self.spec.max_commit if Phase.VERIFY in phases
                               else 1 if Phase.CONTEXT in phases else self.ctx_bound + 1)
 
-    def round_phases(self, B: int, mode: SampleMode) -> tuple[Phase, ...]:
-        """The phases of the next round over rows 0..B-1: draft and verify, or a decode step,
-        after a context phase when a row's pending drafter features could fill their buffer."""
-        phases = self.spec.phases_at(self.cache_cfg.batch_bucket(B), mode is SampleMode.GREEDY)
+    def round_phases(self, B: int, mode: SampleMode, budget: int | None = None) -> tuple[Phase, ...]:
+        """The phases of the next round over rows 0..B-1 at `budget`: draft and verify, or a
+        decode step, after a context phase when a row's pending drafter features could fill their
+        buffer."""
+        phases = self.spec.phases_at(self.cache_cfg.batch_bucket(B), mode is SampleMode.GREEDY, budget)
         if phases == (Phase.DECODE,) and self.drafter is not None and self.ctx_bound >= self.spec.max_commit:
             return (Phase.CONTEXT, Phase.DECODE)
         return phases
+
+    def verify_budget(self, B: int, phases: tuple[Phase, ...], budget: int | None) -> int:
+        """The budget a round verifies at (0 for a decode round), checked against those its batch
+        bucket may run at."""
+        if Phase.VERIFY not in phases:
+            return 0
+        bucket = self.cache_cfg.batch_bucket(B)
+        b = self.spec.budget_at(bucket) if budget is None else budget
+        self.spec.width(Phase.VERIFY, bucket, b)   # asserts the budget is one of the bucket's
+        return b
 
     def round_kv_len(self, max_length: int) -> int:
         """Attention length of a round over rows whose committed lengths are <= max_length."""
@@ -205,7 +218,8 @@ class ModelRunner:
         tight = self.graphs is None and self.device.type == "cpu"
         return self.cache_cfg.kv_tight(needed) if tight else self.cache_cfg.kv_bucket(needed)
 
-    def eager_round(self, B: int, kv_len: int, mode: SampleMode, phases: tuple[Phase, ...]) -> None:
+    def eager_round(self, B: int, kv_len: int, mode: SampleMode, phases: tuple[Phase, ...],
+                    budget: int | None = None) -> None:
         if Phase.CONTEXT in phases:
             with self.timer.phase("context"):
                 context_phase(self.round_ctx, B)
@@ -216,7 +230,7 @@ class ModelRunner:
         with self.timer.phase("draft"):
             tree = draft_phase(self.round_ctx, B, kv_len)
         with self.timer.phase("verify"):
-            verify_phase(self.round_ctx, B, kv_len, tree, mode)
+            verify_phase(self.round_ctx, B, kv_len, tree, mode, budget)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Keep running requests packed in rows 0..B-1 when one finishes. `length`: the committed

@@ -5,7 +5,7 @@ decode: target forward of width 1; with a drafter, the token's features join the
 which a context phase writes into the drafter's cache before they could overflow their buffer
 (every max_commit - 1 decode steps, not every step: the runner decides, host-side).
 dflash / ddtree: draft (width block_size) -> chain or tree -> verify (width
-spec.width(VERIFY)) -> target picks -> acceptance walk -> commit (KV compaction, drafter
+spec.width(VERIFY, bucket, budget)) -> target picks -> acceptance walk -> commit (KV compaction, drafter
 context, bonus). No host sync anywhere: the engine reads `out_tokens`/`out_n` afterwards.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from drafttree.kernels.fused import fused
 from drafttree.models.kv_cache import attn_meta
 from drafttree.phases import Phase
 from drafttree.sampling import SampleMode, pick_tokens
+from drafttree.spec.acceptance import expected_accept, predictions_at
 from drafttree.spec.state import RoundContext
 from drafttree.spec.tree import DraftTree, accept, build_tree, chain_tree
 
@@ -97,9 +98,10 @@ def draft(rc: RoundContext, B: int, kv_len: int) -> torch.Tensor:
 
 
 def make_tree(rc: RoundContext, draft_logits: torch.Tensor, B: int) -> DraftTree:
-    """The tree (DDTree) or chain (DFlash) to verify: spec.width(VERIFY, bucket) nodes per row,
-    the width every verify graph, mask and KV reservation was sized by. The width follows the
-    batch bucket, so a graph and its eager fallback agree."""
+    """The tree (DDTree) or chain (DFlash) at the largest budget of the batch bucket:
+    spec.width(VERIFY, bucket) nodes per row; a round at a smaller budget verifies its first
+    budget + 1 (`verify_phase`). The width follows the batch bucket, so a graph and its eager
+    fallback agree. The acceptance model's predictions at every budget go to state.out_pred."""
     bonus = rc.state.bonus[:B]
     width = rc.spec.width(Phase.VERIFY, rc.batch_bucket(B))
     if rc.spec.method == "ddtree":
@@ -109,6 +111,8 @@ def make_tree(rc: RoundContext, draft_logits: torch.Tensor, B: int) -> DraftTree
         tree = chain_tree(draft_logits.argmax(dim=-1), bonus)
     # shapes are host-known: no sync, and a capture records nothing for it
     assert tree.tokens.shape == (B, width), f"tree {tuple(tree.tokens.shape)} for {B} rows at verify width {width}"
+    if rc.state.out_pred.shape[1]:
+        rc.state.out_pred[:B] = predictions_at(expected_accept(draft_logits, tree), rc.spec.budgets)
     return tree
 
 
@@ -146,12 +150,18 @@ def accept_commit(rc: RoundContext, B: int, tree: DraftTree, picks: torch.Tensor
     commit(rc, B, acc.path, acc.accept_len, acc.tokens, aux)
 
 
-def verify_phase(rc: RoundContext, B: int, kv_len: int, tree: DraftTree, mode: SampleMode) -> None:
+def verify_phase(rc: RoundContext, B: int, kv_len: int, tree: DraftTree, mode: SampleMode,
+                 budget: int | None = None) -> None:
+    """Verify the draft's tree at `budget` (default: the bucket's largest, the tree's own):
+    its first budget + 1 columns, the best tree of that budget."""
+    width = rc.spec.width(Phase.VERIFY, rc.batch_bucket(B), budget)
+    tree = tree.first(width)
+    assert tree.num_nodes == width, f"a tree of {tree.num_nodes} nodes for verify width {width}"
     accept_commit(rc, B, tree, *verify_forward(rc, B, kv_len, tree, mode))
 
 
-def spec_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode) -> None:
-    verify_phase(rc, B, kv_len, draft_phase(rc, B, kv_len), mode)
+def spec_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, budget: int | None = None) -> None:
+    verify_phase(rc, B, kv_len, draft_phase(rc, B, kv_len), mode, budget)
 
 
 def commit(rc: RoundContext, B: int, path: torch.Tensor, tau: torch.Tensor, tokens: torch.Tensor,

@@ -26,8 +26,10 @@ class RoundState:
     ctx_feat: torch.Tensor       # [R, C, n*D]; C = spec.width(CONTEXT) = max tokens committed per round
     ctx_n: torch.Tensor          # [R] long
     sampling: SamplingTensors
-    out: torch.Tensor            # [R, 1 + C] long: how many tokens the last round committed, then
-                                 # those tokens (one buffer: the engine copies it to the host as is)
+    out: torch.Tensor            # [R, 1 + C + P] long: how many tokens the last round committed,
+                                 # those tokens, then the acceptance model's predictions at the P
+                                 # budgets of spec.budgets (a drafting round's; one buffer: the
+                                 # engine copies it to the host as is)
 
     @property
     def out_n(self) -> torch.Tensor:      # [R]
@@ -35,14 +37,18 @@ class RoundState:
 
     @property
     def out_tokens(self) -> torch.Tensor:  # [R, C]
-        return self.out[:, 1:]
+        return self.out[:, 1:1 + self.ctx_feat.shape[1]]
+
+    @property
+    def out_pred(self) -> torch.Tensor:    # [R, P], in 1/acceptance.PRED_SCALE tokens
+        return self.out[:, 1 + self.ctx_feat.shape[1]:]
 
     @classmethod
     def allocate(cls, rows: int, commit: int, feat_dim: int, dtype: torch.dtype,
-                 device: torch.device | str) -> "RoundState":
+                 device: torch.device | str, predictions: int = 0) -> "RoundState":
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
         state = cls(z(rows), z(rows), torch.zeros(rows, commit, max(feat_dim, 1), dtype=dtype, device=device),
-                    z(rows), SamplingTensors.empty(rows, device), z(rows, 1 + commit))
+                    z(rows), SamplingTensors.empty(rows, device), z(rows, 1 + commit + predictions))
         state.park(0, rows)
         return state
 

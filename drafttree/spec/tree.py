@@ -42,6 +42,14 @@ class DraftTree:
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
 
+    def first(self, n: int) -> "DraftTree":
+        """The tree of the first n columns (root and n - 1 nodes): best first with parents
+        before children, so it is the best tree of budget n - 1, and still prefix-closed."""
+        if n == self.num_nodes:
+            return self
+        return DraftTree(self.tokens[:, :n], self.parents[:, :n], self.depth[:, :n], self.valid[:, :n],
+                         self.visible[:, :n, :n])
+
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """visible[r, i, j] = j is i or an ancestor of i, by pointer jumping.

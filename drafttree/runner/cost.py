@@ -1,0 +1,137 @@
+"""The measured cost model: seconds per (phase, batch bucket, width), timed at start-up.
+
+On CUDA each captured graph is replayed a few times between CUDA events; on the CPU (no graphs)
+each (phase, bucket, width) the engine can run is run eagerly a few times. The engine divides
+the tokens a round is expected to commit by these costs to choose its budget
+(`engine.budget`). Rows are parked while timing, and the round state is restored afterwards.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from drafttree.phases import Phase, SpecConfig
+from drafttree.sampling import SampleMode
+from drafttree.spec.rounds import context_phase, decode_round, draft_phase, verify_phase
+
+log = logging.getLogger(__name__)
+
+REPS = 3             # timed runs per entry (after one warm-up); the median is kept
+TIME_LIMIT_S = 5.0   # CPU: buckets past this are estimated from the largest one timed
+
+
+@dataclass
+class CostTable:
+    """Seconds of one forward per (phase, batch bucket, width), for the round state at its
+    smallest KV length (the ratio between entries is what the choice uses)."""
+    spec: SpecConfig
+    seconds: dict[tuple[Phase, int, int], float] = field(default_factory=dict)
+    estimated: set[tuple[Phase, int, int]] = field(default_factory=set)   # scaled, not timed
+    measure_s: float = 0.0
+
+    def get(self, phase: Phase, bucket: int, width: int) -> float:
+        return self.seconds[(phase, bucket, width)]
+
+    def round_seconds(self, bucket: int, budget: int) -> float:
+        """A round over a batch bucket at `budget`: draft + verify, or for 0 a decode step plus
+        its share of the drafter's context writes (one per max_commit - 1 decode steps)."""
+        if budget == 0:
+            s = self.get(Phase.DECODE, bucket, 1)
+            if self.spec.speculative:
+                ctx = self.spec.width(Phase.CONTEXT, bucket)
+                s += self.get(Phase.CONTEXT, bucket, ctx) / max(self.spec.max_commit - 1, 1)
+            return s
+        draft = self.get(Phase.DRAFT, bucket, self.spec.width(Phase.DRAFT, bucket))
+        return draft + self.get(Phase.VERIFY, bucket, self.spec.width(Phase.VERIFY, bucket, budget))
+
+    def format(self) -> str:
+        lines = [f"cost model ({self.measure_s:.2f} s to measure; ms per forward, * = scaled from a smaller "
+                 f"bucket):", f"{'phase':<8} {'bucket':>6} {'width':>6} {'ms':>9}"]
+        for (p, b, w), s in sorted(self.seconds.items(), key=lambda kv: (kv[0][1], kv[0][0].value, kv[0][2])):
+            mark = "*" if (p, b, w) in self.estimated else ""
+            lines.append(f"{p.value:<8} {b:>6} {w:>6} {1e3 * s:>9.3f}{mark}")
+        return "\n".join(lines)
+
+
+def entries(spec: SpecConfig, bucket: int) -> list[tuple[Phase, int, int]]:
+    """(phase, width, budget) of every forward a round over the bucket can run."""
+    out = [(Phase.DECODE, 1, 0)]
+    if spec.speculative:
+        out.insert(0, (Phase.CONTEXT, spec.width(Phase.CONTEXT, bucket), 0))
+    budgets = [n for n in spec.budgets_at(bucket) if n]
+    if budgets:
+        out.append((Phase.DRAFT, spec.width(Phase.DRAFT, bucket), 0))
+        out += [(Phase.VERIFY, spec.width(Phase.VERIFY, bucket, n), n) for n in budgets]
+    return out
+
+
+@torch.inference_mode()
+def measure(runner, reps: int = REPS, time_limit_s: float = TIME_LIMIT_S) -> CostTable:
+    """Time every (phase, bucket, width) of the runner's spec: graph replays when it has graphs,
+    eager forwards otherwise. Leaves the round state as it found it."""
+    spec, buckets = runner.spec, runner.cache_cfg.batch_buckets
+    table = CostTable(spec)
+    s = runner.state
+    saved = [t.clone() for t in (s.start, s.bonus, s.ctx_n, s.ctx_feat, s.out)]
+    t0 = time.perf_counter()
+    graphs = runner.graphs
+    kv_len = graphs.kv_buckets[0] if graphs is not None else runner.round_kv_len(64)
+    last = None
+    for B in buckets:
+        if graphs is None and last is not None and time.perf_counter() - t0 > time_limit_s:
+            for phase, width, _ in entries(spec, B):
+                # compute-bound on the CPU: a forward's time grows with its rows
+                table.seconds[(phase, B, width)] = table.get(phase, last, width) * B / last
+                table.estimated.add((phase, B, width))
+            continue
+        for phase, width, budget in entries(spec, B):
+            fn = _graph_fn(graphs, phase, B, kv_len, budget) if graphs is not None else \
+                _eager_fn(runner, phase, B, kv_len, budget)
+            table.seconds[(phase, B, width)] = _time(fn, lambda: s.park(0, B), runner.device, reps)
+        last = B
+    for t, v in zip((s.start, s.bonus, s.ctx_n, s.ctx_feat, s.out), saved):
+        t.copy_(v)
+    table.measure_s = time.perf_counter() - t0
+    return table
+
+
+def _eager_fn(runner, phase: Phase, B: int, kv_len: int, budget: int) -> Callable[[], None]:
+    rc, mode = runner.round_ctx, SampleMode.GREEDY
+    if phase is Phase.CONTEXT:
+        return lambda: context_phase(rc, B)
+    if phase is Phase.DECODE:
+        return lambda: decode_round(rc, B, kv_len, mode)
+    if phase is Phase.DRAFT:
+        return lambda: draft_phase(rc, B, kv_len)
+    tree = draft_phase(rc, B, kv_len)   # verify times itself only: its tree is drafted once
+    return lambda: verify_phase(rc, B, kv_len, tree, mode, budget)
+
+
+def _graph_fn(graphs, phase: Phase, B: int, kv_len: int, budget: int) -> Callable[[], None]:
+    return graphs.graphs[(phase, B, SampleMode.GREEDY, kv_len, budget)].replay
+
+
+def _time(fn: Callable[[], None], reset: Callable[[], None], device: torch.device, reps: int) -> float:
+    """Median seconds of `reps` runs of fn after one warm-up, each from the reset state."""
+    reset()
+    fn()
+    out = []
+    for _ in range(reps):
+        reset()
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return statistics.median(out)

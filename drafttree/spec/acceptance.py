@@ -1,0 +1,45 @@
+"""The acceptance model: the accepted length a draft tree is expected to give, from the drafter's
+own per-position distributions, at every budget up to the tree's.
+
+If the target accepted the drafter's token at depth d with the drafter's probability
+q_d(y_d), independently per position, a node would be accepted with the product of the
+probabilities along its path, and the expected accepted length of a tree (root counted, as τ
+counts the bonus token) is 1 + the sum of those products over its nodes: the DDTree objective.
+The tree builder orders nodes best first and every parent precedes its children, so the first
+b nodes are the best tree of budget b, and the cumulative sum at column b is the prediction for
+budget b. A DFlash chain is a tree whose nodes are in depth order: the same sum gives its
+prefix products. The engine calibrates these against the τ it observes (`engine.budget`).
+"""
+from __future__ import annotations
+
+import torch
+
+from drafttree.spec.tree import DraftTree
+
+# Predictions travel to the host in the round's integer output buffer, in thousandths of a token.
+PRED_SCALE = 1000
+
+
+def expected_accept(draft_logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+    """[R, N] float32: column n is the expected accepted length of the tree's first n + 1
+    columns (root and n nodes); column 0 is 1. draft_logits: [R, D, V], positions 1..D."""
+    R, D, V = draft_logits.shape
+    logits = draft_logits.float()
+    lse = torch.logsumexp(logits, dim=-1)                             # [R, D]
+    depth = (tree.depth[:, 1:] - 1).clamp(0, D - 1)                   # node i uses q_{depth(i)}
+    flat = depth * V + tree.tokens[:, 1:]
+    lp = logits.view(R, D * V).gather(1, flat) - lse.gather(1, depth)  # [R, N-1]
+    # invalid nodes score nothing; a finite floor keeps 0 * floor finite in the path sums below
+    lp = torch.where(tree.valid[:, 1:], lp, torch.full_like(lp, -1e4)).clamp(min=-1e4)
+    path = torch.bmm(tree.visible[:, 1:, 1:].float(), lp[..., None])[..., 0]   # log P(path to node)
+    gain = torch.where(tree.valid[:, 1:], path.exp(), torch.zeros_like(path))
+    return torch.cat([torch.ones(R, 1, device=gain.device), 1.0 + gain.cumsum(1)], dim=1)
+
+
+def predictions_at(values: torch.Tensor, budgets: tuple[int, ...]) -> torch.Tensor:
+    """[R, len(budgets)] long, in 1/PRED_SCALE tokens: the prediction at each budget, taken at
+    the tree's last column for budgets past it (a bucket whose tree is narrower never runs them)."""
+    # column slices, not an index tensor: a host-to-device copy cannot be captured in a graph
+    last = values.shape[1] - 1
+    picked = torch.stack([values[:, min(b, last)] for b in budgets], dim=1)
+    return (picked * PRED_SCALE).round().long()

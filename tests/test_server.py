@@ -326,3 +326,12 @@ def test_quicksort_first_request_speculative(model_dir: Path, tmp_path: Path, gr
     assert 24 <= 1 + accepted <= 23 + block_size
     if drafter == SHIPPED_DRAFTER:   # a trained pair: rounds accept drafted tokens
         assert stats["mean_accept_length"] > 1.0
+
+
+def test_max_budget_extension_field(client) -> None:
+    """`max_budget` in the body caps the request's speculation (0: never); the output is the same."""
+    kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    want = client.completions.create(**kw).choices[0].text
+    assert client.completions.create(extra_body={"max_budget": 0}, **kw).choices[0].text == want
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(extra_body={"max_budget": -1}, **kw)

@@ -53,6 +53,9 @@ class OpenAIRequest(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool | None = False
     user: StrictStr | None = None
+    # drafttree's extension: at most this many draft nodes verified per round for this request
+    # (0: never speculated); see SamplingParams.max_budget
+    max_budget: StrictInt | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -76,7 +79,8 @@ class OpenAIRequest(BaseModel):
                 temperature=1.0 if self.temperature is None else float(self.temperature),
                 top_p=1.0 if self.top_p is None else float(self.top_p),
                 top_k=self.top_k or 0, seed=self.seed, max_tokens=max_tokens, stop=self.stop_list(),
-                stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos))
+                stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
+                max_budget=self.max_budget)
         except ValueError as e:
             raise OpenAIError(str(e)) from e
 

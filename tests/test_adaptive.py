@@ -1,0 +1,212 @@
+"""Choosing the budget per round: the acceptance model against exact enumeration, the chooser
+against hand-computed rates, and losslessness when the budget changes between rounds (0, a
+decode round, included), at T = 0 token for token and at T > 0 with the same seed."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from drafttree import LLM, SamplingParams
+from drafttree.engine.budget import PROBE_FIRST, BudgetChooser
+from drafttree.phases import Phase, SpecConfig
+from drafttree.runner.cost import CostTable
+from drafttree.spec.acceptance import PRED_SCALE, expected_accept, predictions_at
+from drafttree.spec.tree import accept, build_tree, chain_tree
+from tests.helpers import greedy, make_prompts
+
+
+def _exact_expected_tau(probs: torch.Tensor, tree) -> float:
+    """E[τ] when the target's token at depth d is drawn from the drafter's q_d, independently:
+    every continuation enumerated, each tree walked by `accept` (one request)."""
+    D, V = probs.shape
+    total = 0.0
+    for ys in itertools.product(range(V), repeat=D):
+        # the target's pick at a node of depth d is its token at position d + 1
+        picks = torch.tensor([ys[min(int(d), D - 1)] for d in tree.depth[0]])[None]
+        tau = int(accept(tree, picks, D).accept_len[0])
+        total += float(torch.prod(probs[torch.arange(D), torch.tensor(ys)])) * tau
+    return total
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_expected_accept_is_the_exact_expectation_at_every_budget(seed):
+    g = torch.Generator().manual_seed(seed)
+    D, V = 3, 3
+    logits = torch.randn(1, D, V, generator=g) * 2
+    probs = logits[0].softmax(-1)
+    full = build_tree(logits, torch.zeros(1, dtype=torch.long), 12)
+    values = expected_accept(logits, full)
+    assert values.shape == (1, 13) and values[0, 0] == 1.0
+    for b in (1, 2, 3, 5, 8, 12):
+        tree = full.first(b + 1)
+        assert values[0, b].item() == pytest.approx(_exact_expected_tau(probs, tree), abs=1e-5), b
+        # the first b nodes are the best tree of budget b: the builder at b scores the same
+        alone = expected_accept(logits, build_tree(logits, torch.zeros(1, dtype=torch.long), b))
+        assert alone[0, -1].item() == pytest.approx(values[0, b].item(), abs=1e-5)
+    assert torch.all(values[0, 1:] >= values[0, :-1])
+    got = predictions_at(values, (2, 8, 40))
+    assert got.tolist() == [[round(values[0, 2].item() * PRED_SCALE), round(values[0, 8].item() * PRED_SCALE),
+                             round(values[0, 12].item() * PRED_SCALE)]]
+
+
+def test_expected_accept_of_a_chain_is_the_sum_of_prefix_products():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 4, 5, generator=g)
+    probs = logits.softmax(-1)
+    chain = chain_tree(logits.argmax(-1), torch.zeros(2, dtype=torch.long))
+    got = expected_accept(logits, chain)[:, -1]
+    top = probs.max(-1).values
+    want = 1 + top.cumprod(-1).sum(-1)
+    torch.testing.assert_close(got, want)
+    assert got[0].item() == pytest.approx(_exact_expected_tau(probs[0], chain_tree(logits[:1].argmax(-1),
+                                                                                    torch.zeros(1).long())), 1e-5)
+
+
+def _table() -> CostTable:
+    spec = SpecConfig("ddtree", block_size=16, budget=31, adaptive=True)
+    t = CostTable(spec)
+    for phase, width, s in ((Phase.DECODE, 1, 1.0), (Phase.CONTEXT, 16, 0.3), (Phase.DRAFT, 16, 0.5),
+                            (Phase.VERIFY, 5, 1.0), (Phase.VERIFY, 9, 1.2), (Phase.VERIFY, 17, 1.6),
+                            (Phase.VERIFY, 32, 2.5)):
+        t.seconds[(phase, 1, width)] = s
+    return t
+
+
+def _chooser(preds: list[float]) -> BudgetChooser:
+    t = _table()
+    c = BudgetChooser(t, t.spec.budgets)
+    scaled = [int(p * PRED_SCALE) for p in preds]
+    c.observe(True, 31, round(preds[-1]), scaled)   # observed as predicted: calibration 1
+    return c
+
+
+def test_chooser_takes_the_most_tokens_per_second():
+    t = _table()
+    assert t.spec.budgets == (4, 8, 16, 31)
+    assert t.round_seconds(1, 0) == pytest.approx(1.0 + 0.3 / 15) and t.round_seconds(1, 8) == pytest.approx(1.7)
+    allowed = t.spec.budgets_at(1)
+    # tokens/s: 0 -> 0.98, 4 -> 2.0/1.5 = 1.33, 8 -> 2.5/1.7 = 1.47, 16 -> 2.8/2.1 = 1.33, 31 -> 3/3 = 1
+    c = _chooser([2.0, 2.5, 2.8, 3.0])
+    assert c.choose(1, allowed, 1, 0) == 8
+    assert c.choose(1, allowed, 1, 0, cap=4) == 4 and c.choose(1, allowed, 1, 0, cap=0) == 0
+    assert c.choose(1, allowed, 1, 0, cap=20) == 8
+    # a drafter the target rarely follows: plain decoding, with a probe at the best budget after
+    # PROBE_FIRST plain rounds, and the interval doubles while plain keeps winning
+    c = _chooser([1.1, 1.15, 1.2, 1.25])
+    picks = [c.choose(1, allowed, 1, 0) for _ in range(3 * PROBE_FIRST)]
+    assert picks[:PROBE_FIRST - 1] == [0] * (PROBE_FIRST - 1) and picks[PROBE_FIRST - 1] == 4
+    assert picks[PROBE_FIRST:] == [0] * (2 * PROBE_FIRST - 1) + [4]
+    # no prediction yet for a sampled row: draft at the largest budget to get one
+    assert c.choose(1, allowed, 1, 1) == 31
+
+
+def test_calibration_follows_observed_acceptance():
+    allowed = _table().spec.budgets_at(1)
+    c = _chooser([2.0, 2.5, 2.8, 3.0])
+    assert c.choose(1, allowed, 1, 0) == 8
+    for i in range(60):    # a third of the drafted tokens predicted at budget 8 (1.5) accepted
+        c.observe(True, 8, 1 + i % 2, [int(p * PRED_SCALE) for p in (2.0, 2.5, 2.8, 3.0)])
+    assert c.cal[True].ratio == pytest.approx(1 / 3, rel=0.15)
+    assert c.choose(1, allowed, 1, 0) == 0
+
+
+def test_fixed_spec_takes_its_largest_budget():
+    spec = SpecConfig("ddtree", block_size=8, budget=24)
+    c = BudgetChooser(None, spec.budgets, adaptive=False)
+    assert c.choose(1, spec.budgets_at(1), 1, 0) == 24 and c.choose(1, spec.budgets_at(1), 1, 0, cap=7) == 0
+
+
+def _forced(llm: LLM, pattern: list[int]) -> list[int]:
+    """Make the engine's chooser cycle through `pattern` (each entry taken if the round may run
+    at it, else 0); returns the budgets chosen."""
+    chooser, chosen, i = llm.engine.chooser, [], itertools.count()
+
+    def choose(bucket, allowed, greedy_rows, sampled_rows, cap=None):
+        want = pattern[next(i) % len(pattern)]
+        b = want if want in allowed and (cap is None or want <= cap) else 0
+        chosen.append(b)
+        return b
+    chooser.choose = choose
+    return chosen
+
+
+PATTERN = [0, 4, 0, 0, 32, 8, 16, 3, 0, 4, 32, 32, 0]
+
+
+@pytest.mark.parametrize("shape", ["llama", "qwen3"])
+@pytest.mark.parametrize("spec", ["ddtree", "dflash"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_budget_changes_between_rounds_are_lossless(zoo, shape, spec, overlap):
+    pair = zoo(shape)
+    llm = LLM(model=str(pair.target), draft_model=str(pair.drafter), spec=spec, device="cpu", dtype="float32",
+              max_num_seqs=3, max_model_len=128, overlap=overlap)
+    assert llm.engine.spec.adaptive and llm.engine.costs is not None
+    chosen = _forced(llm, PATTERN)
+    prompts = make_prompts(pair.vocab)
+    outs = llm.generate(prompts, [greedy(n) for n in (40, 33, 27)])
+    for p, n, out in zip(prompts, (40, 33, 27), outs):
+        assert out.token_ids == pair.plain(p, n)
+    used = set(chosen)
+    assert 0 in used and len(used) >= (3 if spec == "ddtree" else 2), chosen
+    assert dict(llm.engine.stats.budget_hist).keys() <= set(PATTERN) | {0}
+
+
+@pytest.mark.parametrize("spec", ["ddtree", "dflash"])
+def test_budget_changes_keep_seeded_sampling(zoo, spec):
+    """At T > 0 the same seed gives plain decoding's tokens whatever budget each round ran at."""
+    pair = zoo("llama")
+    prompts = make_prompts(pair.vocab)
+    sp = [SamplingParams(temperature=T, seed=7 + i, max_tokens=30, ignore_eos=True)
+          for i, T in enumerate((0.9, 1.0, 0.0))]
+    plain = LLM(model=str(pair.target), device="cpu", dtype="float32", max_num_seqs=3, max_model_len=128)
+    want = [o.token_ids for o in plain.generate(prompts, sp)]
+    llm = LLM(model=str(pair.target), draft_model=str(pair.drafter), spec=spec, device="cpu", dtype="float32",
+              max_num_seqs=3, max_model_len=128)
+    chosen = _forced(llm, PATTERN)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert 0 in chosen and any(chosen)
+
+
+def test_the_real_chooser_is_lossless_and_reports_its_budgets(zoo):
+    pair = zoo("llama")
+    llm = LLM(model=str(pair.target), draft_model=str(pair.drafter), spec="ddtree", device="cpu",
+              dtype="float32", max_num_seqs=3, max_model_len=128)
+    prompts = make_prompts(pair.vocab)
+    outs = llm.generate(prompts, greedy(40))
+    assert [o.token_ids for o in outs] == [pair.plain(p) for p in prompts]
+    st = llm.engine.stats
+    assert sum(st.budget_hist.values()) == st.rounds and st.budget_hist.keys() <= {0, 4, 8, 16, 32}
+    assert sum(st.method_rounds.values()) == st.rounds
+    assert llm.engine.chooser.cal[True].pred is not None   # at least the first round drafted
+
+
+def test_max_budget_caps_the_rounds_a_request_is_in(zoo):
+    """The batch shares one width: a round verifies at most its rows' smallest max_budget; a
+    request at 0 makes the rounds it is in decode plainly. Plain decoding's tokens throughout."""
+    pair = zoo("llama")
+    llm = LLM(model=str(pair.target), draft_model=str(pair.drafter), spec="ddtree", budget=32, device="cpu",
+              dtype="float32", max_num_seqs=3, max_model_len=128)
+    runner, budgets = llm.engine.runner, []
+    run_round = runner.run_round
+    runner.run_round = lambda B, mode, n, b=None: budgets.append((B, b)) or run_round(B, mode, n, b)
+    prompts = make_prompts(pair.vocab)
+    with pytest.raises(ValueError, match="max_budget"):
+        SamplingParams(max_budget=-1)
+    # a request capped at 0 that finishes first: its rounds decode, then the other two draft
+    sp = [greedy(10, max_budget=0), greedy(40), greedy(40)]
+    outs = llm.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [pair.plain(p, n) for p, n in zip(prompts, (10, 40, 40))]
+    assert all(b == 0 for B, b in budgets if B == 3) and any(b == 32 for B, b in budgets if B < 3)
+    # a cap below the fixed budget decodes plainly (no smaller tree was captured)
+    budgets.clear()
+    outs = llm.generate(prompts[:1], [greedy(20, max_budget=8)])
+    assert outs[0].token_ids == pair.plain(prompts[0], 20) and {b for _, b in budgets} == {0}
+    # adaptive: the cap bounds the choice
+    auto = LLM(model=str(pair.target), draft_model=str(pair.drafter), spec="ddtree", device="cpu",
+               dtype="float32", max_num_seqs=3, max_model_len=128)
+    chosen = _forced(auto, [32, 16, 8, 4])
+    outs = auto.generate(prompts, [greedy(40, max_budget=8), greedy(20), greedy(20)])   # the capped one last
+    assert [o.token_ids for o in outs] == [pair.plain(p, n) for p, n in zip(prompts, (40, 20, 20))]
+    assert set(chosen) <= {0, 4, 8} and {4, 8} <= set(chosen)

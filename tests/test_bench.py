@@ -16,13 +16,13 @@ def test_bench_writes_results_and_plots(tmp_path):
     prompts.write_text("\n".join(json.dumps({"prompt_ids": [i % 7 + 1, 2, 3]}) for i in range(3)))
     out = tmp_path / "out"
     rc = main(["--model", str(t), "--draft-model", str(d), "--prompts", str(prompts), "--num-prompts", "3",
-               "--max-tokens", "12", "--budgets", "2,8", "--temperatures", "0,1", "--device", "cpu",
+               "--max-tokens", "12", "--budgets", "auto,2,8", "--temperatures", "0,1", "--device", "cpu",
                "--dtype", "float32", "--max-model-len", "64", "--host-profile", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     runs = {(r["method"], r["budget"], r["temperature"]) for r in res["results"]}
-    assert runs == {(m, b, T) for T in (0.0, 1.0) for m, b in (("ar", None), ("dflash", None),
-                                                                ("ddtree", 2), ("ddtree", 8))}
+    assert runs == {(m, b, T) for T in (0.0, 1.0) for m, b in (("ar", None), ("dflash", None), ("dflash", "auto"),
+                                                                ("ddtree", "auto"), ("ddtree", 2), ("ddtree", 8))}
     ar = {r["temperature"]: r for r in res["results"] if r["method"] == "ar"}
     for r in res["results"]:
         assert r["output_tokens"] == 36 and r["tokens_per_s"] == pytest.approx(36 / r["wall_s"])
@@ -38,6 +38,11 @@ def test_bench_writes_results_and_plots(tmp_path):
         assert 0 < r["round_gpu_ms"] <= r["round_ms"] < 1e3 * r["wall_s"]
         profile = out / f"host_profile_{r['method']}{r['budget'] or ''}_T{r['temperature']:g}.txt"
         assert "ncalls" in profile.read_text()
+        # batch 1: one request per round; the rounds by the budget they ran at
+        assert sum(r["budget_histogram"].values()) == r["rounds"]
+        if r["budget"] != "auto":
+            fixed = {"ar": "0", "dflash": "3"}.get(r["method"], str(r["budget"]))
+            assert set(r["budget_histogram"]) == {fixed}, r
         if r["method"] == "ar":
             assert r["tau_mean"] == 1.0 and r["speedup"] == 1.0
         # fp32: every greedy speculative output is plain decoding's; sampled runs are not compared

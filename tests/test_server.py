@@ -291,6 +291,11 @@ def test_metrics(live: Live, client) -> None:
     assert metric(live, "drafttree_cuda_graph_fallbacks_total") == 0
     assert 'drafttree_phase_seconds_total{phase="prefill"}' in r.text
     assert 'drafttree_phase_seconds_total{phase="decode"}' in r.text
+    # the budgets rounds ran at (0 here: no drafter) and per-method rounds and tau
+    assert metric(live, "drafttree_round_budget_count") == metric(live, "drafttree_rounds_total")
+    assert metric(live, 'drafttree_method_rounds_total{method="decode"}') == metric(live, "drafttree_rounds_total")
+    assert metric(live, 'drafttree_method_tokens_total{method="decode"}') == \
+        metric(live, 'drafttree_method_request_rounds_total{method="decode"}') > 0
 
 
 def test_model_without_chat_template(tmp_path: Path) -> None:

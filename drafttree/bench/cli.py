@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--methods", default="ar,dflash,ddtree")
-    p.add_argument("--budgets", default="8,16,32,64,128")
+    p.add_argument("--budgets", default="auto,8,16,32,64,128",
+                   help="DDTree budgets to run, each fixed for every round, and 'auto' (each round chooses; "
+                        "DFlash then runs auto too): e.g. auto,4,8,16,32,64")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--budget-schedule", default=None,
                    help="DDTree budget by batch bucket (see drafttree generate); DFlash takes it when all its "
@@ -64,22 +66,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def runs(a: argparse.Namespace) -> list[tuple[str, int | None]]:
-    out: list[tuple[str, int | None]] = []
+def runs(a: argparse.Namespace) -> list[tuple[str, int | str | None]]:
+    """(method, budget): a DDTree budget fixed for every round or 'auto'; DFlash's chain in every
+    round (None) and, when the budgets name auto, chosen per round ('auto')."""
+    out: list[tuple[str, int | str | None]] = []
+    budgets = [b.strip() for b in a.budgets.split(",") if b.strip()]
     for m in a.methods.split(","):
         if m == "ddtree":
-            out += [("ddtree", int(b)) for b in a.budgets.split(",")]
-        elif m in ("ar", "dflash"):
+            out += [("ddtree", b if b == "auto" else int(b)) for b in budgets]
+        elif m == "dflash":
+            out += [("dflash", None)] + ([("dflash", "auto")] if "auto" in budgets else [])
+        elif m == "ar":
             out.append((m, None))
         else:
             raise ValueError(f"unknown method {m!r} (ar, dflash, ddtree)")
     return out
 
 
-def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar) -> tuple[dict, list[list[int]]]:
+def run_one(a, method: str, budget: int | str | None, prompts, temperature: float,
+            bar) -> tuple[dict, list[list[int]]]:
     """One method at one temperature over all prompts: its figures, and its outputs' token ids."""
+    # DFlash's chain in every round: a fixed budget (its value is not used)
+    engine_budget = 1 if method == "dflash" and budget is None else budget
     llm = LLM(model=a.model, draft_model=a.draft_model, spec="none" if method == "ar" else method,
-              budget=budget, block_size=a.block_size,
+              budget=engine_budget, block_size=a.block_size,
               budget_schedule=schedule_for(method, a.budget_schedule), speculate_sampled=a.speculate_sampled,
               dtype=a.dtype, device=a.device, max_num_seqs=a.batch,
               max_model_len=a.max_model_len, cuda_graphs=False if a.no_cuda_graphs else None,
@@ -100,6 +110,7 @@ def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar
         llm.generate(texts[i:i + a.batch], warm)
     st, timer = eng.stats, eng.runner.timer
     rounds0, prefill0, gpu0 = st.rounds, st.prefill_seconds, _round_seconds(timer)
+    budgets0 = Counter(st.budget_hist)
     profiler = cProfile.Profile() if a.host_profile else None
     outs, t0 = [], time.perf_counter()
     if profiler is not None:
@@ -130,7 +141,10 @@ def run_one(a, method: str, budget: int | None, prompts, temperature: float, bar
             # events; on CPU, host time): the difference is the host's time between rounds
             "round_ms": 1e3 * (wall - (st.prefill_seconds - prefill0)) / rounds,
             "round_gpu_ms": 1e3 * (_round_seconds(timer) - gpu0) / rounds,
-            "graph_fallbacks": eng.runner.graphs.fallbacks if eng.runner.graphs is not None else None}, [o.token_ids for o in outs]
+            "graph_fallbacks": eng.runner.graphs.fallbacks if eng.runner.graphs is not None else None,
+            # rounds per budget they ran at (0: plain decode rounds), the chosen ones under auto
+            "budget_histogram": {str(k): v for k, v in sorted((st.budget_hist - budgets0).items())},
+            "cost_model_s": eng.costs.measure_s if eng.costs is not None else None}, [o.token_ids for o in outs]
 
 
 def _round_seconds(timer) -> float:
@@ -148,12 +162,15 @@ def plot(results: list[dict], out: Path) -> list[str]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for i, T in enumerate(temps):
         color = f"C{i}"
-        rs = [r for r in results if r["temperature"] == T and r["method"] == "ddtree"]
+        rs = [r for r in results if r["temperature"] == T and r["method"] == "ddtree" and isinstance(r["budget"], int)]
         for ax, key in zip(axes, ("speedup", "tau_mean")):
             if rs:
                 ax.plot([r["budget"] for r in rs], [r[key] for r in rs], "o-", color=color, label=f"DDTree T={T:g}")
             for r in results:
-                if r["temperature"] == T and r["method"] == "dflash":
+                if r["temperature"] == T and r["budget"] == "auto" and r[key] is not None:
+                    ax.axhline(r[key], ls=":" if r["method"] == "dflash" else "-.", color=color,
+                               label=f"{r['method']} auto T={T:g}")
+                elif r["temperature"] == T and r["method"] == "dflash":
                     ax.axhline(r[key], ls="--", color=color, label=f"DFlash T={T:g}")
     for ax, name in zip(axes, ("speedup over AR", "mean accepted length τ")):
         ax.set_xscale("log", base=2)
@@ -196,6 +213,10 @@ def finish(results: list[dict], meta: dict, out: Path) -> None:
         rnd = f"{r['round_ms']:>10.3f}{r['round_gpu_ms']:>8.3f}" if "round_ms" in r else f"{'-':>10}{'-':>8}"
         print(f"{r['method']:<8}{r['budget'] or '-':>7}{r['temperature']:>4g}{r['tau_mean']:>7.2f}"
               f"{r['tokens_per_s']:>9.1f}{r['tpot_ms']:>9.2f}{ttft:>9}{sp:>9}{same:>6}{rnd}")
+    for r in results:
+        if r.get("budget") == "auto":
+            print(f"{r['method']} auto T={r['temperature']:g}: rounds per chosen budget "
+                  f"{r.get('budget_histogram')}")
     print(f"wrote {out / 'results.json'} and {', '.join(files)}")
 
 

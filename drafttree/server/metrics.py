@@ -17,6 +17,7 @@ from drafttree.engine.engine import Engine, EngineStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 ACCEPT_BUCKETS = tuple(float(i) for i in range(1, 17))
+BUDGET_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
 
 
 class ServerMetrics:
@@ -33,6 +34,17 @@ class ServerMetrics:
         self.accept_length = Histogram("drafttree_accept_length",
                                        "Tokens committed per request per round (tau, bonus included)",
                                        buckets=ACCEPT_BUCKETS, registry=r)
+        self.round_budget = Histogram("drafttree_round_budget",
+                                      "Draft nodes each round verified at (0: a plain decode round), as chosen",
+                                      buckets=BUDGET_BUCKETS, registry=r)
+        self.method_rounds = Counter("drafttree_method_rounds", "Rounds by what they ran (decode, dflash, ddtree)",
+                                     ["method"], registry=r)
+        self.method_request_rounds = Counter("drafttree_method_request_rounds",
+                                             "Request-rounds by method (a round of B requests counts B)",
+                                             ["method"], registry=r)
+        self.method_tokens = Counter("drafttree_method_tokens",
+                                     "Tokens committed by method; over request-rounds: that method's mean tau",
+                                     ["method"], registry=r)
         self.prefill_seconds = Counter("drafttree_prefill_seconds", "Seconds spent in prefill", registry=r)
         self.round_seconds = Counter("drafttree_round_seconds", "Seconds spent in decoding rounds", registry=r)
         self.round_duration = Summary("drafttree_round_duration_seconds", "Duration of one decoding round",
@@ -57,6 +69,14 @@ class ServerMetrics:
         for k, count in s.accept_hist.items():
             for _ in range(count - seen.accept_hist.get(k, 0)):
                 self.accept_length.observe(k)
+        for k, count in s.budget_hist.items():
+            for _ in range(count - seen.budget_hist.get(k, 0)):
+                self.round_budget.observe(k)
+        for counter, now, before in ((self.method_rounds, s.method_rounds, seen.method_rounds),
+                                     (self.method_request_rounds, s.method_rows, seen.method_rows),
+                                     (self.method_tokens, s.method_tokens, seen.method_tokens)):
+            for method, n in now.items():
+                counter.labels(method=method).inc(n - before.get(method, 0))
         self.prefill_seconds.inc(max(s.prefill_seconds - seen.prefill_seconds, 0.0))
         spent = max(s.round_seconds - seen.round_seconds, 0.0)
         self.round_seconds.inc(spent)

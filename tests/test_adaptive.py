@@ -70,7 +70,7 @@ def _table() -> CostTable:
     for phase, width, s in ((Phase.DECODE, 1, 1.0), (Phase.CONTEXT, 16, 0.3), (Phase.DRAFT, 16, 0.5),
                             (Phase.VERIFY, 5, 1.0), (Phase.VERIFY, 9, 1.2), (Phase.VERIFY, 17, 1.6),
                             (Phase.VERIFY, 32, 2.5)):
-        t.seconds[(phase, 1, width)] = s
+        t.seconds[(phase, 1, width, False)] = s
     return t
 
 
@@ -110,6 +110,24 @@ def test_calibration_follows_observed_acceptance():
         c.observe(True, 8, 1 + i % 2, [int(p * PRED_SCALE) for p in (2.0, 2.5, 2.8, 3.0)])
     assert c.cal[True].ratio == pytest.approx(1 / 3, rel=0.15)
     assert c.choose(1, allowed, 1, 0) == 0
+
+
+def test_observed_round_times_correct_the_table():
+    """Rounds at budget 8 that take three times what the table says: plain decoding wins; and
+    sampled rounds price the sampled pick where it was timed."""
+    allowed = _table().spec.budgets_at(1)
+    c = _chooser([2.0, 2.5, 2.8, 3.0])
+    for _ in range(40):
+        c.observe_round(1, 8, False, 3 * 1.7)
+        c.observe_round(1, 4, False, 3 * 1.5)
+        c.observe_round(1, 16, False, 3 * 2.1)
+        c.observe_round(1, 31, False, 3 * 3.0)
+    assert c.cost_ratio[(1, 8, False)] == pytest.approx(3.0, rel=0.05)
+    assert c.choose(1, allowed, 1, 0) == 0
+    c = _chooser([2.0, 2.5, 2.8, 3.0])
+    c.costs.seconds[(Phase.VERIFY, 1, 9, True)] = 10.0      # a costly sampled pick at width 9
+    assert c.costs.round_seconds(1, 8, sampled=True) == pytest.approx(10.5)
+    assert c.costs.round_seconds(1, 4, sampled=True) == pytest.approx(1.5)   # untimed: the greedy entry
 
 
 def test_fixed_spec_takes_its_largest_budget():

@@ -10,6 +10,11 @@ The prediction for a round is known only once an earlier drafting round has been
 choice lags by a round (two with overlapped rounds). While decoding plainly no prediction is
 fresh: every `probe_every` plain rounds one round drafts at the best speculative budget, and the
 interval doubles each time the probe does not win back (up to PROBE_MAX).
+
+Where rounds are read one by one (no overlap: the CPU's default), the engine also reports each
+round's seconds, and the table's cost of that (bucket, budget, pick) is scaled by the moving
+average of observed/measured: start-up timings on a shared machine, or a sampler the table
+timed too cheaply, would otherwise keep a losing budget chosen.
 """
 from __future__ import annotations
 
@@ -57,6 +62,21 @@ class BudgetChooser:
     cal: dict[bool, Calibration] = field(default_factory=lambda: {True: Calibration(), False: Calibration()})
     plain_rounds: int = 0
     probe_every: int = PROBE_FIRST
+    cost_ratio: dict[tuple[int, int, bool], float] = field(default_factory=dict)   # observed/measured
+
+    def round_seconds(self, bucket: int, budget: int, sampled: bool) -> float:
+        return self.costs.round_seconds(bucket, budget, sampled) * self.cost_ratio.get((bucket, budget, sampled), 1.0)
+
+    def observe_round(self, bucket: int, budget: int, sampled: bool, seconds: float) -> None:
+        """A round's own seconds (launch to read, nothing else between)."""
+        if self.costs is None or not self.adaptive:
+            return
+        key = (bucket, budget, sampled)
+        r = seconds / self.costs.round_seconds(bucket, budget, sampled)
+        # from 1, not from the first round: one slow round (a first call of a shape) must not
+        # price a budget out of every later choice
+        prev = self.cost_ratio.get(key, 1.0)
+        self.cost_ratio[key] = prev + EMA * (r - prev)
 
     def expected_tokens(self, budget: int, greedy_rows: int, sampled_rows: int) -> float | None:
         """Tokens a round at `budget` is expected to commit over its rows (None: no prediction
@@ -87,7 +107,7 @@ class BudgetChooser:
             tokens = self.expected_tokens(b, greedy_rows, sampled_rows)
             if tokens is None:
                 return speculative[-1]   # no prediction for this kind of row yet: draft to get one
-            rates[b] = tokens / self.costs.round_seconds(bucket, b)
+            rates[b] = tokens / self.round_seconds(bucket, b, sampled_rows > 0)
         best = max(options, key=lambda b: (rates[b], -b))
         if best > 0:
             self.plain_rounds, self.probe_every = 0, PROBE_FIRST

@@ -241,6 +241,10 @@ class Engine:
         rows = launched.read()
         self.runner.timer.collect()
         now = time.perf_counter()
+        if not self.overlap:
+            B = len(launched.seqs)
+            self.chooser.observe_round(self.runner.cache_cfg.batch_bucket(B), launched.budget,
+                                       not all(s.params.greedy for s in launched.seqs), now - launched.t0)
         self.stats.round_seconds += now - max(launched.t0, self._last_read)   # overlapped rounds counted once
         self._last_read = now
         self.stats.rounds += 1

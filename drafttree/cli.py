@@ -20,8 +20,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="'auto' (the default): every round chooses the budget (DDTree nodes up to the drafter "
                         "config's ddtree_default_budget, else 32; the DFlash chain; or 0, a plain decode step) "
                         "that maximises expected tokens/s from the measured cost of each and the drafter's "
-                        "predicted acceptance; N: DDTree verifies N + 1 tokens every round (DFlash: any N >= 1 "
-                        "drafts every round), 0 decodes plainly")
+                        "predicted acceptance; N >= 1: DDTree verifies N + 1 tokens every round (DFlash: drafts every "
+                        "round)")
     g.add_argument("--budget-schedule", default=None,
                    help="DDTree budget by batch bucket under load, e.g. '8:16,32:4' (batch:budget; caps with "
                         "--budget auto); budget 0 decodes plainly from that batch size on ('16:0', DFlash too); "

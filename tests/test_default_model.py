@@ -263,19 +263,23 @@ def test_shipped_drafter_is_lossless_and_accepts(converted_dir: Path) -> None:
                for q in ("Write quicksort in Python.", "def fibonacci(n):")]
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     want = [o.token_ids for o in plain.generate(prompts, sp)]
-    for method, budget in (("ddtree", 16), ("dflash", None)):
+    for method, budget in (("ddtree", 16), ("dflash", 1)):
         llm = LLM(spec=method, budget=budget, **common)
         assert llm.engine.spec.method == method
         outs = llm.generate(prompts, sp)
         assert [o.token_ids for o in outs] == want
         taus = [t for o in outs for t in o.metrics["accept_lengths"]]
         assert sum(taus) / len(taus) > 1.15, (method, sum(taus) / len(taus))
+    # by default, on every device, each round chooses its budget (0 included), up to the config's 31
     default = LLM(**common)
-    assert default.engine.spec.method == "none"          # the CPU decodes plainly by default
+    assert default.engine.spec.method == "ddtree" and default.engine.spec.adaptive
+    assert [o.token_ids for o in default.generate(prompts, sp)] == want
     on_cuda = EngineConfig(device="cuda")                 # resolved without loading anything
     assert plan.resolve_drafter(on_cuda) == plan.SHIPPED_DRAFTER
     shipped = plan.resolve_spec(on_cuda, DFlashConfig.from_dir(plan.SHIPPED_DRAFTER))
-    assert shipped.budget == 31 and shipped.budget_schedule == ((16, 0),)   # its config's, as measured
+    assert shipped.budget == 31 and shipped.adaptive and shipped.budget_schedule == ()
+    fixed = plan.resolve_spec(EngineConfig(budget=31), DFlashConfig.from_dir(plan.SHIPPED_DRAFTER))
+    assert fixed.budget_schedule == ((16, 0),) and not fixed.sampled   # its config's, as measured
 
 
 @pytest.mark.slow

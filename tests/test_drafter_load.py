@@ -28,6 +28,8 @@ def good_drafter(target, tmp_path_factory):
 
 def build(target, drafter, **kw) -> LLM:
     kw.setdefault("spec", "dflash")
+    if kw["spec"] == "dflash":
+        kw.setdefault("budget", 1)   # the chain in every round (auto may decode plainly instead)
     return LLM(model=str(target), draft_model=None if drafter is None else str(drafter), device="cpu",
                dtype="float32", max_num_seqs=2, max_model_len=64, **kw)
 
@@ -137,9 +139,12 @@ def test_default_schedule_from_drafter_config(target, good_drafter, tmp_path, va
             build(target, d, spec="ddtree")
         return
     want = tuple(tuple(int(x) for x in e.split(":")) for e in value.split(","))
-    assert build(target, d, spec="ddtree").engine.spec.budget_schedule == want
+    assert build(target, d, spec="ddtree", budget=32).engine.spec.budget_schedule == want
+    assert build(target, d, spec="ddtree", budget=32, budget_schedule="8:2").engine.spec.budget_schedule == ((8, 2),)
+    assert build(target, d, spec="ddtree", budget=32, budget_schedule="none").engine.spec.budget_schedule == ()
+    # auto chooses per round: the config's schedule does not apply, an explicit one caps it
+    assert build(target, d, spec="ddtree").engine.spec.budget_schedule == ()
     assert build(target, d, spec="ddtree", budget_schedule="8:2").engine.spec.budget_schedule == ((8, 2),)
-    assert build(target, d, spec="ddtree", budget_schedule="none").engine.spec.budget_schedule == ()
     assert build(target, d, spec="dflash").engine.spec.budget_schedule == (want if value == "16:0" else ())
 
 
@@ -285,7 +290,7 @@ def test_draft_matches_reference_implementation(target, tmp_path, monkeypatch, i
     d = make_drafter(tmp_path / "d", target, block_size=5, target_layer_ids=ids)
     edit_config(d, dflash_config={"mask_token_id": mask})
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    llm = build(target, d, spec="ddtree" if budget else "dflash", block_size=block_size, budget=budget)
+    llm = build(target, d, spec="ddtree" if budget else "dflash", block_size=block_size, budget=budget or 1)
     bs = block_size or 5
     assert llm.engine.spec.block_size == bs
 

@@ -44,8 +44,6 @@ def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
     adaptive = parse_budget(cfg.budget) is None
     default = drafter.default_budget or DEFAULT_BUDGET
     budget = (default if adaptive else parse_budget(cfg.budget)) if method == "ddtree" else 0
-    if not adaptive and parse_budget(cfg.budget) == 0:
-        return SpecConfig()   # a fixed budget of 0: plain decoding
     # The drafter config's schedule and sampled-round choice were measured stand-ins for the
     # choice that `auto` makes every round; an explicit one still applies (as caps when auto).
     schedule = cfg.budget_schedule if cfg.budget_schedule is not None else \
@@ -57,15 +55,16 @@ def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
 
 
 def parse_budget(value: int | str | None) -> int | None:
-    """None for 'auto' (and None, the default), else the fixed budget (>= 0)."""
+    """None for 'auto' (and None, the default), else the fixed budget (>= 1: plain decoding is
+    spec 'none', and an explicit 0 must not quietly become something else)."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
     try:
         n = int(value)
     except ValueError:
         raise ValueError(f"budget must be 'auto' or a number of tree nodes, got {value!r}") from None
-    if n < 0:
-        raise ValueError(f"budget must be >= 0, got {n}")
+    if n < 1:
+        raise ValueError(f"budget must be >= 1 or 'auto' (spec 'none' decodes plainly), got {n}")
     return n
 
 

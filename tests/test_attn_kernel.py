@@ -97,7 +97,7 @@ def test_refuses_a_mask_that_does_not_fit():
 
 
 @pytest.mark.parametrize("shape,spec,budget", [("qwen3", "none", None), ("qwen3", "ddtree", 4),
-                                               ("llama", "dflash", None)])
+                                               ("llama", "dflash", 1)])
 def test_decode_through_the_kernels_is_lossless(zoo, monkeypatch, shape, spec, budget):
     """Prefill's KV writes, and decode, draft and verify attention, through the kernels (q/k
     norm where the shape has it, rope, KV write, attention) give plain greedy's tokens through

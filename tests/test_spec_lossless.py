@@ -363,7 +363,7 @@ def test_admit_min_batches_admissions(zoo, spec, block_size, budget):
     assert calls[1] < calls[0], calls
 
 
-@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", None), ("ddtree", 8)])
+@pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", 1), ("ddtree", 8)])
 def test_few_row_attention_path_on_the_cache(zoo, monkeypatch, spec, budget):
     """The attention that CUDA takes for decode, draft and verify (two matmuls over views of the
     cache), forced on CPU: same tokens as plain greedy through SDPA, batched."""

@@ -30,7 +30,9 @@ VARIANTS = {
     "t1.0-k4-p0.8": {"temperature": 1.0, "top_k": 4, "top_p": 0.8},
 }
 # (block size, budget, draft quantization); ddtree-fp8: the drafter's weights as e4m3 (models/quant.py)
-METHODS = {"none": (None, None, None), "dflash": (4, None, None), "ddtree": (4, 8, None),
+# (block size, budget, drafter quantization): fixed budgets, each method in every round (DFlash: any
+# budget; the per-round choice is tests/test_adaptive.py's)
+METHODS = {"none": (None, None, None), "dflash": (4, 1, None), "ddtree": (4, 8, None),
            "ddtree-fp8": (4, 8, "fp8")}
 CASES = [(m, v) for v in VARIANTS for m in METHODS
          if (v != "t1.0-k4-p0.8" or m != "dflash") and (m != "ddtree-fp8" or v in ("t1.0", "t1.0-k4-p0.8"))]
@@ -276,7 +278,7 @@ def seed_llms(tmp_path_factory, pair):
     big = (target, make_drafter(root / "drafter", target, block_size=4))
     engines = {}
     for name, (t, d) in (("v6", pair), ("v97", big)):
-        for method, bs, budget in (("none", None, None), ("dflash", 4, None), ("dflash", 8, None),
+        for method, bs, budget in (("none", None, None), ("dflash", 4, 1), ("dflash", 8, 1),
                                    ("ddtree", 4, 8), ("ddtree", 8, 64)):
             engines[name, method, bs, budget] = LLM(
                 model=str(t), draft_model=None if method == "none" else str(d), spec=method, block_size=bs,

@@ -19,7 +19,8 @@ def measure_tau(drafter_dir: Path, prompts: list[Prompt], cfg: RegenConfig, max_
     """Greedy (T=0) DFlash decoding of `prompts`; τ = committed tokens per round, bonus included.
     With `compare_plain`, also decode without speculation and count differing outputs."""
     run = replace(cfg, max_tokens=max_tokens)
-    llm = make_llm(run, draft_model=str(drafter_dir), spec="dflash")
+    # the chain in every round (a fixed budget): τ of the drafter, not of the per-round choice
+    llm = make_llm(run, draft_model=str(drafter_dir), spec="dflash", budget=1)
     ids = [encode_prompt(llm, p, cfg.chat_template) for p in prompts]
     ids = [p for p in ids if 0 < len(p) <= cfg.max_prompt_tokens]
     if not ids:

@@ -15,8 +15,10 @@ CPU cores a probe costs about four plain steps for about 1.5 tokens.
 
 Where rounds are read one by one (no overlap: the CPU's default), the engine also reports each
 round's seconds, and the table's cost of that (bucket, budget, pick) is scaled by the moving
-average of observed/measured: start-up timings on a shared machine, or a sampler the table
-timed too cheaply, would otherwise keep a losing budget chosen.
+average of observed/measured, and an entry not yet observed by that of every round: start-up
+timings on a shared machine, or a sampler the table timed too cheaply, would otherwise keep a
+losing budget chosen (on two shared cores a start-up under a passing load timed a decode step at
+254 ms that then ran at 54, and the choice kept drafting at T = 1 at 0.68x plain).
 """
 from __future__ import annotations
 
@@ -65,9 +67,11 @@ class BudgetChooser:
     plain_rounds: int = 0
     probe_every: int = PROBE_FIRST
     cost_ratio: dict[tuple[int, int, bool], float] = field(default_factory=dict)   # observed/measured
+    any_ratio: float = 1.0            # the same over every round observed
 
     def round_seconds(self, bucket: int, budget: int, sampled: bool) -> float:
-        return self.costs.round_seconds(bucket, budget, sampled) * self.cost_ratio.get((bucket, budget, sampled), 1.0)
+        ratio = self.cost_ratio.get((bucket, budget, sampled), self.any_ratio)
+        return self.costs.round_seconds(bucket, budget, sampled) * ratio
 
     def observe_round(self, bucket: int, budget: int, sampled: bool, seconds: float) -> None:
         """A round's own seconds (launch to read, nothing else between)."""
@@ -77,8 +81,9 @@ class BudgetChooser:
         r = seconds / self.costs.round_seconds(bucket, budget, sampled)
         # from 1, not from the first round: one slow round (a first call of a shape) must not
         # price a budget out of every later choice
-        prev = self.cost_ratio.get(key, 1.0)
+        prev = self.cost_ratio.get(key, self.any_ratio)
         self.cost_ratio[key] = prev + EMA * (r - prev)
+        self.any_ratio += EMA * (r - self.any_ratio)
 
     def expected_tokens(self, budget: int, greedy_rows: int, sampled_rows: int) -> float | None:
         """Tokens a round at `budget` is expected to commit over its rows (None: no prediction

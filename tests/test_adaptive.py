@@ -235,3 +235,16 @@ def test_max_budget_caps_the_rounds_a_request_is_in(zoo):
     outs = auto.generate(prompts, [greedy(40, max_budget=8), greedy(20), greedy(20)])   # the capped one last
     assert [o.token_ids for o in outs] == [pair.plain(p, n) for p, n in zip(prompts, (40, 20, 20))]
     assert set(chosen) <= {0, 4, 8} and {4, 8} <= set(chosen)
+
+
+def test_graphs_prints_the_measured_cost_model(zoo, capsys):
+    from drafttree.cli import main
+    pair = zoo("llama")
+    assert main(["graphs", "--model", str(pair.target), "--draft-model", str(pair.drafter), "--device", "cpu",
+                 "--max-num-seqs", "2", "--max-model-len", "128", "--costs"]) == 0
+    out = capsys.readouterr().out
+    assert "budget=auto(<=32: 4,8,16,32)" in out and "cost model (" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("decode ", "verify ", "draft ", "context "))]
+    timed = {(r[0], int(r[1]), int(r[2]), r[3]) for r in rows if len(r) == 5}
+    assert {("verify", b, w, "greedy") for b in (1, 2) for w in (5, 9, 17, 33)} <= timed
+    assert ("decode", 2, 1, "sampled") in timed and ("context", 1, 4, "greedy") in timed

@@ -10,7 +10,7 @@ Triton where `tl.dot` runs (on CUDA, Ampere or newer).
                              FEW_ROWS query rows per KV head (decode, draft, verify)
                        else: two matmuls around a fused softmax (those few rows), SDPA (prefill)
     rope_attention     q/k norm, rope, KV write and attention in one launch (attn_kernel)
-                       runs: as attention, one token per row, cache rows 0..B-1 (`rope_in_attention`)
+                       runs: as attention, one token per row, cache rows 0..B-1, not paged (`rope_in_attention`)
     qk_rope_write_kv   q/k norm, rope and KV write in one launch (rope_kernel)
                        runs: `attn_kernel` set, dots, head dim as attention;  else: torch ops
     write_kv           KV write in one launch (attn_kernel)
@@ -72,11 +72,12 @@ def attention_kernels(x: torch.Tensor, head_dim: int | None = None) -> bool:
     return current().attn_kernel and hd >= 16 and hd == next_pow2(hd) and dots_run_on(x.device)
 
 
-def rope_in_attention(qkv: torch.Tensor, head_dim: int, group: int, gather_rows: bool) -> bool:
+def rope_in_attention(qkv: torch.Tensor, head_dim: int, group: int, paged: bool) -> bool:
     """Whether a forward takes `rope_attention`: one token per row (a decode), the cache rows
-    0..B-1, few rows (`group` query heads per KV head). A wider forward would redo each query row's
+    0..B-1 (not a paged cache, whose pages it cannot follow yet), few rows (`group` query heads
+    per KV head). A wider forward would redo each query row's
     rope once per split (a DDTree verify at budget 32 lost more than decode gained)."""
-    return attention_kernels(qkv, head_dim) and qkv.shape[1] == 1 and not gather_rows and few_rows(qkv, group)
+    return attention_kernels(qkv, head_dim) and qkv.shape[1] == 1 and not paged and few_rows(qkv, group)
 
 
 def rope_attention(qkv: torch.Tensor, heads: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

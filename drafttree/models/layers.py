@@ -65,15 +65,17 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
 
 @dataclass
 class AttnMeta:
-    """How one forward's new tokens meet the KV cache. Batch row b uses cache row b.
+    """How one forward's new tokens meet the KV cache (`models.kv_cache.attn_meta` builds it).
 
-    slots[b, i]: cache index where token i's K/V is written.
-    mask[b, 0, i, j]: query i may see cache entry j, for j < kv_len.
+    Token i of row b writes its K/V to cache[rows[b], :, slots[b, i]].
+    mask[b, 0, i, j]: query i may see the request's position j, for j < kv_len.
+    Paged cache: rows are 0 (one pool), slots are pool slots, and position j of row b is read
+    from slot kv_slots[b, j]. Else batch row b is cache row b and position j is slot j.
     """
     slots: torch.Tensor      # [B, W] long
     mask: torch.Tensor       # [B, 1, W, kv_len] bool
-    rows: torch.Tensor       # [B, 1] long, arange(B)
-    gather_rows: bool = False   # rows are any cache rows (a graphed prefill's): attention gathers them
+    rows: torch.Tensor       # [B, 1] long: arange(B), or zeros (paged)
+    kv_slots: torch.Tensor | None = None   # [B, kv_len] long (paged): the slot of every position read
 
     _grouped: dict = field(default_factory=dict, repr=False)
 
@@ -107,8 +109,8 @@ def attend(q: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor, v_cache: torc
     """The attention of `cached_attention` once K/V are in the cache: q [B, W, H, hd] -> [B, W, H*hd]."""
     B, hd = q.shape[0], q.shape[-1]
     L = meta.kv_len
-    if meta.gather_rows:
-        kc, vc = k_cache[meta.rows[:, 0], :, :L], v_cache[meta.rows[:, 0], :, :L]   # copies
+    if meta.kv_slots is not None:   # gathered through the block table: [B, Hkv, L, hd] copies
+        kc, vc = k_cache[0][:, meta.kv_slots].transpose(0, 1), v_cache[0][:, meta.kv_slots].transpose(0, 1)
     else:
         kc = k_cache[:B, :, :L]  # [B, Hkv, L, hd], a view
         vc = v_cache[:B, :, :L]
@@ -168,7 +170,7 @@ class Attention(nn.Module):
         qw, kw = (self.q_norm.weight, self.k_norm.weight) if norm else (None, None)
         eps = self.q_norm.eps if norm else 0.0
         B, W, _ = qkv.shape
-        if dispatch.rope_in_attention(qkv, self.hd, self.h // self.hkv, meta.gather_rows):   # a decode token
+        if dispatch.rope_in_attention(qkv, self.hd, self.h // self.hkv, meta.kv_slots is not None):   # a decode token
             L = meta.kv_len
             r = dispatch.Rope(qw, kw, eps, *rope, meta.slots)
             out = dispatch.rope_attention(qkv, self.h, k_cache[:B, :, :L], v_cache[:B, :, :L], meta.mask,

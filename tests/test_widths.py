@@ -11,7 +11,7 @@ from drafttree.config import ModelConfig
 from drafttree.models.random_shapes import drafter_for, random_model
 from drafttree.phases import Phase, SpecConfig
 from drafttree.runner.cuda_graph import GraphRunner, graph_plan
-from drafttree.runner.model_runner import CacheConfig, ModelRunner, PrefillChunk
+from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.spec import rounds
 from drafttree.spec.tree import build_tree
@@ -47,9 +47,7 @@ def make_runner(target, spec: SpecConfig) -> ModelRunner:
     runner = ModelRunner(target, drafter, spec, cache, torch.device("cpu"), torch.float32)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (5, 9, 7, 6)]
-    per_row = cache.pages_per_row
-    runner.prefill([PrefillChunk(p, 0, list(range(1 + r * per_row, 1 + (r + 1) * per_row)),
-                                 SamplingParams(temperature=0.0), r, row=r) for r, p in enumerate(prompts)])
+    runner.prefill_rows(prompts, [SamplingParams(temperature=0.0)] * ROWS, list(range(ROWS)))
     return runner
 
 

@@ -9,7 +9,7 @@ import torch
 from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashDrafter
-from drafttree.models.kv_cache import PagedKVCache, attn_meta, causal
+from drafttree.models.kv_cache import NULL_PAGE, PagedKVCache, attn_meta, causal
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
 from drafttree.runner.phase_timer import PhaseTimer
 from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
@@ -186,6 +186,18 @@ class ModelRunner:
             s.ctx_n[rows] = 1
         return tok.tolist()
 
+    def prefill_rows(self, prompts: list[list[int]], params: list[SamplingParams], seeds: list[int]) -> list[int]:
+        """Prefill prompts into rows 0..n-1 without a scheduler (benchmarks, tests): row r takes
+        pages of its own, as many as a row can use where the pool has them, else enough for its
+        prompt and one round's writes."""
+        cc = self.cache_cfg
+        k = cc.pages_per_row
+        if 1 + len(prompts) * k > cc.num_pages:
+            k = max(cc.pages_for(min(len(p) + cc.headroom, cc.max_len)) for p in prompts)
+        assert 1 + len(prompts) * k <= cc.num_pages, f"{len(prompts)} rows of {k} pages in a pool of {cc.num_pages}"
+        return self.prefill([PrefillChunk(p, 0, list(range(1 + r * k, 1 + (r + 1) * k)), params[r], seeds[r], row=r)
+                             for r, p in enumerate(prompts)])
+
     def _prefill_forward(self, ids: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, table: torch.Tensor):
         """The padded chunks ids [n, W] at positions start[b].., through block tables `table`;
         return the final hidden state and the drafter features at each chunk's last token."""
@@ -264,10 +276,10 @@ class ModelRunner:
 
     def move_row(self, src: int, dst: int) -> None:
         """Keep running requests packed in rows 0..B-1 when one finishes or is preempted: the
-        row's state and block table move (its K/V stay in their pages); `src` is parked."""
+        row's state and block table move (its K/V stay in their pages); `src` keeps no pages."""
         if src != dst:
             self.state.copy_row(src, dst)
-        self.state.park(src, src + 1)
+        self.state.block_table[src].fill_(NULL_PAGE)
 
 
 @dataclass

@@ -111,7 +111,7 @@ def attn_meta(start: torch.Tensor, intra: torch.Tensor, kv_len: int, slots: torc
         f"block table of {block_table.shape[1]} pages x {page_size} < kv length {kv_len}"
     read = torch.arange(kv_len, device=start.device).expand(start.shape[0], kv_len)
     return AttnMeta(slots=page_slots(block_table, pos, page_size), mask=mask, rows=torch.zeros_like(rows),
-                    kv_slots=page_slots(block_table, read, page_size))
+                    kv_slots=page_slots(block_table, read, page_size), positions=pos)
 
 
 @fused

@@ -67,18 +67,20 @@ def test_small_pages_sampled_same_seed(zoo, spec, block_size, budget):
 @pytest.mark.parametrize("spec,block_size,budget", [SPECS[0], SPECS[2]])
 def test_prefix_cache_hits_and_same_tokens(zoo, spec, block_size, budget):
     """Requests sharing a 40-token system prompt: with prefix caching they reuse its pages (hits
-    counted), and every output is the one without it, which is plain decoding's."""
+    counted), and every output is the one without it, which is plain decoding's. The drafter's
+    context pages are shared too: its drafts, so the accepted lengths, are the same."""
     pair = zoo("llama")
     system = make_prompts(pair.vocab, lens=(40,), seed=3)[0]
     tails = make_prompts(pair.vocab, lens=(3, 9, 1, 5, 14), seed=4)
     prompts = [system + t for t in tails]
-    outs = {}
+    outs, taus = {}, {}
     for caching in (False, True):
         llm = make_llm(pair, spec, block_size, budget, page_size=8, enable_prefix_caching=caching)
         # the first request alone fills the cache; the others, together, find it
         first = llm.generate(prompts[:1], greedy(20))
         rest = llm.generate(prompts[1:], greedy(20))
         outs[caching] = [o.token_ids for o in first + rest]
+        taus[caching] = [o.metrics["accept_lengths"] for o in first + rest]
         stats = llm.engine.stats
         if caching:
             assert stats.prefix_cache_hits >= 4 * 40 // 8 * 8, stats
@@ -87,6 +89,7 @@ def test_prefix_cache_hits_and_same_tokens(zoo, spec, block_size, budget):
             assert stats.prefix_cache_hits == 0
         pool_is_whole(llm)
     assert outs[True] == outs[False] == [pair.plain(p, 20) for p in prompts]
+    assert taus[True] == taus[False]
 
 
 @pytest.mark.parametrize("spec,block_size,budget", SPECS)
@@ -104,6 +107,21 @@ def test_preemption_recomputes_the_same_tokens(zoo, spec, block_size, budget):
     assert llm.engine.stats.preemptions > 0
     for p, n, out in zip(prompts, max_tokens, outs):
         assert out.token_ids == pair.plain(p, n), len(p)
+    pool_is_whole(llm)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_of_sampled_requests_with_rounds_in_flight(zoo, overlap):
+    """Preempted sampled requests resume with their last token as the bonus (not sampled again)
+    and give the seeded plain tokens, also while a round is in flight when pages run short."""
+    pair = zoo("qwen3")
+    prompts = make_prompts(pair.vocab, lens=(30, 25, 12, 28), seed=9)
+    params = [SamplingParams(temperature=1.0, seed=3 + i, max_tokens=40, ignore_eos=True) for i in range(4)]
+    want = [o.token_ids for o in make_llm(pair, "none", None, None, max_num_seqs=1).generate(prompts, params)]
+    gb = pool_gb(pair, "ddtree", 4, 8, pages=40, page_size=4)
+    llm = make_llm(pair, "ddtree", 4, 8, page_size=4, kv_cache_memory_gb=gb, overlap=overlap)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.stats.preemptions > 0
     pool_is_whole(llm)
 
 

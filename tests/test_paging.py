@@ -93,6 +93,25 @@ def test_prefix_cache_hits_and_same_tokens(zoo, spec, block_size, budget):
 
 
 @pytest.mark.parametrize("spec,block_size,budget", SPECS)
+def test_generated_pages_serve_the_next_turn(zoo, spec, block_size, budget):
+    """A follow-up whose prompt is the last prompt and its answer finds the answer's pages too
+    (generated, not prefilled), and still gives plain decoding's tokens."""
+    pair = zoo("llama")
+    (first,) = make_prompts(pair.vocab, lens=(10,), seed=11)
+    llm = make_llm(pair, spec, block_size, budget, page_size=4)
+    (answer,) = llm.generate([first], greedy(30))
+    follow = first + answer.token_ids + [1, 2, 3]
+    before = llm.engine.stats.prefix_cache_hits
+    (out,) = llm.generate([follow], greedy(12))
+    hits = llm.engine.stats.prefix_cache_hits - before
+    # all but the pages of the positions its last round (up to max_commit) and the drafter's
+    # pending context (as many) could still write when they were offered
+    assert hits >= (len(first) + 30 - 1 - 2 * llm.engine.spec.max_commit) // 4 * 4 > len(first), hits
+    assert out.token_ids == pair.plain(follow, 12)
+    pool_is_whole(llm)
+
+
+@pytest.mark.parametrize("spec,block_size,budget", SPECS)
 def test_preemption_recomputes_the_same_tokens(zoo, spec, block_size, budget):
     """A pool of 40 pages of 4 tokens for three rows of up to ~90 positions: requests are
     preempted (pages freed, queued first, prompt and output recomputed) and still give plain

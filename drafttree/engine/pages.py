@@ -28,13 +28,15 @@ class PrefixStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-def page_keys(ids: list[int], page_size: int, pages: int, parent: int | None = None) -> list[int]:
-    """The chained hashes of the first `pages` full pages of ids."""
-    keys = []
-    for p in range(pages):
+def page_keys(ids: list[int], page_size: int, pages: int, known: list[int] | None = None) -> list[int]:
+    """The chained hashes of the first `pages` full pages of ids; `known`: those of its first
+    pages, computed before (extended in place, so a growing request hashes each page once)."""
+    keys = known if known is not None else []
+    parent = keys[-1] if keys else None
+    for p in range(len(keys), pages):
         parent = hash((parent, tuple(ids[p * page_size:(p + 1) * page_size])))
         keys.append(parent)
-    return keys
+    return keys[:pages]
 
 
 class PagePool:
@@ -101,12 +103,14 @@ class PagePool:
             out.append(page)
         return out
 
-    def register(self, ids: list[int], pages: list[int], first: int, last: int) -> None:
-        """Key pages first..last-1 of a request (full pages of ids, their K/V computed) so that
-        later requests may share them. A key already held by another page stays with it."""
+    def register(self, ids: list[int], pages: list[int], first: int, last: int,
+                 known: list[int] | None = None) -> None:
+        """Key pages first..last-1 of a request (full pages of ids, their K/V final) so that later
+        requests may share them; `known`: the request's keys so far (`page_keys`). A key already
+        held by another page stays with it."""
         if not self.prefix_caching or last <= first:
             return
-        keys = page_keys(ids, self.page_size, last)
+        keys = page_keys(ids, self.page_size, last, known)
         for p in range(first, last):
             page, key = pages[p], keys[p]
             if self.key[page] is None and key not in self.by_key:

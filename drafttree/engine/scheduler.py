@@ -73,7 +73,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free seq's pages and queue it first, to be recomputed (its output so far is kept)."""
         self.free(seq)
-        seq.status, seq.computed = Status.WAITING, 0
+        seq.status, seq.computed, seq.keyed = Status.WAITING, 0, 0
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
@@ -95,6 +95,8 @@ class Scheduler:
         length + `pending` (an unread round's commits) + the headroom. Oldest first; when the pool
         is short, preempt the newest request if `preempt`, else return False."""
         c = self.cfg.cache
+        for seq in self.running:
+            self._offer(seq, seq.length - self.cfg.max_commit)
         for seq in sorted(self.running, key=lambda s: s.arrival_time):
             if seq.row < 0:
                 continue   # preempted above
@@ -187,14 +189,12 @@ class Scheduler:
     def prefilled(self, done: list[tuple[Sequence, PrefillChunk]]) -> list[Sequence]:
         """Account a prefill forward: progress, prefix-cache keys, and the requests that start
         running (in row order), which it returns."""
-        ps = self.pool.page_size
         started = []
         for seq, chunk in done:
             seq.computed = chunk.start + len(chunk.ids)
-            ids = seq.prefill_ids
-            # Pages up to the last computed token's: the rounds rewrite the drafter's context at
-            # that position (its features are the first pending ones), so its page is not shared.
-            self.pool.register(ids, seq.pages, seq.cached_tokens // ps, min(seq.computed, len(ids) - 1) // ps)
+            # Not the last computed token's page: the rounds rewrite the drafter's context there
+            # (its features are the first pending ones).
+            self._offer(seq, min(seq.computed, len(seq.prefill_ids) - 1))
             if chunk.row >= 0:
                 self.prefilling.remove(seq)
                 seq.row, seq.status = chunk.row, Status.RUNNING
@@ -203,6 +203,20 @@ class Scheduler:
             assert seq.row == len(self.running), (seq.row, len(self.running))
             self.running.append(seq)
         return started
+
+    def _offer(self, seq: Sequence, final: int) -> None:
+        """Offer seq's full pages of positions < `final` to the prefix cache: their K/V, the
+        target's and the drafter's, are written and never rewritten. A running request's are
+        those below length - max_commit: an unread round commits at least one token, and the
+        drafter's pending context (rewritten by the next draft or context phase) is at most
+        max_commit positions before the committed length."""
+        if not self.pool.prefix_caching:
+            return
+        last = min(max(final, 0) // self.pool.page_size, len(seq.pages))
+        if last > seq.keyed:
+            first = max(seq.keyed, seq.cached_tokens // self.pool.page_size)   # matched pages hold their keys
+            self.pool.register(seq.prefill_ids, seq.pages, first, last, seq.page_keys)
+            seq.keyed = last
 
     def unstick(self) -> bool:
         """Nothing runs and no prefill chunk found pages: preempt the newest prefilling request

@@ -59,10 +59,10 @@ class Engine:
         use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else self.device.type == "cuda"
         self.max_model_len, pages = self._size_pool(tcfg, drafter, use_graphs)
         cache = CacheConfig(cfg.max_num_seqs, self.max_model_len, self.spec.kv_headroom, cfg.page_size, pages)
+        sched = SchedulerConfig(cache, self.spec.max_commit, cfg.prefill_chunk, cfg.max_prefill_tokens, cfg.admit_min)
         self.runner = ModelRunner(target, drafter, self.spec, cache, self.device, self.dtype, cfg.prefill_chunk)
         self.pool = PagePool(pages, cfg.page_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(cache, self.spec.max_commit, cfg.prefill_chunk,
-                                                   cfg.max_prefill_tokens, cfg.admit_min), self.pool, self.runner)
+        self.scheduler = Scheduler(sched, self.pool, self.runner)
         self.tokenizer = _load_tokenizer(self.model_dir) if self.model_dir is not None else None
         self.eos_ids = set(tcfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -93,7 +93,7 @@ class Engine:
         if drafter is not None:
             dc = drafter.cfg.model
             bpt += bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype)
-        budget, source = self._kv_budget(use_graphs)
+        budget, source = self._kv_budget(drafter.cfg.model if drafter is not None else None, use_graphs)
         headroom = self.spec.kv_headroom
         pages = budget // (bpt * ps)
         fit = (pages - 1) * ps - headroom     # the longest context one request can hold
@@ -112,7 +112,7 @@ class Engine:
         per_row = -(-(max_len + headroom) // ps)
         return max_len, min(pages, 1 + cfg.max_num_seqs * per_row)
 
-    def _kv_budget(self, use_graphs: bool) -> tuple[int, str]:
+    def _kv_budget(self, drafter_cfg, use_graphs: bool) -> tuple[int, str]:
         cfg = self.cfg
         if cfg.kv_cache_memory_gb is not None:
             if cfg.gpu_memory_utilization is not None:
@@ -134,10 +134,9 @@ class Engine:
         graphs = 0
         if use_graphs:
             from drafttree.runner.cuda_graph import graph_plan
-            d = None   # the drafter's share is small beside the target's logits
             wanted = cfg.max_model_len or self.model_cfg.max_position_embeddings
-            graphs = max((e.est_bytes for e in graph_plan(self.spec, self.model_cfg, d, cfg.max_num_seqs,
-                                                          [wanted])), default=0)
+            plan = graph_plan(self.spec, self.model_cfg, drafter_cfg, cfg.max_num_seqs, [wanted])
+            graphs = max((e.est_bytes for e in plan), default=0)   # the graphs share one memory pool
         budget = int(util * total) - (total - free) - graphs
         return max(budget, 0), f"gpu_memory_utilization {util}: of {total / 2**30:.1f} GiB, less what is in use" + \
             (" and the CUDA graphs' estimate" if graphs else "")

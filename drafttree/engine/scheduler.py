@@ -2,7 +2,7 @@
 
 A request waits (no pages), then prefills in chunks (pages, no row), then runs (pages and a row
 of the round state: running[i].row == i). Every engine step runs one round over the running
-requests and, before it, at most `prefill_tokens` prompt tokens of prefill chunks (continuing
+requests and, before it, at most `prefill_chunk` prompt tokens of prefill chunks (continuing
 prefills first, then admissions in arrival order): a long prompt delays running streams by one
 chunk per step, never by its whole prefill.
 
@@ -26,12 +26,12 @@ from drafttree.runner.model_runner import CacheConfig, ModelRunner, PrefillChunk
 class SchedulerConfig:
     cache: CacheConfig
     max_commit: int             # tokens one round may commit per request (spec.max_commit)
-    prefill_tokens: int         # prompt tokens per step, all prefill chunks together
+    prefill_chunk: int          # prompt tokens per step, all prefill chunks together
     max_prefill_tokens: int     # padded tokens in one prefill forward
     admit_min: int              # while requests run, admit only once this many rows are free
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tokens", "max_prefill_tokens", "admit_min"):
+        for name in ("prefill_chunk", "max_prefill_tokens", "admit_min"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -125,7 +125,7 @@ class Scheduler:
         """This step's prefill chunks: continuing prefills first, then new requests, FCFS, within
         the step's token budget, the rows and the free pages."""
         cfg = self.cfg
-        budget, out = cfg.prefill_tokens, []
+        budget, out = cfg.prefill_chunk, []
         for seq in list(self.prefilling):
             if budget <= 0 or not self._fits_forward(out, seq, budget):
                 return out

@@ -67,7 +67,7 @@ class RoundState:
 @dataclass(frozen=True)
 class RoundContext:
     """The models, buffers and sizes the round functions (`spec.rounds`) work on, for rows
-    0..B-1 of the caches. The runner builds it once; CUDA graphs capture the round functions over
+    0..B-1 of the state (their K/V in the pools' pages their block tables name). The runner builds it once; CUDA graphs capture the round functions over
     these very tensors, so none may be replaced afterwards (frozen; they are written in place)."""
     target: DecoderLM
     drafter: DFlashDrafter | None
@@ -76,7 +76,7 @@ class RoundContext:
     kv: PagedKVCache
     dkv: PagedKVCache | None         # the drafter's cache (the same pages), when there is a drafter
     capture_layers: tuple[int, ...]  # target layers whose features feed the drafter
-    max_num_seqs: int                # cache rows: the largest batch bucket
+    max_num_seqs: int                # rows of the round state: the largest batch bucket
 
     def batch_bucket(self, B: int) -> int:
         """The batch bucket rows 0..B-1 run at: per-bucket choices (the DDTree budget) follow it,

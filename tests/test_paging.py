@@ -235,3 +235,15 @@ def test_page_pool_refcounts_and_lru_eviction():
     b = pool2.allocate(2)
     pool2.register(ids, b, 0, 2)
     assert pool2.match(ids, 2) == []
+
+
+def test_memory_flags_are_checked(zoo):
+    pair = zoo("llama")
+    with pytest.raises(ValueError, match="on cpu give kv_cache_memory_gb"):
+        make_llm(pair, "none", None, None, gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match="not both"):
+        make_llm(pair, "none", None, None, gpu_memory_utilization=0.5, kv_cache_memory_gb=0.01)
+    with pytest.raises(ValueError, match="page_size must be >= 1"):
+        make_llm(pair, "none", None, None, page_size=0)
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
+        make_llm(pair, "none", None, None, prefill_chunk=0)

@@ -83,19 +83,23 @@ def runs(a: argparse.Namespace) -> list[tuple[str, int | str | None]]:
     return out
 
 
-def run_one(a, method: str, budget: int | str | None, prompts, temperature: float,
-            bar) -> tuple[dict, list[list[int]]]:
-    """One method at one temperature over all prompts: its figures, and its outputs' token ids."""
+def make_llm(a, method: str, budget: int | str | None) -> LLM:
+    """One engine per (method, budget): every temperature of the run shares it (and its graphs)."""
     # DFlash's chain in every round: a fixed budget (its value is not used)
     engine_budget = 1 if method == "dflash" and budget is None else budget
-    llm = LLM(model=a.model, draft_model=a.draft_model, spec="none" if method == "ar" else method,
-              budget=engine_budget, block_size=a.block_size,
-              budget_schedule=schedule_for(method, a.budget_schedule), speculate_sampled=a.speculate_sampled,
-              dtype=a.dtype, device=a.device, max_num_seqs=a.batch,
-              max_model_len=a.max_model_len, cuda_graphs=False if a.no_cuda_graphs else None,
-              prefill_graphs=False if a.no_prefill_graphs else None,
-              overlap=False if a.no_overlap else None, random_weights=a.random_weights,
-              random_drafter=a.random_drafter, draft_quantization=a.draft_quantization)
+    return LLM(model=a.model, draft_model=a.draft_model, spec="none" if method == "ar" else method,
+               budget=engine_budget, block_size=a.block_size,
+               budget_schedule=schedule_for(method, a.budget_schedule), speculate_sampled=a.speculate_sampled,
+               dtype=a.dtype, device=a.device, max_num_seqs=a.batch,
+               max_model_len=a.max_model_len, cuda_graphs=False if a.no_cuda_graphs else None,
+               prefill_graphs=False if a.no_prefill_graphs else None,
+               overlap=False if a.no_overlap else None, random_weights=a.random_weights,
+               random_drafter=a.random_drafter, draft_quantization=a.draft_quantization)
+
+
+def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, temperature: float,
+            bar) -> tuple[dict, list[list[int]]]:
+    """One method at one temperature over all prompts: its figures, and its outputs' token ids."""
     eng = llm.engine
     texts = [p if isinstance(p, list) or llm.tokenizer is None else llm.apply_chat_template(
         [{"role": "user", "content": p}]) for p in prompts]
@@ -238,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         from drafttree.models.random_shapes import SHAPES
         vocab = SHAPES[a.random_weights][0].vocab_size
     prompts = load_prompts(a.prompts, a.num_prompts, random_vocab=vocab)
-    plan = [(m, b, float(T)) for T in a.temperatures.split(",") for m, b in runs(a)]
+    temps = [float(T) for T in a.temperatures.split(",")]
+    plan = runs(a)
     meta = {"date": time.strftime("%Y-%m-%d"),
             "command": "drafttree bench " + " ".join(sys.argv[2:] if argv is None else argv),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() and a.device != "cpu"
@@ -246,13 +251,16 @@ def main(argv: list[str] | None = None) -> int:
             "prompts": a.prompts, "num_prompts": len(prompts), "max_tokens": a.max_tokens, "batch": a.batch,
             "environment": environment()}
     results, outputs = [], {}
-    with tqdm(total=len(plan) * len(prompts), desc="bench", unit="req") as bar:
-        for m, b, T in plan:
-            bar.set_postfix_str(f"{m}{'' if b is None else f' B={b}'} T={T:g}")
-            r, outputs[(m, b, T)] = run_one(a, m, b, prompts, T, bar)
-            results.append(r)
-            # written after every run, so a run cut short still leaves what it measured
-            (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    with tqdm(total=len(plan) * len(temps) * len(prompts), desc="bench", unit="req") as bar:
+        for m, b in plan:
+            llm = make_llm(a, m, b)
+            for T in temps:
+                bar.set_postfix_str(f"{m}{'' if b is None else f' B={b}'} T={T:g}")
+                r, outputs[(m, b, T)] = run_one(a, llm, m, b, prompts, T, bar)
+                results.append(r)
+                # written after every run, so a run cut short still leaves what it measured
+                (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+            del llm
     for r in results:
         # Greedy outputs identical to plain decoding's. In fp32 a speculative method must give 1.0;
         # in bf16 on a GPU, a batched verify's numerics may part from one-row decoding on near-ties.

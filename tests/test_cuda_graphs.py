@@ -552,36 +552,40 @@ def test_gpu_context_phases_write_what_eager_writes(pair, spec, budget):
         torch.testing.assert_close(g.dkv.v[:, i, :, :n], e.dkv.v[:, i, :, :n], atol=1e-5, rtol=1e-5)
 
 
-def _graphed_prefill_case(t, d, spec, budget, max_tokens=None, **kw):
+def _graphed_prefill_case(t, d, spec, budget, prefill_chunk=None, **kw):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 59, (n,), generator=g).tolist() for n in (5, 9, 14, 3, 16, 11, 7, 20, 2, 33)]
     sp = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=4 + 3 * i, ignore_eos=True)
           for i in range(len(prompts))]
-    # alone first: (1 prompt, 16 slots) is captured at row 0; then, in a batch of 2, replayed at row 1
+    # alone first: (1 prompt, 16 slots) replayed at row 0; then, in a batch of 2, at row 1
     calls = [([0], [0]), ([1, 2, 3] + list(range(4, 10)), [1, 2, 3] + list(range(4, 10)))]
     sp[1] = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     kw = dict(model=str(t), draft_model=str(d) if spec != "none" else None, spec=spec, budget=budget,
               dtype="float32", max_num_seqs=2, max_model_len=128, **kw)
+    if prefill_chunk is not None:
+        kw["prefill_chunk"] = prefill_chunk
     eager = LLM(**kw, cuda_graphs=False)
     want = [[o.token_ids for o in eager.generate([prompts[i] for i in ps], [sp[i] for i in ss])] for ps, ss in calls]
     llm = LLM(**kw, cuda_graphs=True, prefill_graphs=True)
     pg, runs = llm.engine.runner.prefill_graphs, []
-    if max_tokens is not None:
-        pg.max_tokens = max_tokens
+    captured = set(pg.graphs)
+    assert captured == set(pg.shapes())   # all at start-up
     run = pg._replay
     pg._replay = lambda first_row, ids, lens, Pb: runs.append((first_row, ids.shape[0])) or run(first_row, ids, lens, Pb)
     got = [[o.token_ids for o in llm.generate([prompts[i] for i in ps], [sp[i] for i in ss])] for ps, ss in calls]
     assert got == want
-    if max_tokens is not None:   # batches of 2 prompts over 16 slots went in groups of one
-        assert set(pg.graphs) == {(1, 16)} and {r for r, _ in runs} == {0, 1}, (runs, list(pg.graphs))
+    assert set(pg.graphs) == captured and pg.fallbacks == 0   # nothing captured while serving
+    if prefill_chunk is not None:   # batches of 2 prompts over 16 slots went in groups of one
+        assert captured == {(1, 16)} and {r for r, _ in runs} == {0, 1}, (runs, list(pg.graphs))
         return
     # graphs were reused for other prompts, and the one-prompt graph at other cache rows
-    assert len(runs) > len(pg.graphs) > 1 and {r for r, n in runs if n == 1} >= {0, 1}, (runs, list(pg.graphs))
+    assert {n for _, n in runs} == {1, 2} and {r for r, n in runs if n == 1} >= {0, 1}, (runs, list(pg.graphs))
+
 
 @pytest.mark.parametrize("spec,budget", [("none", None), ("ddtree", 8), ("dflash", None)])
 def test_graphed_prefill_logic_on_cpu(pair, fake_cuda_graphs, spec, budget):
-    """A replay reruns the closure captured at the first use of its (prompts, length bucket) on
-    later requests' ids, lengths and rows: a value baked in at capture would change tokens."""
+    """A replay reruns the closure captured at start-up for its (prompts, length bucket) on
+    requests' ids, lengths and rows: a value baked in at capture would change tokens."""
     t, d = pair
     _graphed_prefill_case(t, d, spec, budget, device="cpu")
 
@@ -591,12 +595,12 @@ def test_graphed_prefill_in_groups_on_cpu(pair, fake_cuda_graphs, spec, budget):
     """A batch over the graphed token limit runs as several groups, each replaying a graph at its
     own cache rows; outputs of a group are kept before the next group replays the same graph."""
     t, d = pair
-    _graphed_prefill_case(t, d, spec, budget, max_tokens=16, device="cpu")
+    _graphed_prefill_case(t, d, spec, budget, prefill_chunk=16, device="cpu")
 
 
 def test_prefill_graph_out_of_memory_falls_back_to_eager(pair, fake_cuda_graphs, monkeypatch, caplog):
-    """A capture that runs out of memory costs no request: that prefill and all later ones run
-    eagerly, with one warning, and give the tokens eager prefill gives."""
+    """A capture that runs out of memory at start-up costs no request: every prefill runs eagerly,
+    after one warning, and gives the tokens eager prefill gives."""
     from drafttree.runner import prefill_graph
     t, d = pair
     prompts = [[3, 5, 7], [(7 * j) % 50 + 1 for j in range(20)], [2, 4, 6, 8, 10]]
@@ -639,3 +643,28 @@ def test_graphed_prefill_is_on_with_graphs(pair, fake_cuda_graphs):
 def test_gpu_graphed_prefill_equals_eager(pair, spec, budget):
     t, d = pair
     _graphed_prefill_case(t, d, spec, budget, device="cuda")
+
+
+def test_startup_stages_and_warm_up_with_graphs_on_cpu(pair, fake_cuda_graphs):
+    """Start-up times each stage (graphs per phase, prefill graphs); the CUDA warm-up plan runs
+    through the engine with no round or prefill falling back to eager, and leaves the counters
+    at zero."""
+    from drafttree.engine.warmup import warm_up
+    t, d = pair
+    eng = LLM(model=str(t), draft_model=str(d), spec="ddtree", budget=8, budget_schedule="2:0", device="cpu",
+              dtype="float32", max_num_seqs=2, max_model_len=64, cuda_graphs=True, prefill_chunk=16).engine
+    stages = list(eng.startup.stages)
+    assert stages[:2] == ["convert", "load weights"] and stages[-1] == "prefill graphs", stages
+    assert {"graphs warm-up", "graphs draft", "graphs verify", "graphs decode", "graphs context"} <= set(stages)
+    pg = eng.runner.prefill_graphs
+    replays = []
+    run = pg._replay
+    pg._replay = lambda first_row, ids, lens, Pb: replays.append(ids.shape) or run(first_row, ids, lens, Pb)
+    eng.device = torch.device("cuda")   # the CUDA plan: every sample mode, 1 and 2 rows, eager prefill
+    try:
+        n = warm_up(eng)
+    finally:
+        eng.device = torch.device("cpu")
+    assert n == 3 * 3 + 4 and replays   # 3 modes x (1 + 2 prompts); eager prompts of 17 and 32 tokens, 2 x 17
+    assert eng.stats.requests == 0 and eng.stats.generated_tokens == 0 and not eng.runner.timer.totals
+    assert pg.fallbacks == 0 and eng.runner.graphs.fallbacks == 0

@@ -23,8 +23,8 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_memory_gb: float | None = None   # default: 1 GiB on CPU, 60% of free on CUDA
     cuda_graphs: bool | None = None     # default: on for CUDA
-    prefill_graphs: bool | None = None  # graphed prefill per (prompts, length bucket), captured at
-                                        # first use; default: on with CUDA graphs
+    prefill_graphs: bool | None = None  # graphed prefill per (prompts, length bucket), every shape the
+                                        # engine can use captured at start-up; default: on with CUDA graphs
     max_prefill_tokens: int = 8192      # padded tokens in one batched prefill
     prefill_chunk: int = 2048           # prompt tokens per prefill forward (chunked prefill)
     admit_min: int = 1                  # while requests run, admit waiting ones only once this many

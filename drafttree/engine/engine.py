@@ -14,8 +14,10 @@ from drafttree.engine.config import EngineConfig
 from drafttree.engine.inflight import Launched, RoundOutputs
 from drafttree.engine.plan import load_models, resolve_spec
 from drafttree.engine.sequence import Sequence, Status
+from drafttree.engine.startup import StartupTimes
 from drafttree.models.kv_cache import KVCache
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
+from drafttree.runner.prefill_graph import prefill_fits
 from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.settings import Settings, current
 
@@ -39,7 +41,13 @@ class Engine:
         self.settings: Settings = current()   # DRAFTTREE_*: read from the environment once per process
         self.device = resolve_device(cfg.device)
         self.dtype = parse_dtype(cfg.dtype, str(self.device))
-        self.model_dir, target, drafter = load_models(cfg, self.device, self.dtype)
+        self.startup = StartupTimes()
+        if not cfg.random_weights:
+            from drafttree.loader.default_model import resolve_model
+            with self.startup.stage("convert"):   # a GGUF converts once; later starts find it cached
+                resolve_model(cfg.model)
+        with self.startup.stage("load weights"):
+            self.model_dir, target, drafter = load_models(cfg, self.device, self.dtype)
         tcfg = target.cfg
         self.spec = resolve_spec(cfg, drafter.cfg if drafter is not None else None)
         if not self.spec.speculative:
@@ -71,9 +79,13 @@ class Engine:
             from drafttree.runner.cuda_graph import GraphRunner
             self.runner.graphs = GraphRunner(self.runner)
             self.runner.graphs.capture()
+            for phase, seconds in self.runner.graphs.capture_seconds.items():
+                self.startup.add(f"graphs {phase}", seconds)
         if use_graphs and cfg.prefill_graphs is not False:
             from drafttree.runner.prefill_graph import PrefillGraphs
-            self.runner.prefill_graphs = PrefillGraphs(self.runner)
+            self.runner.prefill_graphs = PrefillGraphs(self.runner, cfg.max_prefill_tokens)
+            with self.startup.stage("prefill graphs"):
+                self.runner.prefill_graphs.capture()
 
     def _size_cache(self, tcfg, drafter) -> tuple[int, int]:
         bpt = KVCache.bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, self.dtype)
@@ -241,7 +253,7 @@ class Engine:
         longest = len(group[0].prompt_ids)
         while self.waiting and len(group) < free_rows:
             nxt = max(longest, len(self.waiting[0].prompt_ids))
-            if nxt * (len(group) + 1) > self.cfg.max_prefill_tokens:
+            if not prefill_fits(len(group) + 1, nxt, self.cfg.max_prefill_tokens):
                 break
             group.append(self.waiting.popleft())
             longest = nxt

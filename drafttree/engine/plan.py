@@ -112,7 +112,7 @@ def describe_plan(cfg: EngineConfig) -> str:
             + "\n"
             f"max_model_len={cache.max_model_len} (the KV budget may lower it at start-up)\n"
             f"widths per request at batch 1: " + ", ".join(f"{p.value}={spec.width(p)}" for p in spec.round_phases)
-            + ("; prefill graphed per (prompts, length bucket), captured at first use\n"
+            + ("; prefill graphed per (prompts, length bucket), captured at start-up\n"
                if cfg.prefill_graphs is not False
                else "; prefill runs eagerly\n")
             + f"settings: {current().describe()}\n")

@@ -38,7 +38,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graphs", action="store_true", help="run every phase eagerly")
     g.add_argument("--no-prefill-graphs", action="store_true",
                    help="run prefill eagerly (default with CUDA graphs: graphed per (prompts, length bucket), "
-                        "captured at first use)")
+                        "every shape the engine can use captured at start-up)")
     g.add_argument("--no-overlap", action="store_true",
                    help="read each round's tokens before launching the next (default on CUDA: the next round "
                         "is launched first, so the host's work between rounds overlaps the device's)")
@@ -98,7 +98,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from drafttree.server.app import run_server
-    run_server(engine_config(a), a.host, a.port, a.served_model_name)
+    from drafttree.server.limits import ServerLimits
+    run_server(engine_config(a), a.host, a.port, a.served_model_name, ServerLimits(a.max_request_bytes))
     return 0
 
 
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="larger request bodies are refused (413) before they are read (default 4 MiB)")
     gr = sub.add_parser("graphs", help="print the CUDA graph capture plan (no GPU needed)")
     add_model_args(gr)
     sub.add_parser("train-drafter", help="train a DFlash drafter (see drafttree train-drafter --help)")

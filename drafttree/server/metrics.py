@@ -42,6 +42,11 @@ class ServerMetrics:
                                      registry=r)
         self.running = Gauge("drafttree_requests_running", "Requests holding a KV cache row", registry=r)
         self.waiting = Gauge("drafttree_requests_waiting", "Requests queued for a KV cache row", registry=r)
+        self.startup_seconds = Gauge("drafttree_startup_seconds", "Seconds each start-up stage took (convert, "
+                                     "load weights, graphs per phase, prefill graphs, warm-up)", ["stage"],
+                                     registry=r)
+        self.startup_total = Gauge("drafttree_startup_total_seconds", "Seconds from start-up to ready", registry=r)
+        self.ready = Gauge("drafttree_ready", "1 once warm-up is done and requests are served", registry=r)
         self._seen = EngineStats()         # engine totals already exported
         self._seen_fallbacks = 0
         self._seen_phases: dict[str, float] = {}
@@ -73,6 +78,12 @@ class ServerMetrics:
         self.waiting.set(len(engine.waiting))
         self._seen = copy.deepcopy(s)
         self._seen_fallbacks, self._seen_phases = fallbacks, phases
+
+    def startup(self, stages: dict[str, float], total: float) -> None:
+        for name, seconds in stages.items():
+            self.startup_seconds.labels(stage=name).set(seconds)
+        self.startup_total.set(total)
+        self.ready.set(1)
 
     def request_finished(self, reason: str | None) -> None:
         self.finished.labels(finish_reason=reason or "unknown").inc()

@@ -654,7 +654,7 @@ def test_startup_stages_and_warm_up_with_graphs_on_cpu(pair, fake_cuda_graphs):
     eng = LLM(model=str(t), draft_model=str(d), spec="ddtree", budget=8, budget_schedule="2:0", device="cpu",
               dtype="float32", max_num_seqs=2, max_model_len=64, cuda_graphs=True, prefill_chunk=16).engine
     stages = list(eng.startup.stages)
-    assert stages[:2] == ["convert", "load weights"] and stages[-1] == "prefill graphs", stages
+    assert stages[:4] == ["convert", "load weights", "kv cache", "tokenizer"] and stages[-1] == "prefill graphs", stages
     assert {"graphs warm-up", "graphs draft", "graphs verify", "graphs decode", "graphs context"} <= set(stages)
     pg = eng.runner.prefill_graphs
     replays = []

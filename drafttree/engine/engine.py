@@ -59,8 +59,10 @@ class Engine:
             raise ValueError(f"prefill_chunk must be >= 1, got {cfg.prefill_chunk}")
         if cfg.admit_min < 1:
             raise ValueError(f"admit_min must be >= 1, got {cfg.admit_min}")
-        self.runner = ModelRunner(target, drafter, self.spec, cache, self.device, self.dtype, cfg.prefill_chunk)
-        self.tokenizer = _load_tokenizer(self.model_dir) if self.model_dir is not None else None
+        with self.startup.stage("kv cache"):
+            self.runner = ModelRunner(target, drafter, self.spec, cache, self.device, self.dtype, cfg.prefill_chunk)
+        with self.startup.stage("tokenizer"):
+            self.tokenizer = _load_tokenizer(self.model_dir) if self.model_dir is not None else None
         self.eos_ids = set(tcfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)

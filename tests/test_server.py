@@ -493,3 +493,48 @@ def test_run_server_raises_the_start_up_error(tmp_path: Path) -> None:
     from drafttree.server.app import run_server
     with pytest.raises((FileNotFoundError, ValueError)):
         run_server(EngineConfig(model=str(tmp_path / "missing"), device="cpu"), port=0)
+
+
+def test_bench_serve_against_the_server(live: Live, tmp_path: Path) -> None:
+    """`drafttree bench serve` drives the real server: every request completes, its output
+    tokens are those the server counted, and the figures agree with each other."""
+    from drafttree.bench.cli import main as bench_main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Say hi.", "Name a color.", "Count to 3.")))
+    tokens_before = metric(live, "drafttree_generation_tokens_total")
+    out = tmp_path / "out"
+    assert bench_main(["serve", "--base-url", live.url, "--dataset-path", str(data), "--num-prompts", "5",
+                       "--max-tokens", "6", "--ignore-eos", "--max-concurrency", "3", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    s, reqs = res["summary"], res["requests"]
+    assert (s["completed"], s["failed"], len(reqs)) == (5, 0, 5) and s["errors"] == {}
+    assert [r["output_tokens"] for r in reqs] == [6] * 5 and [r["index"] for r in reqs] == [0, 1, 2, 0, 1]
+    assert s["total_output_tokens"] == 30 == metric(live, "drafttree_generation_tokens_total") - tokens_before
+    assert s["total_input_tokens"] == sum(r["prompt_tokens"] for r in reqs) and reqs[0]["prompt_tokens"] == reqs[3]["prompt_tokens"]
+    assert s["output_throughput"] == pytest.approx(30 / s["duration_s"])
+    assert s["request_throughput"] == pytest.approx(5 / s["duration_s"])
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"], key
+    assert all(r["ttft_s"] <= r["latency_s"] and 1 <= len(r["itl_s"]) + 1 <= 6 for r in reqs)
+    assert s["e2el_ms"]["mean"] == pytest.approx(1e3 * sum(r["latency_s"] for r in reqs) / 5)
+    assert res["meta"]["model"] == MODEL and (out / "serve_latency.png").stat().st_size > 0
+
+
+def test_bench_serve_rate_and_shared_prefix(live: Live, tmp_path: Path) -> None:
+    """Poisson arrivals on the completions endpoint; a shared prefix of N words adds at least N
+    prompt tokens to every request."""
+    from drafttree.bench.cli import main as bench_main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
+    runs = {}
+    for n in (0, 24):
+        out = tmp_path / f"prefix{n}"
+        assert bench_main(["serve", "--base-url", live.url, "--endpoint", "completions", "--dataset-path", str(data),
+                           "--num-prompts", "2", "--max-tokens", "2", "--request-rate", "50",
+                           "--shared-prefix-len", str(n), "--out", str(out)]) == 0
+        runs[n] = json.loads((out / "results.json").read_text())
+    assert runs[24]["meta"]["request_rate"] == 50 and runs[24]["summary"]["completed"] == 2
+    without, with_prefix = (runs[n]["requests"][0]["prompt_tokens"] for n in (0, 24))
+    assert with_prefix >= without + 24

@@ -665,6 +665,6 @@ def test_startup_stages_and_warm_up_with_graphs_on_cpu(pair, fake_cuda_graphs):
         n = warm_up(eng)
     finally:
         eng.device = torch.device("cpu")
-    assert n == 3 * 3 + 4 and replays   # 3 modes x (1 + 2 prompts); eager prompts of 17 and 32 tokens, 2 x 17
+    assert n == 3 * 3 + 5 and replays   # 3 modes x (1 + 2 prompts); eager prompts of 17, 18 and 32 tokens, 2 x 17
     assert eng.stats.requests == 0 and eng.stats.generated_tokens == 0 and not eng.runner.timer.totals
     assert pg.fallbacks == 0 and eng.runner.graphs.fallbacks == 0

@@ -300,6 +300,7 @@ def test_metrics(live: Live, client) -> None:
     assert metric(live, "drafttree_generation_tokens_total") >= 4 and metric(live, "drafttree_rounds_total") >= 3
     assert metric(live, "drafttree_accept_length_count") == metric(live, "drafttree_accept_length_sum") > 0
     assert metric(live, "drafttree_cuda_graph_fallbacks_total") == 0
+    assert "drafttree_prefill_graph_fallbacks_total 0.0" in r.text
     assert 'drafttree_phase_seconds_total{phase="prefill"}' in r.text
     assert 'drafttree_phase_seconds_total{phase="decode"}' in r.text
 

@@ -65,6 +65,7 @@ def test_warmup_plan_covers_modes_rows_and_eager_prefill():
     assert seen >= {(m, n) for m in SampleMode for n in (1, 2)}
     eager = sorted(n for b in plan for n in b.prompt_lens if n > 2048)
     assert {n % 16 == 0 for n in eager} == {True, False}   # Triton specializes on multiples of 16
+    assert {(n - 2048) % 16 for n in eager} >= {0, 1, 2}    # and the chunk past 2048 on 1 and on 16k
     assert any(len(b.prompt_lens) == 2 and min(b.prompt_lens) > 2048 for b in plan)
     assert all(b.params.max_tokens >= 2 for b in plan)
 

@@ -1,8 +1,8 @@
 """Warm-up before serving: run once every path a request can take that is not a CUDA graph, so
 that no request pays for a first call: the sampler's compiled pieces per sample mode (at one row
-and at several: torch.compile specializes on 1), eager prefill (a prompt longer than the largest
-graphed length, at a length that is a multiple of 16 and one that is not: Triton specializes on
-that), and the host's reading and detokenizing. The graphs themselves are captured when the
+and at several: torch.compile specializes on 1), eager prefill (prompts longer than the largest
+graphed length: lengths, and chunk remainders past prefill_chunk, of 1, of a multiple of 16 and of
+neither, the integer cases Triton specializes on), and the host's reading and detokenizing. The graphs themselves are captured when the
 engine is built. On CPU there is nothing to compile: one short request."""
 from __future__ import annotations
 
@@ -43,9 +43,9 @@ def warmup_batches(cuda: bool, max_num_seqs: int, max_prompt_len: int, max_prefi
     if graphed_len and max_prompt_len > graphed_len:
         greedy = replace(MODES[0], max_tokens=WARMUP_TOKENS)
         odd = graphed_len + 1
-        out.append(WarmupBatch(lens(odd), greedy))
-        if graphed_len + 16 <= max_prompt_len:
-            out.append(WarmupBatch(lens(graphed_len + 16), greedy))
+        for n in (odd, graphed_len + 2, graphed_len + 16):
+            if n <= max_prompt_len:
+                out.append(WarmupBatch((n,), greedy))
         if max_num_seqs >= 2 and prefill_fits(2, odd, max_prefill_tokens):
             out.append(WarmupBatch(lens(odd, odd), greedy))
     return out
@@ -70,7 +70,7 @@ def warm_up(engine: Engine) -> int:
     if fallbacks:
         log.warning("warm-up: %d rounds or prefills ran eagerly although graphs were captured", fallbacks)
     engine.stats = EngineStats()
-    runner.timer.totals.clear()
+    runner.timer.reset()
     if runner.graphs is not None:
         runner.graphs.fallbacks = 0
     if pg is not None:

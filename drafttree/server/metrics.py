@@ -30,6 +30,9 @@ class ServerMetrics:
         self.rounds = Counter("drafttree_rounds", "Decoding rounds (one per engine step)", registry=r)
         self.fallbacks = Counter("drafttree_cuda_graph_fallbacks",
                                  "Rounds that ran eagerly although CUDA graphs were captured", registry=r)
+        self.prefill_fallbacks = Counter("drafttree_prefill_graph_fallbacks",
+                                         "Graphable prefills that ran eagerly (their shape was not captured)",
+                                         registry=r)
         self.accept_length = Histogram("drafttree_accept_length",
                                        "Tokens committed per request per round (tau, bonus included)",
                                        buckets=ACCEPT_BUCKETS, registry=r)
@@ -49,6 +52,7 @@ class ServerMetrics:
         self.ready = Gauge("drafttree_ready", "1 once warm-up is done and requests are served", registry=r)
         self._seen = EngineStats()         # engine totals already exported
         self._seen_fallbacks = 0
+        self._seen_prefill_fallbacks = 0
         self._seen_phases: dict[str, float] = {}
 
     def sync(self, engine: Engine) -> None:
@@ -71,6 +75,10 @@ class ServerMetrics:
         graphs = getattr(engine.runner, "graphs", None)
         fallbacks = int(graphs.fallbacks) if graphs is not None else 0
         self.fallbacks.inc(max(fallbacks - self._seen_fallbacks, 0))
+        pg = engine.runner.prefill_graphs
+        prefill_fallbacks = int(pg.fallbacks) if pg is not None else 0
+        self.prefill_fallbacks.inc(max(prefill_fallbacks - self._seen_prefill_fallbacks, 0))
+        self._seen_prefill_fallbacks = prefill_fallbacks
         phases = dict(engine.runner.timer.totals)
         for name, total in phases.items():
             self.phase_seconds.labels(phase=name).inc(max(total - self._seen_phases.get(name, 0.0), 0.0))

@@ -539,3 +539,19 @@ def test_bench_serve_rate_and_shared_prefix(live: Live, tmp_path: Path) -> None:
     assert runs[24]["meta"]["request_rate"] == 50 and runs[24]["summary"]["completed"] == 2
     without, with_prefix = (runs[n]["requests"][0]["prompt_tokens"] for n in (0, 24))
     assert with_prefix >= without + 24
+
+
+def test_bench_serve_reports_errors(live: Live, tmp_path: Path) -> None:
+    """Refused requests are counted as failed with the server's message, and the run exits 1."""
+    from drafttree.bench.cli import main as bench_main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    out = tmp_path / "out"
+    assert bench_main(["serve", "--base-url", live.url, "--dataset-path", str(data), "--num-prompts", "2",
+                       "--max-tokens", "600", "--out", str(out)]) == 1
+    s = json.loads((out / "results.json").read_text())["summary"]
+    assert (s["completed"], s["failed"], s["total_output_tokens"]) == (0, 2, 0)
+    [(message, count)] = s["errors"].items()
+    assert count == 2 and message.startswith("HTTP 400: this model's context holds 512 tokens")
+    assert s["ttft_ms"]["p50"] is None

@@ -487,14 +487,19 @@ def test_speculation_off_writes_the_drafter_context_prefill_would(pair, device):
     assert len(phases) == len(out) - 1 and all(p[-1] is Phase.DECODE for p in phases)
     assert 1 <= contexts <= len(phases) // (C - 1) + 1 < len(phases), (contexts, len(phases), C)
     assert 1 <= int(r.state.ctx_n[0]) <= r.ctx_bound <= C
+    # a fresh pool hands out pages 1, 2, ... in order (in both engines); the finished request's
+    # row gave its pages back, so it names them again for the context phase
+    table = r.state.block_table
+    table[0] = torch.arange(1, table.shape[1] + 1)
     context_phase(r.round_ctx, 1)   # the features still pending: the last ctx_n committed positions
     ref = LLM(**kw)
     ref.generate([prompt + out[:-1]], SamplingParams(temperature=0.0, max_tokens=1))
     n = len(prompt) + len(out) - 1      # every position through the target: all but the last token
     tol = 1e-5 if device == "cpu" else 1e-4   # CUDA: other GEMM kernels for a prefill's rows
     for a, b in ((r.dkv.k, ref.engine.runner.dkv.k), (r.dkv.v, ref.engine.runner.dkv.v)):
-        torch.testing.assert_close(a[:, 0, :, :n], b[:, 0, :, :n], atol=tol, rtol=tol)
-    assert not torch.allclose(r.dkv.k[:, 0, :, n - 1], torch.zeros(()))
+        ps = r.kv.page_size
+        torch.testing.assert_close(a[:, 0, :, ps:ps + n], b[:, 0, :, ps:ps + n], atol=tol, rtol=tol)
+    assert not torch.allclose(r.dkv.k[:, 0, :, ps + n - 1], torch.zeros(()))
 
 
 def test_rounds_move_across_kv_buckets(pair, fake_cuda_graphs):
@@ -533,25 +538,32 @@ def test_gpu_kv_buckets_and_schedule_equal_eager(pair, spec, budget, schedule):
 @cuda
 @pytest.mark.parametrize("spec,budget", [("ddtree", 16), ("dflash", None)])
 def test_gpu_context_phases_write_what_eager_writes(pair, spec, budget):
-    """Speculation off: graphed context phases and decode steps give eager's tokens and, once the
-    last pending features are written, eager's drafter cache."""
-    from drafttree.spec.rounds import context_phase
+    """Speculation off: graphed context phases and decode steps give eager's tokens and eager's
+    drafter cache."""
     t, d = pair
     prompts = [[(5 * j + i) % 57 + 1 for j in range(40 + 9 * i)] for i in range(3)]
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     kw = dict(model=str(t), draft_model=str(d), spec=spec, budget=budget, budget_schedule="1:0", device="cuda",
               dtype="float32", max_num_seqs=4, max_model_len=256)
     eager, graphed = LLM(**kw, cuda_graphs=False), LLM(**kw, cuda_graphs=True)
+    pages: dict[int, list[int]] = {}
+    free = graphed.engine.scheduler.free
+
+    def keep_pages(seq):   # a finished request's pages, before they go back to the pool
+        pages[prompts.index(seq.prompt_ids)] = list(seq.pages)
+        free(seq)
+    graphed.engine.scheduler.free = keep_pages
     want = [o.token_ids for o in eager.generate(prompts, sp)]
     assert [o.token_ids for o in graphed.generate(prompts, sp)] == want
     assert graphed.engine.runner.graphs.fallbacks == 0
     e, g = eager.engine.runner, graphed.engine.runner
-    for r in (e, g):
-        context_phase(r.round_ctx, len(prompts))
-    for i, p in enumerate(prompts):   # request i in cache row i; positions through the target
+    # both engines schedule alike, so each request held the same pages in both
+    ps = e.kv.page_size
+    for i, p in enumerate(prompts):   # positions through the target, slot by slot through its pages
         n = len(p) + len(want[i]) - 1
-        torch.testing.assert_close(g.dkv.k[:, i, :, :n], e.dkv.k[:, i, :, :n], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(g.dkv.v[:, i, :, :n], e.dkv.v[:, i, :, :n], atol=1e-5, rtol=1e-5)
+        slots = torch.tensor([pages[i][j // ps] * ps + j % ps for j in range(n)])
+        torch.testing.assert_close(g.dkv.k[:, 0, :, slots], e.dkv.k[:, 0, :, slots], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g.dkv.v[:, 0, :, slots], e.dkv.v[:, 0, :, slots], atol=1e-5, rtol=1e-5)
 
 
 def _graphed_prefill_case(t, d, spec, budget, prefill_chunk=None, **kw):
@@ -573,15 +585,15 @@ def _graphed_prefill_case(t, d, spec, budget, prefill_chunk=None, **kw):
     captured = set(pg.graphs)
     assert captured == set(pg.shapes())   # all at start-up
     run = pg._replay
-    pg._replay = lambda first_row, ids, lens, Pb: runs.append((first_row, ids.shape[0])) or run(first_row, ids, lens, Pb)
+    pg._replay = lambda ids, lens, table, Pb: runs.append((int(table[0, 0]), ids.shape[0])) or run(ids, lens, table, Pb)
     got = [[o.token_ids for o in llm.generate([prompts[i] for i in ps], [sp[i] for i in ss])] for ps, ss in calls]
     assert got == want
     assert set(pg.graphs) == captured and pg.fallbacks == 0   # nothing captured while serving
     if prefill_chunk is not None:   # batches of 2 prompts over 16 slots went in groups of one
-        assert captured == {(1, 16)} and {r for r, _ in runs} == {0, 1}, (runs, list(pg.graphs))
+        assert captured == {(1, 16)} and len({r for r, _ in runs}) >= 2, (runs, list(pg.graphs))
         return
-    # graphs were reused for other prompts, and the one-prompt graph at other cache rows
-    assert {n for _, n in runs} == {1, 2} and {r for r, n in runs if n == 1} >= {0, 1}, (runs, list(pg.graphs))
+    # graphs were reused for other prompts, and the one-prompt graph over other pages (its first page here)
+    assert {n for _, n in runs} == {1, 2} and len({r for r, n in runs if n == 1}) >= 2, (runs, list(pg.graphs))
 
 
 @pytest.mark.parametrize("spec,budget", [("none", None), ("ddtree", 8), ("dflash", None)])
@@ -598,6 +610,35 @@ def test_graphed_prefill_in_groups_on_cpu(pair, fake_cuda_graphs, spec, budget):
     own cache rows; outputs of a group are kept before the next group replays the same graph."""
     t, d = pair
     _graphed_prefill_case(t, d, spec, budget, prefill_chunk=16, device="cpu")
+
+
+def test_graphed_prefill_under_load_pads_rows_and_captures_nothing_on_cpu(pair, fake_cuda_graphs):
+    """Many requests through the scheduler (chunks cut by the step's tokens and by chunks x widest,
+    prefix-cache hits, rows refilled as requests end): every forward from position 0 finds a graph
+    captured at start-up, groups of 3 replay the graph of 4 rows (padding rows hold the null page
+    only), the tokens are eager prefill's, and serving captures nothing."""
+    t, d = pair
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(1, 59, (24,), generator=g).tolist()
+    lens = [13, 5, 9, 40, 30, 20, 7, 3, 17, 26, 11, 2, 33, 8]   # 13, 5, 9: one forward, 3 rows of 16
+    prompts = [(shared if i % 4 == 3 else []) + torch.randint(1, 59, (n,), generator=g).tolist()
+               for i, n in enumerate(lens)]
+    sp = [SamplingParams(temperature=0.0 if i % 3 else 0.7, seed=i, max_tokens=3 + i % 5, ignore_eos=True)
+          for i in range(len(prompts))]
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
+              max_num_seqs=6, max_model_len=128, prefill_chunk=64, max_prefill_tokens=100)
+    want = [o.token_ids for o in LLM(**kw, cuda_graphs=False).generate(prompts, sp)]
+    llm = LLM(**kw, cuda_graphs=True)
+    pg = llm.engine.runner.prefill_graphs
+    captured, graphs = set(pg.graphs), len(fake_cuda_graphs)
+    assert captured == set(pg.shapes())
+    replays = []
+    run = pg._replay
+    pg._replay = lambda ids, lens, table, shape: replays.append((ids.shape[0], shape)) or run(ids, lens, table, shape)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert any(k < shape[0] for k, shape in replays), replays
+    assert pg.fallbacks == 0 and set(pg.graphs) == captured and len(fake_cuda_graphs) == graphs
+    assert llm.engine.stats.prefix_cache_hits > 0
 
 
 def test_prefill_graph_out_of_memory_falls_back_to_eager(pair, fake_cuda_graphs, monkeypatch, caplog):
@@ -649,8 +690,9 @@ def test_gpu_graphed_prefill_equals_eager(pair, spec, budget):
 
 def test_startup_stages_and_warm_up_with_graphs_on_cpu(pair, fake_cuda_graphs):
     """Start-up times each stage (graphs per phase, prefill graphs); the CUDA warm-up plan runs
-    through the engine with no round or prefill falling back to eager, and leaves the counters
-    at zero."""
+    through the engine, prefills graphed and eagerly at offsets (a chunk continuing a prompt, the
+    rest of a prompt after a prefix-cache hit), with no round or prefill falling back to eager,
+    and leaves the counters at zero and every page free."""
     from drafttree.engine.warmup import warm_up
     t, d = pair
     eng = LLM(model=str(t), draft_model=str(d), spec="ddtree", budget=8, budget_schedule="2:0", device="cpu",
@@ -658,15 +700,21 @@ def test_startup_stages_and_warm_up_with_graphs_on_cpu(pair, fake_cuda_graphs):
     stages = list(eng.startup.stages)
     assert stages[:4] == ["convert", "load weights", "kv cache", "tokenizer"] and stages[-1] == "prefill graphs", stages
     assert {"graphs warm-up", "graphs draft", "graphs verify", "graphs decode", "graphs context"} <= set(stages)
-    pg = eng.runner.prefill_graphs
-    replays = []
-    run = pg._replay
-    pg._replay = lambda first_row, ids, lens, Pb: replays.append(ids.shape) or run(first_row, ids, lens, Pb)
+    pg, r = eng.runner.prefill_graphs, eng.runner
+    replays, starts, hits = [], [], []
+    run, eager, match = pg._replay, r._prefill_forward, eng.pool.match
+    pg._replay = lambda ids, lens, table, shape: replays.append(shape) or run(ids, lens, table, shape)
+    r._prefill_forward = lambda ids, start, *a: starts.append(int(start.max())) or eager(ids, start, *a)
+    eng.pool.match = lambda ids, limit: hits.append(len(m := match(ids, limit))) or m
     eng.device = torch.device("cuda")   # the CUDA plan: every sample mode, 1 and 2 rows, eager prefill
     try:
         n = warm_up(eng)
     finally:
         eng.device = torch.device("cpu")
-    assert n == 3 * 3 + 5 and replays   # 3 modes x (1 + 2 prompts); eager prompts of 17, 18 and 32 tokens, 2 x 17
+    # 3 modes x (1 + 2 prompts); 17, 18 and 32 tokens in chunks of 16, 2 x 17; a 48-token prompt,
+    # then 33, 34 and 48 tokens of it again, alone and 33 and 34 together
+    assert n == 3 * 3 + 3 + 2 + 1 + 3 + 2
+    assert replays and set(replays) <= set(pg.graphs) and min(starts) > 0 and max(hits) == 2
     assert eng.stats.requests == 0 and eng.stats.generated_tokens == 0 and not eng.runner.timer.totals
     assert pg.fallbacks == 0 and eng.runner.graphs.fallbacks == 0
+    assert eng.pool.stats.queries == 0 and eng.scheduler.preemptions == 0 and eng.free_pages == eng.pool.usable

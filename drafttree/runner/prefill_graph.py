@@ -2,21 +2,21 @@
 
 An eager prefill of a small model is host-bound: on an H200, the SmolLM2 shape with a drafter
 took 21–37 ms per prefill of 64–500 tokens for 0.9–1.7 ms of GPU work, and 1.7–3.4 ms graphed
-(docs/performance.md). Here the forward over n prompts, padded to a
-length bucket Pb (a power of two, at least MIN_LEN), is captured once per (n, Pb) and replayed
-from static buffers: token ids, lengths and the cache rows the requests take. Every (n, Pb) the
-engine can ask for (`prefill_shapes`, from the engine's own admission rule `prefill_fits`) is
-captured at start-up, never on a request's path; a shape missing after all (an out-of-memory
-capture) runs eagerly, which the engine's warm-up has run once.
+(docs/performance.md). Here a prefill forward, its chunks grouped and padded to (row bucket,
+length bucket) shapes as `prefill_plan.PrefillLimits.groups` says, replays graphs from static
+buffers: token ids, lengths and the requests' block tables. Every shape the scheduler's forwards
+can need (`PrefillLimits.shapes`, from the rule the scheduler forms them by) is captured at
+start-up, never on a request's path. A forward that needs a shape not captured (an out-of-memory
+capture) runs eagerly and is counted in `fallbacks` (/metrics: drafttree_prefill_graph_fallbacks).
 
 Padding to Pb does what the eager path already does for prompts of unequal length: pad tokens
-write K/V (and drafter context) past each prompt's end, where the cache stays masked until real
-tokens overwrite it. A batch of n * Pb > MAX_TOKENS runs as several graphed groups of
-MAX_TOKENS // Pb prompts; a prompt longer than MAX_TOKENS stays eager (it is GPU-bound).
+write K/V (and drafter context) past each prompt's end, into the request's own pages where the
+cache stays masked until real tokens overwrite it, or into the null page; padding rows have only
+the null page. Only prefills whose chunks all start at position 0 are graphed (a later chunk, or
+one after a prefix-cache hit, runs eagerly, as warmed up at start-up by `engine.warmup`).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass
@@ -24,100 +24,50 @@ from typing import Callable
 
 import torch
 
+from drafttree.models.kv_cache import NULL_PAGE, attn_meta, causal
 from drafttree.runner.cuda_graph import collector_paused, warm_up
-from drafttree.models.kv_cache import attn_meta, causal
-from drafttree.kernels.triton_jit import next_pow2
+from drafttree.runner.prefill_plan import MAX_TOKENS, MIN_LEN, PrefillLimits, Shape
 
-MIN_LEN = 16
-MAX_TOKENS = 2048
+__all__ = ["MAX_TOKENS", "MIN_LEN", "PrefillBuffers", "PrefillGraphs"]
 log = logging.getLogger(__name__)
-Shape = tuple[int, int]   # (prompts, padded length) of one graphed prefill
-
-
-def prefill_fits(n: int, longest: int, max_prefill_tokens: int) -> bool:
-    """Whether n prompts of at most `longest` tokens go into one batched prefill: the engine's
-    admission rule (one prompt always does)."""
-    return n == 1 or n * longest <= max_prefill_tokens
-
-
-def bucket_of(P: int, max_tokens: int, max_len: int) -> int | None:
-    """The padded length of a graphed prefill of prompts of at most P tokens, or None (eager)."""
-    Pb = max(MIN_LEN, next_pow2(P))
-    return Pb if Pb <= max_tokens and Pb <= max_len else None
-
-
-def group_shapes(n: int, P: int, max_tokens: int, max_len: int) -> list[Shape] | None:
-    """The graphs a prefill of n prompts of at most P tokens replays, group by group (groups of
-    max_tokens // Pb prompts), or None when it runs eagerly."""
-    Pb = bucket_of(P, max_tokens, max_len)
-    if Pb is None:
-        return None
-    g = max_tokens // Pb
-    return [(min(g, n - a), Pb) for a in range(0, n, g)]
-
-
-def prefill_shapes(max_num_seqs: int, max_prefill_tokens: int, max_prompt_len: int, max_tokens: int,
-                   max_len: int) -> list[Shape]:
-    """Every shape `group_shapes` can give for a prefill the engine admits: at most max_num_seqs
-    prompts of 1 to max_prompt_len tokens that `prefill_fits`. Within a bucket the shortest
-    length admits the most prompts, and any fewer are admitted too. Largest first."""
-    out: set[Shape] = set()
-    Pb = MIN_LEN
-    while Pb <= min(max_tokens, max_len):
-        shortest = 1 if Pb == MIN_LEN else Pb // 2 + 1
-        if shortest > max_prompt_len:
-            break
-        for n in range(1, max_num_seqs + 1):
-            if not prefill_fits(n, shortest, max_prefill_tokens):
-                break
-            out.update(group_shapes(n, shortest, max_tokens, max_len) or ())
-        Pb *= 2
-    return sorted(out, key=lambda s: (-s[0] * s[1], -s[1]))
 
 
 @dataclass
 class PrefillBuffers:
     ids: torch.Tensor               # [n, Pb] long, zero past each prompt
     lens: torch.Tensor              # [n] long
-    rows: torch.Tensor              # [n, 1] long: the cache rows the prompts go to
+    block_table: torch.Tensor       # [n, P] long: the requests' pages (the null page's on padding rows)
     h_last: torch.Tensor            # [n, D]: final hidden state at each prompt's last token
     a_last: torch.Tensor | None     # [n, F]: the drafter's features there
 
 
 class PrefillGraphs:
-    def __init__(self, runner, max_prefill_tokens: int, max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(self, runner, limits: PrefillLimits) -> None:
         self.r = weakref.proxy(runner)   # owned by the runner, as GraphRunner
-        self.max_tokens = min(max_tokens, runner.prefill_chunk)
-        self.max_prefill_tokens = max_prefill_tokens
+        self.limits = limits
         self.graphs: dict[Shape, tuple[torch.cuda.CUDAGraph, PrefillBuffers]] = {}
         self.pool = None
         self.failed = False   # a capture ran out of memory: prefill stays eager from then on
         self.fallbacks = 0    # graphable prefills that ran eagerly (a shape not captured)
         self._warned: set[Shape] = set()
 
-    def bucket(self, P: int) -> int | None:
-        """The padded length of a graphed prefill of prompts of at most P tokens, or None."""
-        return bucket_of(P, self.max_tokens, self.r.cache_cfg.max_len)
-
     def shapes(self) -> list[Shape]:
-        """What `capture` captures: every shape a prefill the engine admits can replay."""
-        c = self.r.cache_cfg
-        return prefill_shapes(c.max_num_seqs, self.max_prefill_tokens, c.max_model_len - 1, self.max_tokens,
-                              c.max_len)
+        """What `capture` captures: every shape a forward of the scheduler's can replay."""
+        return self.limits.shapes()
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every shape before serving. Its warm-up runs are real prefills of rows 0..n-1,
-        so this runs before any request holds a row. Out of memory: prefill stays eager."""
+        """Capture every shape before serving. The warm-up runs and captures read and write the
+        null page only (every row's block table is the null page's). Out of memory: prefill stays
+        eager."""
         shapes = self.shapes()
-        log.info("capturing %d prefill graphs (prompts x padded length, up to %d tokens)", len(shapes),
-                 self.max_tokens)
+        log.info("capturing %d prefill graphs ((rows, padded length), up to %d tokens)", len(shapes),
+                 self.limits.graph_tokens)
         try:
             with collector_paused():
                 for n, Pb in shapes:
                     buf = self._buffers(n, Pb)
                     buf.lens.fill_(Pb)
-                    buf.rows.copy_(torch.arange(n, device=buf.rows.device)[:, None])
                     self.graphs[(n, Pb)] = (self._capture(self.forward_fn(buf)), buf)
         except torch.cuda.OutOfMemoryError:
             self.failed, self.graphs, self.pool = True, {}, None
@@ -132,8 +82,8 @@ class PrefillGraphs:
 
         def run() -> None:
             pos = torch.arange(Pb, device=dev).expand(n, Pb)
-            meta = attn_meta(torch.zeros(n, dtype=torch.long, device=dev), causal(n, Pb, dev), Pb)
-            meta = dataclasses.replace(meta, rows=buf.rows, gather_rows=True)
+            meta = attn_meta(torch.zeros(n, dtype=torch.long, device=dev), causal(n, Pb, dev), Pb,
+                             block_table=buf.block_table, page_size=r.cache_cfg.page_size)
             dkv = (r.dkv.k, r.dkv.v) if r.drafter is not None else None
             h, f = r.prefill_forward(buf.ids, pos, meta, (r.kv.k, r.kv.v), dkv, buf.lens - 1)
             buf.h_last.copy_(h)
@@ -141,45 +91,52 @@ class PrefillGraphs:
                 buf.a_last.copy_(f)
         return run
 
-    def run(self, first_row: int, ids: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Prefill ids [n, P] (zero-padded) into cache rows first_row.. from graphs, in groups of
-        at most max_tokens // Pb prompts; returns (h_last, a_last), or None if no bucket fits.
-        For one group these are static buffers, valid until the next prefill."""
-        n, P = ids.shape
-        shapes = group_shapes(n, P, self.max_tokens, self.r.cache_cfg.max_len)
-        if shapes is None or self.failed:
+    def run(self, ids: torch.Tensor, lens: torch.Tensor,
+            table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Prefill ids [n, W] (zero-padded, every chunk from position 0) through block tables
+        `table` [n, pages] from graphs, group by group; returns (h_last, a_last), or None to run
+        eagerly. For one group these are views of static buffers, valid until the next prefill."""
+        n, W = ids.shape
+        groups = self.limits.groups(n, W)
+        if groups is None:   # wider than any graph: eager by design
             return None
-        missing = [s for s in shapes if s not in self.graphs]
-        if missing:   # never captured here, on a request's path: eager, as warmed at start-up
+        missing = [g.shape for g in groups if g.shape not in self.graphs]
+        if missing:   # never captured on a request's path: eager, as warmed at start-up, and counted
             self.fallbacks += 1
-            if missing[0] not in self._warned:
+            if not self.failed and missing[0] not in self._warned:
                 self._warned.add(missing[0])
-                log.warning("no prefill graph for %d prompts x %d tokens: prefilling eagerly", *missing[0])
+                log.warning("no prefill graph for %d rows x %d tokens (not in the start-up plan): prefilling "
+                            "eagerly", *missing[0])
             return None
-        Pb, g = shapes[0][1], shapes[0][0]
-        if len(shapes) == 1:
-            return self._replay(first_row, ids, lens, Pb)
+        if len(groups) == 1:
+            return self._replay(ids, lens, table, groups[0].shape)
         # a later group may replay the same graph: copy each group's outputs before it does
-        parts = [tuple(None if t is None else t.clone() for t in
-                       self._replay(first_row + a, ids[a:a + g], lens[a:a + g], Pb)) for a in range(0, n, g)]
+        parts = []
+        for g in groups:
+            s = slice(g.first, g.first + g.count)
+            parts.append(tuple(None if t is None else t.clone() for t in self._replay(ids[s], lens[s], table[s], g.shape)))
         h = torch.cat([p[0] for p in parts])
         return h, None if parts[0][1] is None else torch.cat([p[1] for p in parts])
 
-    def _replay(self, first_row: int, ids: torch.Tensor, lens: torch.Tensor, Pb: int):
-        n, P = ids.shape
-        graph, buf = self.graphs[(n, Pb)]
+    def _replay(self, ids: torch.Tensor, lens: torch.Tensor, table: torch.Tensor, shape: Shape):
+        k, W = ids.shape
+        graph, buf = self.graphs[shape]
         buf.ids.zero_()
-        buf.ids[:, :P].copy_(ids)
-        buf.lens.copy_(lens)
-        buf.rows.copy_(first_row + torch.arange(n, device=ids.device)[:, None])
+        buf.ids[:k, :W].copy_(ids)
+        buf.lens[:k].copy_(lens)
+        buf.block_table[:k].copy_(table)
+        if k < shape[0]:   # padding rows: one token each, into the null page
+            buf.lens[k:].fill_(1)
+            buf.block_table[k:].fill_(NULL_PAGE)
         graph.replay()
-        return buf.h_last, buf.a_last
+        return buf.h_last[:k], None if buf.a_last is None else buf.a_last[:k]
 
     def _buffers(self, n: int, Pb: int) -> PrefillBuffers:
         r, dev = self.r, self.r.device
         feat = r.state.ctx_feat.shape[2]
         zeros = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
-        return PrefillBuffers(zeros(n, Pb), zeros(n), zeros(n, 1),
+        table = torch.full((n, r.cache_cfg.pages_per_row), NULL_PAGE, dtype=torch.long, device=dev)
+        return PrefillBuffers(zeros(n, Pb), zeros(n), table,
                               torch.zeros(n, r.target.cfg.hidden_size, dtype=r.dtype, device=dev),
                               torch.zeros(n, feat, dtype=r.dtype, device=dev) if r.drafter is not None else None)
 

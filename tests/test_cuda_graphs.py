@@ -33,6 +33,10 @@ def test_seed_config_widths_in_plan(pair):
     assert plan[Phase.VERIFY].kv_lengths == (1024, 4096)
     text = describe_plan(EngineConfig(model=str(t), draft_model=str(d), spec="ddtree", budget=32))
     assert "verify=33" in text and "draft=8" in text
+    from drafttree.runner.prefill_plan import PrefillLimits
+    cache_len = ModelConfig.from_dir(t).max_position_embeddings
+    shapes = PrefillLimits(256, 2048, 8192, cache_len - 1, cache_len + spec.kv_headroom).shapes()
+    assert f"prefill graphed: {len(shapes)} graphs" in text
     chain = SpecConfig("dflash", block_size=8)
     assert chain.width(Phase.VERIFY) == 8
     assert SpecConfig().round_phases == (Phase.DECODE,) and SpecConfig().width(Phase.DECODE) == 1

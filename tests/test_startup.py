@@ -74,8 +74,10 @@ def test_prefill_shapes_are_exactly_what_the_scheduler_asks(rows, max_prefill, m
     for _ in range(30):
         sched = scheduler(rows, max_prefill, max_model_len, chunk, page_size, 4 * pages)
         common = [next(fresh) for _ in range(max_model_len)]
-        prompts = [(common if rng.random() < 0.3 else [next(fresh) for _ in range(max_model_len)])[:rng.randint(1, max_model_len - 1)]
-                   for _ in range(3 * rows)]
+        prompts = []
+        for _ in range(3 * rows):
+            ids = common if rng.random() < 0.3 else [next(fresh) for _ in range(max_model_len)]
+            prompts.append(ids[:rng.randint(1, max_model_len - 1)])
         seen += forwards(sched, prompts, rng, steps=10 * len(prompts))
     limits = scheduler(rows, max_prefill, max_model_len, chunk, page_size, pages).cfg.prefill
     for n, W, from_zero in seen:

@@ -26,9 +26,8 @@ import torch
 
 from drafttree.models.kv_cache import NULL_PAGE, attn_meta, causal
 from drafttree.runner.cuda_graph import collector_paused, warm_up
-from drafttree.runner.prefill_plan import MAX_TOKENS, MIN_LEN, PrefillLimits, Shape
+from drafttree.runner.prefill_plan import PrefillLimits, Shape
 
-__all__ = ["MAX_TOKENS", "MIN_LEN", "PrefillBuffers", "PrefillGraphs"]
 log = logging.getLogger(__name__)
 
 
@@ -114,7 +113,8 @@ class PrefillGraphs:
         parts = []
         for g in groups:
             s = slice(g.first, g.first + g.count)
-            parts.append(tuple(None if t is None else t.clone() for t in self._replay(ids[s], lens[s], table[s], g.shape)))
+            out = self._replay(ids[s], lens[s], table[s], g.shape)
+            parts.append(tuple(None if t is None else t.clone() for t in out))
         h = torch.cat([p[0] for p in parts])
         return h, None if parts[0][1] is None else torch.cat([p[1] for p in parts])
 

@@ -1,4 +1,5 @@
-"""drafttree bench: AR vs DFlash vs DDTree (budget sweep) at several temperatures.
+"""drafttree bench: AR vs DFlash vs DDTree (budget sweep) at several temperatures
+(`drafttree bench serve --help`: load on a running server instead).
 
 Reports per run: mean accepted length τ and its histogram, tokens/s, time per output token,
 speedup over AR, and a round's wall time against its device time (the host's share between
@@ -232,6 +233,10 @@ def merge(paths: list[str], out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "serve":
+        from drafttree.bench.serve import main as serve_main
+        return serve_main(argv[1:])
     a = build_parser().parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -76,7 +76,7 @@ class Engine:
             self.runner.prefill_graphs = PrefillGraphs(self.runner)
 
     def _size_cache(self, tcfg, drafter) -> tuple[int, int]:
-        bpt = KVCache.bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, self.dtype)
+        bpt = KVCache.bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, self.dtype, tcfg.v_cache_dim)
         if drafter is not None:
             dc = drafter.cfg.model
             bpt += KVCache.bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype)

@@ -9,6 +9,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from drafttree.loader import fp8_blocks
+from drafttree.loader.moe_weights import sparse_state_dict
+from drafttree.models.moe_decoder import build_rotary, build_target, fp32_parameters, is_sparse
+
 StateDict = dict[str, torch.Tensor]
 
 
@@ -39,8 +43,9 @@ def read_safetensors(path: str | Path) -> StateDict:
     return out
 
 
-def target_state_dict(hf: StateDict, num_layers: int, tied: bool) -> StateDict:
-    """Map HF names to ours, fusing q/k/v into qkv_proj and gate/up into gate_up_proj."""
+def target_state_dict(hf: StateDict, num_layers: int, tied: bool, cfg=None) -> StateDict:
+    """Map HF names to ours, fusing q/k/v into qkv_proj and gate/up into gate_up_proj (for an MoE or
+    MLA `cfg`, the layers as `moe_weights.sparse_state_dict` maps them)."""
     src = {k.removeprefix("model."): v for k, v in hf.items()}
     out: StateDict = {}
 
@@ -55,6 +60,9 @@ def target_state_dict(hf: StateDict, num_layers: int, tied: bool) -> StateDict:
         out["lm_head.weight"] = hf.get("lm_head.weight", src.get("lm_head.weight"))
         if out["lm_head.weight"] is None:
             raise ValueError("checkpoint is missing tensor 'lm_head.weight' (tie_word_embeddings is false)")
+    if cfg is not None and is_sparse(cfg):
+        out.update(sparse_state_dict(src, cfg, take))
+        return out
     for i in range(num_layers):
         out.update(layer_state_dict(src, f"layers.{i}.", take))
     return out
@@ -95,15 +103,19 @@ def load_into(module: nn.Module, state: StateDict, dtype: torch.dtype, device: s
 def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device):
     """Build a DecoderLM from a Hugging Face directory; raises before allocating on bad input."""
     from drafttree.config import ModelConfig
-    from drafttree.models.decoder import DecoderLM
-    from drafttree.models.layers import Rotary
 
     cfg = ModelConfig.from_dir(path)
-    state = target_state_dict(read_safetensors(path), cfg.num_layers, cfg.tie_word_embeddings)
+    hf = read_safetensors(path)
+    if any(k.endswith(fp8_blocks.SCALE_SUFFIX) for k in hf):   # DeepSeek's fp8: dequantized here
+        block = fp8_blocks.block_size(json.loads((Path(path) / "config.json").read_text()))
+        hf = fp8_blocks.dequantize_state(hf, block)
+    state = target_state_dict(hf, cfg.num_layers, cfg.tie_word_embeddings, cfg)
     with torch.device("meta"):
-        model = DecoderLM(cfg)
+        model = build_target(cfg)
     load_into(model, state, dtype, device)
+    for name in fp32_parameters(model):   # the routers keep the checkpoint's precision
+        model.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = Rotary(cfg).to(device)
+    model.rotary = build_rotary(cfg).to(device)
     return model.eval().requires_grad_(False), cfg

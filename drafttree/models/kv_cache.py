@@ -22,13 +22,17 @@ class KVCache:
 
     @classmethod
     def allocate(cls, layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> "KVCache":
+                 dtype: torch.dtype, device: torch.device | str, v_head_dim: int | None = None) -> "KVCache":
+        """v_head_dim: V's width when it is not head_dim (0 for MLA, whose latent is all in K)."""
         shape = (layers, rows, kv_heads, max_len, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        v_shape = shape[:-1] + (head_dim if v_head_dim is None else v_head_dim,)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))
 
     @staticmethod
-    def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        v_head_dim: int | None = None) -> int:
+        width = head_dim + (head_dim if v_head_dim is None else v_head_dim)
+        return layers * kv_heads * width * torch.empty((), dtype=dtype).element_size()
 
     @property
     def rows(self) -> int:

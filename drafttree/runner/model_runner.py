@@ -62,7 +62,7 @@ class ModelRunner:
         rows, L = cache.max_num_seqs, cache.max_len
         if cache.headroom != spec.kv_headroom:
             raise ValueError(f"cache headroom {cache.headroom} != spec.kv_headroom {spec.kv_headroom}")
-        kv = KVCache.allocate(tc.num_layers, rows, L, tc.num_kv_heads, tc.head_dim, dtype, device)
+        kv = KVCache.allocate(tc.num_layers, rows, L, tc.num_kv_heads, tc.head_dim, dtype, device, tc.v_cache_dim)
         dkv, capture_layers, feat = None, (), 0
         if drafter is not None:
             dc = drafter.cfg.model

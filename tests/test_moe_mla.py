@@ -1,0 +1,217 @@
+"""Qwen3-MoE and DeepSeek-V3 (MLA, Kimi K2's architecture) against transformers, and speculative
+decoding over them lossless (fp32, CPU): tiny random checkpoints written by save_pretrained."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafttree import LLM
+from drafttree.config import ModelConfig
+from drafttree.loader import fp8_blocks
+from drafttree.loader.weights import load_target
+from drafttree.models import mla, moe
+from drafttree.models.kv_cache import KVCache, attn_meta, causal
+from tests.helpers import SCALE, VOCAB, Pair, check_lossless, greedy, make_prompts, taus_of
+from tests.moe_tiny import SHAPES, fp8_copy, make_moe_target
+from tests.tiny import edit_config, make_drafter
+
+SHAPE_NAMES = sorted(SHAPES)
+
+
+@pytest.fixture(scope="module", params=SHAPE_NAMES)
+def tiny(request, tmp_path_factory):
+    # one shape sharded, so that the index is read too
+    shard = "40KB" if request.param == "deepseek_v3" else None
+    return request.param, make_moe_target(tmp_path_factory.mktemp(request.param), request.param,
+                                          max_shard_size=shard)
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def our_logits(model, cfg, ids: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
+    """Logits of ids [B, T], fed through the cache in chunks [a, b)."""
+    B = ids.shape[0]
+    kv = KVCache.allocate(cfg.num_layers, B, 64, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu",
+                          cfg.v_cache_dim)
+    out = []
+    with torch.no_grad():
+        for a, b in chunks:
+            meta = attn_meta(torch.full((B,), a), causal(B, b - a, "cpu"), 64)
+            h, _ = model(ids[:, a:b], torch.arange(a, b)[None].expand(B, b - a), meta, kv.k, kv.v)
+            out.append(model.logits(h))
+    return torch.cat(out, dim=1)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("absorbed,gathered", [(True, True), (False, False), (True, False)])
+def test_logits_match_transformers(tiny, monkeypatch, absorbed, gathered):
+    """Whole prompts and prompts fed in chunks through the cache, with MLA absorbed or expanded
+    and the experts gathered per (token, k) or all run (the two forms each must agree)."""
+    name, path = tiny
+    monkeypatch.setattr(mla, "ABSORBED_MAX_ROWS", 10**6 if absorbed else 0)
+    monkeypatch.setattr(moe, "gathers", lambda rows, k, e: gathered)
+    model, cfg = load_target(path, torch.float32, "cpu")
+    assert (cfg.moe is not None) and ((cfg.mla is not None) == name.startswith("deepseek"))
+    ids = torch.randint(0, cfg.vocab_size, (2, 37), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf_model(path)(ids).logits
+    assert rel(our_logits(model, cfg, ids, [(0, 37)]), want) < 1e-4, name
+    assert rel(our_logits(model, cfg, ids, [(0, 7), (7, 8), (8, 13), (13, 37)]), want) < 1e-4, name
+
+
+@pytest.mark.parametrize("prompt_len", [1, 9])
+def test_greedy_generation_matches_transformers(tiny, prompt_len):
+    name, path = tiny
+    ref = hf_model(path)
+    llm = LLM(model=str(path), spec="none", device="cpu", dtype="float32", max_num_seqs=2, max_model_len=96)
+    g = torch.Generator().manual_seed(prompt_len)
+    prompts = [torch.randint(0, 97, (prompt_len,), generator=g).tolist() for _ in range(2)]
+    for p, out in zip(prompts, llm.generate(prompts, greedy(20))):
+        with torch.no_grad():
+            x = torch.tensor([p])
+            want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False,
+                                min_new_tokens=20, pad_token_id=-1)[0, len(p):].tolist()
+        assert out.token_ids == want, f"{name} prompt_len={prompt_len}"
+
+
+def test_mla_cache_holds_the_latent_only(tmp_path):
+    """MLA's K cache: one head of kv_lora_rank + qk_rope_head_dim per token; V: none."""
+    path = make_moe_target(tmp_path, "deepseek_v3")
+    cfg = ModelConfig.from_dir(path)
+    llm = LLM(model=str(path), spec="none", device="cpu", dtype="float32", max_num_seqs=1, max_model_len=64)
+    kv = llm.engine.runner.kv
+    assert kv.k.shape[2:] == (1, kv.max_len, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
+    assert kv.v.shape[-1] == 0 and kv.v.numel() == 0
+
+
+def test_fp8_block_checkpoint_loads_dequantized(tmp_path):
+    """DeepSeek's fp8 format (e4m3, one scale per block, sharded with an index) loads as its
+    dequantized weights do, and a scale whose grid does not fit its weight is refused."""
+    src = make_moe_target(tmp_path / "src", "deepseek_v3")
+    fp8_dir, plain_dir = fp8_copy(src, tmp_path / "fp8", tmp_path / "plain")
+    ids = torch.randint(0, 97, (1, 21), generator=torch.Generator().manual_seed(1))
+    model, cfg = load_target(fp8_dir, torch.float32, "cpu")
+    with torch.no_grad():
+        want = hf_model(plain_dir)(ids).logits
+    assert rel(our_logits(model, cfg, ids, [(0, 21)]), want) < 1e-4
+    w = torch.randn(20, 12).to(torch.float8_e4m3fn)
+    assert fp8_blocks.dequantize(w, torch.full((3, 2), 2.0), (8, 8)).equal(w.float() * 2)
+    with pytest.raises(ValueError, match="weight_scale_inv of shape"):
+        fp8_blocks.dequantize(w, torch.ones(2, 2), (8, 8))
+
+
+def test_expert_forms_agree():
+    """The gathered and the all-experts forms of the same routing give the same output."""
+    from drafttree.moe_config import MoEConfig
+
+    cfg = MoEConfig(num_experts=6, top_k=2, intermediate_size=5, scoring="softmax", norm_topk_prob=True,
+                    sparse_layers=(0,))
+    ex = moe.Experts(8, cfg)
+    torch.nn.init.normal_(ex.gate_up)
+    torch.nn.init.normal_(ex.down)
+    x = torch.randn(9, 8)
+    idx = torch.randint(0, 6, (9, 2))
+    w = torch.rand(9, 2)
+    assert torch.allclose(ex.gathered(x, w, idx), ex.all_experts(x, w, idx), atol=1e-5)
+
+
+def test_config_layers_and_refusals(tiny):
+    """Which layers are sparse, moe_layer_freq (DeepSeek's own configs carry it), and rope types."""
+    name, path = tiny
+    d = json.loads((Path(path) / "config.json").read_text())
+    cfg = ModelConfig.from_dict(d)
+    want = {"qwen3_moe": (0, 2), "qwen3_moe_yarn": (1,), "deepseek_v3": (1, 2), "deepseek_v3_plain": (0, 1, 2)}
+    assert cfg.moe.sparse_layers == want[name]
+    if name.startswith("deepseek"):
+        assert ModelConfig.from_dict({**d, "num_hidden_layers": 6, "first_k_dense_replace": 1,
+                                      "moe_layer_freq": 2}).moe.sparse_layers == (2, 4)
+        with pytest.raises(ValueError, match="routing"):
+            ModelConfig.from_dict({**d, "topk_method": "group_limited_greedy"})
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' for llama"):
+        ModelConfig.from_dict({**d, "architectures": ["LlamaForCausalLM"], "intermediate_size": 8,
+                               "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+
+
+# -- speculative decoding over MoE / MLA targets ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_zoo(tmp_path_factory):
+    pairs: dict[tuple[str, int], Pair] = {}
+
+    def get(shape: str, vocab: int = VOCAB) -> Pair:
+        if (shape, vocab) not in pairs:
+            root = tmp_path_factory.mktemp(f"{shape}-v{vocab}")
+            target = make_moe_target(root / "target", shape, vocab=vocab, scale=SCALE)
+            # target_layer_ids into the MoE/MLA model's layers: its first and last
+            drafter = make_drafter(root / "drafter", target, block_size=4, target_layer_ids=[0, 2])
+            pairs[shape, vocab] = Pair(target, drafter, vocab)
+        return pairs[shape, vocab]
+
+    return get
+
+
+@pytest.mark.parametrize("shape", ["qwen3_moe", "deepseek_v3", "deepseek_v3_plain"])
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_dflash_matches_plain(moe_zoo, shape, block_size):
+    pair = moe_zoo(shape)
+    check_lossless(pair, pair.llm("dflash", block_size), make_prompts(pair.vocab), max_tau=block_size)
+
+
+@pytest.mark.parametrize("shape", ["qwen3_moe", "qwen3_moe_yarn", "deepseek_v3", "deepseek_v3_plain"])
+@pytest.mark.parametrize("block_size,budget", [(4, 3), (8, 32), (4, 100)])
+def test_ddtree_matches_plain(moe_zoo, shape, block_size, budget):
+    """Tree verify (ancestor-only mask, positions start + depth) and compaction of the accepted
+    path, through the routed experts and over the latent cache."""
+    pair = moe_zoo(shape)
+    outs = check_lossless(pair, pair.llm("ddtree", block_size, budget), make_prompts(pair.vocab),
+                          max_tau=min(budget, block_size - 1) + 1)
+    if budget >= 32:
+        assert max(taus_of(outs)) >= 3, "no round accepted 3 tokens: deep paths untested"
+
+
+def test_ddtree_expanded_prefill_matches_plain(moe_zoo, monkeypatch):
+    """MLA expanded for any forward over 8 rows per request (a 30-token prefill, a verify of 33)
+    and absorbed below: still plain decoding's tokens."""
+    monkeypatch.setattr(mla, "ABSORBED_MAX_ROWS", 8)
+    pair = moe_zoo("deepseek_v3")
+    llm = LLM(model=str(pair.target), draft_model=str(pair.drafter), spec="ddtree", block_size=8, budget=32,
+              device="cpu", dtype="float32", max_num_seqs=3, max_model_len=128)
+    check_lossless(pair, llm, make_prompts(pair.vocab), max_tau=8)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(hidden_size=40), "hidden size 40"),
+    (dict(vocab_size=50, dflash_config={"mask_token_id": 3}), "vocab size 50"),
+    (dict(dflash_config={"target_layer_ids": [0, 3]}), r"target_layer_ids \[3\] not in \[0, 3\)"),
+])
+def test_drafter_that_does_not_fit_is_refused(moe_zoo, tmp_path, change, match):
+    pair = moe_zoo("deepseek_v3")
+    import shutil
+    bad = Path(shutil.copytree(pair.drafter, tmp_path / "bad"))
+    edit_config(bad, **change)
+    with pytest.raises(ValueError, match="drafter does not fit the target: .*" + match):
+        LLM(model=str(pair.target), draft_model=str(bad), spec="ddtree", device="cpu", dtype="float32",
+            max_num_seqs=1, max_model_len=64)
+
+
+def test_graphs_shows_the_plan(moe_zoo, capsys):
+    from drafttree.cli import main
+
+    pair = moe_zoo("deepseek_v3")
+    capsys.readouterr()
+    assert main(["graphs", "--model", str(pair.target), "--draft-model", str(pair.drafter), "--spec", "ddtree",
+                 "--block-size", "8", "--budget", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "draft=8, verify=21" in out
+    widths = {cols[0]: int(cols[1]) for cols in map(str.split, out.splitlines())
+              if len(cols) > 1 and cols[0] in ("draft", "verify")}
+    assert widths == {"draft": 8, "verify": 21}

@@ -215,3 +215,39 @@ def test_graphs_shows_the_plan(moe_zoo, capsys):
     widths = {cols[0]: int(cols[1]) for cols in map(str.split, out.splitlines())
               if len(cols) > 1 and cols[0] in ("draft", "verify")}
     assert widths == {"draft": 8, "verify": 21}
+
+
+# -- timing shapes ---------------------------------------------------------------------------------
+
+def test_random_shapes_are_the_published_models():
+    """On the meta device: Qwen3-30B-A3B's 30.5 B parameters and Kimi K2's 1.03 T (3.3 B and 32.9 B
+    of them active per token), and 'name@N' cuts the layers, the drafter then reading layers inside."""
+    from drafttree.models.moe_decoder import build_target
+    from drafttree.models.random_shapes import shape_config
+
+    for name, total, active in [("qwen3-30b-a3b", 30.53e9, 3.34e9), ("kimi-k2", 1026.4e9, 32.86e9)]:
+        cfg, _ = shape_config(name)
+        with torch.device("meta"):
+            model = build_target(cfg)
+        n = sum(p.numel() for p in model.parameters())
+        m = cfg.moe
+        idle = len(m.sparse_layers) * (m.num_experts - m.top_k) * 3 * m.intermediate_size * cfg.hidden_size
+        assert n == pytest.approx(total, rel=1e-3) and n - idle == pytest.approx(active, rel=1e-2), name
+    cfg, d = shape_config("kimi-k2@3")
+    assert cfg.num_layers == 3 and cfg.moe.sparse_layers == (1, 2) and max(d["target_layer_ids"]) < 3
+    with pytest.raises(ValueError, match="unknown random shape"):
+        shape_config("kimi-k3")
+
+
+def test_bench_phases_on_an_mla_target(moe_zoo, capsys, tmp_path):
+    """`python -m drafttree.bench.phases` times a DDTree round of an MLA/MoE target with an
+    untrained drafter made for it."""
+    from drafttree.bench import phases
+
+    pair = moe_zoo("deepseek_v3")
+    out = tmp_path / "phases.json"
+    assert phases.main(["--model", str(pair.target), "--random-drafter", "--block-size", "4", "--device", "cpu",
+                        "--dtype", "float32", "--spec", "ddtree", "--budget", "8", "--prompt-len", "8",
+                        "--max-model-len", "64", "--iters", "1", "--tree-budgets", "", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["widths"] == {"draft": 4, "verify": 9} and res["eager_ms"]["round"] > 0

@@ -52,13 +52,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("absorbed,gathered", [(True, True), (False, False), (True, False)])
-def test_logits_match_transformers(tiny, monkeypatch, absorbed, gathered):
+@pytest.mark.parametrize("absorbed,experts", [(True, "gathered"), (False, "all"), (True, "sorted")])
+def test_logits_match_transformers(tiny, monkeypatch, absorbed, experts):
     """Whole prompts and prompts fed in chunks through the cache, with MLA absorbed or expanded
-    and the experts gathered per (token, k) or all run (the two forms each must agree)."""
+    and the experts gathered per (token, k), all run, or sorted by expert (each form must agree)."""
     name, path = tiny
     monkeypatch.setattr(mla, "ABSORBED_MAX_ROWS", 10**6 if absorbed else 0)
-    monkeypatch.setattr(moe, "gathers", lambda rows, k, e: gathered)
+    monkeypatch.setattr(moe, "gathers", lambda rows, k, e: experts == "gathered")
+    monkeypatch.setattr(moe, "SORTED_MIN_ROWS", 1 if experts == "sorted" else 10**6)
     model, cfg = load_target(path, torch.float32, "cpu")
     assert (cfg.moe is not None) and ((cfg.mla is not None) == name.startswith("deepseek"))
     ids = torch.randint(0, cfg.vocab_size, (2, 37), generator=torch.Generator().manual_seed(0))
@@ -110,7 +111,7 @@ def test_fp8_block_checkpoint_loads_dequantized(tmp_path):
 
 
 def test_expert_forms_agree():
-    """The gathered and the all-experts forms of the same routing give the same output."""
+    """The gathered, all-experts and sorted forms of the same routing give the same output."""
     from drafttree.moe_config import MoEConfig
 
     cfg = MoEConfig(num_experts=6, top_k=2, intermediate_size=5, scoring="softmax", norm_topk_prob=True,
@@ -119,9 +120,11 @@ def test_expert_forms_agree():
     torch.nn.init.normal_(ex.gate_up)
     torch.nn.init.normal_(ex.down)
     x = torch.randn(9, 8)
-    idx = torch.randint(0, 6, (9, 2))
+    idx = torch.randint(0, 6, (9, 2))   # repeats too (top-k never picks one twice)
     w = torch.rand(9, 2)
-    assert torch.allclose(ex.gathered(x, w, idx), ex.all_experts(x, w, idx), atol=1e-5)
+    want = ex.all_experts(x, w, idx)
+    assert torch.allclose(ex.gathered(x, w, idx), want, atol=1e-5)
+    assert torch.allclose(ex.sorted(x, w, idx), want, atol=1e-5)
 
 
 def test_config_layers_and_refusals(tiny):

@@ -1,7 +1,8 @@
 """The mixture-of-experts MLP: a router, routed experts stacked [E, ...], optional shared experts.
 
-Everything runs on static shapes without a host sync, so a decode, draft or verify forward can be
-captured in a CUDA graph: no `nonzero`, no per-expert token counts read back.
+Decode, draft and verify forwards run on static shapes without a host sync, so that they can be
+captured in CUDA graphs: no `nonzero`, no per-expert token counts read back. An eager prefill
+sorts its (token, k) pairs by expert and reads the counts back once (`Experts.sorted`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from drafttree.kernels.torch_ops import silu_mul
 from drafttree.models.layers import MLP
 from drafttree.moe_config import MoEConfig
 
+
+
+# Token rows from which an eager forward sorts its pairs by expert (a prefill chunk); below, and
+# inside a graph capture, the static forms run.
+SORTED_MIN_ROWS = 256
 
 
 def gathers(rows: int, top_k: int, num_experts: int) -> bool:
@@ -74,6 +80,8 @@ class Experts(nn.Module):
         """x [N, D], routing weights and ids [N, k] -> Σ_k w[n, k] · expert_idx[n, k](x[n]): [N, D]."""
         if gathers(x.shape[0], idx.shape[1], self.gate_up.shape[0]):
             return self.gathered(x, w, idx)
+        if x.shape[0] >= SORTED_MIN_ROWS and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return self.sorted(x, w, idx)
         return self.all_experts(x, w, idx)
 
     def gathered(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -87,11 +95,31 @@ class Experts(nn.Module):
         """Every expert over every row, scaled by its combine weight (zero where it was not picked):
         E / k times the FLOPs of the picked experts alone."""
         combine = torch.zeros(x.shape[0], self.gate_up.shape[0], dtype=x.dtype, device=x.device)
-        combine.scatter_(1, idx, w.to(x.dtype))
+        combine.scatter_add_(1, idx, w.to(x.dtype))
         out = torch.zeros_like(x)
         for e in range(self.gate_up.shape[0]):
             out += combine[:, e, None] * F.linear(silu_mul(F.linear(x, self.gate_up[e])), self.down[e])
         return out
+
+
+    def sorted(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The (token, k) pairs sorted by expert, each expert over its own rows only: the FLOPs of
+        the picked experts, one host sync (the counts). The outputs go back to their pairs' places
+        and are summed over k in order, so the result does not depend on atomic adds."""
+        N, k = idx.shape
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        xs = x[order // k]
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                ys[start:start + n] = F.linear(silu_mul(F.linear(xs[start:start + n], self.gate_up[e])), self.down[e])
+                start += n
+        y = torch.empty_like(ys)
+        y[order] = ys
+        return (y.view(N, k, -1) * w[..., None].to(y.dtype)).sum(dim=1)
 
 
 class SparseMoE(nn.Module):

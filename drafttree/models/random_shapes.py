@@ -14,12 +14,24 @@ from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
 from drafttree.models.layers import Rotary
 from drafttree.models.moe_decoder import build_rotary, build_target, fp32_parameters
-from drafttree.moe_config import MoEConfig, parse_mla
 
-KIMI_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
-             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-KIMI_MLA = parse_mla(dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                          v_head_dim=128), KIMI_YARN)
+# The published config.json fields of the MoE/MLA shapes (token ids left out), parsed as a checkpoint's.
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+                 "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+                 "max_position_embeddings": 40960, "num_experts": 128, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "tie_word_embeddings": False}
+KIMI_K2 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
+           "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+           "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384,
+           "routed_scaling_factor": 2.827, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+           "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
+           "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+           "scoring_func": "sigmoid", "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 50000.0,
+           "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                            "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+           "tie_word_embeddings": False}
 
 SHAPES: dict[str, tuple[ModelConfig, dict]] = {
     "qwen3-8b": (ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -30,18 +42,11 @@ SHAPES: dict[str, tuple[ModelConfig, dict]] = {
                                  num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
                                  rope_theta=1e5, max_position_embeddings=8192, tie_word_embeddings=True),
                      dict(layers=3, block_size=16, mask_token_id=49151, target_layer_ids=(1, 7, 14, 21, 27))),
-    # Qwen3-30B-A3B: 128 experts, 8 active, renormalised, every layer sparse
-    "qwen3-30b-a3b": (ModelConfig(arch="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                                  num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
-                                  rope_theta=1e6, max_position_embeddings=40960, qk_norm=True,
-                                  moe=MoEConfig(128, 8, 768, "softmax", True, tuple(range(48)))),
+    # 128 experts, 8 active, renormalised, every layer sparse
+    "qwen3-30b-a3b": (ModelConfig.from_dict(QWEN3_30B_A3B),
                       dict(layers=5, block_size=16, mask_token_id=151669, target_layer_ids=(1, 12, 23, 34, 45))),
-    # Kimi K2 (DeepseekV3ForCausalLM): MLA, 384 experts, 8 active, 1 shared, the first layer dense
-    "kimi-k2": (ModelConfig(arch="deepseek_v3", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
-                            num_layers=61, num_heads=64, num_kv_heads=1, head_dim=KIMI_MLA.cache_dim, rms_norm_eps=1e-6,
-                            rope_theta=50000.0, rope_scaling=KIMI_YARN, max_position_embeddings=131072,
-                            moe=MoEConfig(384, 8, 2048, "sigmoid", True, tuple(range(1, 61)), 1, 1, 2.827, 1),
-                            mla=KIMI_MLA),
+    # MLA, 384 experts, 8 active, 1 shared, the first layer dense, yarn x32
+    "kimi-k2": (ModelConfig.from_dict(KIMI_K2),
                 dict(layers=5, block_size=16, mask_token_id=163839, target_layer_ids=(1, 15, 30, 45, 58))),
 }
 

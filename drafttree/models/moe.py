@@ -14,21 +14,23 @@ from drafttree.kernels.torch_ops import silu_mul
 from drafttree.models.layers import MLP
 from drafttree.moe_config import MoEConfig
 
-
-
 # Token rows from which an eager forward sorts its pairs by expert (a prefill chunk); below, and
 # inside a graph capture, the static forms run.
 SORTED_MIN_ROWS = 256
+
+# (token, k) pairs up to which the experts may be gathered: the copy is a transient of this many
+# experts' weights (1.4 GB for Kimi K2's in bf16 at 16), so a decode of one or two tokens.
+GATHER_MAX_PAIRS = 16
 
 
 def gathers(rows: int, top_k: int, num_experts: int) -> bool:
     """Whether the experts run by gathering each (token, k) pair's weights (`Experts.gathered`)
     rather than every expert over every row (`Experts.all_experts`). The gather copies the picked
     experts (a read, a write and a read of each pair's weights), the loop reads every expert once:
-    so gather while 3 * rows * k <= E (a decode at batch 1 for Kimi K2's 384 experts: 24 of 384).
-    Both are static shapes; neither is what a GPU wants for a verify or a prefill, a grouped GEMM
-    over expert-sorted pairs, which is the next step."""
-    return 3 * rows * top_k <= num_experts
+    so gather while 3 * rows * k <= E, and within GATHER_MAX_PAIRS. Both are static shapes; what
+    a GPU wants for a verify is a grouped GEMM over expert-sorted pairs, which is the next step."""
+    pairs = rows * top_k
+    return 3 * pairs <= num_experts and pairs <= GATHER_MAX_PAIRS
 
 
 class Router(nn.Module):

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from drafttree.config import ModelConfig
 from drafttree.loader import fp8_blocks
 from drafttree.loader.moe_weights import sparse_state_dict
 from drafttree.models.moe_decoder import build_rotary, build_target, fp32_parameters, is_sparse
@@ -43,7 +44,7 @@ def read_safetensors(path: str | Path) -> StateDict:
     return out
 
 
-def target_state_dict(hf: StateDict, num_layers: int, tied: bool, cfg=None) -> StateDict:
+def target_state_dict(hf: StateDict, num_layers: int, tied: bool, cfg: ModelConfig | None = None) -> StateDict:
     """Map HF names to ours, fusing q/k/v into qkv_proj and gate/up into gate_up_proj (for an MoE or
     MLA `cfg`, the layers as `moe_weights.sparse_state_dict` maps them)."""
     src = {k.removeprefix("model."): v for k, v in hf.items()}
@@ -101,9 +102,8 @@ def load_into(module: nn.Module, state: StateDict, dtype: torch.dtype, device: s
 
 
 def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device):
-    """Build a DecoderLM from a Hugging Face directory; raises before allocating on bad input."""
-    from drafttree.config import ModelConfig
-
+    """Build a DecoderLM (a SparseDecoderLM for MoE/MLA models) from a Hugging Face directory;
+    raises before allocating on bad input."""
     cfg = ModelConfig.from_dir(path)
     hf = read_safetensors(path)
     if any(k.endswith(fp8_blocks.SCALE_SUFFIX) for k in hf):   # DeepSeek's fp8: dequantized here

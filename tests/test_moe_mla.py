@@ -92,6 +92,8 @@ def test_mla_cache_holds_the_latent_only(tmp_path):
     kv = llm.engine.runner.kv
     assert kv.k.shape[2:] == (1, kv.max_len, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
     assert kv.v.shape[-1] == 0 and kv.v.numel() == 0
+    width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+    assert KVCache.bytes_per_token(3, 1, width, torch.bfloat16, cfg.v_cache_dim) == 3 * width * 2
 
 
 def test_fp8_block_checkpoint_loads_dequantized(tmp_path):

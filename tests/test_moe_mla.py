@@ -16,7 +16,7 @@ from drafttree.models import mla, moe
 from drafttree.models.kv_cache import KVCache, attn_meta, causal
 from tests.helpers import SCALE, VOCAB, Pair, check_lossless, greedy, make_prompts, taus_of
 from tests.moe_tiny import SHAPES, fp8_copy, make_moe_target
-from tests.tiny import edit_config, make_drafter
+from tests.tiny import copy_checkpoint, edit_config, edit_tensors, make_drafter
 
 SHAPE_NAMES = sorted(SHAPES)
 
@@ -110,6 +110,23 @@ def test_fp8_block_checkpoint_loads_dequantized(tmp_path):
     assert fp8_blocks.dequantize(w, torch.full((3, 2), 2.0), (8, 8)).equal(w.float() * 2)
     with pytest.raises(ValueError, match="weight_scale_inv of shape"):
         fp8_blocks.dequantize(w, torch.ones(2, 2), (8, 8))
+
+
+def test_checkpoint_checked_before_loading(tmp_path):
+    """A multi-token-prediction layer past num_hidden_layers is never read; a missing expert, or
+    a tensor of the wrong shape, is refused by name (checked on meta tensors before any read)."""
+    src = make_moe_target(tmp_path / "src", "deepseek_v3")
+    extra = {"model.layers.3.self_attn.kv_a_proj_with_mqa.weight": torch.zeros(3, 3)}
+    edit_tensors(copy_checkpoint(src, tmp_path / "mtp"), lambda t: {**t, **extra})
+    assert load_target(tmp_path / "mtp", torch.float32, "cpu")[0].cfg.num_layers == 3
+    edit_tensors(copy_checkpoint(src, tmp_path / "missing"),
+                 lambda t: {k: v for k, v in t.items() if k != "model.layers.2.mlp.experts.3.up_proj.weight"})
+    with pytest.raises(ValueError, match="missing tensor 'layers.2.mlp.experts.3.up_proj.weight'"):
+        load_target(tmp_path / "missing", torch.float32, "cpu")
+    edit_tensors(copy_checkpoint(src, tmp_path / "shape"),
+                 lambda t: {**t, "model.layers.1.self_attn.kv_b_proj.weight": torch.zeros(5, 16)})
+    with pytest.raises(ValueError, match="'self_attn.kv_b_proj.weight' has shape"):
+        load_target(tmp_path / "shape", torch.float32, "cpu")
 
 
 def test_expert_forms_agree():

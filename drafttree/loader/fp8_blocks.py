@@ -29,18 +29,3 @@ def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int])
                          f"{bn} x {bk} blocks; expected {want}")
     s = scale_inv.float().repeat_interleave(bn, dim=0)[:N].repeat_interleave(bk, dim=1)[:, :K]
     return w.float() * s
-
-
-def dequantize_state(state: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """Every `X.weight` that has an `X.weight_scale_inv` dequantized (fp32), the scales dropped."""
-    out = {}
-    for name, t in state.items():
-        if name.endswith(SCALE_SUFFIX):
-            if name.removesuffix(SCALE_SUFFIX) not in state:
-                raise ValueError(f"checkpoint has {name!r} but not its weight")
-            continue
-        scale = state.get(name + SCALE_SUFFIX)
-        if scale is None and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(f"fp8 tensor {name!r} has no {name + SCALE_SUFFIX!r}")
-        out[name] = t if scale is None else dequantize(t, scale, block)
-    return out

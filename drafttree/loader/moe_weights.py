@@ -2,6 +2,7 @@
 `models.moe_decoder.SparseDecoderLM`: experts stacked into [E, ...] tensors, gate and up fused."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -15,24 +16,22 @@ MLA_TENSORS = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_wit
                "kv_b_proj", "o_proj")
 
 
-def sparse_state_dict(src: StateDict, cfg: ModelConfig, take: Take) -> StateDict:
-    """Our names for every layer of `cfg` from HF names without the 'model.' prefix (`src`);
-    anything else in the checkpoint (DeepSeek's multi-token-prediction layers) is left out."""
-    out: StateDict = {}
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        for n in ("input_layernorm", "post_attention_layernorm"):
-            out[p + n + ".weight"] = take(p + n + ".weight")
-        out.update(mla_tensors(src, p + "self_attn.") if cfg.mla is not None else
-                   attention_tensors(src, p + "self_attn.", take))
-        if cfg.moe is not None and i in cfg.moe.sparse_layers:
-            out.update(moe_tensors(src, p + "mlp.", cfg.moe.num_experts, take))
-        else:
-            out.update(mlp_tensors(p + "mlp.", take))
-    return out
+def layer_tensors(src: Mapping[str, torch.Tensor], cfg: ModelConfig, i: int, take: Take) -> StateDict:
+    """Layer i's tensors under our names, relative to the layer, from HF names without the 'model.'
+    prefix (`src`, read lazily); anything the config does not ask for (DeepSeek's
+    multi-token-prediction layers) is never read."""
+    p = f"layers.{i}."
+    out = {n + ".weight": take(p + n + ".weight") for n in ("input_layernorm", "post_attention_layernorm")}
+    out.update(mla_tensors(src, p + "self_attn.") if cfg.mla is not None else
+               attention_tensors(src, p + "self_attn.", take))
+    if cfg.moe is not None and i in cfg.moe.sparse_layers:
+        out.update(moe_tensors(src, p + "mlp.", cfg.moe.num_experts, take))
+    else:
+        out.update(mlp_tensors(p + "mlp.", take))
+    return {k.removeprefix(p): v for k, v in out.items()}
 
 
-def attention_tensors(src: StateDict, a: str, take: Take) -> StateDict:
+def attention_tensors(src: Mapping[str, torch.Tensor], a: str, take: Take) -> StateDict:
     out = {a + "qkv_proj.weight": torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]),
            a + "o_proj.weight": take(a + "o_proj.weight")}
     if a + "q_proj.bias" in src:
@@ -43,7 +42,7 @@ def attention_tensors(src: StateDict, a: str, take: Take) -> StateDict:
     return out
 
 
-def mla_tensors(src: StateDict, a: str) -> StateDict:
+def mla_tensors(src: Mapping[str, torch.Tensor], a: str) -> StateDict:
     """MLA keeps the checkpoint's names (the module checks that the ones its config needs exist)."""
     return {a + n + "." + kind: src[a + n + "." + kind] for n in MLA_TENSORS for kind in ("weight", "bias")
             if a + n + "." + kind in src}
@@ -54,7 +53,7 @@ def mlp_tensors(m: str, take: Take) -> StateDict:
             m + "down_proj.weight": take(m + "down_proj.weight")}
 
 
-def moe_tensors(src: StateDict, m: str, num_experts: int, take: Take) -> StateDict:
+def moe_tensors(src: Mapping[str, torch.Tensor], m: str, num_experts: int, take: Take) -> StateDict:
     """Router, experts stacked [E, 2I, D] and [E, D, I], shared experts. Also reads experts saved
     already stacked (transformers' in-memory layout: experts.gate_up_proj, experts.down_proj)."""
     out = {m + "router.weight": take(m + "gate.weight")}

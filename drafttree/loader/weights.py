@@ -10,9 +10,9 @@ from safetensors import safe_open
 from torch import nn
 
 from drafttree.config import ModelConfig
-from drafttree.loader import fp8_blocks
-from drafttree.loader.moe_weights import sparse_state_dict
-from drafttree.models.moe_decoder import build_rotary, build_target, fp32_parameters, is_sparse
+from drafttree.loader.lazy_tensors import CheckpointTensors
+from drafttree.loader.moe_weights import layer_tensors
+from drafttree.models.moe_decoder import SparseDecoderLM, build_rotary, fp32_parameters, is_sparse
 
 StateDict = dict[str, torch.Tensor]
 
@@ -44,9 +44,8 @@ def read_safetensors(path: str | Path) -> StateDict:
     return out
 
 
-def target_state_dict(hf: StateDict, num_layers: int, tied: bool, cfg: ModelConfig | None = None) -> StateDict:
-    """Map HF names to ours, fusing q/k/v into qkv_proj and gate/up into gate_up_proj (for an MoE or
-    MLA `cfg`, the layers as `moe_weights.sparse_state_dict` maps them)."""
+def target_state_dict(hf: StateDict, num_layers: int, tied: bool) -> StateDict:
+    """Map HF names to ours, fusing q/k/v into qkv_proj and gate/up into gate_up_proj."""
     src = {k.removeprefix("model."): v for k, v in hf.items()}
     out: StateDict = {}
 
@@ -61,9 +60,6 @@ def target_state_dict(hf: StateDict, num_layers: int, tied: bool, cfg: ModelConf
         out["lm_head.weight"] = hf.get("lm_head.weight", src.get("lm_head.weight"))
         if out["lm_head.weight"] is None:
             raise ValueError("checkpoint is missing tensor 'lm_head.weight' (tie_word_embeddings is false)")
-    if cfg is not None and is_sparse(cfg):
-        out.update(sparse_state_dict(src, cfg, take))
-        return out
     for i in range(num_layers):
         out.update(layer_state_dict(src, f"layers.{i}.", take))
     return out
@@ -87,8 +83,8 @@ def layer_state_dict(src: StateDict, p: str, take: Callable[[str], torch.Tensor]
     return out
 
 
-def load_into(module: nn.Module, state: StateDict, dtype: torch.dtype, device: str | torch.device) -> None:
-    """Copy `state` into a module built on the meta device; shapes must match exactly."""
+def check_state(module: nn.Module, state: StateDict) -> dict[str, nn.Parameter]:
+    """The module's parameters, once `state` is known to hold each of them at its shape."""
     expected = dict(module.named_parameters(remove_duplicate=True))
     missing = sorted(set(expected) - set(state))
     if missing:
@@ -97,6 +93,12 @@ def load_into(module: nn.Module, state: StateDict, dtype: torch.dtype, device: s
         t = state[name]
         if tuple(t.shape) != tuple(param.shape):
             raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, the config implies {tuple(param.shape)}")
+    return expected
+
+
+def load_into(module: nn.Module, state: StateDict, dtype: torch.dtype, device: str | torch.device) -> None:
+    """Copy `state` into a module built on the meta device; shapes must match exactly."""
+    expected = check_state(module, state)
     fixed = {n: state[n].to(device=device, dtype=dtype) for n in expected}
     module.load_state_dict(fixed, strict=False, assign=True)   # buffers: the caller rebuilds them
 
@@ -104,18 +106,57 @@ def load_into(module: nn.Module, state: StateDict, dtype: torch.dtype, device: s
 def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device):
     """Build a DecoderLM (a SparseDecoderLM for MoE/MLA models) from a Hugging Face directory;
     raises before allocating on bad input."""
+    from drafttree.models.decoder import DecoderLM
+    from drafttree.models.layers import Rotary
+
     cfg = ModelConfig.from_dir(path)
-    hf = read_safetensors(path)
-    if any(k.endswith(fp8_blocks.SCALE_SUFFIX) for k in hf):   # DeepSeek's fp8: dequantized here
-        block = fp8_blocks.block_size(json.loads((Path(path) / "config.json").read_text()))
-        hf = fp8_blocks.dequantize_state(hf, block)
-    state = target_state_dict(hf, cfg.num_layers, cfg.tie_word_embeddings, cfg)
+    if is_sparse(cfg):
+        return load_sparse_target(Path(path), cfg, dtype, device), cfg
+    state = target_state_dict(read_safetensors(path), cfg.num_layers, cfg.tie_word_embeddings)
     with torch.device("meta"):
-        model = build_target(cfg)
+        model = DecoderLM(cfg)
     load_into(model, state, dtype, device)
-    for name in fp32_parameters(model):   # the routers keep the checkpoint's precision
-        model.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = Rotary(cfg).to(device)
+    return model.eval().requires_grad_(False), cfg
+
+
+def load_sparse_target(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> SparseDecoderLM:
+    """A Qwen3-MoE or DeepSeek-V3 checkpoint, read and placed one layer at a time (its experts
+    stacked then), so that host memory holds about one layer beyond what is read; fp8 weights come
+    dequantized; routers keep fp32. Every name and shape is checked first, with nothing read."""
+    src = CheckpointTensors(path)
+    with torch.device("meta"):
+        model = SparseDecoderLM(cfg)
+    top = [(model.embed_tokens, "embed_tokens.weight"), (model.norm, "norm.weight")]
+    if not cfg.tie_word_embeddings:
+        top.append((model.lm_head, "lm_head.weight"))
+    for view in (src.shapes(), src):   # meta tensors first: the checks; then the weights
+        take = _taker(view)
+        for i, layer in enumerate(model.layers):
+            state = layer_tensors(view, cfg, i, take)
+            if view is not src:
+                check_state(layer, state)
+                continue
+            load_into(layer, state, dtype, device)
+            for name in fp32_parameters(layer, "mlp.router."):
+                layer.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
+        for module, name in top:
+            if view is src:
+                load_into(module, {"weight": take(name)}, dtype, device)
+            else:
+                check_state(module, {"weight": take(name)})
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = build_rotary(cfg).to(device)
-    return model.eval().requires_grad_(False), cfg
+    return model.eval().requires_grad_(False)
+
+
+def _taker(src) -> Callable[[str], torch.Tensor]:
+    def take(name: str) -> torch.Tensor:
+        if name not in src:
+            raise ValueError(f"checkpoint is missing tensor {name!r}"
+                             + (" (tie_word_embeddings is false)" if name == "lm_head.weight" else ""))
+        return src[name]
+    return take

@@ -68,6 +68,7 @@ def build_rotary(cfg: ModelConfig) -> nn.Module:
     return ScaledRotary(cfg) if is_sparse(cfg) else Rotary(cfg)
 
 
-def fp32_parameters(model: nn.Module) -> list[str]:
-    """The parameters kept in fp32 whatever the model's dtype: the routers'."""
-    return [n for n, _ in model.named_parameters() if ".mlp.router." in n]
+def fp32_parameters(module: nn.Module, marker: str = ".mlp.router.") -> list[str]:
+    """The parameters kept in fp32 whatever the model's dtype: the routers' (`marker` names them;
+    "mlp.router." within one layer)."""
+    return [n for n, _ in module.named_parameters() if marker in n]

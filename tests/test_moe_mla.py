@@ -84,6 +84,21 @@ def test_greedy_generation_matches_transformers(tiny, prompt_len):
         assert out.token_ids == want, f"{name} prompt_len={prompt_len}"
 
 
+def test_drafter_features_are_the_hidden_states(tiny):
+    """What a drafter reads (the hidden states after target_layer_ids, as training extracts them)
+    is transformers' hidden_states: after layer 0, and after the last layer's final norm."""
+    from drafttree.train.forward import FeatureExtractor
+
+    name, path = tiny
+    model, cfg = load_target(path, torch.float32, "cpu")
+    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(2))
+    feats = FeatureExtractor(model, (0, 2), rows=2, max_len=32)(ids)
+    with torch.no_grad():
+        hs = hf_model(path)(ids, output_hidden_states=True).hidden_states
+    D = cfg.hidden_size
+    assert rel(feats[..., :D], hs[1]) < 1e-4 and rel(feats[..., D:], hs[3]) < 1e-4, name
+
+
 def test_mla_cache_holds_the_latent_only(tmp_path):
     """MLA's K cache: one head of kv_lora_rank + qk_rope_head_dim per token; V: none."""
     path = make_moe_target(tmp_path, "deepseek_v3")

@@ -88,7 +88,6 @@ class Experts(nn.Module):
 
     def gathered(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Each (token, k) pair gathers its expert's weights and runs a batched GEMV."""
-        N, k = idx.shape
         h = torch.matmul(self.gate_up[idx], x[:, None, :, None])[..., 0]       # [N, k, 2I]
         y = torch.matmul(self.down[idx], silu_mul(h)[..., None])[..., 0]       # [N, k, D]
         return (y * w[..., None].to(y.dtype)).sum(dim=1)
@@ -102,7 +101,6 @@ class Experts(nn.Module):
         for e in range(self.gate_up.shape[0]):
             out += combine[:, e, None] * F.linear(silu_mul(F.linear(x, self.gate_up[e])), self.down[e])
         return out
-
 
     def sorted(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The (token, k) pairs sorted by expert, each expert over its own rows only: the FLOPs of

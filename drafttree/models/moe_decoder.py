@@ -43,7 +43,7 @@ class SparseDecoderLM(DecoderLM):
     """`DecoderLM` (forward, logits, capture of hidden states for a drafter) over sparse layers."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)   # not DecoderLM's: its dense layers are never built
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(SparseDecoderLayer(cfg, i) for i in range(cfg.num_layers))

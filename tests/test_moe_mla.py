@@ -288,3 +288,30 @@ def test_bench_phases_on_an_mla_target(moe_zoo, capsys, tmp_path):
                         "--max-model-len", "64", "--iters", "1", "--tree-budgets", "", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["widths"] == {"draft": 4, "verify": 9} and res["eager_ms"]["round"] > 0
+
+
+@pytest.mark.parametrize("rows,width", [(1, 1), (2, 1), (2, 9), (1, 33)])
+def test_decode_and_verify_forwards_have_no_host_sync(tiny, rows, width):
+    """A decode (gathered experts at one row), a draft-sized and a verify-sized forward trace
+    into one graph (torch.compile fullgraph, eager backend): no data-dependent shapes, no read-back,
+    so they can be captured. The sorted prefill form, which reads its counts back, cannot."""
+    name, path = tiny
+    model, cfg = load_target(path, torch.float32, "cpu")
+    kv = KVCache.allocate(cfg.num_layers, rows, 64, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu",
+                          cfg.v_cache_dim)
+
+    def step(ids, pos, meta):
+        return model.logits(model(ids, pos, meta, kv.k, kv.v)[0])
+
+    ids = torch.randint(0, cfg.vocab_size, (rows, width), generator=torch.Generator().manual_seed(rows))
+    pos = torch.arange(width)[None].expand(rows, width) + 5
+    meta = attn_meta(torch.full((rows,), 5), causal(rows, width, "cpu"), 64)
+    want = step(ids, pos, meta)   # eager first: the settings are read outside the trace
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(step, backend="eager", fullgraph=True)(ids, pos, meta), want)
+    if (rows, width) == (1, 33):
+        x = torch.randn(300, cfg.hidden_size)
+        w, idx = torch.rand(300, cfg.moe.top_k), torch.randint(0, cfg.moe.num_experts, (300, cfg.moe.top_k))
+        experts = next(m for m in model.modules() if isinstance(m, moe.Experts))
+        with pytest.raises(RuntimeError, match="data-dependent"):
+            torch.compile(experts.sorted, backend="eager", fullgraph=True)(x, w, idx)

@@ -230,14 +230,18 @@ def test_ddtree_expanded_prefill_matches_plain(moe_zoo, monkeypatch):
     (dict(vocab_size=50, dflash_config={"mask_token_id": 3}), "vocab size 50"),
     (dict(dflash_config={"target_layer_ids": [0, 3]}), r"target_layer_ids \[3\] not in \[0, 3\)"),
 ])
-def test_drafter_that_does_not_fit_is_refused(moe_zoo, tmp_path, change, match):
+def test_drafter_that_does_not_fit_is_refused(moe_zoo, tmp_path, capsys, change, match):
+    """By the engine, and by `drafttree graphs` (exit 2, the mismatch named), before any weight loads."""
+    from drafttree.cli import main
+
     pair = moe_zoo("deepseek_v3")
-    import shutil
-    bad = Path(shutil.copytree(pair.drafter, tmp_path / "bad"))
-    edit_config(bad, **change)
+    bad = edit_config(copy_checkpoint(pair.drafter, tmp_path / "bad"), **change)
     with pytest.raises(ValueError, match="drafter does not fit the target: .*" + match):
         LLM(model=str(pair.target), draft_model=str(bad), spec="ddtree", device="cpu", dtype="float32",
             max_num_seqs=1, max_model_len=64)
+    capsys.readouterr()
+    assert main(["graphs", "--model", str(pair.target), "--draft-model", str(bad), "--spec", "ddtree"]) == 2
+    assert "drafter does not fit the target" in capsys.readouterr().err
 
 
 def test_graphs_shows_the_plan(moe_zoo, capsys):

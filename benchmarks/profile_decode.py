@@ -18,7 +18,7 @@ if len(sys.argv) > 3:
     extra["draft_quantization"] = sys.argv[3]
 eng = Engine(EngineConfig(spec=spec, random_weights=shape, max_num_seqs=1, max_model_len=2048, **extra))
 r = eng.runner
-r.prefill(0, [list(range(1, 513))], [SamplingParams(temperature=0.0)], [0])
+r.prefill_rows([list(range(1, 513))], [SamplingParams(temperature=0.0)], [0])
 state = (r.state.start, r.state.bonus, r.state.ctx_n, r.state.ctx_feat)
 snap = [t.clone() for t in state]
 ROUNDS = 5

@@ -28,7 +28,7 @@ sp = [SamplingParams(temperature=0.0)]
 
 
 def prefill(n: int) -> None:
-    r.prefill(0, [list(range(1, n + 1))], sp, [0])   # ends in the prefill's one host sync
+    r.prefill_rows([list(range(1, n + 1))], sp, [0])   # ends in the prefill's one host sync
 
 
 with torch.inference_mode():

@@ -32,9 +32,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "output is unchanged, the acceptance may move; pays for large drafters only (CUDA "
                         "compute capability 8.9+, or CPU)")
     g.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
-    g.add_argument("--max-num-seqs", type=int, default=8, help="largest batch (KV cache rows)")
+    g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+                   help="requests running at once (the KV page pool bounds how many contexts fit)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length per request")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache budget")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="KV page pool size (default: 1 GiB on CPU, 60%% of the free memory on CUDA)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: the share of the device's memory to use; the KV page pool gets what the weights "
+                        "and CUDA graphs leave of it")
+    g.add_argument("--page-size", type=int, default=EngineConfig.page_size, help="tokens per KV page")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt in full (default: requests share the KV pages of common prefixes)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run every phase eagerly")
     g.add_argument("--no-prefill-graphs", action="store_true",
                    help="run prefill eagerly (default with CUDA graphs: graphed per (prompts, length bucket), "
@@ -51,6 +59,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         draft_quantization=a.draft_quantization, device=a.device,
                         max_num_seqs=a.max_num_seqs,
                         max_model_len=a.max_model_len, kv_cache_memory_gb=a.kv_cache_memory_gb,
+                        gpu_memory_utilization=a.gpu_memory_utilization, page_size=a.page_size,
+                        enable_prefix_caching=not a.no_prefix_caching,
                         cuda_graphs=False if a.no_cuda_graphs else None,
                         prefill_graphs=False if a.no_prefill_graphs else None,
                         overlap=False if a.no_overlap else None)

@@ -110,11 +110,14 @@ def test_decode_through_the_kernels_is_lossless(zoo, monkeypatch, shape, spec, b
     ran = []
     monkeypatch.setattr(dispatch, "few_rows", lambda q, rows: True)
     real = attn_kernel._attention
-    monkeypatch.setattr(attn_kernel, "_attention", lambda *a: ran.append(a[-1] is not None) or real(*a))
+    # (q, H, k, v, mask, scale, rope, kv_slots): paged, with the rope inside for decode tokens
+    monkeypatch.setattr(attn_kernel, "_attention", lambda *a: ran.append((a[6] is not None, a[7] is not None))
+                        or real(*a))
     llm = LLM(model=str(pair.target), draft_model=None if spec == "none" else str(pair.drafter), spec=spec,
               budget=budget, device=DEVICE, dtype="float32", max_num_seqs=2, max_model_len=128)
     assert [o.token_ids for o in llm.generate(prompts, greedy(5))] == want
-    assert ran and any(ran) == (spec == "none")   # the rope inside the attention: one-token decodes only
+    assert ran and all(paged for _, paged in ran)
+    assert any(r for r, _ in ran) == (spec == "none")   # the rope inside the attention: one-token decodes only
 
 
 @pytest.mark.parametrize("shape", ["qwen3", "llama"])
@@ -257,3 +260,53 @@ def test_jit_kernel_refuses_an_unknown_argument_name():
     from drafttree.kernels.triton_jit import jit_kernel
     with pytest.raises(ValueError, match="no argument"):
         jit_kernel(attn_kernel._merge_kernel, True, ("NOT_AN_ARG",))
+
+
+def _paged(gen, B, Hkv, L, hd, ps=16):
+    """Pools [1, Hkv, slots, hd] and each row's positions 0..L-1 scattered over shuffled pages."""
+    per_row = -(-L // ps)
+    pages = 1 + B * per_row + 2
+    pools = torch.randn(2, 1, Hkv, pages * ps, hd, generator=gen)
+    table = (torch.randperm(pages - 1, generator=gen)[:B * per_row] + 1).view(B, per_row)
+    pos = torch.arange(L)
+    return pools[0].to(DEVICE), pools[1].to(DEVICE), (table[:, pos // ps] * ps + pos % ps).to(DEVICE)
+
+
+@pytest.mark.parametrize("B,Hkv,g,W,L,hd", [(2, 2, 2, 1, 200, 16), (3, 1, 2, 9, 130, 32)])
+def test_paged_attention_reads_through_the_slots(B, Hkv, g, W, L, hd):
+    """Over a paged pool the kernel reads position n of row b at kv_slots[b, n]: the attention
+    of the gathered copy."""
+    gen = torch.Generator().manual_seed(L + W)
+    k_pool, v_pool, kv_slots = _paged(gen, B, Hkv, L, hd)
+    q = torch.randn(B, W, g * Hkv, hd, generator=gen).to(DEVICE)
+    mask = torch.rand(B, 1, W, L, generator=gen) < 0.3
+    mask[:, :, torch.arange(W), torch.arange(W) * 3 % L] = True
+    mask = mask.to(DEVICE)
+    out = attn_kernel.few_row_attention(q, k_pool, v_pool, mask, hd ** -0.5, kv_slots)
+    k, v = torch_ops.gather_slots(k_pool, kv_slots), torch_ops.gather_slots(v_pool, kv_slots)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask, hd ** -0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_rope_attention_writes_its_slot_and_reads_through_the_slots(monkeypatch):
+    """A decode token's rope, KV write and attention in one launch over a paged pool: the pool
+    and output of the rope kernel's write followed by the paged attention."""
+    from drafttree.kernels.rope_kernel import qk_rope_write_kv
+    monkeypatch.setattr(attn_kernel, "TARGET_PROGRAMS", 64)   # several splits: one holds the new position
+    B, heads, kv_heads, L, hd = 2, 4, 2, 200, 16
+    gen = torch.Generator().manual_seed(5)
+    k_pool, v_pool, kv_slots = _paged(gen, B, kv_heads, L, hd)
+    qkv = torch.randn(B, 1, (heads + 2 * kv_heads) * hd, generator=gen).to(DEVICE)
+    ang = torch.randint(0, 1000, (B, 1, 1), generator=gen).float() * torch.rand(hd // 2, generator=gen)
+    emb = torch.cat((ang, ang), -1)[:, :, None, :].to(DEVICE)
+    positions = torch.tensor([[150], [70]], device=DEVICE)
+    slots = kv_slots.gather(1, positions)
+    mask = (torch.arange(L, device=DEVICE) <= positions[:, :, None])[:, None]
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    q = qk_rope_write_kv(qkv, heads, kv_heads, None, None, 1e-6, emb.cos(), emb.sin(), want_k, want_v,
+                         torch.zeros(B, 1, dtype=torch.long, device=DEVICE), slots)
+    want = attn_kernel.few_row_attention(q, want_k, want_v, mask, hd ** -0.5, kv_slots)
+    kc, vc = k_pool.clone(), v_pool.clone()
+    rope = attn_kernel.Rope(None, None, 1e-6, emb.cos(), emb.sin(), slots, positions)
+    out = attn_kernel.rope_attention(qkv, heads, kc, vc, mask, hd ** -0.5, rope, kv_slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)

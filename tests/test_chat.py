@@ -159,15 +159,15 @@ def test_first_conversion_says_what_where_and_that_it_is_cached(
 
 def test_a_context_cut_by_the_kv_budget_is_explained(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = make_target(tmp_path / "tiny")     # max_position_embeddings 512; 768 bytes of KV per token
-    gb = (101 * 8 * 768 + 100) / 2**30        # 8 rows x 101 slots: 100 tokens + 1 of decode headroom
+    gb = (8 * 16 * 768 + 100) / 2**30         # 8 pages of 16: the null page, then 112 slots = 111 + 1 of headroom
     with caplog.at_level(logging.WARNING, logger="drafttree.engine.engine"):
         llm = LLM(model=str(path), spec="none", device="cpu", dtype="float32", max_num_seqs=8,
                   kv_cache_memory_gb=gb)
-    assert llm.engine.max_model_len == 100
+    assert llm.engine.max_model_len == 111
     [msg] = [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()]
-    assert msg.startswith(f"max_model_len 100 < the model's 512: the KV cache budget of {gb:.3g} GiB "
-                          "(kv_cache_memory_gb) holds 8 rows x 101 tokens at 768 bytes per token")
-    assert "--kv-cache-memory-gb" in msg and "--max-num-seqs" in msg and "--max-model-len 100" in msg
+    assert msg.startswith(f"max_model_len 111 < the model's 512: the KV cache budget of {gb:.3g} GiB "
+                          "(kv_cache_memory_gb) holds 8 pages of 16 tokens at 768 bytes per token")
+    assert "--kv-cache-memory-gb" in msg and "--max-model-len 111" in msg
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="drafttree.engine.engine"):

@@ -13,7 +13,8 @@ from drafttree.config import ModelConfig
 from drafttree.loader import fp8_blocks
 from drafttree.loader.weights import load_target
 from drafttree.models import mla, moe
-from drafttree.models.kv_cache import KVCache, attn_meta, causal
+from drafttree.models.kv_cache import KVCache, KVLayout, attn_meta, causal
+from drafttree.models.random_shapes import shape_config
 from tests.helpers import SCALE, VOCAB, Pair, check_lossless, greedy, make_prompts, taus_of
 from tests.moe_tiny import SHAPES, fp8_copy, make_moe_target
 from tests.tiny import copy_checkpoint, edit_config, edit_tensors, make_drafter
@@ -100,15 +101,26 @@ def test_drafter_features_are_the_hidden_states(tiny):
 
 
 def test_mla_cache_holds_the_latent_only(tmp_path):
-    """MLA's K cache: one head of kv_lora_rank + qk_rope_head_dim per token; V: none."""
+    """MLA's K pool: one head of kv_lora_rank + qk_rope_head_dim per token; V: no bytes at all.
+    The pool's sizing counts that width only."""
     path = make_moe_target(tmp_path, "deepseek_v3")
     cfg = ModelConfig.from_dir(path)
-    llm = LLM(model=str(path), spec="none", device="cpu", dtype="float32", max_num_seqs=1, max_model_len=64)
-    kv = llm.engine.runner.kv
-    assert kv.k.shape[2:] == (1, kv.max_len, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
-    assert kv.v.shape[-1] == 0 and kv.v.numel() == 0
     width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
-    assert KVCache.bytes_per_token(3, 1, width, torch.bfloat16, cfg.v_cache_dim) == 3 * width * 2
+    layout = KVLayout.of(cfg)
+    assert layout == KVLayout(3, 1, width, 0)
+    assert layout.bytes_per_token(torch.bfloat16) == 3 * width * 2
+    # Kimi K2: a latent of 512 + 64 per token and layer, no V (a dense GQA cache of Qwen3-30B-A3B's
+    # shape keeps 2 x 4 heads x 128)
+    kimi = KVLayout.of(shape_config("kimi-k2")[0])
+    assert kimi == KVLayout(61, 1, 576, 0) and kimi.bytes_per_token(torch.bfloat16) == 61 * 576 * 2
+    assert KVLayout.of(shape_config("qwen3-30b-a3b")[0]).bytes_per_token(torch.bfloat16) == 48 * 2 * 4 * 128 * 2
+    budget = 3 * width * 4 * 16 * 40   # 40 pages of 16 tokens, fp32
+    llm = LLM(model=str(path), spec="none", device="cpu", dtype="float32", max_num_seqs=4, max_model_len=4096,
+              kv_cache_memory_gb=budget / 2**30, page_size=16)
+    kv = llm.engine.runner.kv
+    assert llm.engine.pool.num_pages == 40 and kv.num_pages == 40
+    assert kv.k.shape == (3, 1, 1, 40 * 16, width)
+    assert kv.v.shape[-1] == 0 and kv.v.numel() == 0 and kv.v.untyped_storage().nbytes() == 0
 
 
 def test_fp8_block_checkpoint_loads_dequantized(tmp_path):
@@ -264,7 +276,6 @@ def test_random_shapes_are_the_published_models():
     """On the meta device: Qwen3-30B-A3B's 30.5 B parameters and Kimi K2's 1.03 T (3.3 B and 32.9 B
     of them active per token), and 'name@N' cuts the layers, the drafter then reading layers inside."""
     from drafttree.models.moe_decoder import build_target
-    from drafttree.models.random_shapes import shape_config
 
     for name, total, active in [("qwen3-30b-a3b", 30.53e9, 3.34e9), ("kimi-k2", 1026.4e9, 32.86e9)]:
         cfg, _ = shape_config(name)

@@ -284,8 +284,11 @@ def test_metrics(live: Live, client) -> None:
                  "drafttree_rounds_total", "drafttree_cuda_graph_fallbacks_total",
                  'drafttree_accept_length_bucket{le="16.0"}', "drafttree_accept_length_count",
                  "drafttree_prefill_seconds_total", "drafttree_round_seconds_total",
-                 "drafttree_round_duration_seconds_count", "drafttree_requests_running"):
+                 "drafttree_round_duration_seconds_count", "drafttree_requests_running",
+                 "drafttree_prefix_cache_queries_total", "drafttree_prefix_cache_hits_total",
+                 "drafttree_prefix_cache_hit_rate", "drafttree_preemptions_total", "drafttree_kv_free_pages"):
         assert name in r.text, name
+    assert metric(live, "drafttree_prefix_cache_queries_total") > 0
     assert metric(live, "drafttree_generation_tokens_total") >= 4 and metric(live, "drafttree_rounds_total") >= 3
     assert metric(live, "drafttree_accept_length_count") == metric(live, "drafttree_accept_length_sum") > 0
     assert metric(live, "drafttree_cuda_graph_fallbacks_total") == 0
@@ -305,6 +308,37 @@ def test_model_without_chat_template(tmp_path: Path) -> None:
         ok = httpx.post(f"{lv.url}/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 5,
                                                          "temperature": 0, "ignore_eos": True}).json()
         assert ok["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+
+
+def test_32_concurrent_streams_on_a_small_pool(model_dir: Path) -> None:
+    """32 streams of mixed lengths sharing a prefix, at once, through 16 rows and a pool of 40
+    pages (prefixes shared, admissions waiting for pages): every stream gives the text
+    LLM.generate gives, and the pool ends whole."""
+    from drafttree import LLM, SamplingParams
+
+    pages, ps = 41, 16
+    gb = (pages * ps * 2 * 30 * 3 * 64 * 4 + 1) / 2**30   # SmolLM2-135M's K/V in fp32: 46,080 bytes a token
+    head = "Here is a list of fruit, one per line, with their colours:"
+    fruit = ["apple", "banana", "cherry", "plum", "lime", "fig", "kiwi", "pear"]
+    prompts = [head + " " + ", ".join(fruit[: 1 + i % 8] * (1 + i % 3)) for i in range(32)]
+    max_tokens = [(5 * i) % 11 + 2 for i in range(32)]
+    kw = dict(model=str(model_dir), spec="none", device="cpu", dtype="float32", max_model_len=512)
+    ref = LLM(**kw, max_num_seqs=1)
+    want = [ref.generate([p], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))[0].text
+            for p, m in zip(prompts, max_tokens)]
+    engine = Engine(EngineConfig(**kw, max_num_seqs=16, kv_cache_memory_gb=gb, prefill_chunk=64))
+    assert engine.pool.num_pages == pages
+    with serve(engine) as lv:
+        def stream(i: int) -> str:
+            c = lv.client().completions.create(model=MODEL, prompt=prompts[i], max_tokens=max_tokens[i],
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
+            return stream_text(c)[0]
+        with ThreadPoolExecutor(32) as ex:
+            got = list(ex.map(stream, range(32)))
+        assert lv.idle(60) == {"running": 0, "waiting": 0, "live": 0}
+    assert got == want
+    assert engine.stats.prefix_cache_hits > 0
+    assert engine.free_pages == engine.pool.usable
 
 
 def test_quicksort_first_request_speculative(model_dir: Path, tmp_path: Path, greedy_quicksort: str) -> None:

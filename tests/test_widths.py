@@ -47,7 +47,7 @@ def make_runner(target, spec: SpecConfig) -> ModelRunner:
     runner = ModelRunner(target, drafter, spec, cache, torch.device("cpu"), torch.float32)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (5, 9, 7, 6)]
-    runner.prefill(0, prompts, [SamplingParams(temperature=0.0)] * ROWS, list(range(ROWS)))
+    runner.prefill_rows(prompts, [SamplingParams(temperature=0.0)] * ROWS, list(range(ROWS)))
     return runner
 
 
@@ -69,13 +69,14 @@ def test_every_width_follows_the_spec(target, monkeypatch, case):
     # the runner's buffers and caches
     s = runner.state
     assert s.ctx_feat.shape[1] == commit and s.out_tokens.shape[1] == commit
-    assert runner.kv.max_len == runner.dkv.max_len == MAX_LEN + headroom
+    assert s.block_table.shape[1] * runner.kv.page_size >= MAX_LEN + headroom
+    assert runner.kv.num_pages == runner.dkv.num_pages == runner.cache_cfg.num_pages
 
     # the tree builder's output and the verify mask, in the round functions, per batch bucket
     masks = []
     real_meta = rounds.attn_meta
-    monkeypatch.setattr(rounds, "attn_meta", lambda start, intra, kv_len, slots=None:
-                        masks.append(intra.shape) or real_meta(start, intra, kv_len, slots))
+    monkeypatch.setattr(rounds, "attn_meta", lambda start, intra, kv_len, *a, **kw:
+                        masks.append(intra.shape) or real_meta(start, intra, kv_len, *a, **kw))
     rc, kv_len = runner.round_ctx, runner.round_kv_len(9)
     graphs = GraphRunner(runner)   # its capture-time width check runs here without a GPU
     for B, bucket in ((1, 1), (2, 2), (3, 4)):

@@ -67,7 +67,7 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
     rc = r.round_ctx   # what the round functions take
     V = r.target.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
-    r.prefill(0, [torch.randint(0, V - 2, (prompt_len,), generator=g).tolist() for _ in range(batch)],
+    r.prefill_rows([torch.randint(0, V - 2, (prompt_len,), generator=g).tolist() for _ in range(batch)],
               [SamplingParams(temperature=0.0)] * batch, list(range(batch)))
     snap = [t.clone() for t in (r.state.start, r.state.bonus, r.state.ctx_n, r.state.ctx_feat)]
 

@@ -19,14 +19,20 @@ class EngineConfig:
     draft_quantization: str | None = None   # fp8: the drafter's weights (and its LM head copy) as
                                         # e4m3 with a scale per row; the output is unchanged
     device: str | None = None           # auto: cuda if available
-    max_num_seqs: int = 8
+    max_num_seqs: int = 256             # requests running at once (rows of the round state); the KV
+                                        # pool, not this, bounds how many contexts fit
     max_model_len: int | None = None
-    kv_cache_memory_gb: float | None = None   # default: 1 GiB on CPU, 60% of free on CUDA
+    kv_cache_memory_gb: float | None = None   # the KV page pool; default: 1 GiB on CPU, 60% of free on CUDA
+    gpu_memory_utilization: float | None = None  # CUDA: the share of the device's memory the engine
+                                        # may use; the pool gets what weights and graphs leave of it
+    page_size: int = 16                 # tokens per KV page (runner.model_runner.DEFAULT_PAGE_SIZE says why)
+    enable_prefix_caching: bool = True  # share the KV pages of common prompt prefixes
     cuda_graphs: bool | None = None     # default: on for CUDA
     prefill_graphs: bool | None = None  # graphed prefill per (prompts, length bucket), captured at
                                         # first use; default: on with CUDA graphs
     max_prefill_tokens: int = 8192      # padded tokens in one batched prefill
-    prefill_chunk: int = 2048           # prompt tokens per prefill forward (chunked prefill)
+    prefill_chunk: int = 2048           # prompt tokens per engine step, all prefill chunks together:
+                                        # a long prompt delays running streams by one chunk per step
     admit_min: int = 1                  # while requests run, admit waiting ones only once this many
                                         # rows are free (or all waiting fit): fewer, larger prefills
     overlap: bool | None = None         # launch each round before reading the previous one's tokens

@@ -1,9 +1,9 @@
-"""The engine: admits requests into cache rows, runs prefill and rounds, emits tokens."""
+"""The engine: sizes the KV page pool, steps the scheduler's prefill chunks and rounds, emits tokens."""
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,8 +13,10 @@ from drafttree.config import parse_dtype, resolve_device
 from drafttree.engine.config import EngineConfig
 from drafttree.engine.inflight import Launched, RoundOutputs
 from drafttree.engine.plan import load_models, resolve_spec
-from drafttree.engine.sequence import Sequence, Status
-from drafttree.models.kv_cache import KVCache
+from drafttree.engine.pages import PagePool
+from drafttree.engine.scheduler import Scheduler, SchedulerConfig
+from drafttree.engine.sequence import Sequence
+from drafttree.models.kv_cache import KVLayout
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.settings import Settings, current
@@ -31,6 +33,13 @@ class EngineStats:
     accept_hist: Counter = field(default_factory=Counter)   # τ -> rounds (bounded, unlike a list)
     round_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0      # of those, found there (not computed again)
+    preemptions: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class Engine:
@@ -45,26 +54,25 @@ class Engine:
         if not self.spec.speculative:
             drafter = None
         self.model_cfg = tcfg
-        self.max_model_len, rows = self._size_cache(tcfg, drafter)
-        cache = CacheConfig(rows, self.max_model_len, self.spec.kv_headroom)
-        if cfg.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {cfg.prefill_chunk}")
-        if cfg.admit_min < 1:
-            raise ValueError(f"admit_min must be >= 1, got {cfg.admit_min}")
+        if cfg.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {cfg.max_num_seqs}")
+        use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else self.device.type == "cuda"
+        self.max_model_len, pages = self._size_pool(tcfg, drafter, use_graphs)
+        cache = CacheConfig(cfg.max_num_seqs, self.max_model_len, self.spec.kv_headroom, cfg.page_size, pages)
+        sched = SchedulerConfig(cache, self.spec.max_commit, cfg.prefill_chunk, cfg.max_prefill_tokens, cfg.admit_min)
         self.runner = ModelRunner(target, drafter, self.spec, cache, self.device, self.dtype, cfg.prefill_chunk)
+        self.pool = PagePool(pages, cfg.page_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, self.pool, self.runner)
         self.tokenizer = _load_tokenizer(self.model_dir) if self.model_dir is not None else None
         self.eos_ids = set(tcfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []     # running[i].row == i
         self.stats = EngineStats()
         self.stream_text = False    # a server streaming text sets this
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
         self._inflight: Launched | None = None
         self._last_read = 0.0
-        self._outputs = RoundOutputs(rows, self.spec.max_commit, self.device)
-        use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else self.device.type == "cuda"
+        self._outputs = RoundOutputs(cfg.max_num_seqs, self.spec.max_commit, self.device)
         if cfg.prefill_graphs and not use_graphs:
             raise ValueError("prefill_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
         if use_graphs:
@@ -75,41 +83,76 @@ class Engine:
             from drafttree.runner.prefill_graph import PrefillGraphs
             self.runner.prefill_graphs = PrefillGraphs(self.runner)
 
-    def _size_cache(self, tcfg, drafter) -> tuple[int, int]:
-        bpt = KVCache.bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, self.dtype, tcfg.v_cache_dim)
+    def _size_pool(self, tcfg, drafter, use_graphs: bool) -> tuple[int, int]:
+        """(max_model_len, pages in the pool): the pool takes the KV budget, at most what every
+        row at max_model_len would fill; the context a request may reach follows from it."""
+        cfg, ps = self.cfg, self.cfg.page_size
+        if ps < 1:
+            raise ValueError(f"page_size must be >= 1, got {ps}")
+        # a token's K/V in every pool that holds it: the target's (MLA: its latent only) and the drafter's
+        bpt = KVLayout.of(tcfg).bytes_per_token(self.dtype)
         if drafter is not None:
-            dc = drafter.cfg.model
-            bpt += KVCache.bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype)
-        gb = self.cfg.kv_cache_memory_gb
-        if gb is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.6)
-                source = "the default: 60% of the free CUDA memory"
-            else:
-                budget = 1 << 30
-                source = "the default on CPU"
-        else:
-            budget = int(gb * (1 << 30))
-            source = "kv_cache_memory_gb"
-        rows = self.cfg.max_num_seqs
+            bpt += KVLayout.of(drafter.cfg.model).bytes_per_token(self.dtype)
+        budget, source = self._kv_budget(drafter.cfg.model if drafter is not None else None, use_graphs)
         headroom = self.spec.kv_headroom
-        fit = budget // (rows * bpt) - headroom
-        wanted = self.cfg.max_model_len or tcfg.max_position_embeddings
+        pages = budget // (bpt * ps)
+        fit = (pages - 1) * ps - headroom     # the longest context one request can hold
+        wanted = cfg.max_model_len or tcfg.max_position_embeddings
         max_len = min(wanted, fit)
-        fix = ("raise --kv-cache-memory-gb or lower --max-num-seqs (in Python: kv_cache_memory_gb, "
-               "max_num_seqs)")
+        fix = "raise --kv-cache-memory-gb or --gpu-memory-utilization (in Python: kv_cache_memory_gb, ...)"
         if max_len < 16:
-            raise ValueError(f"KV cache budget of {budget / 2**30:.2f} GiB holds only {max(fit, 0)} tokens "
-                             f"per sequence for {rows} sequences; {fix}")
+            raise ValueError(f"KV cache budget of {budget / 2**30:.3g} GiB ({source}) holds {max(pages, 0)} pages "
+                             f"of {ps} tokens at {bpt} bytes per token: a context of {max(fit, 0)} tokens; {fix}")
         if fit < wanted:
-            whose = "the requested" if self.cfg.max_model_len else "the model's"
-            kept = f" ({headroom} of each row is headroom for a round's writes)" if headroom else ""
-            log.warning("max_model_len %d < %s %d: the KV cache budget of %.3g GiB (%s) holds %d rows x %d "
-                        "tokens at %d bytes per token%s; %s, or pass --max-model-len %d to ask for less",
-                        max_len, whose, wanted, budget / 2**30, source, rows, fit + headroom, bpt, kept, fix,
-                        max_len)
-        return max_len, rows
+            whose = "the requested" if cfg.max_model_len else "the model's"
+            log.warning("max_model_len %d < %s %d: the KV cache budget of %.3g GiB (%s) holds %d pages of %d "
+                        "tokens at %d bytes per token (%d of a request's slots are headroom for a round's "
+                        "writes); %s, or pass --max-model-len %d to ask for less",
+                        max_len, whose, wanted, budget / 2**30, source, pages, ps, bpt, headroom, fix, max_len)
+        per_row = -(-(max_len + headroom) // ps)
+        return max_len, min(pages, 1 + cfg.max_num_seqs * per_row)
+
+    def _kv_budget(self, drafter_cfg, use_graphs: bool) -> tuple[int, str]:
+        cfg = self.cfg
+        if cfg.kv_cache_memory_gb is not None:
+            if cfg.gpu_memory_utilization is not None:
+                raise ValueError("give kv_cache_memory_gb or gpu_memory_utilization, not both")
+            return int(cfg.kv_cache_memory_gb * (1 << 30)), "kv_cache_memory_gb"
+        if self.device.type != "cuda":
+            if cfg.gpu_memory_utilization is not None:
+                raise ValueError("gpu_memory_utilization sizes a CUDA device's KV pool; on "
+                                 f"{self.device.type} give kv_cache_memory_gb")
+            return 1 << 30, "the default on CPU"
+        free, total = torch.cuda.mem_get_info(self.device)
+        if cfg.gpu_memory_utilization is None:
+            return int(free * 0.6), "the default: 60% of the free CUDA memory"
+        util = cfg.gpu_memory_utilization
+        if not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
+        # what the weights (and anything else) took is gone from `free`; the graphs' activations
+        # are captured after the pool is allocated, so they are set aside by the plan's estimate
+        graphs = 0
+        if use_graphs:
+            from drafttree.runner.cuda_graph import graph_plan
+            wanted = cfg.max_model_len or self.model_cfg.max_position_embeddings
+            plan = graph_plan(self.spec, self.model_cfg, drafter_cfg, cfg.max_num_seqs, [wanted])
+            graphs = max((e.est_bytes for e in plan), default=0)   # the graphs share one memory pool
+        budget = int(util * total) - (total - free) - graphs
+        return max(budget, 0), f"gpu_memory_utilization {util}: of {total / 2**30:.1f} GiB, less what is in use" + \
+            (" and the CUDA graphs' estimate" if graphs else "")
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        """Requests holding pages: running (rows 0..B-1, in order), then prefilling."""
+        return self.scheduler.running + self.scheduler.prefilling
+
+    @property
+    def free_pages(self) -> int:
+        return self.pool.num_free
 
     # -- requests ----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
@@ -139,59 +182,72 @@ class Engine:
         seq = Sequence(ids, params, prompt=text)
         if request_id is not None:
             seq.request_id = request_id
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(ids)
         return seq
 
     def abort(self, seq: Sequence) -> None:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
+        """Finish seq (finish reason "abort") and free its pages at once. An unread round that
+        still writes them runs before any later use of the pages (one stream)."""
         seq.finish("abort")
-        if seq.row >= 0:
-            self._release([seq])
+        self.scheduler.free(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        sc = self.scheduler
+        return bool(sc.waiting or sc.prefilling or sc.running)
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, list[int]]]:
-        """Admit what fits, then one round for every running request. Returns the new tokens:
-        with `overlap`, those of the round launched by the previous step (this step's round is
-        launched first, so the device computes it while the host reads and emits)."""
-        out = self._admit()
-        self._release([s for s in self.running if s.finished])
+        """This step's prefill chunks, then one round for every running request. Returns the new
+        tokens: with `overlap`, those of the round launched by the previous step (this step's
+        round is launched first, so the device computes it while the host reads and emits)."""
+        out: list[tuple[Sequence, list[int]]] = []
+        self._release()
         prev = self._inflight
         if prev is not None and (prev.abandoned or not self._may_overlap()):
-            if not prev.abandoned:
-                out += self._read(prev)
-            self._inflight = prev = None
-            self._release([s for s in self.running if s.finished])
-        launched = self._launch() if self.running else None   # (sizes its attention by prev's pending commits)
+            out += self._drain()
+            prev = None
+        out += self._prefill()
+        sc = self.scheduler
+        if sc.running and not sc.reserve(self._pending(), preempt=False):
+            out += self._drain()      # preemption frees pages: no unread round may still commit to them
+            prev = None
+            sc.reserve(0, preempt=True)
+        launched = self._launch() if sc.running else None   # (sizes its attention by prev's pending commits)
         if prev is not None:
             out += self._read(prev)
         self._inflight = launched if self.overlap else None
         if launched is not None and not self.overlap:
             out += self._read(launched)
-        self._release([s for s in self.running if s.finished])
+        self._release()
+        self.stats.preemptions = sc.preemptions
         return out
 
-    def _admit(self) -> list[tuple[Sequence, list[int]]]:
-        out: list[tuple[Sequence, list[int]]] = []
-        rows = self.runner.cache_cfg.max_num_seqs
-        free = rows - len(self.running)
-        admit = not self.running or free >= min(self.cfg.admit_min, len(self.waiting))
-        while admit and self.waiting and len(self.running) < rows:
-            group = self._prefill_group(rows - len(self.running))
-            first_row = len(self.running)
-            for i, seq in enumerate(group):
-                seq.row, seq.status = first_row + i, Status.RUNNING
-            self.running += group
-            t0 = time.perf_counter()
-            firsts = self.runner.prefill(first_row, [q.prompt_ids for q in group], [q.params for q in group],
-                                         [q.seed for q in group])
-            self.stats.prefill_seconds += time.perf_counter() - t0
-            out += [(seq, self._emit(seq, [tok])) for seq, tok in zip(group, firsts)]
+    def _drain(self) -> list[tuple[Sequence, list[int]]]:
+        """Read the unread round, if any (dropped if all its requests finished)."""
+        prev, self._inflight = self._inflight, None
+        out = self._read(prev) if prev is not None and not prev.abandoned else []
+        self._release()
+        return out
+
+    def _prefill(self) -> list[tuple[Sequence, list[int]]]:
+        sc = self.scheduler
+        chunks = sc.schedule_prefill()
+        while not chunks and sc.unstick():
+            chunks = sc.schedule_prefill()
+        if not chunks:
+            return []
+        t0 = time.perf_counter()
+        firsts = self.runner.prefill([c for _, c in chunks])
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        started = sc.prefilled(chunks)
+        self.stats.prefix_cache_queries = self.pool.stats.queries
+        self.stats.prefix_cache_hits = self.pool.stats.hits
+        by_seq = dict(zip((seq for seq, c in chunks if c.row >= 0), firsts))
+        # a recomputed request's bonus token was emitted before its preemption
+        out = [(seq, self._emit(seq, [by_seq[seq]])) for seq in started if not seq.output_ids]
+        self._release()
         return out
 
     def _pending(self) -> int:
@@ -205,14 +261,16 @@ class Engine:
         the cache (whose rows hold max_model_len + kv_headroom slots)."""
         c = self.spec.max_commit
         return all(len(s.output_ids) + c < s.params.max_tokens and s.length + c <= self.max_model_len
-                   for s in self.running)
+                   for s in self.scheduler.running)
 
     def _launch(self) -> Launched:
         """Launch one round over the running requests (no host sync)."""
         t0 = time.perf_counter()
-        mode = SampleMode.of([s.params for s in self.running])
-        self.runner.run_round(len(self.running), mode, max(s.length for s in self.running) + self._pending())
-        return self._outputs.launch(self.runner.state, list(self.running), t0)
+        running = self.scheduler.running
+        self.scheduler.check_reserved(self._pending())
+        mode = SampleMode.of([s.params for s in running])
+        self.runner.run_round(len(running), mode, max(s.length for s in running) + self._pending())
+        return self._outputs.launch(self.runner.state, list(running), t0)
 
     def _read(self, launched: Launched) -> list[tuple[Sequence, list[int]]]:
         """Wait for a launched round's tokens (its one sync) and emit them. A request that finished
@@ -233,19 +291,6 @@ class Engine:
             self.stats.accept_hist[k] += 1
             out.append((seq, self._emit(seq, row[1:1 + k])))
         return out
-
-    def _prefill_group(self, free_rows: int) -> list[Sequence]:
-        """Waiting requests for one padded prefill: at most `free_rows`, and at most
-        max_prefill_tokens padded tokens (always at least one request)."""
-        group = [self.waiting.popleft()]
-        longest = len(group[0].prompt_ids)
-        while self.waiting and len(group) < free_rows:
-            nxt = max(longest, len(self.waiting[0].prompt_ids))
-            if nxt * (len(group) + 1) > self.cfg.max_prefill_tokens:
-                break
-            group.append(self.waiting.popleft())
-            longest = nxt
-        return group
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> list[int]:
         # the context bounds the output as max_tokens does (finish reason "length")
@@ -276,15 +321,11 @@ class Engine:
                     seq.finish("stop")
                     seq.finish_reason = "stop"   # a stop string in the last tokens outranks the length limit
 
-    def _release(self, done: list[Sequence]) -> None:
-        for seq in sorted(done, key=lambda s: -s.row):
-            last = self.running[-1]
-            if last is not seq:
-                self.runner.move_row(last.row, seq.row, last.length)
-                self.running[seq.row] = last
-                last.row = seq.row
-            self.running.pop()
-            seq.row = -1
+    def _release(self) -> None:
+        """Free the pages (and rows) of the requests that finished."""
+        sc = self.scheduler
+        for seq in [s for s in sc.running + sc.prefilling if s.finished]:
+            sc.free(seq)
 
 
 def _load_tokenizer(path: Path):

@@ -103,14 +103,17 @@ def describe_plan(cfg: EngineConfig) -> str:
         from drafttree.models.quant import check
         check(cfg.draft_quantization, "cpu")   # the method's name; the device is checked at start-up
     from drafttree.runner.model_runner import CacheConfig
-    cache = CacheConfig(cfg.max_num_seqs, cfg.max_model_len or target.max_position_embeddings, spec.kv_headroom)
+    cache = CacheConfig(cfg.max_num_seqs, cfg.max_model_len or target.max_position_embeddings, spec.kv_headroom,
+                        cfg.page_size)
     plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, cache.kv_buckets)
     sched = ",".join(f"{b}:{n}" for b, n in spec.budget_schedule) or "-"
     head = (f"spec={spec.method} block_size={spec.block_size} budget={spec.budget} budget_schedule={sched} "
             f"speculate_sampled={'on' if spec.sampled else 'off'} max_num_seqs={cfg.max_num_seqs}"
             + (f" draft_quantization={cfg.draft_quantization}" if cfg.draft_quantization and spec.speculative else "")
             + "\n"
-            f"max_model_len={cache.max_model_len} (the KV budget may lower it at start-up)\n"
+            f"max_model_len={cache.max_model_len} (the KV budget may lower it at start-up); KV pages of "
+            f"{cache.page_size} tokens, {cache.pages_per_row} per request at most; prefix caching "
+            f"{'on' if cfg.enable_prefix_caching else 'off'}\n"
             f"widths per request at batch 1: " + ", ".join(f"{p.value}={spec.width(p)}" for p in spec.round_phases)
             + ("; prefill graphed per (prompts, length bucket), captured at first use\n"
                if cfg.prefill_graphs is not False

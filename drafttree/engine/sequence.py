@@ -13,8 +13,9 @@ _ids = itertools.count()
 
 
 class Status(str, Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
+    WAITING = "waiting"       # queued (or preempted): no pages
+    PREFILL = "prefill"       # holds pages, its prefill in chunks; no row yet
+    RUNNING = "running"       # holds pages and a row; decoding
     FINISHED = "finished"
 
 
@@ -48,6 +49,12 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     seed: int = -1
+    pages: list[int] = field(default_factory=list)   # block table: position j in pages[j // page_size]
+    computed: int = 0         # prefill_ids with K/V in the cache (prefill progress)
+    cached_tokens: int = 0    # of those, found in the prefix cache at admission
+    keyed: int = 0            # pages offered to the prefix cache so far
+    page_keys: list[int] = field(default_factory=list)   # chained hashes of its full pages, as computed
+    preemptions: int = 0
     detok_offsets: tuple[int, int] = (0, 0)   # output ids [prefix, read): window already in text
 
     def __post_init__(self) -> None:
@@ -58,6 +65,12 @@ class Sequence:
     def length(self) -> int:
         """Committed tokens with K/V in the cache (the bonus token is not among them)."""
         return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a prefill computes: the prompt, and after a preemption the tokens generated but
+        the last (the bonus, which the next round runs): recomputing them restores the state."""
+        return self.prompt_ids + self.output_ids[:-1]
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,8 @@ Layout: q and the output stay token-major, [B, W, H, hd], as the projections mak
 them (no permute copies); a KV head's M = g * W query rows are its g query heads times W
 tokens, row m being token m % W of query head h * g + m // W. The cache is
 [rows, Hkv, max_len, hd]; mask [B, 1, W, L] bool, True where a token may see a cache entry.
+Paged (`kv_slots` [B, L]): the cache is one pool [1, Hkv, slots, hd] and row b's position n is
+read from slot kv_slots[b, n] (the block table's slot mapping), without gathering a copy.
 """
 from __future__ import annotations
 
@@ -55,11 +57,11 @@ def _roped(src, t, ok, w_ptr, cos_ptr, sin_ptr, eps, HD: tl.constexpr, NORM: tl.
 
 def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G, L, NS, NMB,
                   sqb, sqw, sqh, skr, skh, skl, svr, svh, svl, smb, smw, scale,
-                  qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, eps,
+                  qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, eps, kvs_ptr, pos_ptr,
                   SPLIT_BLOCKS: tl.constexpr,
                   HKV: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   PREC: tl.constexpr, DIRECT: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-                  W_PAD: tl.constexpr, PDL: tl.constexpr):
+                  W_PAD: tl.constexpr, PAGED: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     pid, sp = tl.program_id(0), tl.program_id(1)
     bh, mb = pid // NMB, pid % NMB
@@ -79,8 +81,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G
         i = tl.arange(0, W_PAD)
         ti = b * W + i
         slot = tl.load(slot_ptr + ti, mask=i < W, other=-1).to(tl.int64)
+        at = slot   # the position the split's keys are counted in: the slot, or paged the position
+        if PAGED:
+            at = tl.load(pos_ptr + ti, mask=i < W, other=-1).to(tl.int64)
         lo = sp * SPLIT_BLOCKS * BN
-        mine = (i < W) & (slot >= lo) & (slot < lo + SPLIT_BLOCKS * BN)
+        mine = (i < W) & (at >= lo) & (at < lo + SPLIT_BLOCKS * BN)
         if tl.max(mine.to(tl.int32), 0) > 0:
             k_src = q_ptr + ti.to(tl.int64) * sqw + (HKV * G + h) * HD
             tl.store(k_base + slot[:, None] * skl + d[None, :],
@@ -100,8 +105,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, o_ptr, M, W, G
         vis = tl.load(mask_ptr + b * smb + w[:, None] * smw + n[None, :],
                       mask=m_ok[:, None] & n_ok[None, :], other=0) != 0
         if tl.max(tl.max(vis.to(tl.int32), 1), 0) > 0:   # a block no row sees is not read
-            k = tl.load(k_base + n[:, None] * skl + d[None, :], mask=n_ok[:, None], other=0.0)
-            v = tl.load(v_base + n[:, None] * svl + d[None, :], mask=n_ok[:, None], other=0.0)
+            at_n = n.to(tl.int64)
+            if PAGED:
+                at_n = tl.load(kvs_ptr + b.to(tl.int64) * L + n, mask=n_ok, other=0).to(tl.int64)
+            k = tl.load(k_base + at_n[:, None] * skl + d[None, :], mask=n_ok[:, None], other=0.0)
+            v = tl.load(v_base + at_n[:, None] * svl + d[None, :], mask=n_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -182,11 +190,12 @@ def plan_split_blocks(programs: int, L: int) -> int:
 
 
 def few_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, kv_slots: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q kᵀ * scale, masked) v with grouped query heads, read and written token-major:
     q [B, W, H, hd] (any strides, last dim contiguous); k, v [B, Hkv, L, hd] views of the cache
-    (last dim contiguous); mask [B, 1, W, L] bool. -> [B, W, H, hd], contiguous."""
-    return _attention(q, q.shape[2], k, v, mask, scale, None)
+    (last dim contiguous), or with kv_slots [B, L] the pools [1, Hkv, slots, hd]; mask [B, 1, W, L]
+    bool. -> [B, W, H, hd], contiguous."""
+    return _attention(q, q.shape[2], k, v, mask, scale, None, kv_slots)
 
 
 @dataclass
@@ -198,22 +207,27 @@ class Rope:
     cos: torch.Tensor               # [B, W, 1, hd]
     sin: torch.Tensor
     slots: torch.Tensor             # [B, W]: where the new tokens' k and v go in the cache views
+    positions: torch.Tensor | None = None   # [B, W], paged: the new tokens' positions (slots are pool slots)
 
 
 def rope_attention(qkv: torch.Tensor, heads: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                   scale: float, rope: Rope) -> torch.Tensor:
+                   scale: float, rope: Rope, kv_slots: torch.Tensor | None = None) -> torch.Tensor:
     """`few_row_attention` from the fused QKV output qkv [B, W, (H + 2 Hkv) * hd], in the same
     launches: q and k normed (if weights) and roped, k and v written to k, v [B, Hkv, L, hd] (views
     of the cache, rows 0..B-1) at `rope.slots`. One launch per layer fewer than `rope_kernel`, but
     every split recomputes its query rows' rope: worth it for decode tokens only (a DDTree verify at
-budget 32 lost more than decode gained)."""
-    return _attention(qkv.contiguous(), heads, k, v, mask, scale, rope)
+budget 32 lost more than decode gained). Paged (kv_slots): k, v are the pools, rope.slots pool
+    slots and rope.positions the new tokens' positions."""
+    return _attention(qkv.contiguous(), heads, k, v, mask, scale, rope, kv_slots)
 
 
 def _attention(q: torch.Tensor, H: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-               rope: Rope | None) -> torch.Tensor:
+               rope: Rope | None, kv_slots: torch.Tensor | None = None) -> torch.Tensor:
     B, W, hd = q.shape[0], q.shape[1], k.shape[-1]
-    Hkv, L = k.shape[1], k.shape[2]
+    paged = kv_slots is not None
+    Hkv, L = k.shape[1], (kv_slots.shape[1] if paged else k.shape[2])
+    if paged and (k.shape[0] != 1 or tuple(kv_slots.shape) != (B, L) or (rope is not None and rope.positions is None)):
+        raise ValueError(f"few_row_attention (paged): k {tuple(k.shape)}, kv_slots {tuple(kv_slots.shape)}")
     fits = q.shape[2] == H if rope is None else q.dim() == 3 and q.shape[2] == (H + 2 * Hkv) * hd
     if not fits or H % Hkv or tuple(mask.shape) != (B, 1, W, L) or q.stride(-1) != 1 or k.stride(-1) != 1 \
             or v.stride(-1) != 1:
@@ -232,16 +246,19 @@ def _attention(q: torch.Tensor, H: int, k: torch.Tensor, v: torch.Tensor, mask: 
     norm = rope is not None and rope.q_weight is not None
     r = (rope.q_weight if norm else q, rope.k_weight if norm else q, rope.cos.contiguous(), rope.sin.contiguous(),
          rope.slots.contiguous(), rope.eps) if rope is not None else (q, q, q, q, q, 0.0)
+    kvs = kv_slots.contiguous() if paged else q
+    pos = rope.positions.contiguous() if paged and rope is not None else q
+    skr, svr = (0, 0) if paged else (k.stride(0), v.stride(0))   # one pool: every row reads it
     interpret = interpreting()
     pdl = pdl_options(q.device)
     # L (a KV bucket: few values) stays specialized: with it unspecialized and q token-major, a
     # batch-16 verify took 102 us against 56 before both changes; not yet split apart
     jit_kernel(_split_kernel, interpret, ("M", "W", "G", "NS", "NMB"))[(B * Hkv * nmb, ns)](
         q, k, v, mask, acc, ml, out, M, W, G, L, ns, nmb, q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        mask.stride(0), mask.stride(2), scale, *r, SPLIT_BLOCKS=split_blocks, HKV=Hkv, HD=hd, BM=bm, BN=BLOCK_N,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, ROPE=rope is not None, NORM=norm,
-        W_PAD=next_pow2(W) if rope is not None else 1, num_warps=4, **pdl)  # fp32 stays fp32
+        skr, k.stride(1), k.stride(2), svr, v.stride(1), v.stride(2),
+        mask.stride(0), mask.stride(2), scale, *r, kvs, pos, SPLIT_BLOCKS=split_blocks, HKV=Hkv, HD=hd, BM=bm,
+        BN=BLOCK_N, PREC="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct, ROPE=rope is not None,
+        NORM=norm, W_PAD=next_pow2(W) if rope is not None else 1, PAGED=paged, num_warps=4, **pdl)  # fp32 stays fp32
     if direct:
         return out
     jit_kernel(_merge_kernel, interpret, ("M", "W", "G", "HKV", "NS"))[(B * Hkv * M,)](acc, ml, out, M, W, G, Hkv, ns,

@@ -10,7 +10,7 @@ Triton where `tl.dot` runs (on CUDA, Ampere or newer).
                              FEW_ROWS query rows per KV head (decode, draft, verify)
                        else: two matmuls around a fused softmax (those few rows), SDPA (prefill)
     rope_attention     q/k norm, rope, KV write and attention in one launch (attn_kernel)
-                       runs: as attention, one token per row, cache rows 0..B-1 (`rope_in_attention`)
+                       runs: as attention, one token per row (`rope_in_attention`)
     qk_rope_write_kv   q/k norm, rope and KV write in one launch (rope_kernel)
                        runs: `attn_kernel` set, dots, head dim as attention;  else: torch ops
     write_kv           KV write in one launch (attn_kernel)
@@ -72,17 +72,17 @@ def attention_kernels(x: torch.Tensor, head_dim: int | None = None) -> bool:
     return current().attn_kernel and hd >= 16 and hd == next_pow2(hd) and dots_run_on(x.device)
 
 
-def rope_in_attention(qkv: torch.Tensor, head_dim: int, group: int, gather_rows: bool) -> bool:
-    """Whether a forward takes `rope_attention`: one token per row (a decode), the cache rows
-    0..B-1, few rows (`group` query heads per KV head). A wider forward would redo each query row's
+def rope_in_attention(qkv: torch.Tensor, head_dim: int, group: int) -> bool:
+    """Whether a forward takes `rope_attention`: one token per row (a decode), few rows (`group`
+    query heads per KV head). A wider forward would redo each query row's
     rope once per split (a DDTree verify at budget 32 lost more than decode gained)."""
-    return attention_kernels(qkv, head_dim) and qkv.shape[1] == 1 and not gather_rows and few_rows(qkv, group)
+    return attention_kernels(qkv, head_dim) and qkv.shape[1] == 1 and few_rows(qkv, group)
 
 
 def rope_attention(qkv: torch.Tensor, heads: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                   scale: float, rope: Rope) -> torch.Tensor:
+                   scale: float, rope: Rope, kv_slots: torch.Tensor | None = None) -> torch.Tensor:
     """`attn_kernel.rope_attention` (only where `rope_in_attention`): [B, W, H, hd]."""
-    return attn_kernel.rope_attention(qkv, heads, k, v, mask, scale, rope)
+    return attn_kernel.rope_attention(qkv, heads, k, v, mask, scale, rope, kv_slots)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
@@ -109,15 +109,18 @@ def qk_rope_write_kv(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: tor
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-              grouped_mask: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """softmax(q kᵀ * scale, masked) v: q [B, W, H, hd]; k, v [B, Hkv, L, hd] (views of the cache);
-    mask [B, 1, W, L] bool; grouped_mask(g): the mask with g query heads folded into its rows
-    (made once per forward, for the torch ops). -> [B, W, H * hd]."""
+              grouped_mask: Callable[[int], torch.Tensor], kv_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q kᵀ * scale, masked) v: q [B, W, H, hd]; k, v [B, Hkv, L, hd] (views of the cache),
+    or paged the pools [1, Hkv, slots, hd] read at kv_slots [B, L] (the kernel follows the slots;
+    the torch ops gather a copy); mask [B, 1, W, L] bool; grouped_mask(g): the mask with g query
+    heads folded into its rows (made once per forward, for the torch ops). -> [B, W, H * hd]."""
     B, W, H, hd = q.shape
     g = H // k.shape[1]
     few = few_rows(q, g * W)
     if few and attention_kernels(q):
-        return attn_kernel.few_row_attention(q, k, v, mask, scale).view(B, W, H * hd)
+        return attn_kernel.few_row_attention(q, k, v, mask, scale, kv_slots).view(B, W, H * hd)
+    if kv_slots is not None:
+        k, v = torch_ops.gather_slots(k, kv_slots), torch_ops.gather_slots(v, kv_slots)
     return torch_ops.attention(q, k, v, grouped_mask(g), scale, few)
 
 

@@ -111,6 +111,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, s
 # -- attention (attn_kernel) -----------------------------------------------------------------------
 
 
+def gather_slots(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A paged pool [1, Hkv, S, hd] read at slots [B, L]: [B, Hkv, L, hd] (a copy)."""
+    return pool[0][:, slots].transpose(0, 1)
+
+
 @fused
 def masked_softmax(s: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     p = (s.float() * scale).masked_fill(~mask, float("-inf")).softmax(dim=-1)

@@ -186,23 +186,27 @@ class DFlashDrafter(nn.Module):
         x = self.embed(block_ids)
         ctx = self.context(ctx_feat.to(x.dtype))
         rope_kv = self.rotary(torch.cat([ctx_pos, block_pos], dim=1), x.dtype)
-        kernels = dispatch.attention_kernels(x, self.cfg.model.head_dim) and not meta.gather_rows
+        kernels = dispatch.attention_kernels(x, self.cfg.model.head_dim)
         rope_q = None if kernels else self.rotary(block_pos, x.dtype)   # the kernels take it from rope_kv
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, rope_q, rope_kv, meta, k_cache[i], v_cache[i])
         return self.norm(x)
 
     def write_context(self, ctx_feat: torch.Tensor, ctx_pos: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        """Project context features into the cache only (no queries), at cache rows `rows`
-        ([B, 1]; default 0..B-1): after prefill, and in decode rounds without speculation."""
+                      v_cache: torch.Tensor, slots: torch.Tensor | None = None,
+                      rows: torch.Tensor | None = None) -> None:
+        """Project context features [B, C, F] at positions ctx_pos [B, C] into the cache only (no
+        queries): after prefill, and in decode rounds without speculation. K/V go to
+        cache[rows[b], :, slots[b, i]]; by default rows 0..B-1 and slot = position (a cache row
+        per request; a paged cache passes its slot mapping and row 0)."""
         ctx = self.context(ctx_feat.to(self.norm.weight.dtype))
         cos, sin = self.rotary(ctx_pos, ctx.dtype)
         if rows is None:
             rows = torch.arange(ctx.shape[0], device=ctx.device)[:, None]
+        slots = ctx_pos if slots is None else slots
         for i, layer in enumerate(self.layers):
             _, k, v = layer.self_attn.project(ctx)
-            dispatch.write_kv(k_cache[i], v_cache[i], rows, ctx_pos, apply_rope(k, cos, sin), v)
+            dispatch.write_kv(k_cache[i], v_cache[i], rows, slots, apply_rope(k, cos, sin), v)
 
     def draft_logits(self, hidden: torch.Tensor, depth: int | None = None) -> torch.Tensor:
         """Block positions 1..depth (default bs-1) predict the tokens at those same positions:

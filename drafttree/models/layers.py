@@ -65,15 +65,18 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
 
 @dataclass
 class AttnMeta:
-    """How one forward's new tokens meet the KV cache. Batch row b uses cache row b.
+    """How one forward's new tokens meet the KV cache (`models.kv_cache.attn_meta` builds it).
 
-    slots[b, i]: cache index where token i's K/V is written.
-    mask[b, 0, i, j]: query i may see cache entry j, for j < kv_len.
+    Token i of row b writes its K/V to cache[rows[b], :, slots[b, i]].
+    mask[b, 0, i, j]: query i may see the request's position j, for j < kv_len.
+    Paged cache: rows are 0 (one pool), slots are pool slots, and position j of row b is read
+    from slot kv_slots[b, j]. Else batch row b is cache row b and position j is slot j.
     """
     slots: torch.Tensor      # [B, W] long
     mask: torch.Tensor       # [B, 1, W, kv_len] bool
-    rows: torch.Tensor       # [B, 1] long, arange(B)
-    gather_rows: bool = False   # rows are any cache rows (a graphed prefill's): attention gathers them
+    rows: torch.Tensor       # [B, 1] long: arange(B), or zeros (paged)
+    kv_slots: torch.Tensor | None = None   # [B, kv_len] long (paged): the slot of every position read
+    positions: torch.Tensor | None = None  # [B, W] long (paged): the new tokens' positions
 
     _grouped: dict = field(default_factory=dict, repr=False)
 
@@ -107,12 +110,12 @@ def attend(q: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor, v_cache: torc
     """The attention of `cached_attention` once K/V are in the cache: q [B, W, H, hd] -> [B, W, H*hd]."""
     B, hd = q.shape[0], q.shape[-1]
     L = meta.kv_len
-    if meta.gather_rows:
-        kc, vc = k_cache[meta.rows[:, 0], :, :L], v_cache[meta.rows[:, 0], :, :L]   # copies
+    if meta.kv_slots is not None:   # paged: the pools, read through the slot mapping
+        kc, vc = k_cache, v_cache
     else:
         kc = k_cache[:B, :, :L]  # [B, Hkv, L, hd], a view
         vc = v_cache[:B, :, :L]
-    return dispatch.attention(q, kc, vc, meta.mask, 1.0 / math.sqrt(hd), meta.grouped_mask)
+    return dispatch.attention(q, kc, vc, meta.mask, 1.0 / math.sqrt(hd), meta.grouped_mask, meta.kv_slots)
 
 
 class MLP(nn.Module):
@@ -168,11 +171,12 @@ class Attention(nn.Module):
         qw, kw = (self.q_norm.weight, self.k_norm.weight) if norm else (None, None)
         eps = self.q_norm.eps if norm else 0.0
         B, W, _ = qkv.shape
-        if dispatch.rope_in_attention(qkv, self.hd, self.h // self.hkv, meta.gather_rows):   # a decode token
+        if dispatch.rope_in_attention(qkv, self.hd, self.h // self.hkv):   # a decode token
             L = meta.kv_len
-            r = dispatch.Rope(qw, kw, eps, *rope, meta.slots)
-            out = dispatch.rope_attention(qkv, self.h, k_cache[:B, :, :L], v_cache[:B, :, :L], meta.mask,
-                                          1.0 / math.sqrt(self.hd), r)
+            r = dispatch.Rope(qw, kw, eps, *rope, meta.slots, meta.positions)
+            paged = meta.kv_slots is not None
+            k, v = (k_cache, v_cache) if paged else (k_cache[:B, :, :L], v_cache[:B, :, :L])
+            out = dispatch.rope_attention(qkv, self.h, k, v, meta.mask, 1.0 / math.sqrt(self.hd), r, meta.kv_slots)
             return out.view(B, W, self.h * self.hd)
         q = dispatch.qk_rope_write_kv(qkv, self.h, self.hkv, qw, kw, eps, *rope, k_cache, v_cache, meta.rows,
                                       meta.slots)

@@ -2,9 +2,10 @@
 
 The cache holds, per token, the compressed latent c (kv_lora_rank, after kv_a_layernorm) and the
 roped shared key k_pe (qk_rope_head_dim), as one KV head of width kv_lora_rank + qk_rope_head_dim
-in the K cache; the V cache has width 0 (`ModelConfig.v_cache_dim`). Compaction and row moves of
-the cache move these entries like any K/V. Per head h, with W_UK[h] [nope, r] and W_UV[h] [v, r]
-the two halves of kv_b_proj:
+in the K cache; the V cache has width 0 (`ModelConfig.v_cache_dim`, `kv_cache.KVLayout`). In the
+paged pool these entries sit in the request's pages like any K: written at the slot mapping, read
+through it (`latents`), the accepted ones moved by tree verify's compaction. Per head h, with
+W_UK[h] [nope, r] and W_UV[h] [v, r] the two halves of kv_b_proj:
 
     score(i, j) = q_nope[i,h] · (W_UK[h] c_j) + q_pe[i,h] · k_pe_j
     out[i, h]   = Σ_j p(i, j) W_UV[h] c_j
@@ -43,6 +44,14 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return x * cos + torch.cat([-b, a], dim=-1) * sin
 
 
+def latents(k_cache: torch.Tensor, meta: AttnMeta, B: int) -> torch.Tensor:
+    """The latent entries rows 0..B-1 attend over, [B, kv_len, cache_dim]: paged, the pool read
+    through the slot mapping (a copy); else cache rows 0..B-1 (a view)."""
+    if meta.kv_slots is not None:
+        return k_cache[0, 0][meta.kv_slots]
+    return k_cache[:B, 0, :meta.kv_len]
+
+
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -70,8 +79,8 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttnMeta,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """x [B, W, D] -> [B, W, D]. k_cache [rows, 1, max_len, kv_lora_rank + rope]: this layer's
-        latent cache; v_cache [rows, 1, max_len, 0]."""
+        """x [B, W, D] -> [B, W, D]. k_cache [rows, 1, slots, kv_lora_rank + rope]: this layer's
+        latent cache (paged: the pool, rows 1); v_cache [rows, 1, slots, 0]."""
         m, (B, W, _) = self.m, x.shape
         cos, sin = rope                                       # [B, W, 1, rope]
         q = self.query(x)
@@ -82,8 +91,7 @@ class MLAttention(nn.Module):
                           dim=-1)[:, :, None]                 # [B, W, 1, cache_dim]
         assert entry.shape[-1] == k_cache.shape[-1] and v_cache.shape[-1] == 0
         write_kv(k_cache, v_cache, meta.rows, meta.slots, entry, entry[..., :0])
-        L = meta.kv_len
-        cache = k_cache[meta.rows[:, 0], 0, :L] if meta.gather_rows else k_cache[:B, 0, :L]   # [B, L, cache_dim]
+        cache = latents(k_cache, meta, B)
         if W <= ABSORBED_MAX_ROWS:
             out = self.absorbed(q_nope, q_pe, cache, meta.mask)
         else:

@@ -138,12 +138,13 @@ class GraphRunner:
     def check_widths(self, B: int, mode: SampleMode, L: int) -> None:
         """The static buffers a graph set for batch bucket B reads and writes have the widths
         `spec.width` gives (host-known shapes: no sync): pending drafter features and committed
-        tokens per row, the KV slots past the context, and the draft tree that feeds the verify
-        graph."""
+        tokens per row, the block table's pages (max_model_len plus the widest round's writes), and
+        the draft tree that feeds the verify graph."""
         r, s, spec = self.r, self.r.state, self.spec
         widths = {"pending features": (s.ctx_feat.shape[1], spec.width(Phase.CONTEXT, B)),
                   "committed tokens": (s.out_tokens.shape[1], spec.max_commit),
-                  "KV headroom": (r.kv.max_len - r.cache_cfg.max_model_len, spec.kv_headroom)}
+                  "block table pages": (s.block_table.shape[1],
+                                        r.cache_cfg.pages_for(r.cache_cfg.max_model_len + spec.kv_headroom))}
         tree = self.trees.get((B, mode, L))
         if tree is not None:
             widths["draft tree"] = (tree.num_nodes, spec.width(Phase.VERIFY, B))
@@ -182,7 +183,7 @@ class GraphRunner:
 
     def _state_tensors(self) -> list[torch.Tensor]:
         s = self.r.state
-        return [s.start, s.bonus, s.ctx_n, s.ctx_feat, s.out]
+        return [s.start, s.bonus, s.ctx_n, s.ctx_feat, s.out, s.block_table]
 
     def bucket(self, b: int) -> int | None:
         return next((B for B in self.buckets if B >= b), None)

@@ -9,7 +9,7 @@ import torch
 from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashDrafter
-from drafttree.models.kv_cache import KVCache, attn_meta, causal
+from drafttree.models.kv_cache import NULL_PAGE, KVLayout, PagedKVCache, attn_meta, causal
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
 from drafttree.runner.phase_timer import PhaseTimer
 from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
@@ -17,11 +17,34 @@ from drafttree.spec.rounds import context_phase, decode_round, draft_phase, veri
 from drafttree.spec.state import RoundContext, RoundState
 
 
+# Tokens per KV page. 16, as vLLM: a request wastes under one page on average (its last, partly
+# filled), prefix caching shares whole pages (a shorter page shares more of a common prompt), and
+# the block tables stay small (a 32k context is 2,048 entries). A gather per attention read costs
+# the same per token whatever the page size on the torch path.
+DEFAULT_PAGE_SIZE = 16
+
+
 @dataclass
 class CacheConfig:
-    max_num_seqs: int       # cache rows = the largest batch
+    max_num_seqs: int       # rows of the round state = the largest batch
     max_model_len: int      # prompt + generated tokens per request
-    headroom: int           # extra slots a round writes past the committed length (spec.kv_headroom)
+    headroom: int           # extra positions a round writes past the committed length (spec.kv_headroom)
+    page_size: int = DEFAULT_PAGE_SIZE
+    num_pages: int = 0      # pages in the pool, the null page included; 0: enough for every row at max_len
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages == 0:
+            self.num_pages = 1 + self.max_num_seqs * self.pages_per_row
+
+    @property
+    def pages_per_row(self) -> int:
+        """Block-table width: pages that hold max_len positions."""
+        return -(-self.max_len // self.page_size)
+
+    def pages_for(self, positions: int) -> int:
+        return -(-positions // self.page_size)
 
     @property
     def max_len(self) -> int:
@@ -59,18 +82,21 @@ class ModelRunner:
         self.prefill_chunk = prefill_chunk
         self.cache_cfg, self.device, self.dtype = cache, device, dtype
         tc: ModelConfig = target.cfg
-        rows, L = cache.max_num_seqs, cache.max_len
+        rows, pages, ps = cache.max_num_seqs, cache.num_pages, cache.page_size
         if cache.headroom != spec.kv_headroom:
             raise ValueError(f"cache headroom {cache.headroom} != spec.kv_headroom {spec.kv_headroom}")
-        kv = KVCache.allocate(tc.num_layers, rows, L, tc.num_kv_heads, tc.head_dim, dtype, device, tc.v_cache_dim)
+        # The drafter's context K/V is per position too: one page id names both pools' page, so
+        # one block table (and one prefix-cache entry) serves the target and the drafter. Each
+        # pool has its model's own widths (an MLA target's: the latent in K, no V).
+        kv = PagedKVCache.allocate(KVLayout.of(tc), pages, ps, dtype, device)
         dkv, capture_layers, feat = None, (), 0
         if drafter is not None:
             dc = drafter.cfg.model
-            dkv = KVCache.allocate(dc.num_layers, rows, L, dc.num_kv_heads, dc.head_dim, dtype, device)
+            dkv = PagedKVCache.allocate(KVLayout.of(dc), pages, ps, dtype, device)
             capture_layers = drafter.cfg.target_layer_ids
             feat = len(capture_layers) * tc.hidden_size
         # pending drafter features: what one context phase writes, at most what a verify commits
-        state = RoundState.allocate(rows, spec.width(Phase.CONTEXT), feat, dtype, device)
+        state = RoundState.allocate(rows, spec.width(Phase.CONTEXT), feat, dtype, device, cache.pages_per_row)
         self.round_ctx = RoundContext(target, drafter, spec, state, kv, dkv, capture_layers, rows)
         # Host-side bound on any row's pending drafter features (state.ctx_n), kept without a
         # sync: a verify leaves at most max_commit, a decode step adds one, a context phase
@@ -98,11 +124,11 @@ class ModelRunner:
         return self.round_ctx.state
 
     @property
-    def kv(self) -> KVCache:
+    def kv(self) -> PagedKVCache:
         return self.round_ctx.kv
 
     @property
-    def dkv(self) -> KVCache | None:
+    def dkv(self) -> PagedKVCache | None:
         return self.round_ctx.dkv
 
     @property
@@ -111,67 +137,98 @@ class ModelRunner:
 
     # -- prefill -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, first_row: int, prompts: list[list[int]], params: list[SamplingParams],
-                seeds: list[int]) -> list[int]:
-        """Prefill requests into cache rows first_row, first_row+1, ... together, padded to the
-        longest prompt and run in chunks of `prefill_chunk` tokens; sample each first token into
-        state.bonus. Returns the first tokens (the prefill's one host sync). Padding writes K/V
-        only past each prompt's end, where the cache is masked until real tokens overwrite it."""
-        s, dev = self.state, self.device
-        n = len(prompts)
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
-        P = max(len(p) for p in prompts)
-        ids = torch.tensor([p + [0] * (P - len(p)) for p in prompts], dtype=torch.long, device=dev)
-        rows = slice(first_row, first_row + n)
+    def prefill(self, chunks: list[PrefillChunk]) -> list[int]:
+        """One padded forward over prefill chunks of several requests, each at its own start (the
+        positions before it are in the cache: earlier chunks, or pages of the prefix cache). A
+        chunk that ends its request's prefill (`row` >= 0) fills that row: state, block table and
+        the first token, sampled (or `bonus`, known). Returns those tokens, in chunk order (the
+        prefill's one host sync). Padding writes K/V past each chunk's end, into the request's own
+        pages where no query sees it until real tokens overwrite it, or into the null page."""
+        s, dev, cc = self.state, self.device, self.cache_cfg
+        n = len(chunks)
+        lens = torch.tensor([len(c.ids) for c in chunks], device=dev)
+        start = torch.tensor([c.start for c in chunks], device=dev)
+        W = max(len(c.ids) for c in chunks)
+        ids = torch.tensor([c.ids + [0] * (W - len(c.ids)) for c in chunks], dtype=torch.long, device=dev)
+        table = torch.zeros(n, cc.pages_per_row, dtype=torch.long)
+        for i, c in enumerate(chunks):
+            assert cc.pages_for(c.start + len(c.ids)) <= len(c.pages) <= cc.pages_per_row, \
+                f"a chunk over positions {c.start}..{c.start + len(c.ids) - 1} with {len(c.pages)} pages"
+            table[i, :len(c.pages)] = torch.tensor(c.pages)
+        table = table.to(dev)
         with self.timer.phase("prefill"):
-            graphed = self.prefill_graphs.run(first_row, ids, lens) if self.prefill_graphs is not None else None
-            h_last, a_last = graphed if graphed is not None else self._prefill_chunks(ids, lens, rows)
-        for i in range(n):
-            s.sampling.set_row(first_row + i, params[i], seeds[i])
+            graphed = None
+            if self.prefill_graphs is not None and all(c.start == 0 for c in chunks):
+                graphed = self.prefill_graphs.run(ids, lens, table)
+            h_last, a_last = graphed if graphed is not None else self._prefill_forward(ids, start, lens, table)
+        done = [i for i, c in enumerate(chunks) if c.row >= 0]
+        if not done:
+            return []
+        at = torch.tensor(done, device=dev)
+        rows = torch.tensor([chunks[i].row for i in done], device=dev)
+        for i in done:
+            s.sampling.set_row(chunks[i].row, chunks[i].params, chunks[i].seed)
         st = SamplingTensors(s.sampling.temperature[rows], s.sampling.top_p[rows], s.sampling.top_k[rows],
                              s.sampling.seed[rows])
-        logits = self.target.logits(h_last[:, None])
-        tok = pick_tokens(logits, st, lens[:, None], SampleMode.of(params))[:, 0]
-        s.start[rows] = lens
+        end = (start + lens)[at]
+        logits = self.target.logits(h_last[at][:, None])
+        tok = pick_tokens(logits, st, end[:, None], SampleMode.of([chunks[i].params for i in done]))[:, 0]
+        known = [chunks[i].bonus for i in done]
+        if any(k is not None for k in known):   # recomputed after preemption: the next token is known
+            tok = torch.where(torch.tensor([k is not None for k in known], device=dev),
+                              torch.tensor([k or 0 for k in known], device=dev), tok)
+        s.start[rows] = end
         s.bonus[rows] = tok
         s.out_tokens[rows, 0] = tok
         s.out_n[rows] = 1
+        s.block_table[rows] = table[at]
         if a_last is not None:
-            s.ctx_feat[rows, 0] = a_last.to(s.ctx_feat.dtype)
+            s.ctx_feat[rows, 0] = a_last[at].to(s.ctx_feat.dtype)
             s.ctx_n[rows] = 1
         return tok.tolist()
 
-    def _prefill_chunks(self, ids: torch.Tensor, lens: torch.Tensor, rows: slice):
-        """Run the padded prompts in chunks into cache rows `rows` (each chunk sees the cache its
-        predecessors wrote); return the final hidden state and the drafter features at each
-        prompt's last token."""
-        n, P = ids.shape
+    def prefill_rows(self, prompts: list[list[int]], params: list[SamplingParams], seeds: list[int]) -> list[int]:
+        """Prefill prompts into rows 0..n-1 without a scheduler (benchmarks, tests): row r takes
+        pages of its own, as many as a row can use where the pool has them, else enough for its
+        prompt and one round's writes."""
+        cc = self.cache_cfg
+        k = cc.pages_per_row
+        if 1 + len(prompts) * k > cc.num_pages:
+            k = max(cc.pages_for(min(len(p) + cc.headroom, cc.max_len)) for p in prompts)
+        assert 1 + len(prompts) * k <= cc.num_pages, f"{len(prompts)} rows of {k} pages in a pool of {cc.num_pages}"
+        return self.prefill([PrefillChunk(p, 0, list(range(1 + r * k, 1 + (r + 1) * k)), params[r], seeds[r], row=r)
+                             for r, p in enumerate(prompts)])
+
+    def _prefill_forward(self, ids: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, table: torch.Tensor):
+        """The padded chunks ids [n, W] at positions start[b].., through block tables `table`;
+        return the final hidden state and the drafter features at each chunk's last token."""
+        n, W = ids.shape
         dev = ids.device
-        pos = torch.arange(P, device=dev).expand(n, P)
-        kv = (self.kv.k[:, rows], self.kv.v[:, rows])
-        dkv = (self.dkv.k[:, rows], self.dkv.v[:, rows]) if self.drafter is not None else None
-        last = lens - 1
-        h_last = a_last = None
-        for a in range(0, P, self.prefill_chunk):
-            b = min(P, a + self.prefill_chunk)
-            meta = attn_meta(torch.full((n,), a, device=dev), causal(n, b - a, dev), b)
-            here = ((last >= a) & (last < b))[:, None]
-            h, f = self.prefill_forward(ids[:, a:b], pos[:, a:b], meta, kv, dkv, (last - a).clamp(0, b - a - 1))
-            h_last = h if h_last is None else torch.where(here, h, h_last)
-            if f is not None:
-                a_last = f if a_last is None else torch.where(here, f, a_last)
-        return h_last, a_last
+        pos = start[:, None] + torch.arange(W, device=dev)
+        kv_len = min(self.cache_cfg.pages_for(int((start + lens).max())) * self.cache_cfg.page_size,
+                     self.cache_cfg.max_len)
+        meta = attn_meta(start, causal(n, W, dev), kv_len, block_table=table, page_size=self.cache_cfg.page_size)
+        dkv = (self.dkv.k, self.dkv.v) if self.drafter is not None else None
+        return self.prefill_forward(ids, pos, meta, (self.kv.k, self.kv.v), dkv, lens - 1)
 
     def prefill_forward(self, ids: torch.Tensor, pos: torch.Tensor, meta, kv, dkv, at: torch.Tensor):
         """One prefill forward of the target over [n, W] tokens, the drafter's context written
-        from it (when dkv); returns the hidden state and the drafter features at column at[b]
-        of each row. Features past a prompt's end are padding, written where the cache is masked."""
+        from it (when dkv) at the same slots; returns the hidden state and the drafter features
+        at column at[b] of each row. Features past a chunk's end are padding, written where the
+        cache is masked."""
         hidden, aux = self.target(ids, pos, meta, *kv, self.capture_layers)
         rows = torch.arange(ids.shape[0], device=ids.device)
         if dkv is None:
             return hidden[rows, at], None
-        self.drafter.write_context(aux, pos, *dkv, rows=meta.rows if meta.gather_rows else None)
+        self.drafter.write_context(aux, pos, *dkv, slots=meta.slots, rows=meta.rows)
         return hidden[rows, at], aux[rows, at]
+
+    def set_pages(self, row: int, first: int, pages: list[int]) -> None:
+        """Row `row`'s block-table entries first.. become `pages` (new pages of a running
+        request, written before the round that uses them)."""
+        if pages:
+            assert first + len(pages) <= self.cache_cfg.pages_per_row, (first, len(pages))
+            self.state.block_table[row, first:first + len(pages)] = torch.tensor(pages, device=self.device)
 
     # -- rounds ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -218,14 +275,21 @@ class ModelRunner:
         with self.timer.phase("verify"):
             verify_phase(self.round_ctx, B, kv_len, tree, mode)
 
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Keep running requests packed in rows 0..B-1 when one finishes. `length`: the committed
-        tokens the host knows of; an unread round's commits (at most max_commit <= kv_headroom
-        more) lie within the slots moved."""
-        if src == dst:
-            return
-        n = min(length + self.spec.kv_headroom, self.cache_cfg.max_len)
-        self.kv.move_row(src, dst, n)
-        if self.drafter is not None:
-            self.dkv.move_row(src, dst, n)
-        self.state.copy_row(src, dst)
+    def move_row(self, src: int, dst: int) -> None:
+        """Keep running requests packed in rows 0..B-1 when one finishes or is preempted: the
+        row's state and block table move (its K/V stay in their pages); `src` keeps no pages."""
+        if src != dst:
+            self.state.copy_row(src, dst)
+        self.state.block_table[src].fill_(NULL_PAGE)
+
+
+@dataclass
+class PrefillChunk:
+    """Prompt tokens of one request for one prefill forward."""
+    ids: list[int]                  # the chunk's tokens
+    start: int                      # the position of its first token; those before are in the cache
+    pages: list[int]                # the request's block table (covers start + len(ids) positions)
+    params: SamplingParams
+    seed: int
+    row: int = -1                   # the row the request takes when this chunk ends its prefill
+    bonus: int | None = None        # a recomputed request's next token (already emitted)

@@ -40,8 +40,18 @@ class ServerMetrics:
         self.phase_seconds = Counter("drafttree_phase_seconds", "Seconds spent per phase (prefill, decode, "
                                      "draft incl. tree build, verify incl. acceptance and commit)", ["phase"],
                                      registry=r)
-        self.running = Gauge("drafttree_requests_running", "Requests holding a KV cache row", registry=r)
-        self.waiting = Gauge("drafttree_requests_waiting", "Requests queued for a KV cache row", registry=r)
+        self.running = Gauge("drafttree_requests_running", "Requests holding KV pages (running or prefilling)",
+                             registry=r)
+        self.waiting = Gauge("drafttree_requests_waiting", "Requests queued for KV pages", registry=r)
+        self.prefix_queries = Counter("drafttree_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("drafttree_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   registry=r)
+        self.prefix_hit_rate = Gauge("drafttree_prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens",
+                                     registry=r)
+        self.preemptions = Counter("drafttree_preemptions", "Requests preempted (pages freed, recomputed later)",
+                                   registry=r)
+        self.free_pages = Gauge("drafttree_kv_free_pages", "KV pages free (cached prefix pages included)", registry=r)
         self._seen = EngineStats()         # engine totals already exported
         self._seen_fallbacks = 0
         self._seen_phases: dict[str, float] = {}
@@ -71,6 +81,11 @@ class ServerMetrics:
             self.phase_seconds.labels(phase=name).inc(max(total - self._seen_phases.get(name, 0.0), 0.0))
         self.running.set(len(engine.running))
         self.waiting.set(len(engine.waiting))
+        self.prefix_queries.inc(s.prefix_cache_queries - seen.prefix_cache_queries)
+        self.prefix_hits.inc(s.prefix_cache_hits - seen.prefix_cache_hits)
+        self.prefix_hit_rate.set(s.prefix_cache_hit_rate)
+        self.preemptions.inc(s.preemptions - seen.preemptions)
+        self.free_pages.set(engine.free_pages)
         self._seen = copy.deepcopy(s)
         self._seen_fallbacks, self._seen_phases = fallbacks, phases
 

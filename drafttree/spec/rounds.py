@@ -14,7 +14,7 @@ import torch
 
 from drafttree.kernels import dispatch
 from drafttree.kernels.fused import fused
-from drafttree.models.kv_cache import attn_meta
+from drafttree.models.kv_cache import attn_meta, page_slots
 from drafttree.phases import Phase
 from drafttree.sampling import SampleMode, pick_tokens
 from drafttree.spec.state import RoundContext
@@ -28,7 +28,7 @@ def decode_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode) -> Non
     s = rc.state
     start, bonus = s.start[:B], s.bonus[:B]
     ones = torch.ones(B, 1, 1, dtype=torch.bool, device=start.device)
-    meta = attn_meta(start, ones, kv_len)
+    meta = attn_meta(start, ones, kv_len, block_table=s.block_table[:B], page_size=rc.page_size)
     hidden, aux = rc.target(bonus[:, None], start[:, None], meta, rc.kv.k, rc.kv.v, rc.capture_layers)
     if rc.drafter is not None:
         _append_pending(s.ctx_n[:B], s.ctx_feat[:B], aux[:, 0])
@@ -53,7 +53,9 @@ def _append_pending(n: torch.Tensor, feat: torch.Tensor, new: torch.Tensor) -> N
 def context_phase(rc: RoundContext, B: int) -> None:
     """Write rows 0..B-1's pending features into the drafter's cache; none wait after it, until
     the decode step of the same round appends its token's (ctx_n is 0 only in between)."""
-    rc.drafter.write_context(*pending_context(rc, B), rc.dkv.k, rc.dkv.v)
+    feat, pos = pending_context(rc, B)
+    slots = page_slots(rc.state.block_table[:B], pos, rc.page_size)
+    rc.drafter.write_context(feat, pos, rc.dkv.k, rc.dkv.v, slots, torch.zeros_like(pos[:, :1]))
     rc.state.ctx_n[:B] = 0
 
 
@@ -91,7 +93,7 @@ def draft(rc: RoundContext, B: int, kv_len: int) -> torch.Tensor:
     ctx_feat, ctx_pos = pending_context(rc, B)
     block_ids, block_pos, slots, full = _block(start, s.bonus[:B], ctx_pos, spec.width(Phase.DRAFT),
                                                d.cfg.mask_token_id)
-    meta = attn_meta(start, full, kv_len, slots=slots)
+    meta = attn_meta(start, full, kv_len, slots=slots, block_table=s.block_table[:B], page_size=rc.page_size)
     hidden = d(block_ids, block_pos, ctx_feat, ctx_pos, meta, rc.dkv.k, rc.dkv.v)
     return d.draft_logits(hidden, spec.depth_at(rc.batch_bucket(B)))
 
@@ -136,7 +138,7 @@ def verify_forward(rc: RoundContext, B: int, kv_len: int, tree: DraftTree,
     start = s.start[:B]
     # node i sits in cache slot start+i, at rope position start+depth(i)
     pos = start[:, None] + tree.depth
-    meta = attn_meta(start, tree.visible, kv_len)
+    meta = attn_meta(start, tree.visible, kv_len, block_table=s.block_table[:B], page_size=rc.page_size)
     hidden, aux = rc.target(tree.tokens, pos, meta, rc.kv.k, rc.kv.v, rc.capture_layers)
     return pick_tokens(rc.target.logits(hidden), s.sampling, pos + 1, mode), aux
 
@@ -156,12 +158,14 @@ def spec_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode) -> None:
 
 def commit(rc: RoundContext, B: int, path: torch.Tensor, tau: torch.Tensor, tokens: torch.Tensor,
            aux: torch.Tensor) -> None:
-    """Keep the accepted path: its K/V move to consecutive slots start..start+tau-1, its
-    features become the drafter's next context, the last pick becomes the bonus."""
+    """Keep the accepted path: its K/V move to positions start..start+tau-1 (pool slots through
+    the row's block table: the verify's nodes sit in the pages reserved for the round's width,
+    so only those entries move), its features become the drafter's next context, the last pick
+    becomes the bonus."""
     s = rc.state
-    start = s.start[:B]
+    start, table = s.start[:B], s.block_table[:B]
     dst = start[:, None] + torch.arange(path.shape[1], device=path.device)
-    rc.kv.compact(start[:, None] + path, dst)
+    rc.kv.compact(page_slots(table, start[:, None] + path, rc.page_size), page_slots(table, dst, rc.page_size))
     s.ctx_feat[:B] = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[2])).to(s.ctx_feat.dtype)
     s.ctx_n[:B] = tau
     s.out_tokens[:B] = tokens

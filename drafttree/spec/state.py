@@ -8,7 +8,7 @@ import torch
 
 from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashDrafter
-from drafttree.models.kv_cache import KVCache
+from drafttree.models.kv_cache import NULL_PAGE, PagedKVCache
 from drafttree.phases import SpecConfig, batch_bucket
 from drafttree.sampling import SamplingTensors
 
@@ -28,6 +28,8 @@ class RoundState:
     sampling: SamplingTensors
     out: torch.Tensor            # [R, 1 + C] long: how many tokens the last round committed, then
                                  # those tokens (one buffer: the engine copies it to the host as is)
+    block_table: torch.Tensor    # [R, P] long: row b's pages, position j in page block_table[b, j // page_size];
+                                 # P = pages of max_model_len + kv_headroom; unused entries: the null page
 
     @property
     def out_n(self) -> torch.Tensor:      # [R]
@@ -39,23 +41,25 @@ class RoundState:
 
     @classmethod
     def allocate(cls, rows: int, commit: int, feat_dim: int, dtype: torch.dtype,
-                 device: torch.device | str) -> "RoundState":
+                 device: torch.device | str, pages_per_row: int) -> "RoundState":
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
         state = cls(z(rows), z(rows), torch.zeros(rows, commit, max(feat_dim, 1), dtype=dtype, device=device),
-                    z(rows), SamplingTensors.empty(rows, device), z(rows, 1 + commit))
+                    z(rows), SamplingTensors.empty(rows, device), z(rows, 1 + commit), z(rows, pages_per_row))
         state.park(0, rows)
         return state
 
     def park(self, b: int, B: int) -> None:
         """Rows b..B-1 hold no request: a harmless state that a round may run on (no host sync).
-        One committed token, whose feature is the drafter's context: its slot is 0."""
+        One committed token, whose feature is the drafter's context: its slot is 0. Their block
+        tables point at the null page only: a parked row never writes a request's pages."""
         if b < B:
             self.start[b:B].fill_(1)
             self.bonus[b:B].zero_()
             self.ctx_n[b:B].fill_(1)
+            self.block_table[b:B].fill_(NULL_PAGE)
 
     def copy_row(self, src: int, dst: int) -> None:
-        for t in (self.start, self.bonus, self.ctx_feat, self.ctx_n, self.out):
+        for t in (self.start, self.bonus, self.ctx_feat, self.ctx_n, self.out, self.block_table):
             t[dst] = t[src]
         self.sampling.copy_row(src, dst)
 
@@ -63,18 +67,22 @@ class RoundState:
 @dataclass(frozen=True)
 class RoundContext:
     """The models, buffers and sizes the round functions (`spec.rounds`) work on, for rows
-    0..B-1 of the caches. The runner builds it once; CUDA graphs capture the round functions over
+    0..B-1 of the state (their K/V in the pools' pages their block tables name). The runner builds it once; CUDA graphs capture the round functions over
     these very tensors, so none may be replaced afterwards (frozen; they are written in place)."""
     target: DecoderLM
     drafter: DFlashDrafter | None
     spec: SpecConfig
     state: RoundState
-    kv: KVCache
-    dkv: KVCache | None              # the drafter's cache, when there is a drafter
+    kv: PagedKVCache
+    dkv: PagedKVCache | None         # the drafter's cache (the same pages), when there is a drafter
     capture_layers: tuple[int, ...]  # target layers whose features feed the drafter
-    max_num_seqs: int                # cache rows: the largest batch bucket
+    max_num_seqs: int                # rows of the round state: the largest batch bucket
 
     def batch_bucket(self, B: int) -> int:
         """The batch bucket rows 0..B-1 run at: per-bucket choices (the DDTree budget) follow it,
         so a graph captured for the bucket and its eager fallback make the same choice."""
         return batch_bucket(B, self.max_num_seqs)
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size

@@ -13,11 +13,11 @@ from drafttree.config import ModelConfig
 from drafttree.loader import fp8_blocks
 from drafttree.loader.weights import load_target
 from drafttree.models import mla, moe
-from drafttree.models.kv_cache import KVCache, KVLayout, attn_meta, causal
+from drafttree.models.kv_cache import KVCache, KVLayout, PagedKVCache, attn_meta, causal
 from drafttree.models.random_shapes import shape_config
-from tests.helpers import SCALE, VOCAB, Pair, check_lossless, greedy, make_prompts, taus_of
+from tests.helpers import check_lossless, greedy, make_prompts, taus_of
 from tests.moe_tiny import SHAPES, fp8_copy, make_moe_target
-from tests.tiny import copy_checkpoint, edit_config, edit_tensors, make_drafter
+from tests.tiny import copy_checkpoint, edit_config, edit_tensors
 
 SHAPE_NAMES = sorted(SHAPES)
 
@@ -192,22 +192,6 @@ def test_config_layers_and_refusals(tiny):
 
 # -- speculative decoding over MoE / MLA targets ---------------------------------------------------
 
-@pytest.fixture(scope="module")
-def moe_zoo(tmp_path_factory):
-    pairs: dict[tuple[str, int], Pair] = {}
-
-    def get(shape: str, vocab: int = VOCAB) -> Pair:
-        if (shape, vocab) not in pairs:
-            root = tmp_path_factory.mktemp(f"{shape}-v{vocab}")
-            target = make_moe_target(root / "target", shape, vocab=vocab, scale=SCALE)
-            # target_layer_ids into the MoE/MLA model's layers: its first and last
-            drafter = make_drafter(root / "drafter", target, block_size=4, target_layer_ids=[0, 2])
-            pairs[shape, vocab] = Pair(target, drafter, vocab)
-        return pairs[shape, vocab]
-
-    return get
-
-
 @pytest.mark.parametrize("shape", ["qwen3_moe", "deepseek_v3", "deepseek_v3_plain"])
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_dflash_matches_plain(moe_zoo, shape, block_size):
@@ -308,19 +292,20 @@ def test_bench_phases_on_an_mla_target(moe_zoo, capsys, tmp_path):
 @pytest.mark.parametrize("rows,width", [(1, 1), (2, 1), (2, 9), (1, 33)])
 def test_decode_and_verify_forwards_have_no_host_sync(tiny, rows, width):
     """A decode (gathered experts at one row), a draft-sized and a verify-sized forward trace
-    into one graph (torch.compile fullgraph, eager backend): no data-dependent shapes, no read-back,
-    so they can be captured. The sorted prefill form, which reads its counts back, cannot."""
+    into one graph (torch.compile fullgraph, eager backend), over the paged pool as the rounds run
+    them: no data-dependent shapes, no read-back, so they can be captured. The sorted prefill form,
+    which reads its counts back, cannot."""
     name, path = tiny
     model, cfg = load_target(path, torch.float32, "cpu")
-    kv = KVCache.allocate(cfg.num_layers, rows, 64, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu",
-                          cfg.v_cache_dim)
+    kv = PagedKVCache.allocate(KVLayout.of(cfg), 1 + rows * 16, 4, torch.float32, "cpu")
+    table = torch.arange(1, 1 + rows * 16).view(rows, 16)
 
     def step(ids, pos, meta):
         return model.logits(model(ids, pos, meta, kv.k, kv.v)[0])
 
     ids = torch.randint(0, cfg.vocab_size, (rows, width), generator=torch.Generator().manual_seed(rows))
     pos = torch.arange(width)[None].expand(rows, width) + 5
-    meta = attn_meta(torch.full((rows,), 5), causal(rows, width, "cpu"), 64)
+    meta = attn_meta(torch.full((rows,), 5), causal(rows, width, "cpu"), 64, block_table=table, page_size=4)
     want = step(ids, pos, meta)   # eager first: the settings are read outside the trace
     torch._dynamo.reset()
     assert torch.equal(torch.compile(step, backend="eager", fullgraph=True)(ids, pos, meta), want)

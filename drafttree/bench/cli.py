@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         return merge(a.from_results, out)
     vocab = None
     if a.random_weights:
-        from drafttree.models.random_shapes import SHAPES
-        vocab = SHAPES[a.random_weights][0].vocab_size
+        from drafttree.models.random_shapes import shape_config
+        vocab = shape_config(a.random_weights)[0].vocab_size
     prompts = load_prompts(a.prompts, a.num_prompts, random_vocab=vocab)
     temps = [float(T) for T in a.temperatures.split(",")]
     plan = runs(a)

@@ -18,7 +18,7 @@ from drafttree.engine.pages import PagePool
 from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
 from drafttree.engine.startup import StartupTimes
-from drafttree.models.kv_cache import bytes_per_token
+from drafttree.models.kv_cache import KVLayout
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.settings import Settings, current
@@ -114,10 +114,10 @@ class Engine:
         cfg, ps = self.cfg, self.cfg.page_size
         if ps < 1:
             raise ValueError(f"page_size must be >= 1, got {ps}")
-        bpt = bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, self.dtype)
+        # a token's K/V in every pool that holds it: the target's (MLA: its latent only) and the drafter's
+        bpt = KVLayout.of(tcfg).bytes_per_token(self.dtype)
         if drafter is not None:
-            dc = drafter.cfg.model
-            bpt += bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype)
+            bpt += KVLayout.of(drafter.cfg.model).bytes_per_token(self.dtype)
         budget, source = self._kv_budget(drafter.cfg.model if drafter is not None else None, use_graphs)
         headroom = self.spec.kv_headroom
         pages = budget // (bpt * ps)

@@ -9,7 +9,7 @@ import torch
 from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashDrafter
-from drafttree.models.kv_cache import NULL_PAGE, PagedKVCache, attn_meta, causal
+from drafttree.models.kv_cache import NULL_PAGE, KVLayout, PagedKVCache, attn_meta, causal
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
 from drafttree.runner.phase_timer import PhaseTimer
 from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
@@ -86,12 +86,13 @@ class ModelRunner:
         if cache.headroom != spec.kv_headroom:
             raise ValueError(f"cache headroom {cache.headroom} != spec.kv_headroom {spec.kv_headroom}")
         # The drafter's context K/V is per position too: one page id names both pools' page, so
-        # one block table (and one prefix-cache entry) serves the target and the drafter.
-        kv = PagedKVCache.allocate(tc.num_layers, pages, ps, tc.num_kv_heads, tc.head_dim, dtype, device)
+        # one block table (and one prefix-cache entry) serves the target and the drafter. Each
+        # pool has its model's own widths (an MLA target's: the latent in K, no V).
+        kv = PagedKVCache.allocate(KVLayout.of(tc), pages, ps, dtype, device)
         dkv, capture_layers, feat = None, (), 0
         if drafter is not None:
             dc = drafter.cfg.model
-            dkv = PagedKVCache.allocate(dc.num_layers, pages, ps, dc.num_kv_heads, dc.head_dim, dtype, device)
+            dkv = PagedKVCache.allocate(KVLayout.of(dc), pages, ps, dtype, device)
             capture_layers = drafter.cfg.target_layer_ids
             feat = len(capture_layers) * tc.hidden_size
         # pending drafter features: what one context phase writes, at most what a verify commits

@@ -50,8 +50,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compute every prompt in full (default: requests share the KV pages of common prefixes)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run every phase eagerly")
     g.add_argument("--no-prefill-graphs", action="store_true",
-                   help="run prefill eagerly (default with CUDA graphs: graphed per (rows, length bucket), "
-                        "every shape the scheduler can ask for captured at start-up)")
+                   help="run prefill eagerly (default with CUDA graphs: graphed per (rows, length bucket, "
+                        "attention length), from position 0 and at offsets (prefix-cache hits, continuing "
+                        "chunks), every shape the scheduler can ask for captured at start-up)")
     g.add_argument("--no-overlap", action="store_true",
                    help="read each round's tokens before launching the next (default on CUDA: the next round "
                         "is launched first, so the host's work between rounds overlaps the device's)")

@@ -33,10 +33,13 @@ def test_seed_config_widths_in_plan(pair):
     assert plan[Phase.VERIFY].kv_lengths == (1024, 4096)
     text = describe_plan(EngineConfig(model=str(t), draft_model=str(d), spec="ddtree", budget=32))
     assert "verify=33" in text and "draft=8" in text
+    from drafttree.runner.model_runner import CacheConfig
     from drafttree.runner.prefill_plan import PrefillLimits
-    cache_len = ModelConfig.from_dir(t).max_position_embeddings
-    shapes = PrefillLimits(256, 2048, 8192, cache_len - 1, cache_len + spec.kv_headroom).shapes()
-    assert f"prefill graphed: {len(shapes)} graphs" in text
+    cache = CacheConfig(256, ModelConfig.from_dir(t).max_position_embeddings, spec.kv_headroom)
+    shapes = PrefillLimits(256, 2048, 8192, cache.max_model_len - 1, cache.max_len, tuple(cache.kv_buckets)).shapes()
+    offsets = sum(L > 0 for _, _, L in shapes)
+    assert offsets and f"prefill graphed: {len(shapes)} graphs" in text
+    assert f"{len(shapes) - offsets} from position 0, {offsets} at offsets" in text
     chain = SpecConfig("dflash", block_size=8)
     assert chain.width(Phase.VERIFY) == 8
     assert SpecConfig().round_phases == (Phase.DECODE,) and SpecConfig().width(Phase.DECODE) == 1
@@ -587,8 +590,15 @@ def _graphed_prefill_case(t, d, spec, budget, prefill_chunk=None, **kw):
     prompts = [torch.randint(1, 59, (n,), generator=g).tolist() for n in (5, 9, 14, 3, 16, 11, 7, 20, 2, 33)]
     sp = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=4 + 3 * i, ignore_eos=True)
           for i in range(len(prompts))]
+    # prefix-cache hits on the 33-token prompt's first two pages: the rest (5 and 17 tokens) at
+    # position 32, alone and beside a prompt from 0
+    prompts += [prompts[9][:32] + [7, 1, 8, 2, 8], prompts[9][:32] + list(range(40, 57)), prompts[4][:5]]
+    sp += [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+           SamplingParams(temperature=0.7, seed=11, max_tokens=6, ignore_eos=True),
+           SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)]
     # alone first: (1 prompt, 16 slots) replayed at row 0; then, in a batch of 2, at row 1
-    calls = [([0], [0]), ([1, 2, 3] + list(range(4, 10)), [1, 2, 3] + list(range(4, 10)))]
+    calls = [([0], [0]), ([1, 2, 3] + list(range(4, 10)), [1, 2, 3] + list(range(4, 10))), ([10], [10]),
+             ([11, 12], [11, 12])]
     sp[1] = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     kw = dict(model=str(t), draft_model=str(d) if spec != "none" else None, spec=spec, budget=budget,
               dtype="float32", max_num_seqs=2, max_model_len=128, **kw)
@@ -597,19 +607,28 @@ def _graphed_prefill_case(t, d, spec, budget, prefill_chunk=None, **kw):
     eager = LLM(**kw, cuda_graphs=False)
     want = [[o.token_ids for o in eager.generate([prompts[i] for i in ps], [sp[i] for i in ss])] for ps, ss in calls]
     llm = LLM(**kw, cuda_graphs=True, prefill_graphs=True)
-    pg, runs = llm.engine.runner.prefill_graphs, []
+    runner = llm.engine.runner
+    pg, runs, eager_runs = runner.prefill_graphs, [], []
     captured = set(pg.graphs)
     assert captured == set(pg.shapes())   # all at start-up
-    run = pg._replay
-    pg._replay = lambda ids, lens, table, Pb: runs.append((int(table[0, 0]), ids.shape[0])) or run(ids, lens, table, Pb)
+    assert {L for _, _, L in captured} == {0, runner.cache_cfg.max_len}   # one KV bucket at this context
+    run, eager_forward = pg._replay, runner._prefill_forward
+    pg._replay = lambda ids, start, lens, table, shape: runs.append((int(table[0, 0]), ids.shape[0], shape)) or \
+        run(ids, start, lens, table, shape)
+    runner._prefill_forward = lambda *a: eager_runs.append(a) or eager_forward(*a)
     got = [[o.token_ids for o in llm.generate([prompts[i] for i in ps], [sp[i] for i in ss])] for ps, ss in calls]
     assert got == want
     assert set(pg.graphs) == captured and pg.fallbacks == 0   # nothing captured while serving
+    # every prefill replayed a graph: after a prefix-cache hit and (in chunks of 16: the prompts of
+    # 20, 33 and 49 tokens) for a continuing chunk too
+    assert not eager_runs and llm.engine.stats.prefix_cache_hits >= 2 * 32
+    assert any(L > 0 for _, _, (_, _, L) in runs), runs
     if prefill_chunk is not None:   # batches of 2 prompts over 16 slots went in groups of one
-        assert captured == {(1, 16)} and len({r for r, _ in runs}) >= 2, (runs, list(pg.graphs))
+        assert captured == {(1, 16, 0), (1, 16, runner.cache_cfg.max_len)}
+        assert len({r for r, _, _ in runs}) >= 2, (runs, list(pg.graphs))
         return
     # graphs were reused for other prompts, and the one-prompt graph over other pages (its first page here)
-    assert {n for _, n in runs} == {1, 2} and len({r for r, n in runs if n == 1}) >= 2, (runs, list(pg.graphs))
+    assert {n for _, n, _ in runs} == {1, 2} and len({r for r, n, _ in runs if n == 1}) >= 2, (runs, list(pg.graphs))
 
 
 @pytest.mark.parametrize("spec,budget", [("none", None), ("ddtree", 8), ("dflash", 1)])
@@ -630,9 +649,9 @@ def test_graphed_prefill_in_groups_on_cpu(pair, fake_cuda_graphs, spec, budget):
 
 def test_graphed_prefill_under_load_pads_rows_and_captures_nothing_on_cpu(pair, fake_cuda_graphs):
     """Many requests through the scheduler (chunks cut by the step's tokens and by chunks x widest,
-    prefix-cache hits, rows refilled as requests end): every forward from position 0 finds a graph
-    captured at start-up, groups of 3 replay the graph of 4 rows (padding rows hold the null page
-    only), the tokens are eager prefill's, and serving captures nothing."""
+    prefix-cache hits, rows refilled as requests end): every forward, from position 0 or at an
+    offset, finds a graph captured at start-up, groups of 3 replay the graph of 4 rows (padding
+    rows hold the null page only), the tokens are eager prefill's, and serving captures nothing."""
     t, d = pair
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(1, 59, (24,), generator=g).tolist()
@@ -648,11 +667,14 @@ def test_graphed_prefill_under_load_pads_rows_and_captures_nothing_on_cpu(pair, 
     pg = llm.engine.runner.prefill_graphs
     captured, graphs = set(pg.graphs), len(fake_cuda_graphs)
     assert captured == set(pg.shapes())
-    replays = []
-    run = pg._replay
-    pg._replay = lambda ids, lens, table, shape: replays.append((ids.shape[0], shape)) or run(ids, lens, table, shape)
+    replays, eager_runs = [], []
+    run, eager_forward = pg._replay, llm.engine.runner._prefill_forward
+    pg._replay = lambda ids, start, lens, table, shape: replays.append((ids.shape[0], shape)) or \
+        run(ids, start, lens, table, shape)
+    llm.engine.runner._prefill_forward = lambda *a: eager_runs.append(a) or eager_forward(*a)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
     assert any(k < shape[0] for k, shape in replays), replays
+    assert not eager_runs and any(shape[2] > 0 for _, shape in replays), replays
     assert pg.fallbacks == 0 and set(pg.graphs) == captured and len(fake_cuda_graphs) == graphs
     assert llm.engine.stats.prefix_cache_hits > 0
 
@@ -698,17 +720,22 @@ def test_graphed_prefill_is_on_with_graphs(pair, fake_cuda_graphs):
 
 
 @cuda
-@pytest.mark.parametrize("spec,budget", [("none", None), ("ddtree", 8), ("dflash", 1)])
-def test_gpu_graphed_prefill_equals_eager(pair, spec, budget):
+@pytest.mark.parametrize("spec,budget,prefill_chunk", [("none", None, None), ("ddtree", 8, None), ("dflash", 1, None),
+                                                       ("ddtree", 8, 16)])
+def test_gpu_graphed_prefill_equals_eager(pair, spec, budget, prefill_chunk):
+    """Real graphs give eager prefill's tokens, from position 0 and at offsets: after prefix-cache
+    hits (at one KV bucket, the graph attending over more slots than the eager forward's tight
+    length) and, in chunks of 16, for every continuing chunk."""
     t, d = pair
-    _graphed_prefill_case(t, d, spec, budget, device="cuda")
+    _graphed_prefill_case(t, d, spec, budget, prefill_chunk=prefill_chunk, device="cuda")
 
 
 def test_startup_stages_and_warm_up_with_graphs_on_cpu(pair, fake_cuda_graphs):
     """Start-up times each stage (graphs per phase, prefill graphs); the CUDA warm-up plan runs
-    through the engine, prefills graphed and eagerly at offsets (a chunk continuing a prompt, the
-    rest of a prompt after a prefix-cache hit), with no round or prefill falling back to eager,
-    and leaves the counters at zero and every page free."""
+    through the engine, its prefills graphed from position 0 and at offsets (a chunk continuing a
+    prompt, the rest of a prompt after a prefix-cache hit; none here is wider than the graphs),
+    with no round or prefill falling back to eager, and leaves the counters at zero and every
+    page free."""
     from drafttree.engine.warmup import warm_up
     t, d = pair
     eng = LLM(model=str(t), draft_model=str(d), spec="ddtree", budget=8, budget_schedule="2:0", device="cpu",
@@ -719,7 +746,8 @@ def test_startup_stages_and_warm_up_with_graphs_on_cpu(pair, fake_cuda_graphs):
     pg, r = eng.runner.prefill_graphs, eng.runner
     replays, starts, hits = [], [], []
     run, eager, match = pg._replay, r._prefill_forward, eng.pool.match
-    pg._replay = lambda ids, lens, table, shape: replays.append(shape) or run(ids, lens, table, shape)
+    pg._replay = lambda ids, start, lens, table, shape: replays.append((shape, int(start.max()))) or \
+        run(ids, start, lens, table, shape)
     r._prefill_forward = lambda ids, start, *a: starts.append(int(start.max())) or eager(ids, start, *a)
     eng.pool.match = lambda ids, limit: hits.append(len(m := match(ids, limit))) or m
     eng.device = torch.device("cuda")   # the CUDA plan: every sample mode, 1 and 2 rows, eager prefill
@@ -730,7 +758,8 @@ def test_startup_stages_and_warm_up_with_graphs_on_cpu(pair, fake_cuda_graphs):
     # 3 modes x (1 + 2 prompts); 17, 18 and 32 tokens in chunks of 16, 2 x 17; a 48-token prompt,
     # then 33, 34 and 48 tokens of it again, alone and 33 and 34 together
     assert n == 3 * 3 + 3 + 2 + 1 + 3 + 2
-    assert replays and set(replays) <= set(pg.graphs) and min(starts) > 0 and max(hits) == 2
+    assert {shape for shape, _ in replays} == set(pg.graphs) and not starts and max(hits) == 2
+    assert any(at > 0 for _, at in replays) and all(L > 0 for (_, _, L), at in replays if at > 0)
     assert eng.stats.requests == 0 and eng.stats.generated_tokens == 0 and not eng.runner.timer.totals
     assert pg.fallbacks == 0 and eng.runner.graphs.fallbacks == 0
     assert eng.pool.stats.queries == 0 and eng.scheduler.preemptions == 0 and eng.free_pages == eng.pool.usable

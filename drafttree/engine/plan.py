@@ -98,7 +98,7 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
 def describe_plan(cfg: EngineConfig) -> str:
     from drafttree.loader.default_model import resolve_model
     from drafttree.runner.cuda_graph import format_plan, graph_plan
-    from drafttree.runner.prefill_plan import PrefillLimits
+    from drafttree.engine.scheduler import SchedulerConfig
 
     target = ModelConfig.from_dir(resolve_model(cfg.model))
     dpath = resolve_drafter(cfg)
@@ -113,8 +113,10 @@ def describe_plan(cfg: EngineConfig) -> str:
     cache = CacheConfig(cfg.max_num_seqs, cfg.max_model_len or target.max_position_embeddings, spec.kv_headroom,
                         cfg.page_size)
     plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, cache.kv_buckets)
-    prefill = PrefillLimits(cfg.max_num_seqs, cfg.prefill_chunk, cfg.max_prefill_tokens, cache.max_model_len - 1,
-                            cache.max_len)
+    prefill = SchedulerConfig(cache, spec.max_commit, cfg.prefill_chunk, cfg.max_prefill_tokens,
+                              cfg.admit_min).prefill   # the engine's own rule
+    shapes = prefill.shapes()
+    offsets = sum(L > 0 for _, _, L in shapes)
     sched = ",".join(f"{b}:{n}" for b, n in spec.budget_schedule) or "-"
     budget = f"auto(<={spec.budget}: {','.join(map(str, spec.budgets))})" if spec.adaptive else spec.budget
     head = (f"spec={spec.method} block_size={spec.block_size} budget={budget} budget_schedule={sched} "
@@ -125,9 +127,11 @@ def describe_plan(cfg: EngineConfig) -> str:
             f"{cache.page_size} tokens, {cache.pages_per_row} per request at most; prefix caching "
             f"{'on' if cfg.enable_prefix_caching else 'off'}\n"
             f"widths per request at batch 1: " + ", ".join(f"{p.value}={spec.width(p)}" for p in spec.round_phases)
-            + (f"; prefill graphed: {len(prefill.shapes())} graphs per (rows, length bucket) of the "
-               f"scheduler's forwards (prefill_chunk={cfg.prefill_chunk}, max_prefill_tokens="
-               f"{cfg.max_prefill_tokens}), captured at start-up\n"
+            + (f"; prefill graphed: {len(shapes)} graphs per (rows, length bucket, attention length) of "
+               f"the scheduler's forwards (prefill_chunk={cfg.prefill_chunk}, max_prefill_tokens="
+               f"{cfg.max_prefill_tokens}): {len(shapes) - offsets} from position 0, {offsets} at offsets "
+               f"(prefix-cache hits, continuing chunks) over KV lengths "
+               f"{','.join(map(str, prefill.offset_lengths()))}; captured at start-up\n"
                if cfg.prefill_graphs is not False
                else "; prefill runs eagerly\n")
             + f"settings: {current().describe()}\n")

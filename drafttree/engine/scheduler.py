@@ -42,7 +42,7 @@ class SchedulerConfig:
         """The rule this scheduler forms prefill forwards by; graphed prefill captures from it."""
         c = self.cache
         return PrefillLimits(c.max_num_seqs, self.prefill_chunk, self.max_prefill_tokens, c.max_model_len - 1,
-                             c.max_len)
+                             c.max_len, tuple(c.kv_buckets))
 
 
 class Scheduler:

@@ -1,11 +1,13 @@
 """Warm-up before serving: run once every path a request can take that is not a CUDA graph, so
 that no request pays for a first call: the sampler's compiled pieces per sample mode (at one row
-and at several: torch.compile specializes on 1), and eager prefill, which runs a forward at an
-offset (a chunk continuing a prompt longer than `prefill_chunk`, or the rest of a prompt after a
-prefix-cache hit) and a chunk wider than the largest graph; each with a chunk of 1 token, of a
-multiple of 16 and of neither, the integer cases Triton specializes on; and the host's reading
-and detokenizing. The graphs themselves are captured when the engine is built. On CPU there is
-nothing to compile: one short request."""
+and at several: torch.compile specializes on 1), and eager prefill: a chunk wider than the
+largest graph, at position 0 and at an offset (continuing a prompt longer than `prefill_chunk`),
+and, for prefills without graphs (none captured, or a capture out of memory), chunks at offsets
+(a continuing chunk, the rest of a prompt after a prefix-cache hit); each with a chunk of 1 token,
+of a multiple of 16 and of neither, the integer cases Triton specializes on; and the host's
+reading and detokenizing. With prefill graphs the chunks at offsets replay the offset graphs (the
+same batches then run the host's side of them). The graphs themselves are captured when the
+engine is built. On CPU there is nothing to compile: one short request."""
 from __future__ import annotations
 
 import logging
@@ -57,7 +59,10 @@ def warmup_batches(cuda: bool, limits: PrefillLimits, graphed_len: int, page_siz
             out.append(batch(mode, 16, 7))
     greedy = MODES[0]
     # eager at position 0 past the graphs; a chunk continuing at an offset past prefill_chunk
-    wide = [base + d for base in (graphed_len, limits.prefill_chunk) if base for d in (1, 2, 16)]
+    # (graphed up to graphed_len, eager past it)
+    bases = (graphed_len, limits.prefill_chunk,
+             limits.prefill_chunk + graphed_len if 0 < graphed_len < limits.prefill_chunk else 0)
+    wide = [base + d for base in bases if base for d in (1, 2, 16)]
     for n in dict.fromkeys(n for n in wide if n <= longest):
         out.append(batch(greedy, n))
     odd = (graphed_len or limits.prefill_chunk) + 1
@@ -83,7 +88,7 @@ def warm_up(engine: Engine) -> int:
     assert not engine.has_unfinished(), "warm-up needs an idle engine"
     runner, sched = engine.runner, engine.scheduler
     pg = runner.prefill_graphs
-    graphed = 0 if pg is None or pg.failed or not pg.graphs else max(Pb for _, Pb in pg.graphs)
+    graphed = 0 if pg is None or pg.failed or not pg.graphs else max(Pb for _, Pb, _ in pg.graphs)
     cc = runner.cache_cfg
     # a warm-up request must fit the pool alone: its prompt, its tokens and a round's writes
     room = engine.pool.usable * cc.page_size - cc.headroom - engine.spec.max_commit - WARMUP_TOKENS

@@ -12,6 +12,7 @@ from drafttree.models.dflash import DFlashDrafter
 from drafttree.models.kv_cache import NULL_PAGE, KVLayout, PagedKVCache, attn_meta, causal
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
 from drafttree.runner.phase_timer import PhaseTimer
+from drafttree.runner.prefill_plan import reach
 from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
 from drafttree.spec.rounds import context_phase, decode_round, draft_phase, verify_phase
 from drafttree.spec.state import RoundContext, RoundState
@@ -159,8 +160,9 @@ class ModelRunner:
         table = table.to(dev)
         with self.timer.phase("prefill"):
             graphed = None
-            if self.prefill_graphs is not None and all(c.start == 0 for c in chunks):
-                graphed = self.prefill_graphs.run(ids, lens, table)
+            if self.prefill_graphs is not None:
+                spans = [(c.start, len(c.ids)) for c in chunks]
+                graphed = self.prefill_graphs.run(ids, start, lens, table, reach(spans))
             h_last, a_last = graphed if graphed is not None else self._prefill_forward(ids, start, lens, table)
         done = [i for i, c in enumerate(chunks) if c.row >= 0]
         if not done:

@@ -3,17 +3,22 @@
 An eager prefill of a small model is host-bound: on an H200, the SmolLM2 shape with a drafter
 took 21–37 ms per prefill of 64–500 tokens for 0.9–1.7 ms of GPU work, and 1.7–3.4 ms graphed
 (docs/performance.md). Here a prefill forward, its chunks grouped and padded to (row bucket,
-length bucket) shapes as `prefill_plan.PrefillLimits.groups` says, replays graphs from static
-buffers: token ids, lengths and the requests' block tables. Every shape the scheduler's forwards
-can need (`PrefillLimits.shapes`, from the rule the scheduler forms them by) is captured at
-start-up, never on a request's path. A forward that needs a shape not captured (an out-of-memory
-capture) runs eagerly and is counted in `fallbacks` (/metrics: drafttree_prefill_graph_fallbacks).
+length bucket, attention length) shapes as `prefill_plan.PrefillLimits.groups` says, replays
+graphs from static buffers: token ids, start positions, lengths and the requests' block tables.
+Every shape the scheduler's forwards can need (`PrefillLimits.shapes`, from the rule the
+scheduler forms them by) is captured at start-up, never on a request's path. A forward that
+needs a shape not captured (an out-of-memory capture) runs eagerly and is counted in
+`fallbacks` (/metrics: drafttree_prefill_graph_fallbacks).
 
+Forwards at an offset (the rest of a prompt after a prefix-cache hit: every chat request past
+its template's first pages; a chunk continuing a long prompt) replay graphs too: positions
+start + arange(Pb), attention over the L slots of the KV-length bucket that holds the forward's
+reach, as the eager forward does at its tight length (masked slots past the reach add nothing).
 Padding to Pb does what the eager path already does for prompts of unequal length: pad tokens
-write K/V (and drafter context) past each prompt's end, into the request's own pages where the
-cache stays masked until real tokens overwrite it, or into the null page; padding rows have only
-the null page. Only prefills whose chunks all start at position 0 are graphed (a later chunk, or
-one after a prefix-cache hit, runs eagerly, as warmed up at start-up by `engine.warmup`).
+write K/V (and drafter context) past each chunk's end, into the request's own pages where the
+cache stays masked until real tokens overwrite it, or into the null page; padding rows (start 0,
+one token) have only the null page. Only chunks wider than the largest graph run eagerly (warmed
+up at start-up by `engine.warmup`).
 """
 from __future__ import annotations
 
@@ -34,10 +39,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class PrefillBuffers:
     ids: torch.Tensor               # [n, Pb] long, zero past each prompt
+    start: torch.Tensor             # [n] long: each chunk's first position (0 on padding rows)
     lens: torch.Tensor              # [n] long
     block_table: torch.Tensor       # [n, P] long: the requests' pages (the null page's on padding rows)
     h_last: torch.Tensor            # [n, D]: final hidden state at each prompt's last token
     a_last: torch.Tensor | None     # [n, F]: the drafter's features there
+    kv_len: int                     # L of the shape: 0 attends over the Pb new positions
 
 
 class PrefillGraphs:
@@ -60,29 +67,30 @@ class PrefillGraphs:
         null page only (every row's block table is the null page's). Out of memory: prefill stays
         eager."""
         shapes = self.shapes()
-        log.info("capturing %d prefill graphs ((rows, padded length), up to %d tokens)", len(shapes),
-                 self.limits.graph_tokens)
+        log.info("capturing %d prefill graphs ((rows, padded length, attention length), up to %d tokens; "
+                 "%d at offsets)", len(shapes), self.limits.graph_tokens, sum(L > 0 for _, _, L in shapes))
         try:
             with collector_paused():
-                for n, Pb in shapes:
-                    buf = self._buffers(n, Pb)
-                    buf.lens.fill_(Pb)
-                    self.graphs[(n, Pb)] = (self._capture(self.forward_fn(buf)), buf)
+                for shape in shapes:
+                    buf = self._buffers(*shape)
+                    buf.lens.fill_(shape[1])
+                    self.graphs[shape] = (self._capture(self.forward_fn(buf)), buf)
         except torch.cuda.OutOfMemoryError:
             self.failed, self.graphs, self.pool = True, {}, None
-            log.warning("out of memory capturing a prefill graph (%d prompts, %d tokens): prefill runs "
-                        "eagerly", n, Pb)
+            log.warning("out of memory capturing a prefill graph (%d prompts, %d tokens, attention over %d): "
+                        "prefill runs eagerly", *shape)
 
     def forward_fn(self, buf: PrefillBuffers) -> Callable[[], None]:
         """The prefill forward over the buffers: what is captured, and what the warm-up runs."""
         r = self.r
         n, Pb = buf.ids.shape
         dev = buf.ids.device
+        L = buf.kv_len or Pb
 
-        def run() -> None:
-            pos = torch.arange(Pb, device=dev).expand(n, Pb)
-            meta = attn_meta(torch.zeros(n, dtype=torch.long, device=dev), causal(n, Pb, dev), Pb,
-                             block_table=buf.block_table, page_size=r.cache_cfg.page_size)
+        def run() -> None:   # as ModelRunner._prefill_forward, at the shape's L
+            pos = buf.start[:, None] + torch.arange(Pb, device=dev)
+            meta = attn_meta(buf.start, causal(n, Pb, dev), L, block_table=buf.block_table,
+                             page_size=r.cache_cfg.page_size)
             dkv = (r.dkv.k, r.dkv.v) if r.drafter is not None else None
             h, f = r.prefill_forward(buf.ids, pos, meta, (r.kv.k, r.kv.v), dkv, buf.lens - 1)
             buf.h_last.copy_(h)
@@ -90,13 +98,14 @@ class PrefillGraphs:
                 buf.a_last.copy_(f)
         return run
 
-    def run(self, ids: torch.Tensor, lens: torch.Tensor,
-            table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Prefill ids [n, W] (zero-padded, every chunk from position 0) through block tables
-        `table` [n, pages] from graphs, group by group; returns (h_last, a_last), or None to run
-        eagerly. For one group these are views of static buffers, valid until the next prefill."""
+    def run(self, ids: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, table: torch.Tensor,
+            reach: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Prefill ids [n, W] (zero-padded) at positions start[b].. through block tables `table`
+        [n, pages] from graphs, group by group; `reach`: max(start + lens) when any chunk starts
+        past 0, else 0 (host-known). Returns (h_last, a_last), or None to run eagerly. For one
+        group these are views of static buffers, valid until the next prefill."""
         n, W = ids.shape
-        groups = self.limits.groups(n, W)
+        groups = self.limits.groups(n, W, reach)
         if groups is None:   # wider than any graph: eager by design
             return None
         missing = [g.shape for g in groups if g.shape not in self.graphs]
@@ -104,41 +113,44 @@ class PrefillGraphs:
             self.fallbacks += 1
             if not self.failed and missing[0] not in self._warned:
                 self._warned.add(missing[0])
-                log.warning("no prefill graph for %d rows x %d tokens (not in the start-up plan): prefilling "
-                            "eagerly", *missing[0])
+                log.warning("no prefill graph for %d rows x %d tokens, attention over %d (not in the start-up "
+                            "plan): prefilling eagerly", *missing[0])
             return None
         if len(groups) == 1:
-            return self._replay(ids, lens, table, groups[0].shape)
+            return self._replay(ids, start, lens, table, groups[0].shape)
         # a later group may replay the same graph: copy each group's outputs before it does
         parts = []
         for g in groups:
             s = slice(g.first, g.first + g.count)
-            out = self._replay(ids[s], lens[s], table[s], g.shape)
+            out = self._replay(ids[s], start[s], lens[s], table[s], g.shape)
             parts.append(tuple(None if t is None else t.clone() for t in out))
         h = torch.cat([p[0] for p in parts])
         return h, None if parts[0][1] is None else torch.cat([p[1] for p in parts])
 
-    def _replay(self, ids: torch.Tensor, lens: torch.Tensor, table: torch.Tensor, shape: Shape):
+    def _replay(self, ids: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, table: torch.Tensor,
+                shape: Shape):
         k, W = ids.shape
         graph, buf = self.graphs[shape]
         buf.ids.zero_()
         buf.ids[:k, :W].copy_(ids)
+        buf.start[:k].copy_(start)
         buf.lens[:k].copy_(lens)
         buf.block_table[:k].copy_(table)
-        if k < shape[0]:   # padding rows: one token each, into the null page
+        if k < shape[0]:   # padding rows: one token each at position 0, into the null page
+            buf.start[k:].zero_()
             buf.lens[k:].fill_(1)
             buf.block_table[k:].fill_(NULL_PAGE)
         graph.replay()
         return buf.h_last[:k], None if buf.a_last is None else buf.a_last[:k]
 
-    def _buffers(self, n: int, Pb: int) -> PrefillBuffers:
+    def _buffers(self, n: int, Pb: int, L: int) -> PrefillBuffers:
         r, dev = self.r, self.r.device
         feat = r.state.ctx_feat.shape[2]
         zeros = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
         table = torch.full((n, r.cache_cfg.pages_per_row), NULL_PAGE, dtype=torch.long, device=dev)
-        return PrefillBuffers(zeros(n, Pb), zeros(n), table,
+        return PrefillBuffers(zeros(n, Pb), zeros(n), zeros(n), table,
                               torch.zeros(n, r.target.cfg.hidden_size, dtype=r.dtype, device=dev),
-                              torch.zeros(n, feat, dtype=r.dtype, device=dev) if r.drafter is not None else None)
+                              torch.zeros(n, feat, dtype=r.dtype, device=dev) if r.drafter is not None else None, L)
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         if self.pool is None:

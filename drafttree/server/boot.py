@@ -1,5 +1,7 @@
-"""Start-up behind a listening server: the engine is built (weights, CUDA graphs, prefill graphs)
-and warmed up in a thread while the HTTP server already answers.
+"""Start-up behind a listening server: the engine is built (weights, CUDA graphs, prefill graphs
+per (rows, length bucket, attention length): from position 0 and at offsets, for prefix-cache
+hits and continuing chunks) and warmed up in a thread while the HTTP server already answers. The
+ready line counts the graphs of each kind.
 
 `/health` is liveness: 200 while the process is up and its engine is loading or running, 503 once
 the engine failed to start or its thread died (restart the process). `/ready` is readiness: 200
@@ -91,5 +93,7 @@ def _graphs(engine: Engine) -> str:
     if r.graphs is None:
         return "no CUDA graphs"
     pg = r.prefill_graphs
-    prefill = "prefill eager" if pg is None or pg.failed else f"{len(pg.graphs)} prefill graphs"
+    offsets = 0 if pg is None else sum(L > 0 for _, _, L in pg.graphs)
+    prefill = "prefill eager" if pg is None or pg.failed else \
+        f"{len(pg.graphs)} prefill graphs ({len(pg.graphs) - offsets} from position 0, {offsets} at offsets)"
     return f"{len(r.graphs.graphs)} round graphs, {prefill}"

@@ -9,10 +9,16 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from drafttree.parallel import shard
+from drafttree.parallel.group import TPGroup
+
 StateDict = dict[str, torch.Tensor]
+Select = Callable[[str, list[int]], "tuple[slice, ...] | None"]
 
 
-def read_safetensors(path: str | Path) -> StateDict:
+def read_safetensors(path: str | Path, select: Select | None = None) -> StateDict:
+    """Every tensor of a checkpoint; with `select` (a tensor-parallel rank's, `parallel.shard`),
+    the slice it names of each tensor, read as such (the rest of the tensor is never read)."""
     path = Path(path)
     single = path / "model.safetensors"
     index = path / "model.safetensors.index.json"
@@ -33,7 +39,8 @@ def read_safetensors(path: str | Path) -> StateDict:
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for k in fh.keys():
-                    out[k] = fh.get_tensor(k)
+                    part = None if select is None else select(k, fh.get_slice(k).get_shape())
+                    out[k] = fh.get_tensor(k) if part is None else fh.get_slice(k)[part]
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise ValueError(f"cannot read {f}: {e}") from None
     return out
@@ -92,16 +99,22 @@ def load_into(module: nn.Module, state: StateDict, dtype: torch.dtype, device: s
     module.load_state_dict(fixed, strict=False, assign=True)   # buffers: the caller rebuilds them
 
 
-def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device):
-    """Build a DecoderLM from a Hugging Face directory; raises before allocating on bad input."""
+def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device, tp: TPGroup | None = None):
+    """Build a DecoderLM from a Hugging Face directory; raises before allocating on bad input.
+    Over a tensor-parallel group, this rank's shards only (`parallel.shard`)."""
     from drafttree.config import ModelConfig
     from drafttree.models.decoder import DecoderLM
     from drafttree.models.layers import Rotary
 
     cfg = ModelConfig.from_dir(path)
-    state = target_state_dict(read_safetensors(path), cfg.num_layers, cfg.tie_word_embeddings)
+    select = None if tp is None else shard.selector(cfg, tp.rank, tp.world)
+    state = target_state_dict(read_safetensors(path, select), cfg.num_layers, cfg.tie_word_embeddings)
+    if tp is not None:
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            if name in state:
+                state[name] = shard.pad_vocab(state[name], cfg.vocab_size, tp.world)
     with torch.device("meta"):
-        model = DecoderLM(cfg)
+        model = DecoderLM(cfg, tp)
     load_into(model, state, dtype, device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

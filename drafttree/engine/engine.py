@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,9 @@ from drafttree.engine.pages import PagePool
 from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
 from drafttree.models.kv_cache import bytes_per_token
+from drafttree.parallel.comm import explain, smallest
+from drafttree.parallel.group import TensorParallelError, TPGroup
+from drafttree.parallel.shard import kv_heads_per_rank
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.settings import Settings, current
@@ -48,12 +52,22 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, tp: TPGroup | None = None) -> None:
+        """One engine; over a tensor-parallel group `tp` (given by `engine.launch.start_engine`),
+        this rank's: every rank builds the same engine, and rank 0 steps it while the others
+        follow its commands (`engine.launch.follow`)."""
         self.cfg = cfg
+        if cfg.tensor_parallel_size != 1 and (tp is None or tp.world != cfg.tensor_parallel_size):
+            raise ValueError("an engine over several ranks starts with drafttree.engine.launch.start_engine "
+                             "(LLM and the command line use it)")
+        self.tp = tp
+        self.dead: str | None = None       # why a tensor-parallel engine stopped (it steps no more)
+        self.in_step = False
+        self.closer: Callable[[], None] | None = None   # stops the other ranks (`engine.launch`)
         self.settings: Settings = current()   # DRAFTTREE_*: read from the environment once per process
-        self.device = resolve_device(cfg.device)
+        self.device = tp.device if tp is not None else resolve_device(cfg.device)
         self.dtype = parse_dtype(cfg.dtype, str(self.device))
-        self.model_dir, target, drafter = load_models(cfg, self.device, self.dtype)
+        self.model_dir, target, drafter = load_models(cfg, self.device, self.dtype, tp)
         tcfg = target.cfg
         self.spec = resolve_spec(cfg, drafter.cfg if drafter is not None else None)
         if not self.spec.speculative:
@@ -100,13 +114,15 @@ class Engine:
         cfg, ps = self.cfg, self.cfg.page_size
         if ps < 1:
             raise ValueError(f"page_size must be >= 1, got {ps}")
-        bpt = bytes_per_token(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, self.dtype)
+        # this rank's KV heads: the pool holds the same pages on every rank, each its heads' share
+        bpt = bytes_per_token(tcfg.num_layers, kv_heads_per_rank(tcfg.num_kv_heads, self.world), tcfg.head_dim,
+                              self.dtype)
         if drafter is not None:
             dc = drafter.cfg.model
             bpt += bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype)
         budget, source = self._kv_budget(drafter.cfg.model if drafter is not None else None, use_graphs)
         headroom = self.spec.kv_headroom
-        pages = budget // (bpt * ps)
+        pages = smallest(budget // (bpt * ps), self.tp)   # rank 0's page ids name a page on every rank
         fit = (pages - 1) * ps - headroom     # the longest context one request can hold
         wanted = cfg.max_model_len or tcfg.max_position_embeddings
         max_len = min(wanted, fit)
@@ -146,11 +162,34 @@ class Engine:
         if use_graphs:
             from drafttree.runner.cuda_graph import graph_plan
             wanted = cfg.max_model_len or self.model_cfg.max_position_embeddings
-            plan = graph_plan(self.spec, self.model_cfg, drafter_cfg, cfg.max_num_seqs, [wanted])
+            plan = graph_plan(self.spec, self.model_cfg, drafter_cfg, cfg.max_num_seqs, [wanted], self.world)
             graphs = max((e.est_bytes for e in plan), default=0)   # the graphs share one memory pool
         budget = int(util * total) - (total - free) - graphs
         return max(budget, 0), f"gpu_memory_utilization {util}: of {total / 2**30:.1f} GiB, less what is in use" + \
             (" and the CUDA graphs' estimate" if graphs else "")
+
+    @property
+    def world(self) -> int:
+        return 1 if self.tp is None else self.tp.world
+
+    @property
+    def leader(self) -> bool:
+        """Whether this process steps the engine: rank 0, or the only one."""
+        return self.tp is None or self.tp.leader
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing on one device); the engine steps no more."""
+        if self.closer is not None:
+            closer, self.closer = self.closer, None
+            self.dead = self.dead or "the engine was shut down"
+            closer()
+
+    def agree(self) -> bool:
+        """Whether every tensor-parallel rank holds the same round state as rank 0 (a check: the
+        ranks decide alike by construction, without exchanging their decisions)."""
+        self._drain()
+        digests = self.runner.digests(self.runner.cache_cfg.max_num_seqs)
+        return all(d == digests[0] for d in digests)
 
     @property
     def waiting(self):
@@ -187,6 +226,8 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
+        if self.dead is not None:
+            raise TensorParallelError(self.dead)
         params = params or SamplingParams()
         ids, text = self.encode(prompt)
         self.check_prompt(ids)
@@ -212,7 +253,27 @@ class Engine:
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """This step's prefill chunks, then one round for every running request. Returns the new
         tokens: with `overlap`, those of the round launched by the previous step (this step's
-        round is launched first, so the device computes it while the host reads and emits)."""
+        round is launched first, so the device computes it while the host reads and emits).
+        Tensor-parallel: any failure (a rank lost, a collective timed out) stops the engine with
+        a TensorParallelError, and every later step raises it again."""
+        if self.tp is None:
+            return self._step()
+        known = self.runner.channel.failure if self.runner.channel is not None else None
+        if self.dead is None and known is not None:
+            self.dead = f"{known}; the engine stopped"
+        if self.dead is not None:
+            raise TensorParallelError(self.dead)
+        self.in_step = True
+        try:
+            return self._step()
+        except Exception as e:
+            known = self.runner.channel.failure if self.runner.channel is not None else None
+            self.dead = explain(e, self.tp, known)
+            raise TensorParallelError(self.dead) from e
+        finally:
+            self.in_step = False
+
+    def _step(self) -> list[tuple[Sequence, list[int]]]:
         out: list[tuple[Sequence, list[int]]] = []
         self._release()
         prev = self._inflight

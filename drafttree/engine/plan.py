@@ -8,6 +8,7 @@ import torch
 from drafttree.config import ModelConfig
 from drafttree.engine.config import EngineConfig
 from drafttree.models.dflash import DFlashConfig
+from drafttree.parallel.group import TPGroup
 from drafttree.phases import SpecConfig, schedule_for
 from drafttree.settings import current
 
@@ -68,8 +69,18 @@ def parse_budget(value: int | str | None) -> int | None:
     return n
 
 
-def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
-    """(model directory or None, target, drafter or None), all checked before anything is kept."""
+def target_config(cfg: EngineConfig) -> ModelConfig:
+    """The target's config, read without its weights."""
+    if cfg.random_weights:
+        from drafttree.models.random_shapes import shape_config
+        return shape_config(cfg.random_weights)
+    from drafttree.loader.default_model import resolve_model
+    return ModelConfig.from_dir(resolve_model(cfg.model))
+
+
+def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None):
+    """(model directory or None, target, drafter or None), all checked before anything is kept.
+    Over a tensor-parallel group the target is this rank's shards and the drafter whole."""
     from drafttree.loader.default_model import resolve_model
     from drafttree.loader.drafter import load_drafter
     from drafttree.loader.weights import load_target
@@ -81,11 +92,11 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
         quant.check(cfg.draft_quantization, device)   # before any weights load
     model_dir = None
     if cfg.random_weights:
-        target = random_target(cfg.random_weights, device, dtype)
+        target = random_target(cfg.random_weights, device, dtype, tp)
         drafter = random_drafter(cfg.random_weights, target, device, dtype) if wants_drafter else None
     else:
         model_dir = resolve_model(cfg.model)
-        target, _ = load_target(model_dir, dtype, device)
+        target, _ = load_target(model_dir, dtype, device, tp)
         dpath = resolve_drafter(cfg)
         drafter = load_drafter(dpath, target, dtype, device) if dpath is not None else None
         if drafter is None and cfg.random_drafter and wants_drafter:

@@ -177,6 +177,13 @@ class Engine:
         """Whether this process steps the engine: rank 0, or the only one."""
         return self.tp is None or self.tp.leader
 
+    @property
+    def failure(self) -> str | None:
+        """Why this tensor-parallel engine can step no more (a rank lost, a failed step), or None."""
+        if self.dead is None and self.runner.channel is not None and self.runner.channel.failure is not None:
+            return f"{self.runner.channel.failure}; the engine stopped"
+        return self.dead
+
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing on one device); the engine steps no more."""
         if self.closer is not None:
@@ -243,6 +250,8 @@ class Engine:
         """Finish seq (finish reason "abort") and free its pages at once. An unread round that
         still writes them runs before any later use of the pages (one stream)."""
         seq.finish("abort")
+        if self.dead is not None:
+            return   # a stopped tensor-parallel engine: its ranks take no more commands
         self.scheduler.free(seq)
 
     def has_unfinished(self) -> bool:
@@ -258,9 +267,7 @@ class Engine:
         a TensorParallelError, and every later step raises it again."""
         if self.tp is None:
             return self._step()
-        known = self.runner.channel.failure if self.runner.channel is not None else None
-        if self.dead is None and known is not None:
-            self.dead = f"{known}; the engine stopped"
+        self.dead = self.failure
         if self.dead is not None:
             raise TensorParallelError(self.dead)
         self.in_step = True

@@ -111,6 +111,10 @@ def describe_plan(cfg: EngineConfig) -> str:
     from drafttree.runner.cuda_graph import format_plan, graph_plan
 
     target = ModelConfig.from_dir(resolve_model(cfg.model))
+    world = cfg.tensor_parallel_size
+    if world != 1:
+        from drafttree.parallel.shard import check_size
+        check_size(target, world)
     dpath = resolve_drafter(cfg)
     dcfg = DFlashConfig.from_dir(dpath) if dpath is not None else None
     if dcfg is not None:
@@ -122,12 +126,13 @@ def describe_plan(cfg: EngineConfig) -> str:
     from drafttree.runner.model_runner import CacheConfig
     cache = CacheConfig(cfg.max_num_seqs, cfg.max_model_len or target.max_position_embeddings, spec.kv_headroom,
                         cfg.page_size)
-    plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, cache.kv_buckets)
+    plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, cache.kv_buckets, world)
     sched = ",".join(f"{b}:{n}" for b, n in spec.budget_schedule) or "-"
     budget = f"auto(<={spec.budget}: {','.join(map(str, spec.budgets))})" if spec.adaptive else spec.budget
     head = (f"spec={spec.method} block_size={spec.block_size} budget={budget} budget_schedule={sched} "
             f"speculate_sampled={'on' if spec.sampled else 'off'} max_num_seqs={cfg.max_num_seqs}"
             + (f" draft_quantization={cfg.draft_quantization}" if cfg.draft_quantization and spec.speculative else "")
+            + (f" tensor_parallel_size={world} (each rank captures every graph; memory per rank)" if world > 1 else "")
             + "\n"
             f"max_model_len={cache.max_model_len} (the KV budget may lower it at start-up); KV pages of "
             f"{cache.page_size} tokens, {cache.pages_per_row} per request at most; prefix caching "

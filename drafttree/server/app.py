@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from drafttree.engine.engine import Engine, EngineConfig
+from drafttree.engine.launch import follow, start_engine
+from drafttree.parallel.group import TensorParallelError
 from drafttree.server.metrics import CONTENT_TYPE, ServerMetrics
 from drafttree.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body, now
 from drafttree.server.serving import OpenAIServing, Reply
@@ -57,10 +59,11 @@ def _install_error_handlers(app: FastAPI) -> None:
                             status_code=500)
 
 
-def create_app(engine: Engine, model_name: str) -> FastAPI:
-    """An app serving `engine` under `model_name`; its engine thread runs while the app is up."""
+def create_app(engine: Engine, model_name: str, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """An app serving `engine` under `model_name`; its engine thread runs while the app is up.
+    `on_fatal(message)`: the engine stopped for good (a tensor-parallel rank lost)."""
     metrics = ServerMetrics()
-    worker = EngineWorker(engine, metrics)
+    worker = EngineWorker(engine, metrics, on_fatal)
     serving = OpenAIServing(worker, model_name)
     created = now()
 
@@ -78,8 +81,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not worker.alive:
-            return JSONResponse({"status": "engine not running"}, status_code=503)
+        if not worker.alive or engine.failure is not None:
+            return JSONResponse({"status": engine.failure or worker.fatal or "engine not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -115,8 +118,25 @@ def run_server(cfg: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
 
     from drafttree.loader.default_model import DEFAULT_MODEL_NAME
 
-    engine = Engine(cfg)
+    engine = start_engine(cfg)
+    if not engine.leader:   # a torchrun rank other than 0: the server is rank 0's
+        code = follow(engine)
+        if code:
+            raise TensorParallelError(f"rank {engine.tp.rank} lost rank 0")
+        return
     name = model_name or cfg.model or DEFAULT_MODEL_NAME
-    log.info("serving %s (spec=%s, max_model_len=%d) on http://%s:%d", name, engine.spec.method,
-             engine.max_model_len, host, port)
-    uvicorn.run(create_app(engine, name), host=host, port=port, log_level="info")
+    log.info("serving %s (spec=%s, max_model_len=%d%s) on http://%s:%d", name, engine.spec.method,
+             engine.max_model_len, f", tensor_parallel_size={engine.world}" if engine.world > 1 else "", host, port)
+    fatal: list[str] = []
+
+    def stop(message: str) -> None:   # the engine thread: ask uvicorn to end, as on SIGTERM
+        fatal.append(message)
+        server.should_exit = True
+
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, name, stop), host=host, port=port, log_level="info"))
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    if fatal:
+        raise TensorParallelError(fatal[0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,7 +63,7 @@ class Engine:
         self.tp = tp
         self.dead: str | None = None       # why a tensor-parallel engine stopped (it steps no more)
         self.in_step = False
-        self.closer: Callable[[], None] | None = None   # stops the other ranks (`engine.launch`)
+        self.ranks: Any = None   # rank 0's hold on the other ranks (`engine.launch.Ranks`): close() stops them
         self.settings: Settings = current()   # DRAFTTREE_*: read from the environment once per process
         self.device = tp.device if tp is not None else resolve_device(cfg.device)
         self.dtype = parse_dtype(cfg.dtype, str(self.device))
@@ -180,16 +180,15 @@ class Engine:
     @property
     def failure(self) -> str | None:
         """Why this tensor-parallel engine can step no more (a rank lost, a failed step), or None."""
-        if self.dead is None and self.runner.channel is not None and self.runner.channel.failure is not None:
-            return f"{self.runner.channel.failure}; the engine stopped"
-        return self.dead
+        lost = self.ranks.lost() if self.dead is None and self.ranks is not None else None
+        return f"{lost}; the engine stopped" if lost is not None else self.dead
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing on one device); the engine steps no more."""
-        if self.closer is not None:
-            closer, self.closer = self.closer, None
+        if self.ranks is not None:
+            ranks, self.ranks = self.ranks, None
+            ranks.close(failed=self.dead is not None)   # a failed group takes no farewell
             self.dead = self.dead or "the engine was shut down"
-            closer()
 
     def agree(self) -> bool:
         """Whether every tensor-parallel rank holds the same round state as rank 0 (a check: the
@@ -274,8 +273,7 @@ class Engine:
         try:
             return self._step()
         except Exception as e:
-            known = self.runner.channel.failure if self.runner.channel is not None else None
-            self.dead = explain(e, self.tp, known)
+            self.dead = explain(e, self.tp, self.ranks.lost() if self.ranks is not None else None)
             raise TensorParallelError(self.dead) from e
         finally:
             self.in_step = False

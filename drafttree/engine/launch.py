@@ -157,29 +157,33 @@ class Ranks:
     def attach(self) -> None:
         engine = self.engine()
         engine.runner.channel = self.channel
-        engine.closer = self.close
+        engine.ranks = self
         self.channel.start_heartbeat()
         if self.workers:
             threading.Thread(target=self._watch, name="drafttree-tp-watch", daemon=True).start()
         # on garbage collection and at exit, whichever comes first; holds no reference to the engine
         weakref.finalize(engine, self.close)
 
+    def lost(self) -> str | None:
+        """What is known lost: a spawned rank that exited (looked at now), or what the heartbeat saw."""
+        if self.channel.failure is None and not self.closing.is_set():
+            gone = next((p for p in self.workers if not p.is_alive()), None)
+            if gone is not None:
+                self.channel.failure = f"tensor-parallel rank {self.workers.index(gone) + 1} (pid {gone.pid}) " \
+                                       f"{_exit_text(gone.exitcode)}"
+        return self.channel.failure
+
     def _watch(self) -> None:
         alive = {p.sentinel: p for p in self.workers}
         while alive and not self.closing.is_set():
-            for s in mp.connection.wait(list(alive), timeout=1.0):
-                p = alive.pop(s)
-                if self.closing.is_set():
-                    return
-                self._lost(p)
+            if mp.connection.wait(list(alive), timeout=1.0) and not self.closing.is_set():
+                self._lost()
                 return
 
-    def _lost(self, p: mp.process.BaseProcess) -> None:
-        rank = self.workers.index(p) + 1
-        msg = f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
-        self.channel.failure = msg
+    def _lost(self) -> None:
+        msg = self.lost()
         log.error("%s: the engine stops", msg)
-        stop_processes([w for w in self.workers if w is not p], 0.0)
+        stop_processes([w for w in self.workers if w.is_alive()], 0.0)
         deadline = time.monotonic() + GRACE_S
         while time.monotonic() < deadline:
             engine = self.engine()
@@ -190,13 +194,17 @@ class Ranks:
               file=sys.stderr, flush=True)
         os._exit(1)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.closing.is_set():
             return
         self.closing.set()
-        self.channel.close()
+        self.channel.close(farewell=not failed)
         stop_processes(self.workers, 10.0)
         close_group()
+
+
+def _exit_text(code: int | None) -> str:
+    return f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
 
 
 def stop_processes(procs: list[mp.process.BaseProcess], wait_s: float) -> None:

@@ -61,22 +61,24 @@ class CommandChannel:
             if time.monotonic() - self.last < self.heartbeat_s:
                 continue
             try:
-                self.send(NOOP)
+                with self.lock:
+                    if self._stop.is_set():   # closed meanwhile: no heartbeat after the farewell
+                        return
+                    self.send(NOOP)
             except Exception as e:   # a follower is gone: the next step says so
                 if not self._stop.is_set():
                     self.failure = self.failure or f"a tensor-parallel rank stopped answering ({str(e).splitlines()[0]})"
                     log.error("%s", self.failure)
                 return
 
-    def close(self) -> None:
-        """Stop the heartbeat and tell the followers to stop (best effort: some may be gone)."""
+    def close(self, farewell: bool = True) -> None:
+        """Stop the heartbeat and tell the followers to stop (`farewell`; best effort: some may be gone)."""
         self._stop.set()
-        with self.lock:
-            if self.failure is None:
-                try:
-                    self.send(SHUTDOWN)
-                except Exception as e:
-                    log.warning("could not tell the tensor-parallel ranks to stop: %s", e)
+        if farewell and self.failure is None:
+            try:
+                self.send(SHUTDOWN)
+            except Exception as e:
+                log.warning("could not tell the tensor-parallel ranks to stop: %s", e)
         if self._beat is not None:
             self._beat.join(timeout=self.heartbeat_s)
 

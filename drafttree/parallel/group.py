@@ -83,6 +83,10 @@ def init_group(launch: Launch, device: torch.device, timeout_s: float = DEFAULT_
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        # NCCL's collectives are captured in the phases' CUDA graphs: without this, the process
+        # group's recordStream calls on graph-pool tensors leak and can break captures (vLLM #2152).
+        os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a process group: one tensor-parallel engine per "
                            "process at a time (shut the other down first: LLM.shutdown())")

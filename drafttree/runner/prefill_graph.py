@@ -87,6 +87,8 @@ class PrefillGraphs:
             parts = [tuple(None if t is None else t.clone() for t in
                            self._replay(ids[a:a + g], lens[a:a + g], table[a:a + g], Pb)) for a in range(0, n, g)]
         except torch.cuda.OutOfMemoryError:   # the eager prefill then writes these pages again
+            if self.r.target.tp is not None:
+                raise   # the other ranks replay their graphs: an eager forward here would not meet them
             self.failed, self.graphs, self.pool = True, {}, None
             log.warning("out of memory capturing a prefill graph (%d prompts, %d tokens): prefill runs "
                         "eagerly from now on", min(n, g), Pb)
@@ -119,6 +121,8 @@ class PrefillGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()   # apart from the rounds' pool
         warm_up(fn)
+        if self.r.target.tp is not None:   # no collective of the warm-up in flight (as GraphRunner.capture)
+            torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # captured while serving, at first use: CUDA calls of other threads stay allowed
         with collector_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):

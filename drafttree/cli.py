@@ -7,7 +7,7 @@ import logging
 import sys
 
 from drafttree.engine.engine import Engine, EngineConfig
-from drafttree.parallel.group import TensorParallelError
+from drafttree.parallel.group import TensorParallelError, torchrun_launch
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -65,6 +65,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
+    run = torchrun_launch()
+    if run is not None and a.tensor_parallel_size == 1:
+        print(f"drafttree: warning: torchrun started {run.world} processes and each runs an engine of its own; "
+              f"--tensor-parallel-size {run.world} shards one engine over them", file=sys.stderr)
     return EngineConfig(model=a.model, draft_model=a.draft_model, spec=a.spec, block_size=a.block_size,
                         budget=a.budget, budget_schedule=a.budget_schedule,
                         speculate_sampled=a.speculate_sampled, dtype=a.dtype,

@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -118,7 +118,9 @@ def _rank_main(rank: int, cfg: EngineConfig, port: int, threads: int, level: int
 
 
 def follow(engine: Engine) -> int:
-    """Run rank 0's commands on this rank's engine until it shuts down (0) or is lost (1)."""
+    """Run rank 0's commands on this rank's engine until it shuts down (returns 0). A rank that
+    loses rank 0 or fails a command exits the process at once (code 1): a collective it left
+    behind may never complete, and tearing down its process group could wait on it."""
     tp = engine.tp
     assert tp is not None and not tp.leader, "rank 0 steps its engine; the other ranks follow it"
     channel, runner = CommandChannel(tp), engine.runner
@@ -126,22 +128,27 @@ def follow(engine: Engine) -> int:
         try:
             name, args, kwargs = channel.receive()
         except Exception as e:
-            log.error("rank %d lost rank 0 (%s): stopping", tp.rank, str(e).splitlines()[0])
-            return 1
+            _stop(f"rank {tp.rank} lost rank 0 ({str(e).splitlines()[0]})")
         if name == SHUTDOWN:
             close_group()
             return 0
         if name == NOOP:
             continue
         if name not in COMMANDS:
-            log.error("rank %d: unknown command %r: stopping", tp.rank, name)
-            return 1
+            _stop(f"rank {tp.rank}: unknown command {name!r}")
         try:
             getattr(runner, name)(*args, **kwargs)
         except Exception:
-            log.exception("rank %d failed running %s: stopping", tp.rank, name)
-            return 1
+            log.exception("rank %d failed running %s", tp.rank, name)
+            _stop(f"rank {tp.rank} failed running {name}")
         runner.timer.collect()
+
+
+def _stop(message: str) -> NoReturn:
+    log.error("%s: stopping", message)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 class Ranks:

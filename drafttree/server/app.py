@@ -120,9 +120,7 @@ def run_server(cfg: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
 
     engine = start_engine(cfg)
     if not engine.leader:   # a torchrun rank other than 0: the server is rank 0's
-        code = follow(engine)
-        if code:
-            raise TensorParallelError(f"rank {engine.tp.rank} lost rank 0")
+        follow(engine)
         return
     name = model_name or cfg.model or DEFAULT_MODEL_NAME
     log.info("serving %s (spec=%s, max_model_len=%d%s) on http://%s:%d", name, engine.spec.method,

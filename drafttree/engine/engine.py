@@ -4,9 +4,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 

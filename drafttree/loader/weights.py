@@ -13,10 +13,9 @@ from drafttree.parallel import shard
 from drafttree.parallel.group import TPGroup
 
 StateDict = dict[str, torch.Tensor]
-Select = Callable[[str, list[int]], "tuple[slice, ...] | None"]
 
 
-def read_safetensors(path: str | Path, select: Select | None = None) -> StateDict:
+def read_safetensors(path: str | Path, select: shard.Select | None = None) -> StateDict:
     """Every tensor of a checkpoint; with `select` (a tensor-parallel rank's, `parallel.shard`),
     the slice it names of each tensor, read as such (the rest of the tensor is never read)."""
     path = Path(path)

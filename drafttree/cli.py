@@ -51,8 +51,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compute every prompt in full (default: requests share the KV pages of common prefixes)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run every phase eagerly")
     g.add_argument("--no-prefill-graphs", action="store_true",
-                   help="run prefill eagerly (default with CUDA graphs: graphed per (prompts, length bucket), "
-                        "captured at first use)")
+                   help="run prefill eagerly (default with CUDA graphs: graphed per (rows, length bucket), "
+                        "every shape the scheduler can ask for captured at start-up)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the target over N ranks, one GPU each (gloo processes on the CPU): started here, "
                         "or under torchrun (--nproc-per-node, --nnodes) its processes; N must divide the "
@@ -136,7 +136,8 @@ def _generate(a: argparse.Namespace, eng: Engine) -> int:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from drafttree.server.app import run_server
-    run_server(engine_config(a), a.host, a.port, a.served_model_name)
+    from drafttree.server.limits import ServerLimits
+    run_server(engine_config(a), a.host, a.port, a.served_model_name, ServerLimits(a.max_request_bytes))
     return 0
 
 
@@ -180,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="larger request bodies are refused (413) before they are read (default 4 MiB)")
     gr = sub.add_parser("graphs", help="print the CUDA graph capture plan (no GPU needed)")
     add_model_args(gr)
     gr.add_argument("--costs", action="store_true",

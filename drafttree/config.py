@@ -8,11 +8,15 @@ from typing import Any
 
 import torch
 
+from drafttree.moe_config import MLAConfig, MoEConfig, parse_mla, parse_moe
+
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",   # Kimi K2 declares it too
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -36,7 +40,7 @@ def parse_dtype(dtype: str | torch.dtype | None, device: str = "cpu") -> torch.d
 
 @dataclass
 class ModelConfig:
-    arch: str                      # "llama" | "qwen2" | "qwen3"
+    arch: str                      # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "deepseek_v3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -53,19 +57,37 @@ class ModelConfig:
     qk_norm: bool = False          # Qwen3: RMSNorm over head_dim on q and k
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    # MoE layers and MLA (moe_config.py). With MLA, num_kv_heads is 1 and head_dim the latent cache
+    # entry's width (kv_lora_rank + qk_rope_head_dim), which the K cache holds; V has no width.
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
+
+    @property
+    def sparse(self) -> bool:
+        """MoE layers or MLA: built as `models.moe_decoder.SparseDecoderLM`."""
+        return self.moe is not None or self.mla is not None or self.arch in ("qwen3_moe", "deepseek_v3")
+
+    @property
+    def v_cache_dim(self) -> int:
+        """The V cache's width: MLA keeps only the latent, in the K cache."""
+        return 0 if self.mla is not None else self.head_dim
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or []
         arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
         if arch is None:
-            arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(d.get("model_type", ""))
+            arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                    "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3"}.get(d.get("model_type", ""))
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or d.get('model_type')!r}; "
                              f"drafttree runs {sorted(SUPPORTED_ARCHS)}")
         try:
             heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
+            layers = int(d["num_hidden_layers"])
+            rope_scaling = _rope_scaling(d, arch)
+            mla = parse_mla(d, rope_scaling) if arch == "deepseek_v3" else None
             eos = d.get("eos_token_id")
             eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
             return cls(
@@ -73,19 +95,21 @@ class ModelConfig:
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
+                num_layers=layers,
                 num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
+                num_kv_heads=1 if mla else int(d.get("num_key_value_heads") or heads),
+                head_dim=mla.cache_dim if mla else int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-                rope_scaling=_rope_scaling(d),
+                rope_scaling=rope_scaling,
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
-                qk_norm=arch == "qwen3",
+                qk_norm=arch in ("qwen3", "qwen3_moe"),
                 eos_token_ids=eos_ids,
                 bos_token_id=d.get("bos_token_id"),
+                moe=parse_moe(d, arch, layers) if arch in ("qwen3_moe", "deepseek_v3") else None,
+                mla=mla,
             )
         except KeyError as e:
             raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
@@ -108,13 +132,18 @@ class ModelConfig:
         return c
 
 
-def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
+# yarn only where the MoE/MLA models' own rotary (models/rope.py) reads it
+YARN_ARCHS = ("qwen3_moe", "deepseek_v3")
+
+
+def _rope_scaling(d: dict[str, Any], arch: str = "llama") -> dict[str, Any] | None:
     rs = d.get("rope_scaling") or d.get("rope_parameters")
     if not rs:
         return None
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind in ("default", None):
         return None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
-    return dict(rs, rope_type="llama3")
+    supported = ("llama3", "yarn") if arch in YARN_ARCHS else ("llama3",)
+    if kind not in supported:
+        raise ValueError(f"unsupported rope_scaling type {kind!r} for {arch} (supported: {', '.join(supported)})")
+    return dict(rs, rope_type=kind)

@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("drafttree.spec", "drafttree.sampling"),
     ("drafttree.models",),
     ("drafttree.kernels", "drafttree.parallel"),
-    ("drafttree.config", "drafttree.phases", "drafttree.settings"),
+    ("drafttree.config", "drafttree.moe_config", "drafttree.phases", "drafttree.settings"),
 )
 
 

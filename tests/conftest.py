@@ -78,3 +78,22 @@ def zoo(tmp_path_factory):
         return pairs[shape, vocab]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def moe_zoo(tmp_path_factory):
+    """moe_zoo(shape, vocab): as `zoo`, over the MoE/MLA shapes of tests/moe_tiny.py; the drafter
+    reads the target's first and last layers."""
+    from tests.moe_tiny import make_moe_target
+
+    pairs: dict[tuple[str, int], Pair] = {}
+
+    def get(shape: str, vocab: int = VOCAB) -> Pair:
+        if (shape, vocab) not in pairs:
+            root = tmp_path_factory.mktemp(f"{shape}-v{vocab}")
+            target = make_moe_target(root / "target", shape, vocab=vocab, scale=SCALE)
+            drafter = make_drafter(root / "drafter", target, block_size=4, target_layer_ids=[0, 2])
+            pairs[shape, vocab] = Pair(target, drafter, vocab)
+        return pairs[shape, vocab]
+
+    return get

@@ -112,3 +112,33 @@ def check_lossless(pair: Pair, llm: LLM, prompts, max_tokens=MAX_TOKENS, *, max_
 
 def taus_of(outs) -> list[int]:
     return [t for o in outs for t in o.metrics["accept_lengths"]]
+
+
+# -- the paged engine -------------------------------------------------------------------------------
+
+def make_llm(pair: Pair, spec: str, block_size: int | None, budget: int | None, **kw) -> LLM:
+    """A fresh engine over the pair (not cached: the tests vary pages, pools and caching)."""
+    kw = {"max_num_seqs": 3, "max_model_len": 128, "device": "cpu", "dtype": "float32", **kw}
+    return LLM(model=str(pair.target), draft_model=None if spec == "none" else str(pair.drafter), spec=spec,
+               block_size=block_size, budget=budget, **kw)
+
+
+def pool_is_whole(llm: LLM) -> None:
+    """Nothing runs, and every page is back in the pool."""
+    e = llm.engine
+    assert not e.has_unfinished()
+    assert e.free_pages == e.pool.usable, (e.free_pages, e.pool.usable)
+    assert all(r == 0 for r in e.pool.ref), "a page is still held"
+    assert (e.runner.state.block_table == 0).all(), "a row still names pages"
+
+
+def pool_gb(pair: Pair, spec: str, block_size: int | None, budget: int | None, pages: int, page_size: int,
+            **kw) -> float:
+    """The KV budget that holds `pages` pages of the pair's target (and drafter), counted from the
+    pools' own shapes: K and V each of its width (an MLA target's V has none)."""
+    kw = {**kw, "max_num_seqs": 1, "max_model_len": 32, "page_size": page_size}
+    probe = make_llm(pair, spec, block_size, budget, **kw)
+    r = probe.engine.runner
+    per_slot = sum((c.k[:, :, :, 0].numel() + c.v[:, :, :, 0].numel()) * c.k.element_size()
+                   for c in (r.kv, r.dkv) if c is not None)
+    return (pages * page_size * per_slot + 1) / 2**30

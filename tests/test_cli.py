@@ -82,3 +82,14 @@ def test_bench_phases(pair, capsys, tmp_path):
     assert {"decode", "context", "draft", "tree_build", "verify", "accept_commit", "round"} <= set(ms)
     assert ms["round_in_decode_steps"] == pytest.approx(ms["round"] / ms["decode"])
     assert res["graph_ms"] == {} and "settings" in res["environment"]   # no graphs on CPU
+
+
+def test_serve_passes_the_request_size_limit(monkeypatch):
+    """`drafttree serve --max-request-bytes N` reaches the server's limits; the default is 4 MiB."""
+    from drafttree.server import app
+
+    seen = []
+    monkeypatch.setattr(app, "run_server", lambda cfg, host, port, name, limits: seen.append((port, limits)))
+    assert main(["serve", "--port", "9", "--max-request-bytes", "1000"]) == 0
+    assert main(["serve"]) == 0
+    assert [(p, lim.max_request_bytes) for p, lim in seen] == [(9, 1000), (8000, 4 << 20)]

@@ -33,6 +33,10 @@ def test_seed_config_widths_in_plan(pair):
     assert plan[Phase.VERIFY].kv_lengths == (1024, 4096)
     text = describe_plan(EngineConfig(model=str(t), draft_model=str(d), spec="ddtree", budget=32))
     assert "verify=33" in text and "draft=8" in text
+    from drafttree.runner.prefill_plan import PrefillLimits
+    cache_len = ModelConfig.from_dir(t).max_position_embeddings
+    shapes = PrefillLimits(256, 2048, 8192, cache_len - 1, cache_len + spec.kv_headroom).shapes()
+    assert f"prefill graphed: {len(shapes)} graphs" in text
     chain = SpecConfig("dflash", block_size=8)
     assert chain.width(Phase.VERIFY) == 8
     assert SpecConfig().round_phases == (Phase.DECODE,) and SpecConfig().width(Phase.DECODE) == 1
@@ -272,9 +276,9 @@ def test_each_sampler_mode_replays_its_own_graphs(pair, fake_cuda_graphs):
 
 
 def test_collector_paused_while_capturing(pair, fake_cuda_graphs, monkeypatch):
-    """Python's cyclic collector is off inside every capture (the rounds' at start-up, a
-    prefill's at first use), so that nothing it frees makes CUDA calls a capture forbids; it is
-    on again afterwards."""
+    """Python's cyclic collector is off inside every capture (the rounds' and the prefills', all
+    at start-up), so that nothing it frees makes CUDA calls a capture forbids; it is on again
+    afterwards, and serving captures nothing."""
     import contextlib
     import gc
     fake, seen = torch.cuda.graph, []
@@ -288,9 +292,11 @@ def test_collector_paused_while_capturing(pair, fake_cuda_graphs, monkeypatch):
     t, d = pair
     llm = LLM(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
               max_num_seqs=2, max_model_len=128, cuda_graphs=True, prefill_graphs=True)
-    rounds = len(seen)
+    runner = llm.engine.runner
+    captured = len(seen)
+    assert captured == len(runner.graphs.graphs) + len(runner.prefill_graphs.graphs) and runner.prefill_graphs.graphs
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))
-    assert rounds > 0 and len(seen) > rounds and not any(seen) and gc.isenabled()
+    assert len(seen) == captured and not any(seen) and gc.isenabled()
 
 
 def test_dropped_engine_frees_its_cache_at_once(pair, fake_cuda_graphs):
@@ -576,36 +582,40 @@ def test_gpu_context_phases_write_what_eager_writes(pair, spec, budget):
         torch.testing.assert_close(g.dkv.v[:, 0, :, slots], e.dkv.v[:, 0, :, slots], atol=1e-5, rtol=1e-5)
 
 
-def _graphed_prefill_case(t, d, spec, budget, max_tokens=None, **kw):
+def _graphed_prefill_case(t, d, spec, budget, prefill_chunk=None, **kw):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 59, (n,), generator=g).tolist() for n in (5, 9, 14, 3, 16, 11, 7, 20, 2, 33)]
     sp = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=4 + 3 * i, ignore_eos=True)
           for i in range(len(prompts))]
-    # alone first: (1 prompt, 16 slots) is captured at row 0; then, in a batch of 2, replayed at row 1
+    # alone first: (1 prompt, 16 slots) replayed at row 0; then, in a batch of 2, at row 1
     calls = [([0], [0]), ([1, 2, 3] + list(range(4, 10)), [1, 2, 3] + list(range(4, 10)))]
     sp[1] = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     kw = dict(model=str(t), draft_model=str(d) if spec != "none" else None, spec=spec, budget=budget,
               dtype="float32", max_num_seqs=2, max_model_len=128, **kw)
+    if prefill_chunk is not None:
+        kw["prefill_chunk"] = prefill_chunk
     eager = LLM(**kw, cuda_graphs=False)
     want = [[o.token_ids for o in eager.generate([prompts[i] for i in ps], [sp[i] for i in ss])] for ps, ss in calls]
     llm = LLM(**kw, cuda_graphs=True, prefill_graphs=True)
     pg, runs = llm.engine.runner.prefill_graphs, []
-    if max_tokens is not None:
-        pg.max_tokens = max_tokens
+    captured = set(pg.graphs)
+    assert captured == set(pg.shapes())   # all at start-up
     run = pg._replay
     pg._replay = lambda ids, lens, table, Pb: runs.append((int(table[0, 0]), ids.shape[0])) or run(ids, lens, table, Pb)
     got = [[o.token_ids for o in llm.generate([prompts[i] for i in ps], [sp[i] for i in ss])] for ps, ss in calls]
     assert got == want
-    if max_tokens is not None:   # batches of 2 prompts over 16 slots went in groups of one
-        assert set(pg.graphs) == {(1, 16)} and len({r for r, _ in runs}) >= 2, (runs, list(pg.graphs))
+    assert set(pg.graphs) == captured and pg.fallbacks == 0   # nothing captured while serving
+    if prefill_chunk is not None:   # batches of 2 prompts over 16 slots went in groups of one
+        assert captured == {(1, 16)} and len({r for r, _ in runs}) >= 2, (runs, list(pg.graphs))
         return
     # graphs were reused for other prompts, and the one-prompt graph over other pages (its first page here)
-    assert len(runs) > len(pg.graphs) > 1 and len({r for r, n in runs if n == 1}) >= 2, (runs, list(pg.graphs))
+    assert {n for _, n in runs} == {1, 2} and len({r for r, n in runs if n == 1}) >= 2, (runs, list(pg.graphs))
+
 
 @pytest.mark.parametrize("spec,budget", [("none", None), ("ddtree", 8), ("dflash", 1)])
 def test_graphed_prefill_logic_on_cpu(pair, fake_cuda_graphs, spec, budget):
-    """A replay reruns the closure captured at the first use of its (prompts, length bucket) on
-    later requests' ids, lengths and rows: a value baked in at capture would change tokens."""
+    """A replay reruns the closure captured at start-up for its (prompts, length bucket) on
+    requests' ids, lengths and rows: a value baked in at capture would change tokens."""
     t, d = pair
     _graphed_prefill_case(t, d, spec, budget, device="cpu")
 
@@ -615,12 +625,41 @@ def test_graphed_prefill_in_groups_on_cpu(pair, fake_cuda_graphs, spec, budget):
     """A batch over the graphed token limit runs as several groups, each replaying a graph at its
     own cache rows; outputs of a group are kept before the next group replays the same graph."""
     t, d = pair
-    _graphed_prefill_case(t, d, spec, budget, max_tokens=16, device="cpu")
+    _graphed_prefill_case(t, d, spec, budget, prefill_chunk=16, device="cpu")
+
+
+def test_graphed_prefill_under_load_pads_rows_and_captures_nothing_on_cpu(pair, fake_cuda_graphs):
+    """Many requests through the scheduler (chunks cut by the step's tokens and by chunks x widest,
+    prefix-cache hits, rows refilled as requests end): every forward from position 0 finds a graph
+    captured at start-up, groups of 3 replay the graph of 4 rows (padding rows hold the null page
+    only), the tokens are eager prefill's, and serving captures nothing."""
+    t, d = pair
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(1, 59, (24,), generator=g).tolist()
+    lens = [13, 5, 9, 40, 30, 20, 7, 3, 17, 26, 11, 2, 33, 8]   # 13, 5, 9: one forward, 3 rows of 16
+    prompts = [(shared if i % 4 == 3 else []) + torch.randint(1, 59, (n,), generator=g).tolist()
+               for i, n in enumerate(lens)]
+    sp = [SamplingParams(temperature=0.0 if i % 3 else 0.7, seed=i, max_tokens=3 + i % 5, ignore_eos=True)
+          for i in range(len(prompts))]
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
+              max_num_seqs=6, max_model_len=128, prefill_chunk=64, max_prefill_tokens=100)
+    want = [o.token_ids for o in LLM(**kw, cuda_graphs=False).generate(prompts, sp)]
+    llm = LLM(**kw, cuda_graphs=True)
+    pg = llm.engine.runner.prefill_graphs
+    captured, graphs = set(pg.graphs), len(fake_cuda_graphs)
+    assert captured == set(pg.shapes())
+    replays = []
+    run = pg._replay
+    pg._replay = lambda ids, lens, table, shape: replays.append((ids.shape[0], shape)) or run(ids, lens, table, shape)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert any(k < shape[0] for k, shape in replays), replays
+    assert pg.fallbacks == 0 and set(pg.graphs) == captured and len(fake_cuda_graphs) == graphs
+    assert llm.engine.stats.prefix_cache_hits > 0
 
 
 def test_prefill_graph_out_of_memory_falls_back_to_eager(pair, fake_cuda_graphs, monkeypatch, caplog):
-    """A capture that runs out of memory costs no request: that prefill and all later ones run
-    eagerly, with one warning, and give the tokens eager prefill gives."""
+    """A capture that runs out of memory at start-up costs no request: every prefill runs eagerly,
+    after one warning, and gives the tokens eager prefill gives."""
     from drafttree.runner import prefill_graph
     t, d = pair
     prompts = [[3, 5, 7], [(7 * j) % 50 + 1 for j in range(20)], [2, 4, 6, 8, 10]]
@@ -663,3 +702,35 @@ def test_graphed_prefill_is_on_with_graphs(pair, fake_cuda_graphs):
 def test_gpu_graphed_prefill_equals_eager(pair, spec, budget):
     t, d = pair
     _graphed_prefill_case(t, d, spec, budget, device="cuda")
+
+
+def test_startup_stages_and_warm_up_with_graphs_on_cpu(pair, fake_cuda_graphs):
+    """Start-up times each stage (graphs per phase, prefill graphs); the CUDA warm-up plan runs
+    through the engine, prefills graphed and eagerly at offsets (a chunk continuing a prompt, the
+    rest of a prompt after a prefix-cache hit), with no round or prefill falling back to eager,
+    and leaves the counters at zero and every page free."""
+    from drafttree.engine.warmup import warm_up
+    t, d = pair
+    eng = LLM(model=str(t), draft_model=str(d), spec="ddtree", budget=8, budget_schedule="2:0", device="cpu",
+              dtype="float32", max_num_seqs=2, max_model_len=64, cuda_graphs=True, prefill_chunk=16).engine
+    stages = list(eng.startup.stages)
+    assert stages[:4] == ["convert", "load weights", "kv cache", "tokenizer"] and stages[-1] == "prefill graphs", stages
+    assert {"graphs warm-up", "graphs draft", "graphs verify", "graphs decode", "graphs context"} <= set(stages)
+    pg, r = eng.runner.prefill_graphs, eng.runner
+    replays, starts, hits = [], [], []
+    run, eager, match = pg._replay, r._prefill_forward, eng.pool.match
+    pg._replay = lambda ids, lens, table, shape: replays.append(shape) or run(ids, lens, table, shape)
+    r._prefill_forward = lambda ids, start, *a: starts.append(int(start.max())) or eager(ids, start, *a)
+    eng.pool.match = lambda ids, limit: hits.append(len(m := match(ids, limit))) or m
+    eng.device = torch.device("cuda")   # the CUDA plan: every sample mode, 1 and 2 rows, eager prefill
+    try:
+        n = warm_up(eng)
+    finally:
+        eng.device = torch.device("cpu")
+    # 3 modes x (1 + 2 prompts); 17, 18 and 32 tokens in chunks of 16, 2 x 17; a 48-token prompt,
+    # then 33, 34 and 48 tokens of it again, alone and 33 and 34 together
+    assert n == 3 * 3 + 3 + 2 + 1 + 3 + 2
+    assert replays and set(replays) <= set(pg.graphs) and min(starts) > 0 and max(hits) == 2
+    assert eng.stats.requests == 0 and eng.stats.generated_tokens == 0 and not eng.runner.timer.totals
+    assert pg.fallbacks == 0 and eng.runner.graphs.fallbacks == 0
+    assert eng.pool.stats.queries == 0 and eng.scheduler.preemptions == 0 and eng.free_pages == eng.pool.usable

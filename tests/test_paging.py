@@ -4,37 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from drafttree import LLM, SamplingParams
+from drafttree import SamplingParams
 from drafttree.engine.pages import PagePool
 from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
 from drafttree.runner.model_runner import CacheConfig
-from tests.helpers import greedy, make_prompts
+from tests.helpers import greedy, make_llm, make_prompts, pool_gb, pool_is_whole
 
 SPECS = [("none", None, None), ("dflash", 4, None), ("ddtree", 4, 8)]
-
-
-def make_llm(pair, spec, block_size, budget, **kw) -> LLM:
-    kw = {"max_num_seqs": 3, "max_model_len": 128, **kw}
-    return LLM(model=str(pair.target), draft_model=None if spec == "none" else str(pair.drafter), spec=spec,
-               block_size=block_size, budget=budget, device="cpu", dtype="float32", **kw)
-
-
-def pool_is_whole(llm: LLM) -> None:
-    e = llm.engine
-    assert not e.has_unfinished()
-    assert e.free_pages == e.pool.usable, (e.free_pages, e.pool.usable)
-    assert all(r == 0 for r in e.pool.ref), "a page is still held"
-    assert (e.runner.state.block_table == 0).all(), "a row still names pages"
-
-
-def pool_gb(pair, spec, block_size, budget, pages: int, page_size: int) -> float:
-    """The KV budget that holds `pages` pages of the pair's target (and drafter)."""
-    probe = make_llm(pair, spec, block_size, budget, max_num_seqs=1, max_model_len=32, page_size=page_size)
-    r = probe.engine.runner
-    per_slot = sum(c.k[0, 0, 0, 0].numel() * c.k.shape[0] * c.k.shape[2] * 2 * c.k.element_size()
-                   for c in (r.kv, r.dkv) if c is not None)
-    return (pages * page_size * per_slot + 1) / 2**30
 
 
 @pytest.mark.parametrize("spec,block_size,budget", SPECS)

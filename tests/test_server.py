@@ -7,7 +7,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,12 +49,13 @@ class Live:
 
 
 @contextlib.contextmanager
-def serve(engine: Engine, name: str = MODEL) -> Iterator[Live]:
+def serve(engine: Engine | Callable[[], Engine], name: str = MODEL, wait_ready: bool = True,
+          **app_kw: Any) -> Iterator[Live]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(engine, name), host="127.0.0.1", port=port, log_level="warning")
+    config = uvicorn.Config(create_app(engine, name, **app_kw), host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -62,8 +63,12 @@ def serve(engine: Engine, name: str = MODEL) -> Iterator[Live]:
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    while wait_ready and httpx.get(f"{url}/ready").status_code != 200:   # warm-up runs behind /ready
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not get ready"
+        time.sleep(0.05)
     try:
-        yield Live(f"http://127.0.0.1:{port}")
+        yield Live(url)
     finally:
         server.should_exit = True
         thread.join(30)
@@ -202,6 +207,12 @@ ERROR_CASES = [
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400),
     ("empty prompt", "/v1/completions", {"prompt": "", "max_tokens": 4}, 400),
     ("token id out of range", "/v1/completions", {"prompt": [1, 10**9], "max_tokens": 4}, 400),
+    ("max_tokens past the context", "/v1/completions", {"prompt": "hi", "max_tokens": 600}, 400),
+    ("max_completion_tokens past the context", "/v1/chat/completions",
+     {"messages": HI, "max_completion_tokens": 10**6}, 400),
+    ("negative token id", "/v1/completions", {"prompt": [1, -5], "max_tokens": 4}, 400),
+    ("prompt of the wrong type", "/v1/completions", {"prompt": 5}, 400),
+    ("content of the wrong type", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400),
     ("unknown route", "/v1/nothing", {}, 404),
 ]
 
@@ -292,6 +303,7 @@ def test_metrics(live: Live, client) -> None:
     assert metric(live, "drafttree_generation_tokens_total") >= 4 and metric(live, "drafttree_rounds_total") >= 3
     assert metric(live, "drafttree_accept_length_count") == metric(live, "drafttree_accept_length_sum") > 0
     assert metric(live, "drafttree_cuda_graph_fallbacks_total") == 0
+    assert "drafttree_prefill_graph_fallbacks_total 0.0" in r.text
     assert 'drafttree_phase_seconds_total{phase="prefill"}' in r.text
     assert 'drafttree_phase_seconds_total{phase="decode"}' in r.text
     # the budgets rounds ran at (0 here: no drafter) and per-method rounds and tau
@@ -374,3 +386,220 @@ def test_max_budget_extension_field(client) -> None:
     assert client.completions.create(extra_body={"max_budget": 0}, **kw).choices[0].text == want
     with pytest.raises(openai.BadRequestError):
         client.completions.create(extra_body={"max_budget": -1}, **kw)
+
+
+FIELD_MESSAGES = [   # the field the user sent, and what the message says about it
+    ({"prompt": [1, -5]}, "prompt", "prompt must be a string, a list of token ids (integers >= 0)"),
+    ({"prompt": [[1, 2], [3, "a"]]}, "prompt", "prompt must be a string, a list of token ids"),
+    ({"prompt": "hi", "stop": 5}, "stop", "stop must be a string or a list of strings"),
+    ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens", "invalid value for 'max_tokens'"),
+    ({"prompt": "hi", "max_tokens": 600}, "max_tokens",
+     "context holds 512 tokens, but the prompt has 1 and max_tokens asks for 600 more (601 in all): "
+     "lower max_tokens to at most 511"),
+]
+
+
+@pytest.mark.parametrize("body,param,message", FIELD_MESSAGES, ids=[m[1] + str(i) for i, m in enumerate(FIELD_MESSAGES)])
+def test_errors_name_the_field_sent(live: Live, body: dict, param: str, message: str) -> None:
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and message in err["message"], err
+    assert "'prompt.str'" not in err["message"]
+
+
+def test_chat_message_errors_name_the_message(live: Live) -> None:
+    r = httpx.post(f"{live.url}/v1/chat/completions",
+                   json={"model": MODEL, "messages": [HI[0], {"role": "user", "content": 5}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages"
+    assert err["message"].startswith("messages[1].content must be a string or a list of text parts"), err
+
+
+def test_max_tokens_at_the_context_edge(live: Live, client) -> None:
+    """prompt + max_tokens == max_model_len is served; without max_tokens a completion's default
+    (16) is clamped to the room the prompt leaves; one more token is refused, naming the numbers."""
+    prompt = [1] * 509
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="the prompt has 509 and max_tokens asks for 4 more"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+
+
+def test_prompt_longer_than_any_context_refused_before_tokenizing(live: Live) -> None:
+    """A text prompt with more characters than max_model_len tokens can stand for is refused
+    with its length, without tokenizing it."""
+    from drafttree.server.limits import max_chars_per_token
+    from transformers import AutoTokenizer
+    from drafttree.loader.default_model import default_model_dir
+    cpt = max_chars_per_token(AutoTokenizer.from_pretrained(str(default_model_dir())))
+    text = "a" * (2 * cpt * 512 + 1)
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 4})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt"
+    assert f"the prompt has {len(text)} characters, so more than 512 tokens" in err["message"], err
+
+
+def raw_post(url: str, head: dict[str, str], body: bytes) -> tuple[int, bytes]:
+    """POST over a bare socket (a client may declare any Content-Length) and read until the server
+    closes; returns the status and the body. A server waiting for the rest of the body times out."""
+    host, port = url.removeprefix("http://").split(":")
+    lines = ["POST /v1/completions HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
+             *(f"{k}: {v}" for k, v in head.items()), "", ""]
+    data = b""
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall("\r\n".join(lines).encode() + body)
+        while chunk := sock.recv(65536):
+            data += chunk
+    head_part, _, payload = data.partition(b"\r\n\r\n")
+    return int(head_part.split(b" ")[1]), payload
+
+
+def test_body_over_the_limit_refused_before_it_is_read(live: Live) -> None:
+    """A Content-Length over the limit is answered 413 at once: the client has sent 10 bytes of
+    the 20 MB it declared, and the socket would wait for the rest if the server read it."""
+    status, payload = raw_post(live.url, {"Content-Length": str(20 << 20)}, b'{"prompt":')
+    assert status == 413, payload
+    err = json.loads(payload)["error"]
+    assert "4194304 bytes" in err["message"] and err["code"] == "request_too_large"
+    assert httpx.get(f"{live.url}/health").status_code == 200
+
+
+def test_chunked_body_over_the_limit_refused(live: Live) -> None:
+    """A body without a Content-Length (chunked) is refused once it passes the limit."""
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "' + MODEL.encode() + b'", "prompt": "'
+        for _ in range(80):   # 80 x 64 KiB = 5 MiB, over the 4 MiB limit
+            yield b"a" * (64 << 10)
+        yield b'"}'
+    r = httpx.post(f"{live.url}/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # a chunked body within the limit is served
+    small = httpx.post(f"{live.url}/v1/completions", headers={"Content-Type": "application/json"},
+                       content=iter([json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 2}).encode()]))
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_not_ready_until_warm(tmp_path: Path) -> None:
+    """While the engine loads, /health answers 200 (alive) and /ready 503 with the stage;
+    completion requests get 503 with Retry-After; once warm, /ready answers 200 and the
+    start-up stages are in /metrics."""
+    from tests.tiny import make_target
+
+    target = make_target(tmp_path / "tiny")
+    gate = threading.Event()
+
+    def slow_engine() -> Engine:
+        assert gate.wait(60)
+        return cpu_engine(target, spec="none")
+
+    with serve(slow_engine, "tiny", wait_ready=False) as lv:
+        ready = httpx.get(f"{lv.url}/ready")
+        assert ready.status_code == 503 and ready.json()["status"] == "starting"
+        assert "loading" in ready.json()["stage"] and ready.headers["retry-after"]
+        assert httpx.get(f"{lv.url}/health").json() == {"status": "starting"}
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
+        early = httpx.post(f"{lv.url}/v1/completions", json=body)
+        assert early.status_code == 503 and early.headers["retry-after"]
+        assert early.json()["error"]["code"] == "not_ready" and "/ready" in early.json()["error"]["message"]
+        assert httpx.get(f"{lv.url}/v1/models").status_code == 503
+        assert 'drafttree_ready 0.0' in httpx.get(f"{lv.url}/metrics").text
+        gate.set()
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{lv.url}/ready").status_code != 200:
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.05)
+        ok = httpx.post(f"{lv.url}/v1/completions", json={**body, "ignore_eos": True, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+        text = httpx.get(f"{lv.url}/metrics").text
+        assert "drafttree_ready 1.0" in text
+        for stage in ("convert", "load weights", "warm-up"):
+            assert f'drafttree_startup_seconds{{stage="{stage}"}}' in text, stage
+        # warm-up is not counted as traffic
+        assert metric(lv, "drafttree_requests_total") == 1 and metric(lv, "drafttree_generation_tokens_total") == 2
+
+
+def test_engine_that_fails_to_start(tmp_path: Path) -> None:
+    failed = threading.Event()
+
+    def broken() -> Engine:
+        raise ValueError("no weights here")
+
+    with serve(broken, "x", wait_ready=False, on_failure=failed.set) as lv:
+        assert failed.wait(30)
+        health, ready = httpx.get(f"{lv.url}/health"), httpx.get(f"{lv.url}/ready")
+        assert health.status_code == 503 and "no weights here" in health.json()["error"]
+        assert ready.status_code == 503 and ready.json()["status"] == "failed"
+        r = httpx.post(f"{lv.url}/v1/completions", json={"prompt": [1], "max_tokens": 1})
+        assert r.status_code == 503 and "failed to start: ValueError: no weights here" in r.json()["error"]["message"]
+
+
+def test_run_server_raises_the_start_up_error(tmp_path: Path) -> None:
+    """`drafttree serve` with an engine that cannot start stops its server and reports the error."""
+    from drafttree.server.app import run_server
+    with pytest.raises((FileNotFoundError, ValueError)):
+        run_server(EngineConfig(model=str(tmp_path / "missing"), device="cpu"), port=0)
+
+
+def test_bench_serve_against_the_server(live: Live, tmp_path: Path) -> None:
+    """`drafttree bench serve` drives the real server: every request completes, its output
+    tokens are those the server counted, and the figures agree with each other."""
+    from drafttree.bench.cli import main as bench_main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Say hi.", "Name a color.", "Count to 3.")))
+    tokens_before = metric(live, "drafttree_generation_tokens_total")
+    out = tmp_path / "out"
+    assert bench_main(["serve", "--base-url", live.url, "--dataset-path", str(data), "--num-prompts", "5",
+                       "--max-tokens", "6", "--ignore-eos", "--max-concurrency", "3", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    s, reqs = res["summary"], res["requests"]
+    assert (s["completed"], s["failed"], len(reqs)) == (5, 0, 5) and s["errors"] == {}
+    assert [r["output_tokens"] for r in reqs] == [6] * 5 and [r["index"] for r in reqs] == [0, 1, 2, 0, 1]
+    assert s["total_output_tokens"] == 30 == metric(live, "drafttree_generation_tokens_total") - tokens_before
+    assert s["total_input_tokens"] == sum(r["prompt_tokens"] for r in reqs) and reqs[0]["prompt_tokens"] == reqs[3]["prompt_tokens"]
+    assert s["output_throughput"] == pytest.approx(30 / s["duration_s"])
+    assert s["request_throughput"] == pytest.approx(5 / s["duration_s"])
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"], key
+    assert all(r["ttft_s"] <= r["latency_s"] and 1 <= len(r["itl_s"]) + 1 <= 6 for r in reqs)
+    assert s["e2el_ms"]["mean"] == pytest.approx(1e3 * sum(r["latency_s"] for r in reqs) / 5)
+    assert res["meta"]["model"] == MODEL and (out / "serve_latency.png").stat().st_size > 0
+
+
+def test_bench_serve_rate_and_shared_prefix(live: Live, tmp_path: Path) -> None:
+    """Poisson arrivals on the completions endpoint; a shared prefix of N words adds at least N
+    prompt tokens to every request."""
+    from drafttree.bench.cli import main as bench_main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
+    runs = {}
+    for n in (0, 24):
+        out = tmp_path / f"prefix{n}"
+        assert bench_main(["serve", "--base-url", live.url, "--endpoint", "completions", "--dataset-path", str(data),
+                           "--num-prompts", "2", "--max-tokens", "2", "--request-rate", "50",
+                           "--shared-prefix-len", str(n), "--out", str(out)]) == 0
+        runs[n] = json.loads((out / "results.json").read_text())
+    assert runs[24]["meta"]["request_rate"] == 50 and runs[24]["summary"]["completed"] == 2
+    without, with_prefix = (runs[n]["requests"][0]["prompt_tokens"] for n in (0, 24))
+    assert with_prefix >= without + 24
+
+
+def test_bench_serve_reports_errors(live: Live, tmp_path: Path) -> None:
+    """Refused requests are counted as failed with the server's message, and the run exits 1."""
+    from drafttree.bench.cli import main as bench_main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    out = tmp_path / "out"
+    assert bench_main(["serve", "--base-url", live.url, "--dataset-path", str(data), "--num-prompts", "2",
+                       "--max-tokens", "600", "--out", str(out)]) == 1
+    s = json.loads((out / "results.json").read_text())["summary"]
+    assert (s["completed"], s["failed"], s["total_output_tokens"]) == (0, 2, 0)
+    [(message, count)] = s["errors"].items()
+    assert count == 2 and message.startswith("HTTP 400: this model's context holds 512 tokens")
+    assert s["ttft_ms"]["p50"] is None

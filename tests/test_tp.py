@@ -116,7 +116,7 @@ def test_vocabulary_shards_and_kv_heads():
     cfg = SHAPES["qwen3-8b"][0]   # 32 heads, 8 KV heads, 151,936 rows
     with torch.device("meta"):
         model = DecoderLM(cfg, fake_group(1, 4))
-    assert model.embed_tokens.weight.shape == (151936 // 4, 4096) and model.kv_heads == 2
+    assert model.embed_tokens.weight.shape == (151936 // 4, 4096) and model.kv_layout.kv_heads == 2
     assert head_rows(cfg, 1, 4) == (slice(8 * 128, 16 * 128), slice(2 * 128, 4 * 128))
     # 8 KV heads over 16 ranks: ranks 2k and 2k + 1 share KV head k, and hold query heads 2r, 2r + 1
     assert head_rows(cfg, 5, 16) == (slice(10 * 128, 12 * 128), slice(2 * 128, 3 * 128))

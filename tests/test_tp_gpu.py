@@ -1,6 +1,7 @@
 """On two GPUs: the seed's deployment shape at TP=2. Block 8, budget 32: every rank captures its
-verify graphs at 33 tokens (not the draft's 8) with NCCL's collectives inside, and the engine
-answers its first request from those graphs; at fp32 its tokens are TP=1's.
+verify graphs at 33 tokens (not the draft's 8) and every prefill graph of the scheduler's rule at
+start-up, with NCCL's collectives inside, and the engine answers its first request from those
+graphs; at fp32 its tokens are TP=1's.
 """
 from __future__ import annotations
 
@@ -38,9 +39,12 @@ def test_seed_configuration_at_tp2_captures_verify_at_33_and_answers(pair):
         verify = [k for k in graphs.graphs if k[0] is Phase.VERIFY]
         assert verify and {k[4] for k in verify} == {32}
         assert {tree.num_nodes for tree in graphs.trees.values()} == {33}   # the tree each verify graph reads
+        prefill = eng.runner.prefill_graphs
+        assert not prefill.failed and set(prefill.graphs) == set(prefill.shapes())   # all at start-up
         out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
         assert [len(o.token_ids) for o in out] == [48, 48]
         assert graphs.fallbacks == 0, "a round ran eagerly: no graph for its shape"
+        assert prefill.fallbacks == 0, "a prefill ran eagerly: no graph for its shape"
         assert eng.agree()   # every rank committed the same tokens
         sampled = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True))
         assert [len(o.token_ids) for o in sampled] == [16, 16] and graphs.fallbacks == 0

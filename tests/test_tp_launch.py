@@ -43,13 +43,13 @@ def serve(model: Path, port: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_healthy(server: subprocess.Popen, port: int, limit_s: float = 120.0) -> None:
+def wait_ready(server: subprocess.Popen, port: int, limit_s: float = 120.0) -> None:
     import httpx
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         assert server.poll() is None, server.communicate()[1][-3000:]
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -79,7 +79,7 @@ def test_the_server_answers_at_tp2_and_its_rank_exits_with_it(model, tp1_text):
     port = free_port()
     server = serve(model, port)
     try:
-        wait_healthy(server, port)
+        wait_ready(server, port)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200, r.text
@@ -94,25 +94,28 @@ def test_the_server_answers_at_tp2_and_its_rank_exits_with_it(model, tp1_text):
 
 def test_the_server_ends_when_a_rank_is_lost(model):
     """The engine thread sees the loss (idle, within a second), fails what is live and calls
-    on_fatal, which `run_server` turns into uvicorn's exit and `drafttree: error: ...`."""
+    on_failure, which `run_server` turns into uvicorn's exit and `drafttree: error: ...`."""
+    import threading
+
     from starlette.testclient import TestClient
 
     from drafttree.server.app import create_app
     llm = LLM(model=str(model), device="cpu", dtype="float32", max_num_seqs=2, max_model_len=64,
               tensor_parallel_size=2)
-    fatal: list[str] = []
+    failed = threading.Event()
     try:
-        with TestClient(create_app(llm.engine, "tiny", fatal.append)) as client:
-            assert client.get("/health").status_code == 200
+        app = create_app(llm.engine, "tiny", on_failure=failed.set)
+        with TestClient(app) as client:
+            app.state.boot.join(60)   # the warm-up's requests ran on both ranks
+            assert client.get("/ready").status_code == 200
             worker = llm.engine.ranks.workers[0]
             os.kill(worker.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 15
-            while not fatal:
-                assert time.monotonic() < deadline, "the server kept running without a rank"
-                time.sleep(0.1)
+            assert failed.wait(15), "the server kept running without a rank"
+            lost = f"pid {worker.pid}) was killed by signal 9"
             health = client.get("/health")
-            assert health.status_code == 503 and f"pid {worker.pid}) was killed by signal 9" in health.text
-            assert f"pid {worker.pid}) was killed by signal 9" in fatal[0]
+            assert health.status_code == 503 and lost in health.text
+            assert client.get("/ready").status_code == 503
+            assert lost in app.state.boot.fatal
     finally:
         llm.shutdown()
 

@@ -1,4 +1,5 @@
-"""drafttree bench: AR vs DFlash vs DDTree (budget sweep) at several temperatures.
+"""drafttree bench: AR vs DFlash vs DDTree (budget sweep) at several temperatures
+(`drafttree bench serve --help`: load on a running server instead).
 
 Reports per run: mean accepted length τ and its histogram, tokens/s, time per output token,
 speedup over AR, and a round's wall time against its device time (the host's share between
@@ -236,6 +237,10 @@ def merge(paths: list[str], out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "serve":
+        from drafttree.bench.serve import main as serve_main
+        return serve_main(argv[1:])
     a = build_parser().parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -246,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                          "without torchrun (--tensor-parallel-size N starts them)")
     vocab = None
     if a.random_weights:
-        from drafttree.models.random_shapes import SHAPES
-        vocab = SHAPES[a.random_weights][0].vocab_size
+        from drafttree.models.random_shapes import shape_config
+        vocab = shape_config(a.random_weights)[0].vocab_size
     prompts = load_prompts(a.prompts, a.num_prompts, random_vocab=vocab)
     temps = [float(T) for T in a.temperatures.split(",")]
     plan = runs(a)

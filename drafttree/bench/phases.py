@@ -2,6 +2,7 @@
 
 Usage: python -m drafttree.bench.phases [--random-weights qwen3-8b] [--spec ddtree --budget 32]
        [--block-size 16] [--batch 1] [--prompt-len 512] [--tensor-parallel-size N] [--out results.json]
+       python -m drafttree.bench.phases --random-weights kimi-k2 --num-layers 4   # a large model's first layers
 Decode-step time is measured on the same target, so a round can be put in decode-step units.
 
 With --tensor-parallel-size N every rank (spawned here, one GPU each, or torchrun's: `torchrun
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--draft-model", default=None)
     p.add_argument("--random-weights", default=None)
+    p.add_argument("--num-layers", type=int, default=None, help="with --random-weights: keep the first N layers")
     p.add_argument("--random-drafter", action="store_true", help="an untrained drafter for --model")
     p.add_argument("--spec", default="ddtree")
     p.add_argument("--budget", type=int, default=32)
@@ -176,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="shard the target over N ranks (one GPU each; gloo processes on the CPU)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.num_layers is not None:
+        if not a.random_weights:
+            p.error("--num-layers needs --random-weights")
+        a.random_weights = f"{a.random_weights}@{a.num_layers}"
     cfg = EngineConfig(model=a.model, draft_model=a.draft_model, spec=a.spec, block_size=a.block_size,
                        budget=a.budget, dtype=a.dtype, device=a.device, max_num_seqs=max(a.batch, 1),
                        max_model_len=a.max_model_len, cuda_graphs=False, random_weights=a.random_weights,

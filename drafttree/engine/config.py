@@ -32,9 +32,10 @@ class EngineConfig:
     page_size: int = 16                 # tokens per KV page (runner.model_runner.DEFAULT_PAGE_SIZE says why)
     enable_prefix_caching: bool = True  # share the KV pages of common prompt prefixes
     cuda_graphs: bool | None = None     # default: on for CUDA
-    prefill_graphs: bool | None = None  # graphed prefill per (prompts, length bucket), captured at
-                                        # first use; default: on with CUDA graphs
-    max_prefill_tokens: int = 8192      # padded tokens in one batched prefill
+    prefill_graphs: bool | None = None  # graphed prefill per (rows, length bucket), every shape the
+                                        # scheduler can ask for captured at start-up (runner.prefill_plan);
+                                        # default: on with CUDA graphs
+    max_prefill_tokens: int = 8192      # padded tokens (chunks x widest) in one prefill forward
     prefill_chunk: int = 2048           # prompt tokens per engine step, all prefill chunks together:
                                         # a long prompt delays running streams by one chunk per step
     admit_min: int = 1                  # while requests run, admit waiting ones only once this many

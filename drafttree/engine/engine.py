@@ -18,10 +18,10 @@ from drafttree.engine.plan import load_models, resolve_spec
 from drafttree.engine.pages import PagePool
 from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
-from drafttree.models.kv_cache import bytes_per_token
+from drafttree.engine.startup import StartupTimes
+from drafttree.models.kv_cache import KVLayout
 from drafttree.parallel.comm import explain, smallest
 from drafttree.parallel.group import TensorParallelError, TPGroup
-from drafttree.parallel.shard import kv_heads_per_rank
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.settings import Settings, current
@@ -67,7 +67,13 @@ class Engine:
         self.settings: Settings = current()   # DRAFTTREE_*: read from the environment once per process
         self.device = tp.device if tp is not None else resolve_device(cfg.device)
         self.dtype = parse_dtype(cfg.dtype, str(self.device))
-        self.model_dir, target, drafter = load_models(cfg, self.device, self.dtype, tp)
+        self.startup = StartupTimes()
+        if not cfg.random_weights:
+            from drafttree.loader.default_model import resolve_model
+            with self.startup.stage("convert"):   # a GGUF converts once; later starts find it cached
+                resolve_model(cfg.model)
+        with self.startup.stage("load weights"):
+            self.model_dir, target, drafter = load_models(cfg, self.device, self.dtype, tp)
         tcfg = target.cfg
         self.spec = resolve_spec(cfg, drafter.cfg if drafter is not None else None)
         if not self.spec.speculative:
@@ -79,10 +85,12 @@ class Engine:
         self.max_model_len, pages = self._size_pool(tcfg, drafter, use_graphs)
         cache = CacheConfig(cfg.max_num_seqs, self.max_model_len, self.spec.kv_headroom, cfg.page_size, pages)
         sched = SchedulerConfig(cache, self.spec.max_commit, cfg.prefill_chunk, cfg.max_prefill_tokens, cfg.admit_min)
-        self.runner = ModelRunner(target, drafter, self.spec, cache, self.device, self.dtype, cfg.prefill_chunk)
+        with self.startup.stage("kv cache"):
+            self.runner = ModelRunner(target, drafter, self.spec, cache, self.device, self.dtype, cfg.prefill_chunk)
         self.pool = PagePool(pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.pool, self.runner)
-        self.tokenizer = _load_tokenizer(self.model_dir) if self.model_dir is not None else None
+        with self.startup.stage("tokenizer"):
+            self.tokenizer = _load_tokenizer(self.model_dir) if self.model_dir is not None else None
         self.eos_ids = set(tcfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -98,13 +106,18 @@ class Engine:
             from drafttree.runner.cuda_graph import GraphRunner
             self.runner.graphs = GraphRunner(self.runner)
             self.runner.graphs.capture()
+            for phase, seconds in self.runner.graphs.capture_seconds.items():
+                self.startup.add(f"graphs {phase}", seconds)
         if use_graphs and cfg.prefill_graphs is not False:
             from drafttree.runner.prefill_graph import PrefillGraphs
-            self.runner.prefill_graphs = PrefillGraphs(self.runner)
+            self.runner.prefill_graphs = PrefillGraphs(self.runner, sched.prefill)   # the scheduler's own rule
+            with self.startup.stage("prefill graphs"):
+                self.runner.prefill_graphs.capture()
         self.costs = None
         if self.spec.adaptive:
             from drafttree.runner.cost import measure
-            self.costs = measure(self.runner)
+            with self.startup.stage("cost model"):
+                self.costs = measure(self.runner)
             log.info("%s", self.costs.format())
         self.chooser = BudgetChooser(self.costs, self.spec.budgets, self.spec.adaptive)
 
@@ -114,12 +127,11 @@ class Engine:
         cfg, ps = self.cfg, self.cfg.page_size
         if ps < 1:
             raise ValueError(f"page_size must be >= 1, got {ps}")
-        # this rank's KV heads: the pool holds the same pages on every rank, each its heads' share
-        bpt = bytes_per_token(tcfg.num_layers, kv_heads_per_rank(tcfg.num_kv_heads, self.world), tcfg.head_dim,
-                              self.dtype)
+        # a token's K/V in every pool that holds it: the target's (MLA: its latent only; tensor-parallel:
+        # this rank's KV heads, the pool holding the same pages on every rank) and the drafter's
+        bpt = KVLayout.of(tcfg, self.world).bytes_per_token(self.dtype)
         if drafter is not None:
-            dc = drafter.cfg.model
-            bpt += bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype)
+            bpt += KVLayout.of(drafter.cfg.model).bytes_per_token(self.dtype)
         budget, source = self._kv_budget(drafter.cfg.model if drafter is not None else None, use_graphs)
         headroom = self.spec.kv_headroom
         pages = smallest(budget // (bpt * ps), self.tp)   # rank 0's page ids name a page on every rank

@@ -5,13 +5,17 @@ drafter's alike (one page id names both). Page 0 is the null page (`models.kv_ca
 and is never handed out.
 
 Prefix caching, as vLLM's: a full page of prompt tokens is keyed by a chained hash (the hash of
-the page before it and its own token ids), so equal keys mean equal prefixes and equal K/V. A
+the page before it and its own token ids), so equal keys mean equal prefixes and equal K/V. The
+hash is a 128-bit BLAKE2b digest, not Python's `hash`: a prompt crafted to collide with another
+request's key would be served that request's K/V. A
 page whose last user frees it keeps its key and waits in the free list, least recently freed
 first; a new request whose prompt starts with cached pages takes them (ref count + 1) instead of
 computing them, and an allocation that finds no fresh page evicts the oldest cached one.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -28,13 +32,15 @@ class PrefixStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-def page_keys(ids: list[int], page_size: int, pages: int, known: list[int] | None = None) -> list[int]:
+def page_keys(ids: list[int], page_size: int, pages: int, known: list[bytes] | None = None) -> list[bytes]:
     """The chained hashes of the first `pages` full pages of ids; `known`: those of its first
     pages, computed before (extended in place, so a growing request hashes each page once)."""
     keys = known if known is not None else []
-    parent = keys[-1] if keys else None
+    parent = keys[-1] if keys else b""
     for p in range(len(keys), pages):
-        parent = hash((parent, tuple(ids[p * page_size:(p + 1) * page_size])))
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(array("q", ids[p * page_size:(p + 1) * page_size]).tobytes())
+        parent = h.digest()
         keys.append(parent)
     return keys[:pages]
 
@@ -45,8 +51,8 @@ class PagePool:
             raise ValueError(f"a page pool needs the null page and one more, got {num_pages}")
         self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, prefix_caching
         self.ref = [0] * num_pages
-        self.key: list[int | None] = [None] * num_pages
-        self.by_key: dict[int, int] = {}
+        self.key: list[bytes | None] = [None] * num_pages
+        self.by_key: dict[bytes, int] = {}
         # free pages in allocation order: fresh ones first, then cached ones least recently freed
         self.free_pages: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages) if p != NULL_PAGE)
         self.stats = PrefixStats()
@@ -104,7 +110,7 @@ class PagePool:
         return out
 
     def register(self, ids: list[int], pages: list[int], first: int, last: int,
-                 known: list[int] | None = None) -> None:
+                 known: list[bytes] | None = None) -> None:
         """Key pages first..last-1 of a request (full pages of ids, their K/V final) so that later
         requests may share them; `known`: the request's keys so far (`page_keys`). A key already
         held by another page stays with it."""

@@ -73,7 +73,7 @@ def target_config(cfg: EngineConfig) -> ModelConfig:
     """The target's config, read without its weights."""
     if cfg.random_weights:
         from drafttree.models.random_shapes import shape_config
-        return shape_config(cfg.random_weights)
+        return shape_config(cfg.random_weights)[0]
     from drafttree.loader.default_model import resolve_model
     return ModelConfig.from_dir(resolve_model(cfg.model))
 
@@ -109,6 +109,7 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, tp:
 def describe_plan(cfg: EngineConfig) -> str:
     from drafttree.loader.default_model import resolve_model
     from drafttree.runner.cuda_graph import format_plan, graph_plan
+    from drafttree.runner.prefill_plan import PrefillLimits
 
     target = ModelConfig.from_dir(resolve_model(cfg.model))
     world = cfg.tensor_parallel_size
@@ -127,6 +128,8 @@ def describe_plan(cfg: EngineConfig) -> str:
     cache = CacheConfig(cfg.max_num_seqs, cfg.max_model_len or target.max_position_embeddings, spec.kv_headroom,
                         cfg.page_size)
     plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, cache.kv_buckets, world)
+    prefill = PrefillLimits(cfg.max_num_seqs, cfg.prefill_chunk, cfg.max_prefill_tokens, cache.max_model_len - 1,
+                            cache.max_len)
     sched = ",".join(f"{b}:{n}" for b, n in spec.budget_schedule) or "-"
     budget = f"auto(<={spec.budget}: {','.join(map(str, spec.budgets))})" if spec.adaptive else spec.budget
     head = (f"spec={spec.method} block_size={spec.block_size} budget={budget} budget_schedule={sched} "
@@ -138,7 +141,9 @@ def describe_plan(cfg: EngineConfig) -> str:
             f"{cache.page_size} tokens, {cache.pages_per_row} per request at most; prefix caching "
             f"{'on' if cfg.enable_prefix_caching else 'off'}\n"
             f"widths per request at batch 1: " + ", ".join(f"{p.value}={spec.width(p)}" for p in spec.round_phases)
-            + ("; prefill graphed per (prompts, length bucket), captured at first use\n"
+            + (f"; prefill graphed: {len(prefill.shapes())} graphs per (rows, length bucket) of the "
+               f"scheduler's forwards (prefill_chunk={cfg.prefill_chunk}, max_prefill_tokens="
+               f"{cfg.max_prefill_tokens}), captured at start-up\n"
                if cfg.prefill_graphs is not False
                else "; prefill runs eagerly\n")
             + f"settings: {current().describe()}\n")

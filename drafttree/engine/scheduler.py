@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 
 from drafttree.engine.pages import PagePool
 from drafttree.engine.sequence import Sequence, Status
 from drafttree.runner.model_runner import CacheConfig, ModelRunner, PrefillChunk
+from drafttree.runner.prefill_plan import PrefillLimits
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,13 @@ class SchedulerConfig:
         for name in ("prefill_chunk", "max_prefill_tokens", "admit_min"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @cached_property
+    def prefill(self) -> PrefillLimits:
+        """The rule this scheduler forms prefill forwards by; graphed prefill captures from it."""
+        c = self.cache
+        return PrefillLimits(c.max_num_seqs, self.prefill_chunk, self.max_prefill_tokens, c.max_model_len - 1,
+                             c.max_len)
 
 
 class Scheduler:
@@ -124,8 +133,8 @@ class Scheduler:
     def schedule_prefill(self) -> list[tuple[Sequence, PrefillChunk]]:
         """This step's prefill chunks: continuing prefills first, then new requests, FCFS, within
         the step's token budget, the rows and the free pages."""
-        cfg = self.cfg
-        budget, out = cfg.prefill_chunk, []
+        cfg, lim = self.cfg, self.cfg.prefill
+        budget, out = lim.prefill_chunk, []
         for seq in list(self.prefilling):
             if budget <= 0 or not self._fits_forward(out, seq, budget):
                 return out
@@ -134,7 +143,7 @@ class Scheduler:
                 return out
             out.append((seq, chunk))
             budget -= len(chunk.ids)
-        rows = cfg.cache.max_num_seqs
+        rows = lim.max_num_seqs
         used = len(self.running) + len(self.prefilling)
         if self.running and rows - used < min(cfg.admit_min, len(self.waiting)):
             return out
@@ -166,7 +175,7 @@ class Scheduler:
             return True
         n = min(budget, len(seq.prefill_ids) - seq.computed)
         widest = max([n] + [len(c.ids) for _, c in out])
-        return widest * (len(out) + 1) <= self.cfg.max_prefill_tokens
+        return self.cfg.prefill.fits(len(out) + 1, widest)
 
     def _chunk(self, seq: Sequence, budget: int, before: list[tuple[Sequence, PrefillChunk]]) -> PrefillChunk | None:
         """seq's next chunk, its pages allocated (for a last chunk also the first round's), or

@@ -53,7 +53,7 @@ class Sequence:
     computed: int = 0         # prefill_ids with K/V in the cache (prefill progress)
     cached_tokens: int = 0    # of those, found in the prefix cache at admission
     keyed: int = 0            # pages offered to the prefix cache so far
-    page_keys: list[int] = field(default_factory=list)   # chained hashes of its full pages, as computed
+    page_keys: list[bytes] = field(default_factory=list)   # chained hashes of its full pages, as computed
     preemptions: int = 0
     detok_offsets: tuple[int, int] = (0, 0)   # output ids [prefix, read): window already in text
 

@@ -9,6 +9,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from drafttree.config import ModelConfig
+from drafttree.loader.lazy_tensors import CheckpointTensors
+from drafttree.loader.moe_weights import layer_tensors
+from drafttree.models.moe_decoder import SparseDecoderLM, build_rotary, fp32_parameters, is_sparse
 from drafttree.parallel import shard
 from drafttree.parallel.group import TPGroup
 
@@ -84,8 +88,8 @@ def layer_state_dict(src: StateDict, p: str, take: Callable[[str], torch.Tensor]
     return out
 
 
-def load_into(module: nn.Module, state: StateDict, dtype: torch.dtype, device: str | torch.device) -> None:
-    """Copy `state` into a module built on the meta device; shapes must match exactly."""
+def check_state(module: nn.Module, state: StateDict) -> dict[str, nn.Parameter]:
+    """The module's parameters, once `state` is known to hold each of them at its shape."""
     expected = dict(module.named_parameters(remove_duplicate=True))
     missing = sorted(set(expected) - set(state))
     if missing:
@@ -94,18 +98,28 @@ def load_into(module: nn.Module, state: StateDict, dtype: torch.dtype, device: s
         t = state[name]
         if tuple(t.shape) != tuple(param.shape):
             raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, the config implies {tuple(param.shape)}")
+    return expected
+
+
+def load_into(module: nn.Module, state: StateDict, dtype: torch.dtype, device: str | torch.device) -> None:
+    """Copy `state` into a module built on the meta device; shapes must match exactly."""
+    expected = check_state(module, state)
     fixed = {n: state[n].to(device=device, dtype=dtype) for n in expected}
     module.load_state_dict(fixed, strict=False, assign=True)   # buffers: the caller rebuilds them
 
 
 def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device, tp: TPGroup | None = None):
-    """Build a DecoderLM from a Hugging Face directory; raises before allocating on bad input.
-    Over a tensor-parallel group, this rank's shards only (`parallel.shard`)."""
-    from drafttree.config import ModelConfig
+    """Build a DecoderLM (a SparseDecoderLM for MoE/MLA models) from a Hugging Face directory;
+    raises before allocating on bad input. Over a tensor-parallel group, this rank's shards only
+    (`parallel.shard`; dense models only)."""
     from drafttree.models.decoder import DecoderLM
     from drafttree.models.layers import Rotary
 
     cfg = ModelConfig.from_dir(path)
+    if is_sparse(cfg):
+        if tp is not None:
+            raise ValueError(shard.unsupported_sparse(cfg))
+        return load_sparse_target(Path(path), cfg, dtype, device), cfg
     select = None if tp is None else shard.selector(cfg, tp.rank, tp.world)
     state = target_state_dict(read_safetensors(path, select), cfg.num_layers, cfg.tie_word_embeddings)
     if tp is not None:
@@ -119,3 +133,43 @@ def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = Rotary(cfg).to(device)
     return model.eval().requires_grad_(False), cfg
+
+
+def load_sparse_target(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> SparseDecoderLM:
+    """A Qwen3-MoE or DeepSeek-V3 checkpoint, read and placed one layer at a time (its experts
+    stacked then), so that host memory holds about one layer beyond what is read; fp8 weights come
+    dequantized; routers keep fp32. Every name and shape is checked first, with nothing read."""
+    src = CheckpointTensors(path)
+    with torch.device("meta"):
+        model = SparseDecoderLM(cfg)
+    top = [(model.embed_tokens, "embed_tokens.weight"), (model.norm, "norm.weight")]
+    if not cfg.tie_word_embeddings:
+        top.append((model.lm_head, "lm_head.weight"))
+    for view in (src.shapes(), src):   # meta tensors first: the checks; then the weights
+        take = _taker(view)
+        for i, layer in enumerate(model.layers):
+            state = layer_tensors(view, cfg, i, take)
+            if view is not src:
+                check_state(layer, state)
+                continue
+            load_into(layer, state, dtype, device)
+            for name in fp32_parameters(layer, "mlp.router."):
+                layer.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
+        for module, name in top:
+            if view is src:
+                load_into(module, {"weight": take(name)}, dtype, device)
+            else:
+                check_state(module, {"weight": take(name)})
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = build_rotary(cfg).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def _taker(src) -> Callable[[str], torch.Tensor]:
+    def take(name: str) -> torch.Tensor:
+        if name not in src:
+            raise ValueError(f"checkpoint is missing tensor {name!r}"
+                             + (" (tie_word_embeddings is false)" if name == "lm_head.weight" else ""))
+        return src[name]
+    return take

@@ -6,6 +6,7 @@ from torch import nn
 
 from drafttree.config import ModelConfig
 from drafttree.kernels import dispatch
+from drafttree.models.kv_cache import KVLayout
 from drafttree.models.layers import MLP, Attention, AttnMeta, RMSNorm, Rotary
 from drafttree.models.quant import weight_scale
 from drafttree.parallel.group import TPGroup
@@ -105,9 +106,9 @@ class DecoderLM(nn.Module):
         return x, aux
 
     @property
-    def kv_heads(self) -> int:
-        """KV heads this rank's cache holds per layer (`parallel.shard.kv_heads_per_rank`)."""
-        return self.layers[0].self_attn.hkv
+    def kv_layout(self) -> KVLayout:
+        """What this rank's cache holds per token (its KV heads: `parallel.shard.kv_heads_per_rank`)."""
+        return KVLayout.of(self.cfg, 1 if self.tp is None else self.tp.world)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -22,14 +22,39 @@ from dataclasses import dataclass
 
 import torch
 
+from drafttree.config import ModelConfig
 from drafttree.kernels.fused import fused
 from drafttree.models.layers import AttnMeta
+from drafttree.parallel.shard import kv_heads_per_rank
 
 NULL_PAGE = 0
 
 
-def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+@dataclass(frozen=True)
+class KVLayout:
+    """What one model keeps per token: in each layer, kv_heads heads of k_dim in K and of v_dim in
+    V. The pools' shapes and the pool's sizing (`bytes_per_token`) both follow from it. MLA keeps
+    its latent as one K head of kv_lora_rank + qk_rope_head_dim and no V (v_dim 0: a V pool of no
+    bytes, which writes and compaction pass over)."""
+    layers: int
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, world: int = 1) -> "KVLayout":
+        """`cfg`'s layout; over `world` tensor-parallel ranks, one rank's (its share of the KV heads)."""
+        return cls(cfg.num_layers, kv_heads_per_rank(cfg.num_kv_heads, world), cfg.head_dim, cfg.v_cache_dim)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.layers * self.kv_heads * (self.k_dim + self.v_dim) * torch.empty((), dtype=dtype).element_size()
+
+    def zeros(self, rows: int, slots: int, dtype: torch.dtype,
+              device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V, [layers, rows, kv_heads, slots, k_dim / v_dim]."""
+        shape = (self.layers, rows, self.kv_heads, slots)
+        return (torch.zeros(shape + (self.k_dim,), dtype=dtype, device=device),
+                torch.zeros(shape + (self.v_dim,), dtype=dtype, device=device))
 
 
 @dataclass
@@ -39,11 +64,10 @@ class KVCache:
 
     @classmethod
     def allocate(cls, layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> "KVCache":
-        shape = (layers, rows, kv_heads, max_len, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-
-    bytes_per_token = staticmethod(bytes_per_token)
+                 dtype: torch.dtype, device: torch.device | str, v_head_dim: int | None = None) -> "KVCache":
+        """v_head_dim: V's width when it is not head_dim (0 for MLA, whose latent is all in K)."""
+        layout = KVLayout(layers, kv_heads, head_dim, head_dim if v_head_dim is None else v_head_dim)
+        return cls(*layout.zeros(rows, max_len, dtype, device))
 
     @property
     def rows(self) -> int:
@@ -61,13 +85,11 @@ class PagedKVCache:
     page_size: int
 
     @classmethod
-    def allocate(cls, layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> "PagedKVCache":
+    def allocate(cls, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> "PagedKVCache":
         if num_pages < 2:
             raise ValueError(f"a paged cache needs the null page and at least one more, got {num_pages} pages")
-        shape = (layers, 1, kv_heads, num_pages * page_size, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                   page_size)
+        return cls(*layout.zeros(1, num_pages * page_size, dtype, device), page_size)
 
     @property
     def num_pages(self) -> int:
@@ -78,6 +100,8 @@ class PagedKVCache:
         the accepted path's entries move, within the request's own pages. All sources are read
         before any destination is written, so overlaps are safe."""
         for t in (self.k, self.v):
+            if t.numel() == 0:
+                continue   # MLA's V: no width
             moved = t[:, 0, :, src]          # [layers, Hkv, B, T, hd]
             t[:, 0, :, dst] = moved
 

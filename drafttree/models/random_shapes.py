@@ -4,6 +4,8 @@ They sit beside the models so that the engine can build them (`EngineConfig.rand
 without importing the benchmark or training packages."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -11,8 +13,27 @@ from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
 from drafttree.models.layers import Rotary
+from drafttree.models.moe_decoder import build_rotary, build_target, fp32_parameters
 from drafttree.parallel.group import TPGroup
 from drafttree.parallel.shard import kv_heads_per_rank
+
+# The published config.json fields of the MoE/MLA shapes (token ids left out), parsed as a checkpoint's.
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+                 "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+                 "max_position_embeddings": 40960, "num_experts": 128, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "tie_word_embeddings": False}
+KIMI_K2 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
+           "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+           "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384,
+           "routed_scaling_factor": 2.827, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+           "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
+           "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+           "scoring_func": "sigmoid", "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 50000.0,
+           "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                            "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+           "tie_word_embeddings": False}
 
 SHAPES: dict[str, tuple[ModelConfig, dict]] = {
     "qwen3-8b": (ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -27,13 +48,30 @@ SHAPES: dict[str, tuple[ModelConfig, dict]] = {
                                  num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
                                  rope_theta=1e5, max_position_embeddings=8192, tie_word_embeddings=True),
                      dict(layers=3, block_size=16, mask_token_id=49151, target_layer_ids=(1, 7, 14, 21, 27))),
+    # 128 experts, 8 active, renormalised, every layer sparse
+    "qwen3-30b-a3b": (ModelConfig.from_dict(QWEN3_30B_A3B),
+                      dict(layers=5, block_size=16, mask_token_id=151669, target_layer_ids=(1, 12, 23, 34, 45))),
+    # MLA, 384 experts, 8 active, 1 shared, the first layer dense, yarn x32
+    "kimi-k2": (ModelConfig.from_dict(KIMI_K2),
+                dict(layers=5, block_size=16, mask_token_id=163839, target_layer_ids=(1, 15, 30, 45, 58))),
 }
 
 
-def shape_config(shape: str) -> ModelConfig:
-    if shape not in SHAPES:
-        raise ValueError(f"unknown random shape {shape!r}; choose one of {sorted(SHAPES)}")
-    return SHAPES[shape][0]
+def shape_config(shape: str) -> tuple[ModelConfig, dict]:
+    """A shape's (target config, drafter dict); 'name@N' keeps only the first N layers (a big model's
+    per-layer timing on one GPU), the drafter then reading default target layers."""
+    name, _, layers = shape.partition("@")
+    if name not in SHAPES:
+        raise ValueError(f"unknown random shape {name!r}; choose one of {sorted(SHAPES)} (name@layers to cut)")
+    cfg, d = SHAPES[name]
+    if not layers:
+        return cfg, d
+    n = int(layers)
+    if not 1 <= n:
+        raise ValueError(f"{shape}: the layer count must be at least 1")
+    moe = cfg.moe and dataclasses.replace(cfg.moe, sparse_layers=tuple(i for i in cfg.moe.sparse_layers if i < n))
+    cfg = dataclasses.replace(cfg, num_layers=n, moe=moe)
+    return cfg, dict(d, target_layer_ids=tuple(default_target_layer_ids(n, min(5, n))))
 
 
 def projections(cfg: ModelConfig, world: int = 1) -> dict[str, tuple[int, int]]:
@@ -57,22 +95,24 @@ def _randomize(m: nn.Module, device: torch.device, dtype: torch.dtype, seed: int
 
 
 def random_target(shape: str, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None) -> DecoderLM:
-    return random_model(shape_config(shape), device, dtype, tp)
+    return random_model(shape_config(shape)[0], device, dtype, tp)
 
 
 def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None) -> DecoderLM:
     """A target of any shape with random weights (over `tp`, this rank's shards only, as random)."""
     with torch.device("meta"):
-        model = DecoderLM(cfg, tp)
+        model = build_target(cfg, tp)
     _randomize(model, device, dtype, 0)
+    for name in fp32_parameters(model):
+        model.get_parameter(name).data = model.get_parameter(name).data.float()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = Rotary(cfg).to(device)
+    model.rotary = build_rotary(cfg).to(device)
     return model.eval().requires_grad_(False)
 
 
 def random_drafter(shape: str, target: DecoderLM, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:
-    d = SHAPES[shape][1]
+    d = shape_config(shape)[1]
     return drafter_for(target, device, dtype, d["block_size"], d["layers"], d["target_layer_ids"],
                        d["mask_token_id"])
 
@@ -82,8 +122,12 @@ def drafter_for(target: DecoderLM, device: torch.device, dtype: torch.dtype, blo
                 mask_token_id: int | None = None) -> DFlashDrafter:
     """An untrained drafter shaped for `target` (timing only)."""
     tcfg = target.cfg
+    # a dense Qwen3-style drafter; an MLA target's cache-shaped heads become GQA heads of 128
+    dense = {"moe": None, "mla": None, "rope_scaling": None} if tcfg.moe or tcfg.mla else {}
+    if tcfg.mla:
+        dense.update(num_kv_heads=max(1, tcfg.num_heads // 8), head_dim=128)
     mcfg = ModelConfig(**{**tcfg.__dict__, "num_layers": layers, "arch": "qwen3", "qk_norm": True,
-                          "tie_word_embeddings": False})
+                          "tie_word_embeddings": False, **dense})
     ids = tuple(layer_ids or default_target_layer_ids(tcfg.num_layers, min(5, tcfg.num_layers)))
     cfg = DFlashConfig(mcfg, block_size, tcfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
                        ids, tcfg.num_layers)

@@ -45,10 +45,19 @@ def problems(cfg: ModelConfig, world: int) -> list[str]:
     return out
 
 
+def unsupported_sparse(cfg: ModelConfig) -> str:
+    what = " and ".join(n for n, part in (("MoE", cfg.moe), ("MLA", cfg.mla)) if part is not None) or "MoE/MLA"
+    return (f"tensor parallelism for MoE and MLA targets is not supported yet: this {cfg.arch} model has "
+            f"{what} layers; run it with tensor_parallel_size 1")
+
+
 def check_size(cfg: ModelConfig, world: int) -> None:
-    """Refuse a tensor-parallel size the model cannot be split into, naming what it must divide."""
+    """Refuse a tensor-parallel size the model cannot be split into, naming what it must divide,
+    and any size > 1 for MoE and MLA targets (not sharded yet)."""
     if world < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
+    if world > 1 and cfg.sparse:
+        raise ValueError(unsupported_sparse(cfg))
     bad = problems(cfg, world)
     if bad:
         ok = ", ".join(map(str, valid_sizes(cfg)[:8]))

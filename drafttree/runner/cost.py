@@ -99,7 +99,7 @@ def measure(runner, reps: int = REPS, time_limit_s: float = TIME_LIMIT_S) -> Cos
             mode = SampleMode.SAMPLE if sampled else SampleMode.GREEDY
             fn = _graph_fn(graphs, phase, B, kv_len, budget, mode) if graphs is not None else \
                 _eager_fn(runner, phase, B, kv_len, budget, mode)
-            table.seconds[key] = _time(fn, lambda: s.park(0, B), runner.device, reps)
+            table.seconds[key] = _time(fn, _reset_fn(s, graphs, phase, B, kv_len, mode), runner.device, reps)
     for t, v in zip((s.start, s.bonus, s.ctx_n, s.ctx_feat, s.out), saved):
         t.copy_(v)
     table.measure_s = time.perf_counter() - t0
@@ -137,6 +137,21 @@ def _eager_fn(runner, phase: Phase, B: int, kv_len: int, budget: int, mode: Samp
         return lambda: draft_phase(rc, B, kv_len)
     tree = draft_phase(rc, B, kv_len)   # verify times itself only: its tree is drafted once
     return lambda: verify_phase(rc, B, kv_len, tree, mode, budget)
+
+
+def _reset_fn(s, graphs, phase: Phase, B: int, kv_len: int, mode: SampleMode) -> Callable[[], None]:
+    """Before each timed run: park the rows, and before a verify graph replay the draft graph of
+    the same mode. A verify graph reads the tree its own job's draft graph left in the graph
+    pool; another graph's replay may have reused that memory, and a tree of garbage indexes
+    out of bounds."""
+    if graphs is None or phase is not Phase.VERIFY:
+        return lambda: s.park(0, B)
+    draft = graphs.graphs[(Phase.DRAFT, B, mode, kv_len, 0)]
+
+    def reset() -> None:
+        s.park(0, B)
+        draft.replay()
+    return reset
 
 
 def _graph_fn(graphs, phase: Phase, B: int, kv_len: int, budget: int, mode: SampleMode) -> Callable[[], None]:

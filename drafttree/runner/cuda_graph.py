@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -129,6 +130,7 @@ class GraphRunner:
         self.pool = None
         self.fallbacks = 0
         self._warned: set[tuple] = set()
+        self.capture_seconds: dict[str, float] = {}   # host seconds per phase's captures, and their warm-up
 
     def plan(self) -> list[PlanEntry]:
         d = self.r.drafter.cfg.model if self.r.drafter is not None else None
@@ -187,6 +189,7 @@ class GraphRunner:
         torch.cuda.synchronize()
 
     def _capture_jobs(self, jobs: list[tuple[int, SampleMode, int]]) -> None:
+        secs = self.capture_seconds
         for B, mode, L in tqdm(jobs, desc="capturing CUDA graphs", unit="graph set"):
             self.r.state.park(0, B)
             fns = self._phase_fns(B, mode, L)
@@ -196,19 +199,23 @@ class GraphRunner:
                     if phase is not Phase.DECODE:   # a decode round follows its context phase
                         self.r.state.park(0, B)
                     fn()
+            t0 = time.perf_counter()
             warm_up(every_phase)
+            secs["warm-up"] = secs.get("warm-up", 0.0) + time.perf_counter() - t0
             self.check_widths(B, mode, L)
             self.r.state.park(0, B)
             tp = self.r.target.tp is not None
             if tp:   # no collective of the warm-up still runs when a capture (with its own) starts
                 torch.cuda.synchronize()
             for phase, budget, fn in fns:
+                t0 = time.perf_counter()
                 g = torch.cuda.CUDAGraph()
                 # Tensor-parallel: NCCL's collectives are captured on this stream; its watchdog
                 # thread may query events of earlier work meanwhile, which a global capture forbids.
                 with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local" if tp else "global"):
                     fn()
                 self.graphs[(phase, B, mode, L, budget)] = g
+                secs[phase.value] = secs.get(phase.value, 0.0) + time.perf_counter() - t0
 
     def _state_tensors(self) -> list[torch.Tensor]:
         s = self.r.state

@@ -9,9 +9,9 @@ import torch
 from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashDrafter
-from drafttree.models.kv_cache import NULL_PAGE, PagedKVCache, attn_meta, causal
-from drafttree.parallel.commands import CommandChannel, command
+from drafttree.models.kv_cache import NULL_PAGE, KVLayout, PagedKVCache, attn_meta, causal
 from drafttree.parallel.comm import gather_objects
+from drafttree.parallel.commands import CommandChannel, command
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
 from drafttree.runner.phase_timer import PhaseTimer
 from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
@@ -88,12 +88,14 @@ class ModelRunner:
         if cache.headroom != spec.kv_headroom:
             raise ValueError(f"cache headroom {cache.headroom} != spec.kv_headroom {spec.kv_headroom}")
         # The drafter's context K/V is per position too: one page id names both pools' page, so
-        # one block table (and one prefix-cache entry) serves the target and the drafter.
-        kv = PagedKVCache.allocate(tc.num_layers, pages, ps, target.kv_heads, tc.head_dim, dtype, device)
+        # one block table (and one prefix-cache entry) serves the target and the drafter. Each
+        # pool has its model's own widths (an MLA target's: the latent in K, no V; a tensor-parallel
+        # rank's: its KV heads).
+        kv = PagedKVCache.allocate(target.kv_layout, pages, ps, dtype, device)
         dkv, capture_layers, feat = None, (), 0
         if drafter is not None:
             dc = drafter.cfg.model
-            dkv = PagedKVCache.allocate(dc.num_layers, pages, ps, dc.num_kv_heads, dc.head_dim, dtype, device)
+            dkv = PagedKVCache.allocate(KVLayout.of(dc), pages, ps, dtype, device)
             capture_layers = drafter.cfg.target_layer_ids
             feat = len(capture_layers) * tc.hidden_size
         # pending drafter features: what one context phase writes, at most what a verify commits

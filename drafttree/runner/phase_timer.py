@@ -28,6 +28,10 @@ class PhaseTimer:
             yield
             self.totals[name] += time.perf_counter() - t0
 
+    def reset(self) -> None:
+        self.totals.clear()
+        self._pending.clear()
+
     def collect(self) -> None:
         """Add the pending CUDA intervals the device has finished (in launch order: a round
         launched after the one just read may still run)."""

@@ -2,16 +2,18 @@
 
 An eager prefill of a small model is host-bound: on an H200, the SmolLM2 shape with a drafter
 took 21–37 ms per prefill of 64–500 tokens for 0.9–1.7 ms of GPU work, and 1.7–3.4 ms graphed
-(docs/performance.md). Here the forward over n prompts, padded to a
-length bucket Pb (a power of two, at least MIN_LEN), is captured once per (n, Pb) at its first
-use and replayed from static buffers: token ids, lengths and the requests' block tables.
+(docs/performance.md). Here a prefill forward, its chunks grouped and padded to (row bucket,
+length bucket) shapes as `prefill_plan.PrefillLimits.groups` says, replays graphs from static
+buffers: token ids, lengths and the requests' block tables. Every shape the scheduler's forwards
+can need (`PrefillLimits.shapes`, from the rule the scheduler forms them by) is captured at
+start-up, never on a request's path. A forward that needs a shape not captured (an out-of-memory
+capture) runs eagerly and is counted in `fallbacks` (/metrics: drafttree_prefill_graph_fallbacks).
 
 Padding to Pb does what the eager path already does for prompts of unequal length: pad tokens
 write K/V (and drafter context) past each prompt's end, into the request's own pages where the
-cache stays masked until real tokens overwrite it, or into the null page. Only prefills whose
-chunks all start at position 0 are graphed (a later chunk, or one after a prefix-cache hit, runs
-eagerly). A batch of n * Pb > MAX_TOKENS runs as several graphed groups of
-MAX_TOKENS // Pb prompts; a prompt longer than MAX_TOKENS stays eager (it is GPU-bound).
+cache stays masked until real tokens overwrite it, or into the null page; padding rows have only
+the null page. Only prefills whose chunks all start at position 0 are graphed (a later chunk, or
+one after a prefix-cache hit, runs eagerly, as warmed up at start-up by `engine.warmup`).
 """
 from __future__ import annotations
 
@@ -22,12 +24,10 @@ from typing import Callable
 
 import torch
 
+from drafttree.models.kv_cache import NULL_PAGE, attn_meta, causal
 from drafttree.runner.cuda_graph import collector_paused, warm_up
-from drafttree.models.kv_cache import attn_meta, causal
-from drafttree.kernels.triton_jit import next_pow2
+from drafttree.runner.prefill_plan import PrefillLimits, Shape
 
-MIN_LEN = 16
-MAX_TOKENS = 2048
 log = logging.getLogger(__name__)
 
 
@@ -35,23 +35,45 @@ log = logging.getLogger(__name__)
 class PrefillBuffers:
     ids: torch.Tensor               # [n, Pb] long, zero past each prompt
     lens: torch.Tensor              # [n] long
-    block_table: torch.Tensor       # [n, P] long: the requests' pages
+    block_table: torch.Tensor       # [n, P] long: the requests' pages (the null page's on padding rows)
     h_last: torch.Tensor            # [n, D]: final hidden state at each prompt's last token
     a_last: torch.Tensor | None     # [n, F]: the drafter's features there
 
 
 class PrefillGraphs:
-    def __init__(self, runner, max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(self, runner, limits: PrefillLimits) -> None:
         self.r = weakref.proxy(runner)   # owned by the runner, as GraphRunner
-        self.max_tokens = min(max_tokens, runner.prefill_chunk)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, PrefillBuffers]] = {}
+        self.limits = limits
+        self.graphs: dict[Shape, tuple[torch.cuda.CUDAGraph, PrefillBuffers]] = {}
         self.pool = None
         self.failed = False   # a capture ran out of memory: prefill stays eager from then on
+        self.fallbacks = 0    # graphable prefills that ran eagerly (a shape not captured)
+        self._warned: set[Shape] = set()
 
-    def bucket(self, P: int) -> int | None:
-        """The padded length of a graphed prefill of prompts of at most P tokens, or None."""
-        Pb = max(MIN_LEN, next_pow2(P))
-        return Pb if Pb <= self.max_tokens and Pb <= self.r.cache_cfg.max_len else None
+    def shapes(self) -> list[Shape]:
+        """What `capture` captures: every shape a forward of the scheduler's can replay."""
+        return self.limits.shapes()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every shape before serving. The warm-up runs and captures read and write the
+        null page only (every row's block table is the null page's). Out of memory: prefill stays
+        eager; tensor-parallel, the engine fails to start (every rank must replay alike)."""
+        shapes = self.shapes()
+        log.info("capturing %d prefill graphs ((rows, padded length), up to %d tokens)", len(shapes),
+                 self.limits.graph_tokens)
+        try:
+            with collector_paused():
+                for n, Pb in shapes:
+                    buf = self._buffers(n, Pb)
+                    buf.lens.fill_(Pb)
+                    self.graphs[(n, Pb)] = (self._capture(self.forward_fn(buf)), buf)
+        except torch.cuda.OutOfMemoryError:
+            if self.r.target.tp is not None:
+                raise   # the other ranks replay their graphs: an eager forward here would not meet them
+            self.failed, self.graphs, self.pool = True, {}, None
+            log.warning("out of memory capturing a prefill graph (%d prompts, %d tokens): prefill runs "
+                        "eagerly", n, Pb)
 
     def forward_fn(self, buf: PrefillBuffers) -> Callable[[], None]:
         """The prefill forward over the buffers: what is captured, and what the warm-up runs."""
@@ -72,48 +94,51 @@ class PrefillGraphs:
 
     def run(self, ids: torch.Tensor, lens: torch.Tensor,
             table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Prefill ids [n, P] (zero-padded) through block tables `table` [n, pages] from graphs, in groups of
-        at most max_tokens // Pb prompts; returns (h_last, a_last), or None if no bucket fits.
-        For one group these are static buffers, valid until the next prefill."""
-        n, P = ids.shape
-        Pb = self.bucket(P)
-        if Pb is None or self.failed:
+        """Prefill ids [n, W] (zero-padded, every chunk from position 0) through block tables
+        `table` [n, pages] from graphs, group by group; returns (h_last, a_last), or None to run
+        eagerly. For one group these are views of static buffers, valid until the next prefill."""
+        n, W = ids.shape
+        groups = self.limits.groups(n, W)
+        if groups is None:   # wider than any graph: eager by design
             return None
-        g = self.max_tokens // Pb
-        try:
-            if n <= g:
-                return self._replay(ids, lens, table, Pb)
-            # a later group may replay the same graph: copy each group's outputs before it does
-            parts = [tuple(None if t is None else t.clone() for t in
-                           self._replay(ids[a:a + g], lens[a:a + g], table[a:a + g], Pb)) for a in range(0, n, g)]
-        except torch.cuda.OutOfMemoryError:   # the eager prefill then writes these pages again
-            if self.r.target.tp is not None:
-                raise   # the other ranks replay their graphs: an eager forward here would not meet them
-            self.failed, self.graphs, self.pool = True, {}, None
-            log.warning("out of memory capturing a prefill graph (%d prompts, %d tokens): prefill runs "
-                        "eagerly from now on", min(n, g), Pb)
+        missing = [g.shape for g in groups if g.shape not in self.graphs]
+        if missing:   # never captured on a request's path: eager, as warmed at start-up, and counted
+            self.fallbacks += 1
+            if not self.failed and missing[0] not in self._warned:
+                self._warned.add(missing[0])
+                log.warning("no prefill graph for %d rows x %d tokens (not in the start-up plan): prefilling "
+                            "eagerly", *missing[0])
             return None
+        if len(groups) == 1:
+            return self._replay(ids, lens, table, groups[0].shape)
+        # a later group may replay the same graph: copy each group's outputs before it does
+        parts = []
+        for g in groups:
+            s = slice(g.first, g.first + g.count)
+            out = self._replay(ids[s], lens[s], table[s], g.shape)
+            parts.append(tuple(None if t is None else t.clone() for t in out))
         h = torch.cat([p[0] for p in parts])
         return h, None if parts[0][1] is None else torch.cat([p[1] for p in parts])
 
-    def _replay(self, ids: torch.Tensor, lens: torch.Tensor, table: torch.Tensor, Pb: int):
-        n, P = ids.shape
-        new = (n, Pb) not in self.graphs
-        buf = self._buffers(n, Pb) if new else self.graphs[(n, Pb)][1]
+    def _replay(self, ids: torch.Tensor, lens: torch.Tensor, table: torch.Tensor, shape: Shape):
+        k, W = ids.shape
+        graph, buf = self.graphs[shape]
         buf.ids.zero_()
-        buf.ids[:, :P].copy_(ids)
-        buf.lens.copy_(lens)
-        buf.block_table.copy_(table)
-        if new:   # the warm-up runs are real prefills of these pages: they write what the replay does
-            self.graphs[(n, Pb)] = (self._capture(self.forward_fn(buf)), buf)
-        self.graphs[(n, Pb)][0].replay()
-        return buf.h_last, buf.a_last
+        buf.ids[:k, :W].copy_(ids)
+        buf.lens[:k].copy_(lens)
+        buf.block_table[:k].copy_(table)
+        if k < shape[0]:   # padding rows: one token each, into the null page
+            buf.lens[k:].fill_(1)
+            buf.block_table[k:].fill_(NULL_PAGE)
+        graph.replay()
+        return buf.h_last[:k], None if buf.a_last is None else buf.a_last[:k]
 
     def _buffers(self, n: int, Pb: int) -> PrefillBuffers:
         r, dev = self.r, self.r.device
         feat = r.state.ctx_feat.shape[2]
         zeros = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
-        return PrefillBuffers(zeros(n, Pb), zeros(n), zeros(n, r.cache_cfg.pages_per_row),
+        table = torch.full((n, r.cache_cfg.pages_per_row), NULL_PAGE, dtype=torch.long, device=dev)
+        return PrefillBuffers(zeros(n, Pb), zeros(n), table,
                               torch.zeros(n, r.target.cfg.hidden_size, dtype=r.dtype, device=dev),
                               torch.zeros(n, feat, dtype=r.dtype, device=dev) if r.drafter is not None else None)
 
@@ -124,7 +149,7 @@ class PrefillGraphs:
         if self.r.target.tp is not None:   # no collective of the warm-up in flight (as GraphRunner.capture)
             torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        # captured while serving, at first use: CUDA calls of other threads stay allowed
-        with collector_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        # a server's event loop runs in another thread meanwhile: its CUDA calls (none expected) stay allowed
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             fn()
         return graph

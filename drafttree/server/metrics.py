@@ -31,6 +31,9 @@ class ServerMetrics:
         self.rounds = Counter("drafttree_rounds", "Decoding rounds (one per engine step)", registry=r)
         self.fallbacks = Counter("drafttree_cuda_graph_fallbacks",
                                  "Rounds that ran eagerly although CUDA graphs were captured", registry=r)
+        self.prefill_fallbacks = Counter("drafttree_prefill_graph_fallbacks",
+                                         "Graphable prefills that ran eagerly (their shape was not captured)",
+                                         registry=r)
         self.accept_length = Histogram("drafttree_accept_length",
                                        "Tokens committed per request per round (tau, bonus included)",
                                        buckets=ACCEPT_BUCKETS, registry=r)
@@ -52,6 +55,11 @@ class ServerMetrics:
         self.phase_seconds = Counter("drafttree_phase_seconds", "Seconds spent per phase (prefill, decode, "
                                      "draft incl. tree build, verify incl. acceptance and commit)", ["phase"],
                                      registry=r)
+        self.startup_seconds = Gauge("drafttree_startup_seconds", "Seconds each start-up stage took (convert, "
+                                     "load weights, graphs per phase, prefill graphs, warm-up)", ["stage"],
+                                     registry=r)
+        self.startup_total = Gauge("drafttree_startup_total_seconds", "Seconds from start-up to ready", registry=r)
+        self.ready = Gauge("drafttree_ready", "1 once warm-up is done and requests are served", registry=r)
         self.running = Gauge("drafttree_requests_running", "Requests holding KV pages (running or prefilling)",
                              registry=r)
         self.waiting = Gauge("drafttree_requests_waiting", "Requests queued for KV pages", registry=r)
@@ -66,6 +74,7 @@ class ServerMetrics:
         self.free_pages = Gauge("drafttree_kv_free_pages", "KV pages free (cached prefix pages included)", registry=r)
         self._seen = EngineStats()         # engine totals already exported
         self._seen_fallbacks = 0
+        self._seen_prefill_fallbacks = 0
         self._seen_phases: dict[str, float] = {}
 
     def sync(self, engine: Engine) -> None:
@@ -96,6 +105,10 @@ class ServerMetrics:
         graphs = getattr(engine.runner, "graphs", None)
         fallbacks = int(graphs.fallbacks) if graphs is not None else 0
         self.fallbacks.inc(max(fallbacks - self._seen_fallbacks, 0))
+        pg = engine.runner.prefill_graphs
+        prefill_fallbacks = int(pg.fallbacks) if pg is not None else 0
+        self.prefill_fallbacks.inc(max(prefill_fallbacks - self._seen_prefill_fallbacks, 0))
+        self._seen_prefill_fallbacks = prefill_fallbacks
         phases = dict(engine.runner.timer.totals)
         for name, total in phases.items():
             self.phase_seconds.labels(phase=name).inc(max(total - self._seen_phases.get(name, 0.0), 0.0))
@@ -108,6 +121,12 @@ class ServerMetrics:
         self.free_pages.set(engine.free_pages)
         self._seen = copy.deepcopy(s)
         self._seen_fallbacks, self._seen_phases = fallbacks, phases
+
+    def startup(self, stages: dict[str, float], total: float) -> None:
+        for name, seconds in stages.items():
+            self.startup_seconds.labels(stage=name).set(seconds)
+        self.startup_total.set(total)
+        self.ready.set(1)
 
     def request_finished(self, reason: str | None) -> None:
         self.finished.labels(finish_reason=reason or "unknown").inc()

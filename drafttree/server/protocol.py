@@ -19,9 +19,11 @@ class OpenAIError(Exception):
     """An error answered in OpenAI's JSON shape."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error") -> None:
+                 code: str | None = None, type: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)

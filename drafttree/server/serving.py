@@ -21,7 +21,8 @@ from drafttree.server.protocol import (
     make_id,
     now,
 )
-from drafttree.server.worker import EngineError, EngineWorker, RequestHandle, Snapshot
+from drafttree.server.limits import check_prompt_chars, max_chars_per_token
+from drafttree.server.worker import BadRequest, EngineError, EngineWorker, RequestHandle, Snapshot, TokenBudget
 
 DISCONNECT_POLL_S = 0.5
 Reply = Response | dict[str, Any]
@@ -74,6 +75,8 @@ class OpenAIServing:
         self.worker = worker
         self.model_name = model_name
         self.engine = worker.engine
+        tok = self.engine.tokenizer
+        self.chars_per_token = max_chars_per_token(tok) if tok is not None else None
 
     def check_model(self, req: OpenAIRequest) -> None:
         if req.model is not None and req.model != self.model_name:
@@ -94,8 +97,8 @@ class OpenAIServing:
         self.check_model(req)
         req.check()
         prompt = self.chat_prompt(req)
-        max_tokens = req.requested_max_tokens() or self.engine.max_model_len
-        return await self._serve(req, prompt, max_tokens, raw, chat=True)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        return await self._serve(req, prompt, TokenBudget(req.requested_max_tokens(), None, field), raw, chat=True)
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Reply:
         self.check_model(req)
@@ -103,16 +106,22 @@ class OpenAIServing:
         prompt = req.single_prompt()
         if isinstance(prompt, str) and self.engine.tokenizer is None:
             raise OpenAIError(f"the model '{self.model_name}' has no tokenizer: send token ids", param="prompt")
-        return await self._serve(req, prompt, req.max_tokens or 16, raw, chat=False)
+        # OpenAI's default for completions, clamped to what the context leaves
+        return await self._serve(req, prompt, TokenBudget(req.max_tokens, 16), raw, chat=False)
 
-    async def _serve(self, req: OpenAIRequest, prompt: str | list[int], max_tokens: int, raw: Request,
+    async def _serve(self, req: OpenAIRequest, prompt: str | list[int], budget: TokenBudget, raw: Request,
                      chat: bool) -> Reply:
-        params = req.sampling_params(max_tokens)
+        where = "messages" if chat else "prompt"
+        if isinstance(prompt, str) and self.chars_per_token is not None:
+            too_long = check_prompt_chars(prompt, self.engine.max_model_len, self.chars_per_token)
+            if too_long is not None:   # refused before the engine thread spends time tokenizing it
+                raise OpenAIError(too_long, param=where)
+        params = req.sampling_params(budget.requested or 1)   # max_tokens: set once the prompt is tokenized
         rid = make_id("chatcmpl" if chat else "cmpl")
         try:
-            handle = await self.worker.submit(rid, prompt, params)
-        except ValueError as e:
-            raise OpenAIError(str(e), param="messages" if chat else "prompt") from e
+            handle = await self.worker.submit(rid, prompt, params, budget)
+        except BadRequest as e:
+            raise OpenAIError(str(e), param=e.param or where) from e
         except EngineError as e:
             raise OpenAIError(str(e), status=503, type="server_error") from e
         hold = max((len(s) for s in params.stop), default=1) - 1

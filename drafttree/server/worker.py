@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from drafttree.engine.engine import Engine
 from drafttree.engine.sequence import Sequence
@@ -29,10 +29,38 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Failed:
-    """The engine refused the request (`bad_request`: a bad prompt, answered as a 400) or failed
-    while running it (a 500)."""
+    """The engine refused the request (`bad_request`: a bad prompt, answered as a 400 naming
+    `param` when known) or failed while running it (a 500)."""
     message: str
     bad_request: bool = False
+    param: str | None = None
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """How many tokens a request may generate, decided once its prompt is tokenized: `requested`
+    (what the client sent as `field`), refused when prompt + requested pass the context, as vLLM
+    does; else `default`, clamped to the room the prompt leaves (None: all of it)."""
+    requested: int | None
+    default: int | None = None
+    field: str = "max_tokens"
+
+    def resolve(self, prompt_tokens: int, max_model_len: int) -> int:
+        room = max_model_len - prompt_tokens
+        if self.requested is None:
+            return room if self.default is None else min(self.default, room)
+        if self.requested > room:
+            raise BadRequest(f"this model's context holds {max_model_len} tokens, but the prompt has "
+                             f"{prompt_tokens} and {self.field} asks for {self.requested} more "
+                             f"({prompt_tokens + self.requested} in all): lower {self.field} to at most "
+                             f"{room} or shorten the prompt", param=self.field)
+        return self.requested
 
 
 @dataclass(frozen=True)
@@ -63,6 +91,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     deliver: Deliver
+    budget: TokenBudget | None = None   # None: params.max_tokens as given
 
 
 @dataclass
@@ -140,8 +169,10 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestHandle:
-        """Queue a request; returns once the engine accepted it. Raises ValueError if it refused."""
+    async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     budget: TokenBudget | None = None) -> RequestHandle:
+        """Queue a request; returns once the engine accepted it. Raises BadRequest (a ValueError)
+        if it refused. `budget` sets params.max_tokens from the prompt's length."""
         if not self.alive:
             raise EngineError(self.fatal or "the engine is not running")
         loop = asyncio.get_running_loop()
@@ -153,14 +184,16 @@ class EngineWorker:
             except RuntimeError:   # the loop is closed: nobody is listening any more
                 pass
 
-        self._cmds.put(_Add(request_id, prompt, params, deliver))
+        self._cmds.put(_Add(request_id, prompt, params, deliver, budget))
         try:
             first = await q.get()
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
         if isinstance(first, Failed):
-            raise (ValueError if first.bad_request else EngineError)(first.message)
+            if first.bad_request:
+                raise BadRequest(first.message, first.param)
+            raise EngineError(first.message)
         assert isinstance(first, Admitted)
         return RequestHandle(self, request_id, first.prompt_tokens, q)
 
@@ -192,9 +225,14 @@ class EngineWorker:
     def _handle(self, cmd: object) -> None:
         if isinstance(cmd, _Add):
             try:
-                seq = self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
+                ids, _ = self.engine.encode(cmd.prompt)
+                self.engine.check_prompt(ids)
+                params = cmd.params
+                if cmd.budget is not None:
+                    params = replace(params, max_tokens=cmd.budget.resolve(len(ids), self.engine.max_model_len))
+                seq = self.engine.add_request(ids, params, request_id=cmd.request_id)
             except ValueError as e:
-                cmd.deliver(Failed(str(e), bad_request=True))
+                cmd.deliver(Failed(str(e), bad_request=True, param=getattr(e, "param", None)))
                 return
             except Exception as e:
                 log.exception("add_request failed")

@@ -41,7 +41,7 @@ class FeatureExtractor:
             self.rows, self.max_len = max(self.rows, B), max(self.max_len, T)
             self.cache = None
             self.cache = KVCache.allocate(c.num_layers, self.rows, self.max_len, c.num_kv_heads, c.head_dim,
-                                          w.dtype, w.device)
+                                          w.dtype, w.device, c.v_cache_dim)
         dev = input_ids.device
         meta = attn_meta(torch.zeros(B, dtype=torch.long, device=dev), causal(B, T, dev), T)
         pos = torch.arange(T, device=dev).expand(B, T)

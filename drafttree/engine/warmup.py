@@ -1,0 +1,109 @@
+"""Warm-up before serving: run once every path a request can take that is not a CUDA graph, so
+that no request pays for a first call: the sampler's compiled pieces per sample mode (at one row
+and at several: torch.compile specializes on 1), and eager prefill, which runs a forward at an
+offset (a chunk continuing a prompt longer than `prefill_chunk`, or the rest of a prompt after a
+prefix-cache hit) and a chunk wider than the largest graph; each with a chunk of 1 token, of a
+multiple of 16 and of neither, the integer cases Triton specializes on; and the host's reading
+and detokenizing. The graphs themselves are captured when the engine is built. On CPU there is
+nothing to compile: one short request."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from drafttree.engine.engine import Engine, EngineStats
+from drafttree.engine.pages import PrefixStats
+from drafttree.runner.prefill_plan import PrefillLimits
+from drafttree.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+WARMUP_TOKENS = 4   # per request: the prefill's token and a few rounds
+MODES = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0),
+         SamplingParams(temperature=1.0, top_p=0.9, seed=0))   # greedy, sampled, sampled with top-p
+
+
+@dataclass(frozen=True)
+class WarmupBatch:
+    prompt_lens: tuple[int, ...]   # added together, prefilled in the steps the scheduler gives them
+    params: SamplingParams
+    variants: tuple[int, ...]      # per prompt: prompts of one variant are prefixes of one token
+                                   # sequence (a later one finds the earlier one's pages cached)
+
+
+def warmup_batches(cuda: bool, limits: PrefillLimits, graphed_len: int, page_size: int,
+                   prefix_caching: bool, max_prompt_len: int | None = None) -> list[WarmupBatch]:
+    """What `warm_up` runs, batch after batch. `graphed_len`: the widest chunk a prefill graph
+    takes (0: none); `max_prompt_len`: the longest prompt the context and the pool hold."""
+    longest = limits.max_prompt_len if max_prompt_len is None else max(1, min(max_prompt_len, limits.max_prompt_len))
+    count = [0]
+
+    def batch(params: SamplingParams, *lens: int, variant: int | None = None) -> WarmupBatch:
+        lens = tuple(min(n, longest) for n in lens)
+        if variant is None:
+            variants = tuple(range(count[0], count[0] + len(lens)))
+            count[0] += len(lens)
+        else:
+            variants = (variant,) * len(lens)
+        return WarmupBatch(lens, replace(params, max_tokens=WARMUP_TOKENS if cuda else 2), variants)
+
+    if not cuda:
+        return [batch(MODES[0], 7)]
+    rows = limits.max_num_seqs
+    out = []
+    for mode in MODES:
+        out.append(batch(mode, 7))
+        if rows >= 2:
+            out.append(batch(mode, 16, 7))
+    greedy = MODES[0]
+    # eager at position 0 past the graphs; a chunk continuing at an offset past prefill_chunk
+    wide = [base + d for base in (graphed_len, limits.prefill_chunk) if base for d in (1, 2, 16)]
+    for n in dict.fromkeys(n for n in wide if n <= longest):
+        out.append(batch(greedy, n))
+    odd = (graphed_len or limits.prefill_chunk) + 1
+    if rows >= 2 and odd <= longest:
+        out.append(batch(greedy, odd, odd))
+    # a prefix-cache hit: the rest of a prompt at an offset of whole pages
+    first = min(3 * page_size, longest)
+    if prefix_caching and first > page_size:
+        v = count[0]
+        count[0] += 1
+        out.append(batch(greedy, first, variant=v))
+        hit = (first - 1) // page_size * page_size   # the positions the first prompt left cached
+        again = list(dict.fromkeys((hit + 1, hit + 2, first)))
+        out += [batch(greedy, n, variant=v) for n in again]
+        if rows >= 2 and limits.fits(2, first - hit):
+            out.append(batch(greedy, hit + 1, hit + 2, variant=v))
+    return out
+
+
+def warm_up(engine: Engine) -> int:
+    """Run the warm-up requests to the end, then clear the engine's counters so that what it
+    reports counts requests only. Returns the number of warm-up requests. The engine must be idle."""
+    assert not engine.has_unfinished(), "warm-up needs an idle engine"
+    runner, sched = engine.runner, engine.scheduler
+    pg = runner.prefill_graphs
+    graphed = 0 if pg is None or pg.failed or not pg.graphs else max(Pb for _, Pb in pg.graphs)
+    cc = runner.cache_cfg
+    # a warm-up request must fit the pool alone: its prompt, its tokens and a round's writes
+    room = engine.pool.usable * cc.page_size - cc.headroom - engine.spec.max_commit - WARMUP_TOKENS
+    batches = warmup_batches(engine.device.type == "cuda", sched.cfg.prefill, graphed, cc.page_size,
+                             engine.pool.prefix_caching, room)
+    vocab = engine.model_cfg.vocab_size
+    for b in batches:
+        for n, v in zip(b.prompt_lens, b.variants):
+            engine.add_request([1 + (i + 13 * v) % (vocab - 1) for i in range(n)], replace(b.params))
+        while engine.has_unfinished():
+            engine.step()
+    fallbacks = (runner.graphs.fallbacks if runner.graphs is not None else 0) + (pg.fallbacks if pg else 0)
+    if fallbacks:
+        log.warning("warm-up: %d rounds or prefills ran eagerly although graphs were captured", fallbacks)
+    engine.stats = EngineStats()
+    engine.pool.stats = PrefixStats()
+    sched.preemptions = 0
+    runner.timer.reset()
+    if runner.graphs is not None:
+        runner.graphs.fallbacks = 0
+    if pg is not None:
+        pg.fallbacks = 0
+    return sum(len(b.prompt_lens) for b in batches)

@@ -1,0 +1,31 @@
+"""DeepSeek-V3's fp8 checkpoints: e4m3 weights with one fp32 scale per 128 x 128 block
+(`<name>.weight_scale_inv`, the multiplier that dequantizes). They are dequantized at load, to the
+model's dtype: the weights then take the memory of bf16 (fp8 matmuls on the blocks come later)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+def block_size(config: dict[str, Any]) -> tuple[int, int]:
+    """The quantization_config's weight_block_size ([128, 128] unless it says otherwise)."""
+    q = config.get("quantization_config") or {}
+    if q and q.get("quant_method", "fp8") != "fp8":
+        raise ValueError(f"unsupported quantization {q.get('quant_method')!r} (supported: fp8 block-scaled)")
+    bn, bk = q.get("weight_block_size") or (128, 128)
+    return int(bn), int(bk)
+
+
+def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w [N, K] (e4m3) times its block's scale, scale_inv [ceil(N / bn), ceil(K / bk)] -> fp32 [N, K]."""
+    N, K = w.shape
+    bn, bk = block
+    want = (-(-N // bn), -(-K // bk))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"weight_scale_inv of shape {tuple(scale_inv.shape)} for a [{N}, {K}] weight in "
+                         f"{bn} x {bk} blocks; expected {want}")
+    s = scale_inv.float().repeat_interleave(bn, dim=0)[:N].repeat_interleave(bk, dim=1)[:, :K]
+    return w.float() * s

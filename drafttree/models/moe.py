@@ -1,0 +1,140 @@
+"""The mixture-of-experts MLP: a router, routed experts stacked [E, ...], optional shared experts.
+
+Decode, draft and verify forwards run on static shapes without a host sync, so that they can be
+captured in CUDA graphs: no `nonzero`, no per-expert token counts read back. An eager prefill
+sorts its (token, k) pairs by expert and reads the counts back once (`Experts.sorted`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafttree.kernels.torch_ops import silu_mul
+from drafttree.models.layers import MLP
+from drafttree.moe_config import MoEConfig
+
+# Token rows from which an eager forward sorts its pairs by expert (a prefill chunk); below, and
+# inside a graph capture, the static forms run.
+SORTED_MIN_ROWS = 256
+
+# (token, k) pairs up to which the experts may be gathered: the copy is a transient of this many
+# experts' weights (1.4 GB for Kimi K2's in bf16 at 16), so a decode of one or two tokens.
+GATHER_MAX_PAIRS = 16
+
+
+def gathers(rows: int, top_k: int, num_experts: int) -> bool:
+    """Whether the experts run by gathering each (token, k) pair's weights (`Experts.gathered`)
+    rather than every expert over every row (`Experts.all_experts`). The gather copies the picked
+    experts (a read, a write and a read of each pair's weights), the loop reads every expert once:
+    so gather while 3 * rows * k <= E, and within GATHER_MAX_PAIRS. Both are static shapes; what
+    a GPU wants for a verify is a grouped GEMM over expert-sorted pairs, which is the next step."""
+    pairs = rows * top_k
+    return 3 * pairs <= num_experts and pairs <= GATHER_MAX_PAIRS
+
+
+class Router(nn.Module):
+    """Top-k routing as the config says. Its weight and DeepSeek's correction bias stay fp32 (as in
+    the reference), so the picks do not move with the model's dtype."""
+
+    def __init__(self, hidden: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.zeros(moe.num_experts, hidden))
+        # DeepSeek-V3's e_score_correction_bias: moves the selection only, never the weights
+        self.bias = nn.Parameter(torch.zeros(moe.num_experts)) if moe.scoring == "sigmoid" else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights [N, k] fp32, expert ids [N, k] long)."""
+        m = self.moe
+        if m.scoring == "softmax":   # Qwen3-MoE: logits in the model's dtype, softmax in fp32
+            probs = F.linear(x, self.weight.to(x.dtype)).float().softmax(dim=-1)
+            w, idx = probs.topk(m.top_k, dim=-1)
+            if m.norm_topk_prob:
+                w = w / w.sum(dim=-1, keepdim=True)
+            return w, idx
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.bias.float()
+        if m.topk_group < m.n_group:
+            N, per = x.shape[0], m.num_experts // m.n_group
+            grouped = choice.view(N, m.n_group, per)
+            group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)              # [N, G]
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(m.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(N, m.num_experts)
+        idx = choice.topk(m.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        if m.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * m.routed_scaling_factor, idx
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts, gate and up fused: gate_up [E, 2I, D], down [E, D, I]."""
+
+    def __init__(self, hidden: int, moe: MoEConfig) -> None:
+        super().__init__()
+        E, I = moe.num_experts, moe.intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(E, 2 * I, hidden))
+        self.down = nn.Parameter(torch.empty(E, hidden, I))
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x [N, D], routing weights and ids [N, k] -> Σ_k w[n, k] · expert_idx[n, k](x[n]): [N, D]."""
+        if gathers(x.shape[0], idx.shape[1], self.gate_up.shape[0]):
+            return self.gathered(x, w, idx)
+        if x.shape[0] >= SORTED_MIN_ROWS and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return self.sorted(x, w, idx)
+        return self.all_experts(x, w, idx)
+
+    def gathered(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Each (token, k) pair gathers its expert's weights and runs a batched GEMV."""
+        h = torch.matmul(self.gate_up[idx], x[:, None, :, None])[..., 0]       # [N, k, 2I]
+        y = torch.matmul(self.down[idx], silu_mul(h)[..., None])[..., 0]       # [N, k, D]
+        return (y * w[..., None].to(y.dtype)).sum(dim=1)
+
+    def all_experts(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Every expert over every row, scaled by its combine weight (zero where it was not picked):
+        E / k times the FLOPs of the picked experts alone."""
+        combine = torch.zeros(x.shape[0], self.gate_up.shape[0], dtype=x.dtype, device=x.device)
+        combine.scatter_add_(1, idx, w.to(x.dtype))
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up.shape[0]):
+            out += combine[:, e, None] * F.linear(silu_mul(F.linear(x, self.gate_up[e])), self.down[e])
+        return out
+
+    def sorted(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The (token, k) pairs sorted by expert, each expert over its own rows only: the FLOPs of
+        the picked experts, one host sync (the counts). The outputs go back to their pairs' places
+        and are summed over k in order, so the result does not depend on atomic adds."""
+        N, k = idx.shape
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        xs = x[order // k]
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                ys[start:start + n] = F.linear(silu_mul(F.linear(xs[start:start + n], self.gate_up[e])), self.down[e])
+                start += n
+        y = torch.empty_like(ys)
+        y[order] = ys
+        return (y.view(N, k, -1) * w[..., None].to(y.dtype)).sum(dim=1)
+
+
+class SparseMoE(nn.Module):
+    """The MoE block that replaces a layer's MLP: routed experts plus the shared ones."""
+
+    def __init__(self, hidden: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.router = Router(hidden, moe)
+        self.experts = Experts(hidden, moe)
+        self.shared = MLP(hidden, moe.num_shared * moe.intermediate_size) if moe.num_shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        w, idx = self.router(h)
+        out = self.experts(h, w, idx)
+        if self.shared is not None:
+            out = out + self.shared(h)
+        return out.view(x.shape)

@@ -1,0 +1,161 @@
+"""Start-up, weight-free: the prefill graphs captured are exactly the shapes the scheduler's
+forwards can ask for, and the warm-up plan covers the paths graphs do not."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from drafttree.engine.pages import PagePool
+from drafttree.engine.scheduler import Scheduler, SchedulerConfig
+from drafttree.engine.sequence import Sequence
+from drafttree.engine.warmup import warmup_batches
+from drafttree.runner.model_runner import CacheConfig
+from drafttree.runner.prefill_plan import MIN_LEN, PrefillLimits
+from drafttree.sampling import SampleMode, SamplingParams
+
+HEADROOM, MAX_COMMIT = 9, 5
+
+
+def scheduler(rows: int, max_prefill: int, max_model_len: int, chunk: int, page_size: int,
+              pages: int, prefix_caching: bool = True) -> Scheduler:
+    cache = CacheConfig(rows, max_model_len, HEADROOM, page_size, pages)
+    cfg = SchedulerConfig(cache, MAX_COMMIT, chunk, max_prefill, admit_min=1)
+    return Scheduler(cfg, PagePool(pages, page_size, prefix_caching), SimpleNamespace(move_row=lambda s, d: None))
+
+
+def forwards(sched: Scheduler, prompts: list[list[int]], rng: random.Random | None = None,
+             steps: int = 1) -> list[tuple[int, int, bool]]:
+    """(chunks, width, all from position 0) of each prefill forward the real scheduler forms for
+    `prompts` over `steps` steps; with `rng`, a random share of the running requests ends after
+    each step, freeing rows and pages."""
+    for ids in prompts:
+        sched.add(Sequence(ids, SamplingParams(max_tokens=1)))
+    out = []
+    for _ in range(steps):
+        chunks = sched.schedule_prefill()
+        if chunks:
+            out.append((len(chunks), max(len(c.ids) for _, c in chunks), all(c.start == 0 for _, c in chunks)))
+            sched.prefilled(chunks)
+        for seq in list(sched.running):
+            if rng is None or rng.random() < 0.5:
+                sched.free(seq)
+        if not (sched.waiting or sched.prefilling):
+            break
+    return out
+
+
+CASES = [   # max_num_seqs, max_prefill_tokens, max_model_len, prefill_chunk, page size
+    (4, 8192, 300, 2048, 16),
+    (8, 100, 200, 64, 16),
+    (3, 40, 40, 2048, 4),
+    (6, 8192, 20, 16, 4),
+    (5, 70, 129, 128, 16),
+    (40, 8192, 80, 256, 16),
+]
+
+
+@pytest.mark.parametrize("rows,max_prefill,max_model_len,chunk,page_size", CASES)
+def test_prefill_shapes_are_exactly_what_the_scheduler_asks(rows, max_prefill, max_model_len, chunk, page_size):
+    """Queues that reach every (chunks, width) a step's forward can have (a prompt of each length
+    followed by one-token prompts), and random traffic with shared prefixes, go through the real
+    scheduler; the graphs the forwards from position 0 replay are the set captured at start-up,
+    no more and no fewer."""
+    pages = 1 + (rows + 1) * -(-(max_model_len + HEADROOM + MAX_COMMIT) // page_size)
+    fresh = iter(range(1, 10**9))
+    asked: set[tuple[int, int]] = set()
+    seen = []
+    for W in range(1, max_model_len):
+        for k in range(rows):
+            prompts = [[next(fresh) for _ in range(W)]] + [[next(fresh)] for _ in range(k)]
+            seen += forwards(scheduler(rows, max_prefill, max_model_len, chunk, page_size, pages), prompts)
+    rng = random.Random(0)
+    for _ in range(30):
+        sched = scheduler(rows, max_prefill, max_model_len, chunk, page_size, 4 * pages)
+        common = [next(fresh) for _ in range(max_model_len)]
+        prompts = []
+        for _ in range(3 * rows):
+            ids = common if rng.random() < 0.3 else [next(fresh) for _ in range(max_model_len)]
+            prompts.append(ids[:rng.randint(1, max_model_len - 1)])
+        seen += forwards(sched, prompts, rng, steps=10 * len(prompts))
+    limits = scheduler(rows, max_prefill, max_model_len, chunk, page_size, pages).cfg.prefill
+    for n, W, from_zero in seen:
+        assert limits.fits(n, W) and n <= limits.most_chunks(W)
+        if from_zero:
+            asked.update(g.shape for g in limits.groups(n, W) or ())
+    captured = limits.shapes()
+    assert len(captured) == len(set(captured))
+    assert set(captured) == asked
+    tokens = limits.graph_tokens
+    assert all(MIN_LEN <= Pb <= min(tokens, limits.max_len) and n * Pb <= max(tokens, Pb) for n, Pb in captured)
+
+
+def test_prefill_groups_split_by_graphed_tokens_and_pad_rows_to_powers_of_two():
+    lim = PrefillLimits(8, 1024, 8192, 4000, 4096)
+    assert [(g.first, g.count, g.shape) for g in lim.groups(5, 300)] == [(0, 2, (2, 512)), (2, 2, (2, 512)),
+                                                                        (4, 1, (1, 512))]
+    assert [g.shape for g in lim.groups(5, 100)] == [(8, 128)]    # 5 chunks in the graph of 8 rows
+    assert [g.shape for g in lim.groups(1, 3)] == [(1, 16)]
+    assert lim.groups(1, 1025) is None                            # wider than any graph: eager
+    odd = PrefillLimits(256, 1000, 8192, 4000, 4096)              # 62 chunks of 16 per graph
+    assert [g.shape for g in odd.groups(70, 9)] == [(62, 16), (8, 16)]
+
+
+def test_prefill_shapes_at_the_default_settings():
+    """max_num_seqs 256, prefill_chunk 2048, max_prefill_tokens 8192, a long context: 36 graphs
+    (one per chunk count would be 255)."""
+    shapes = PrefillLimits(256, 2048, 8192, 32767, 32800).shapes()
+    per_len = {}
+    for n, Pb in shapes:
+        per_len.setdefault(Pb, []).append(n)
+    assert len(shapes) == 36
+    assert {Pb: max(ns) for Pb, ns in per_len.items()} == {16 << i: 128 >> i for i in range(8)}
+    assert all(sorted(ns) == [1 << i for i in range(len(ns))] for ns in per_len.values())
+
+
+def test_scheduler_and_graphs_share_one_rule():
+    sched = scheduler(6, 8192, 20, 16, 4, 64)
+    lim = sched.cfg.prefill
+    assert (lim.max_num_seqs, lim.prefill_chunk, lim.max_prefill_tokens, lim.max_prompt_len) == (6, 16, 8192, 19)
+    assert sched.cfg.prefill is lim
+
+
+def plan(**kw):
+    kw = {"cuda": True, "graphed_len": 2048, "page_size": 16, "prefix_caching": True, **kw}
+    return warmup_batches(kw.pop("cuda"), kw.pop("limits"), kw.pop("graphed_len"), kw.pop("page_size"),
+                          kw.pop("prefix_caching"), kw.pop("max_prompt_len", None))
+
+
+def test_warmup_plan_covers_modes_rows_offsets_and_prefix_hits():
+    batches = plan(limits=PrefillLimits(8, 2048, 8192, 3999, 4100))
+    seen = {(SampleMode.of([b.params]), len(b.prompt_lens)) for b in batches}
+    assert seen >= {(m, n) for m in SampleMode for n in (1, 2)}
+    past = sorted(n for b in batches for n in b.prompt_lens if n > 2048)
+    assert {(n - 2048) % 16 for n in past} >= {0, 1, 2}   # the chunk past 2048 at an offset: 1, 2, 16 tokens
+    assert any(len(b.prompt_lens) == 2 and min(b.prompt_lens) > 2048 for b in batches)
+    # a variant's first prompt, then prompts of it again: the rest past its cached pages, at 1, 2 and 16 tokens
+    first: dict[int, int] = {}
+    rests = set()
+    for b in batches:
+        for n, v in zip(b.prompt_lens, b.variants):
+            if v in first:
+                rests.add(n - (first[v] - 1) // 16 * 16)
+            else:
+                first[v] = n
+    assert rests == {1, 2, 16}
+    assert any(len(b.prompt_lens) == 2 and len(set(b.variants)) == 1 for b in batches)
+    assert all(b.params.max_tokens >= 2 for b in batches)
+    no_cache = plan(limits=PrefillLimits(8, 2048, 8192, 3999, 4100), prefix_caching=False)
+    assert all(len(set(b.variants)) == len(b.variants) for b in no_cache)
+    assert len({v for b in no_cache for v in b.variants}) == sum(len(b.variants) for b in no_cache)
+
+
+def test_warmup_plan_stays_within_the_context_the_pool_and_rows():
+    batches = plan(limits=PrefillLimits(1, 2048, 8192, 10, 50), graphed_len=16)
+    assert all(len(b.prompt_lens) == 1 and max(b.prompt_lens) <= 10 for b in batches)
+    assert {SampleMode.of([b.params]) for b in batches} == set(SampleMode)
+    small_pool = plan(limits=PrefillLimits(4, 2048, 8192, 3999, 4100), max_prompt_len=40)
+    assert max(n for b in small_pool for n in b.prompt_lens) == 40
+    cpu = plan(cuda=False, limits=PrefillLimits(8, 2048, 8192, 3999, 4100), graphed_len=0)
+    assert len(cpu) == 1 and len(cpu[0].prompt_lens) == 1   # a short dummy generate

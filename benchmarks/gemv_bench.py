@@ -9,7 +9,7 @@ us] rows (more rows' blocks end with the rows swept, the most they then cover, a
 before the wait). The engine takes
 that file as `DRAFTTREE_BLOCKS=best.json` (`kernels/kernel_blocks.py`).
 
-    python benchmarks/gemv_bench.py [--shape qwen3-8b] [--block-n 4,8,16] [--block-k 256,512,1024]
+    python benchmarks/gemv_bench.py [--shape qwen3-8b] [-tp N] [--block-n 4,8,16] [--block-k 256,512,1024]
                                     [--warps 4,8] [--prefetch 1,2] [--out best.json]       (CUDA)
     python benchmarks/gemv_bench.py --rows 33 --block-n 32,64,128 --block-k 64,128 --warps 4 \
                                     [--stages 3,4] [--splits 1,2,4] [--row-block 16,64] [--prefetch 0,2] \
@@ -37,6 +37,8 @@ from drafttree.models import quant
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                help="time one rank's shards of the layer (and of the LM head's rows)")
 ap.add_argument("--block-n", default="4,8,16")
 ap.add_argument("--block-k", default="256,512,1024")
 ap.add_argument("--warps", default="4,8")
@@ -93,7 +95,9 @@ if args.fp8:   # which way the tiles multiply with 16-bit inputs
     gemm_kernel.FP8_DOT = args.fp8_dot
     print(f"{args.shape}, {args.rows} rows, fp8 tiles with {gemm_kernel.FP8_DOT} dots")
 drafter_fc = (cfg.hidden_size, len(SHAPES[args.shape][1]["target_layer_ids"]) * cfg.hidden_size)
-for name, (N, K) in {**projections(cfg), "lm_head": (cfg.vocab_size, cfg.hidden_size), "fc": drafter_fc}.items():
+head_rows = -(-cfg.vocab_size // args.tensor_parallel_size)   # a vocabulary-parallel head's shard
+for name, (N, K) in {**projections(cfg, args.tensor_parallel_size), "lm_head": (head_rows, cfg.hidden_size),
+                     "fc": drafter_fc}.items():
     if name not in args.only.split(","):
         continue
     # fp8 copies are half the bytes: twice as many stay clear of L2 (the LM head is larger than L2)

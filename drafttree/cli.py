@@ -6,7 +6,8 @@ import json
 import logging
 import sys
 
-from drafttree.engine.engine import EngineConfig
+from drafttree.engine.engine import Engine, EngineConfig
+from drafttree.parallel.group import TensorParallelError, torchrun_launch
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -53,12 +54,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="run prefill eagerly (default with CUDA graphs: graphed per (rows, length bucket, "
                         "attention length), from position 0 and at offsets (prefix-cache hits, continuing "
                         "chunks), every shape the scheduler can ask for captured at start-up)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the target over N ranks, one GPU each (gloo processes on the CPU): started here, "
+                        "or under torchrun (--nproc-per-node, --nnodes) its processes; N must divide the "
+                        "attention heads")
+    g.add_argument("--distributed-timeout", type=float, default=EngineConfig.distributed_timeout_s, metavar="S",
+                   help="tensor parallel: a collective waiting longer than S seconds for a rank stops the engine")
     g.add_argument("--no-overlap", action="store_true",
                    help="read each round's tokens before launching the next (default on CUDA: the next round "
                         "is launched first, so the host's work between rounds overlaps the device's)")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
+    run = torchrun_launch()
+    if run is not None and a.tensor_parallel_size == 1:
+        print(f"drafttree: warning: torchrun started {run.world} processes and each runs an engine of its own; "
+              f"--tensor-parallel-size {run.world} shards one engine over them", file=sys.stderr)
     return EngineConfig(model=a.model, draft_model=a.draft_model, spec=a.spec, block_size=a.block_size,
                         budget=a.budget, budget_schedule=a.budget_schedule,
                         speculate_sampled=a.speculate_sampled, dtype=a.dtype,
@@ -69,15 +80,26 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=not a.no_prefix_caching,
                         cuda_graphs=False if a.no_cuda_graphs else None,
                         prefill_graphs=False if a.no_prefill_graphs else None,
-                        overlap=False if a.no_overlap else None)
+                        overlap=False if a.no_overlap else None, tensor_parallel_size=a.tensor_parallel_size,
+                        distributed_timeout_s=a.distributed_timeout)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from drafttree.engine.engine import Engine
+    from drafttree.engine.launch import follow, start_engine
+
+    eng = start_engine(engine_config(a))
+    if not eng.leader:   # a torchrun rank other than 0
+        return follow(eng)
+    try:
+        return _generate(a, eng)
+    finally:
+        eng.shutdown()
+
+
+def _generate(a: argparse.Namespace, eng: Engine) -> int:
     from drafttree.loader.chat_template import apply_chat_template, has_chat_template
     from drafttree.sampling import SamplingParams
 
-    eng = Engine(engine_config(a))
     prompt = a.prompt
     tok = eng.tokenizer
     if not a.raw and has_chat_template(tok):
@@ -126,9 +148,12 @@ def cmd_graphs(a: argparse.Namespace) -> int:
     from drafttree.engine.plan import describe_plan
     print(describe_plan(engine_config(a)))
     if a.costs:
-        from drafttree.engine.engine import Engine
-        eng = Engine(engine_config(a))
+        from drafttree.engine.launch import follow, start_engine
+        eng = start_engine(engine_config(a))
+        if not eng.leader:
+            return follow(eng)
         print(eng.costs.format() if eng.costs is not None else "no cost model: the budget is fixed")
+        eng.shutdown()
     return 0
 
 
@@ -173,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"drafttree: error: {e}", file=sys.stderr)
         return 2
+    except TensorParallelError as e:
+        print(f"drafttree: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

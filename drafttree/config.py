@@ -63,6 +63,11 @@ class ModelConfig:
     mla: MLAConfig | None = None
 
     @property
+    def sparse(self) -> bool:
+        """MoE layers or MLA: built as `models.moe_decoder.SparseDecoderLM`."""
+        return self.moe is not None or self.mla is not None or self.arch in ("qwen3_moe", "deepseek_v3")
+
+    @property
     def v_cache_dim(self) -> int:
         """The V cache's width: MLA keeps only the latent, in the K cache."""
         return 0 if self.mla is not None else self.head_dim

@@ -8,7 +8,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from drafttree.engine.engine import Engine, EngineConfig
+from drafttree.engine.engine import EngineConfig
+from drafttree.engine.launch import follow, start_engine
 from drafttree.engine.sequence import Sequence
 from drafttree.loader.chat_template import apply_chat_template
 from drafttree.sampling import SamplingParams
@@ -41,8 +42,19 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """`engine_args` are EngineConfig's fields: draft_model, spec ("none" | "dflash" | "ddtree"),
         block_size, budget, budget_schedule, speculate_sampled, dtype, device, max_num_seqs, max_model_len,
-        kv_cache_memory_gb, cuda_graphs, max_prefill_tokens, prefill_chunk, random_weights, ..."""
-        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        kv_cache_memory_gb, cuda_graphs, max_prefill_tokens, prefill_chunk, tensor_parallel_size,
+        random_weights, ...
+
+        With tensor_parallel_size N > 1 the target is sharded over N ranks: this process is rank 0
+        and starts the others (one GPU each), or, under torchrun, every process constructs the LLM
+        and the ranks other than 0 follow rank 0 inside this call, then exit when it shuts down."""
+        self.engine = start_engine(EngineConfig(model=model, **engine_args))
+        if not self.engine.leader:
+            raise SystemExit(follow(self.engine))
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (also done when the LLM is collected and at exit)."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):

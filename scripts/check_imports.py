@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("drafttree.runner", "drafttree.loader"),
     ("drafttree.spec", "drafttree.sampling"),
     ("drafttree.models",),
-    ("drafttree.kernels",),
+    ("drafttree.kernels", "drafttree.parallel"),
     ("drafttree.config", "drafttree.moe_config", "drafttree.phases", "drafttree.settings"),
 )
 

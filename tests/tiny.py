@@ -23,6 +23,9 @@ SHAPES: dict[str, dict] = {
     # q/k norm, explicit head_dim larger than hidden/heads, untied
     "qwen3": dict(arch="qwen3", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   tie_word_embeddings=False),
+    # one KV head (MQA): tensor-parallel ranks each hold a copy of it
+    "llama-mqa": dict(arch="llama", hidden_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                      tie_word_embeddings=True),
 }
 
 

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from drafttree.bench.environment import environment
 from drafttree.bench.prompts import load_prompts
 from drafttree.llm import LLM
+from drafttree.parallel.group import torchrun_launch
 from drafttree.phases import Phase, schedule_for
 from drafttree.sampling import SamplingParams
 
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-prefill-graphs", action="store_true", help="eager prefill")
     p.add_argument("--no-overlap", action="store_true", help="read each round before launching the next")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the target over N ranks, one GPU each; every engine of the run starts its own")
     p.add_argument("--host-profile", action="store_true",
                    help="write each run's host-side profile (cProfile, top 40 by own time) into --out; "
                         "the profiler slows the host, so its tok/s are not comparable")
@@ -95,7 +98,8 @@ def make_llm(a, method: str, budget: int | str | None) -> LLM:
                max_model_len=a.max_model_len, cuda_graphs=False if a.no_cuda_graphs else None,
                prefill_graphs=False if a.no_prefill_graphs else None,
                overlap=False if a.no_overlap else None, random_weights=a.random_weights,
-               random_drafter=a.random_drafter, draft_quantization=a.draft_quantization)
+               random_drafter=a.random_drafter, draft_quantization=a.draft_quantization,
+               tensor_parallel_size=a.tensor_parallel_size)
 
 
 def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, temperature: float,
@@ -242,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if a.from_results:
         return merge(a.from_results, out)
+    if a.tensor_parallel_size > 1 and torchrun_launch() is not None:
+        raise SystemExit("drafttree bench starts one engine per method and budget, each with its own ranks: run it "
+                         "without torchrun (--tensor-parallel-size N starts them)")
     vocab = None
     if a.random_weights:
         from drafttree.models.random_shapes import shape_config
@@ -254,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() and a.device != "cpu"
             else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
             "prompts": a.prompts, "num_prompts": len(prompts), "max_tokens": a.max_tokens, "batch": a.batch,
+            "tensor_parallel_size": a.tensor_parallel_size,
             "environment": environment()}
     results, outputs = [], {}
     with tqdm(total=len(plan) * len(temps) * len(prompts), desc="bench", unit="req") as bar:
@@ -265,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(r)
                 # written after every run, so a run cut short still leaves what it measured
                 (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+            llm.shutdown()   # its ranks, before the next engine starts its own
             del llm
     for r in results:
         # Greedy outputs identical to plain decoding's. In fp32 a speculative method must give 1.0;

@@ -1,9 +1,14 @@
 """Per-phase latency of one round: eager (each piece timed alone) and graphed (each phase graph).
 
 Usage: python -m drafttree.bench.phases [--random-weights qwen3-8b] [--spec ddtree --budget 32]
-       [--block-size 16] [--batch 1] [--prompt-len 512] [--out results.json]
+       [--block-size 16] [--batch 1] [--prompt-len 512] [--tensor-parallel-size N] [--out results.json]
        python -m drafttree.bench.phases --random-weights kimi-k2 --num-layers 4   # a large model's first layers
 Decode-step time is measured on the same target, so a round can be put in decode-step units.
+
+With --tensor-parallel-size N every rank (spawned here, one GPU each, or torchrun's: `torchrun
+--nproc-per-node N -m drafttree.bench.phases ... --tensor-parallel-size N`) runs this same code on its
+shards, and rank 0 reports. The collectives of one decode step (recorded as it runs) are also
+timed alone, as a graph of just them: `collectives_share` is their time over the step's.
 """
 from __future__ import annotations
 
@@ -17,6 +22,9 @@ import torch
 
 from drafttree.bench.environment import environment
 from drafttree.engine.engine import Engine, EngineConfig
+from drafttree.engine.launch import check_launch, run_ranks
+from drafttree.parallel import comm
+from drafttree.parallel.group import TPGroup
 from drafttree.phases import Phase
 from drafttree.runner.cuda_graph import GraphRunner
 from drafttree.sampling import SampleMode, SamplingParams
@@ -47,22 +55,26 @@ def timed(fn: Callable[[], object], reset: Callable[[], None], device: torch.dev
     return statistics.median(out)
 
 
-def capture(fn: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
+def capture(fn: Callable[[], None], pool, tp: TPGroup | None = None) -> torch.cuda.CUDAGraph:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fn()
         fn()
     torch.cuda.current_stream().wait_stream(s)
+    if tp is not None:   # as GraphRunner.capture: no collective in flight, other threads' CUDA calls allowed
+        torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
+    with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local" if tp is not None else "global"):
         fn()
     return g
 
 
 @torch.inference_mode()
-def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tree: list[int]) -> dict:
-    eng = Engine(cfg)
+def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tree: list[int],
+          tp: TPGroup | None = None) -> dict:
+    """The timings, on this rank (every rank of `tp` runs this same code, in the same order)."""
+    eng = Engine(cfg, tp)
     r, dev, spec = eng.runner, eng.device, eng.spec
     rc = r.round_ctx   # what the round functions take
     V = r.target.cfg.vocab_size
@@ -79,10 +91,19 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
     res: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "spec": spec.method, "block_size": spec.block_size, "budget": spec.budget, "batch": B,
                  "prompt_len": prompt_len, "dtype": str(eng.dtype), "kv_len": kv_len,
+                 "tensor_parallel_size": eng.world,
                  "widths": {p.value: spec.width(p) for p in spec.round_phases}, "environment": environment(),
                  "eager_ms": {}, "graph_ms": {}}
     ms = res["eager_ms"]
     ms["decode"] = timed(lambda: rounds.decode_round(rc, B, kv_len, SampleMode.GREEDY), reset, dev, iters)
+    reset()
+    with comm.recording() as ops:   # the decode step's collectives, to time them alone
+        rounds.decode_round(rc, B, kv_len, SampleMode.GREEDY)
+    res["decode_collectives"] = _count(ops)
+    collectives = comm.replay(ops, tp, dev) if ops else None
+    if collectives is not None:
+        ms["decode_collectives"] = timed(collectives, lambda: None, dev, iters)
+        ms["collectives_share"] = ms["decode_collectives"] / ms["decode"]
     if spec.speculative:
         ms["context"] = timed(lambda: rounds.context_phase(rc, B), reset, dev, iters)
         box: dict = {}
@@ -96,8 +117,12 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
     if dev.type == "cuda":
         gm = res["graph_ms"]
         pool = torch.cuda.graph_pool_handle()
-        dg = capture(lambda: rounds.decode_round(rc, B, kv_len, SampleMode.GREEDY), pool)
+        dg = capture(lambda: rounds.decode_round(rc, B, kv_len, SampleMode.GREEDY), pool, tp)
         gm["decode"] = timed(dg.replay, reset, dev, iters)
+        if collectives is not None:
+            cg = capture(collectives, pool, tp)
+            gm["decode_collectives"] = timed(cg.replay, lambda: None, dev, iters)
+            gm["collectives_share"] = gm["decode_collectives"] / gm["decode"]
         if spec.speculative:
             gr = GraphRunner(r)
             gr.buckets, gr.kv_buckets = [B], [kv_len]
@@ -116,11 +141,19 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
             for nb in budgets_tree:
                 # the builder the engine uses at this budget, and plain torch ops for reference
                 engine_build = rounds.tree_builder(dev, nb)
-                tg = capture(lambda nb=nb, f=engine_build: f(lg, root, nb), pool)
+                tg = capture(lambda nb=nb, f=engine_build: f(lg, root, nb), pool, tp)
                 gm[f"tree_build_alone_b{nb}"] = timed(tg.replay, lambda: None, dev, iters)
-                tg = capture(lambda nb=nb: build_tree(lg, root, nb), pool)
+                tg = capture(lambda nb=nb: build_tree(lg, root, nb), pool, tp)
                 gm[f"tree_build_torch_ops_b{nb}"] = timed(tg.replay, lambda: None, dev, iters)
     return res
+
+
+def _count(ops: list[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for op, shape, dtype in ops:
+        key = f"{op} {'x'.join(map(str, shape))} {str(dtype).removeprefix('torch.')}"
+        out[key] = out.get(key, 0) + 1
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-quantization", default=None, help="fp8: the drafter's weights as e4m3")
     p.add_argument("--device", default=None)
     p.add_argument("--tree-budgets", default="32,128,512")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the target over N ranks (one GPU each; gloo processes on the CPU)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.num_layers is not None:
@@ -151,8 +186,15 @@ def main(argv: list[str] | None = None) -> int:
                        budget=a.budget, dtype=a.dtype, device=a.device, max_num_seqs=max(a.batch, 1),
                        max_model_len=a.max_model_len, cuda_graphs=False, random_weights=a.random_weights,
                        random_drafter=a.random_drafter, draft_quantization=a.draft_quantization,
-                       kv_cache_memory_gb=None)
-    res = bench(cfg, a.batch, a.prompt_len, a.iters, [int(x) for x in a.tree_budgets.split(",") if x])
+                       kv_cache_memory_gb=None, tensor_parallel_size=a.tensor_parallel_size)
+    args = (cfg, a.batch, a.prompt_len, a.iters, [int(x) for x in a.tree_budgets.split(",") if x])
+    check_launch(cfg)
+    if a.tensor_parallel_size == 1:
+        res = bench(*args)
+    else:
+        res = run_ranks(_bench_rank, a.tensor_parallel_size, a.device, cfg.distributed_timeout_s, *args)
+        if res is None:   # a torchrun rank other than 0: rank 0 reports
+            return 0
     res["model"] = a.random_weights or a.model or "default"
     res["draft_quantization"] = a.draft_quantization
     print(json.dumps(res, indent=1))
@@ -160,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
     return 0
+
+
+def _bench_rank(tp: TPGroup, *args) -> dict:
+    return bench(*args, tp=tp)
 
 
 if __name__ == "__main__":

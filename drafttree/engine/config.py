@@ -43,5 +43,9 @@ class EngineConfig:
                                         # rows are free (or all waiting fit): fewer, larger prefills
     overlap: bool | None = None         # launch each round before reading the previous one's tokens
                                         # (hides the host's work between rounds); default: on for CUDA
+    tensor_parallel_size: int = 1       # ranks (one GPU each) the target is sharded over; rank 0 runs the
+                                        # scheduler and the others follow (`engine.launch`); under torchrun,
+                                        # its WORLD_SIZE
+    distributed_timeout_s: float = 300.0   # a collective waiting longer for a rank fails, and the engine stops
     random_weights: str | None = None   # timing-only: a shape from drafttree.models.random_shapes
     random_drafter: bool = False        # timing-only: an untrained drafter for the given target

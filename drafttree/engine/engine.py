@@ -6,6 +6,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,6 +20,8 @@ from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
 from drafttree.engine.startup import StartupTimes
 from drafttree.models.kv_cache import KVLayout
+from drafttree.parallel.comm import explain, smallest
+from drafttree.parallel.group import TensorParallelError, TPGroup
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.settings import Settings, current
@@ -49,10 +52,20 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, tp: TPGroup | None = None) -> None:
+        """One engine; over a tensor-parallel group `tp` (given by `engine.launch.start_engine`),
+        this rank's: every rank builds the same engine, and rank 0 steps it while the others
+        follow its commands (`engine.launch.follow`)."""
         self.cfg = cfg
+        if cfg.tensor_parallel_size != 1 and (tp is None or tp.world != cfg.tensor_parallel_size):
+            raise ValueError("an engine over several ranks starts with drafttree.engine.launch.start_engine "
+                             "(LLM and the command line use it)")
+        self.tp = tp
+        self.dead: str | None = None       # why a tensor-parallel engine stopped (it steps no more)
+        self.in_step = False
+        self.ranks: Any = None   # rank 0's hold on the other ranks (`engine.launch.Ranks`): close() stops them
         self.settings: Settings = current()   # DRAFTTREE_*: read from the environment once per process
-        self.device = resolve_device(cfg.device)
+        self.device = tp.device if tp is not None else resolve_device(cfg.device)
         self.dtype = parse_dtype(cfg.dtype, str(self.device))
         self.startup = StartupTimes()
         if not cfg.random_weights:
@@ -60,7 +73,7 @@ class Engine:
             with self.startup.stage("convert"):   # a GGUF converts once; later starts find it cached
                 resolve_model(cfg.model)
         with self.startup.stage("load weights"):
-            self.model_dir, target, drafter = load_models(cfg, self.device, self.dtype)
+            self.model_dir, target, drafter = load_models(cfg, self.device, self.dtype, tp)
         tcfg = target.cfg
         self.spec = resolve_spec(cfg, drafter.cfg if drafter is not None else None)
         if not self.spec.speculative:
@@ -114,13 +127,14 @@ class Engine:
         cfg, ps = self.cfg, self.cfg.page_size
         if ps < 1:
             raise ValueError(f"page_size must be >= 1, got {ps}")
-        # a token's K/V in every pool that holds it: the target's (MLA: its latent only) and the drafter's
-        bpt = KVLayout.of(tcfg).bytes_per_token(self.dtype)
+        # a token's K/V in every pool that holds it: the target's (MLA: its latent only; tensor-parallel:
+        # this rank's KV heads, the pool holding the same pages on every rank) and the drafter's
+        bpt = KVLayout.of(tcfg, self.world).bytes_per_token(self.dtype)
         if drafter is not None:
             bpt += KVLayout.of(drafter.cfg.model).bytes_per_token(self.dtype)
         budget, source = self._kv_budget(drafter.cfg.model if drafter is not None else None, use_graphs)
         headroom = self.spec.kv_headroom
-        pages = budget // (bpt * ps)
+        pages = smallest(budget // (bpt * ps), self.tp)   # rank 0's page ids name a page on every rank
         fit = (pages - 1) * ps - headroom     # the longest context one request can hold
         wanted = cfg.max_model_len or tcfg.max_position_embeddings
         max_len = min(wanted, fit)
@@ -160,11 +174,40 @@ class Engine:
         if use_graphs:
             from drafttree.runner.cuda_graph import graph_plan
             wanted = cfg.max_model_len or self.model_cfg.max_position_embeddings
-            plan = graph_plan(self.spec, self.model_cfg, drafter_cfg, cfg.max_num_seqs, [wanted])
+            plan = graph_plan(self.spec, self.model_cfg, drafter_cfg, cfg.max_num_seqs, [wanted], self.world)
             graphs = max((e.est_bytes for e in plan), default=0)   # the graphs share one memory pool
         budget = int(util * total) - (total - free) - graphs
         return max(budget, 0), f"gpu_memory_utilization {util}: of {total / 2**30:.1f} GiB, less what is in use" + \
             (" and the CUDA graphs' estimate" if graphs else "")
+
+    @property
+    def world(self) -> int:
+        return 1 if self.tp is None else self.tp.world
+
+    @property
+    def leader(self) -> bool:
+        """Whether this process steps the engine: rank 0, or the only one."""
+        return self.tp is None or self.tp.leader
+
+    @property
+    def failure(self) -> str | None:
+        """Why this tensor-parallel engine can step no more (a rank lost, a failed step), or None."""
+        lost = self.ranks.lost() if self.dead is None and self.ranks is not None else None
+        return f"{lost}; the engine stopped" if lost is not None else self.dead
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing on one device); the engine steps no more."""
+        if self.ranks is not None:
+            ranks, self.ranks = self.ranks, None
+            ranks.close(failed=self.dead is not None)   # a failed group takes no farewell
+            self.dead = self.dead or "the engine was shut down"
+
+    def agree(self) -> bool:
+        """Whether every tensor-parallel rank holds the same round state as rank 0 (a check: the
+        ranks decide alike by construction, without exchanging their decisions)."""
+        self._drain()
+        digests = self.runner.digests(self.runner.cache_cfg.max_num_seqs)
+        return all(d == digests[0] for d in digests)
 
     @property
     def waiting(self):
@@ -201,6 +244,8 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
+        if self.dead is not None:
+            raise TensorParallelError(self.dead)
         params = params or SamplingParams()
         ids, text = self.encode(prompt)
         self.check_prompt(ids)
@@ -216,6 +261,8 @@ class Engine:
         """Finish seq (finish reason "abort") and free its pages at once. An unread round that
         still writes them runs before any later use of the pages (one stream)."""
         seq.finish("abort")
+        if self.dead is not None:
+            return   # a stopped tensor-parallel engine: its ranks take no more commands
         self.scheduler.free(seq)
 
     def has_unfinished(self) -> bool:
@@ -226,7 +273,24 @@ class Engine:
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """This step's prefill chunks, then one round for every running request. Returns the new
         tokens: with `overlap`, those of the round launched by the previous step (this step's
-        round is launched first, so the device computes it while the host reads and emits)."""
+        round is launched first, so the device computes it while the host reads and emits).
+        Tensor-parallel: any failure (a rank lost, a collective timed out) stops the engine with
+        a TensorParallelError, and every later step raises it again."""
+        if self.tp is None:
+            return self._step()
+        self.dead = self.failure
+        if self.dead is not None:
+            raise TensorParallelError(self.dead)
+        self.in_step = True
+        try:
+            return self._step()
+        except Exception as e:
+            self.dead = explain(e, self.tp, self.ranks.lost() if self.ranks is not None else None)
+            raise TensorParallelError(self.dead) from e
+        finally:
+            self.in_step = False
+
+    def _step(self) -> list[tuple[Sequence, list[int]]]:
         out: list[tuple[Sequence, list[int]]] = []
         self._release()
         prev = self._inflight

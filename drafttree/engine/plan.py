@@ -8,6 +8,7 @@ import torch
 from drafttree.config import ModelConfig
 from drafttree.engine.config import EngineConfig
 from drafttree.models.dflash import DFlashConfig
+from drafttree.parallel.group import TPGroup
 from drafttree.phases import SpecConfig, schedule_for
 from drafttree.settings import current
 
@@ -68,8 +69,18 @@ def parse_budget(value: int | str | None) -> int | None:
     return n
 
 
-def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
-    """(model directory or None, target, drafter or None), all checked before anything is kept."""
+def target_config(cfg: EngineConfig) -> ModelConfig:
+    """The target's config, read without its weights."""
+    if cfg.random_weights:
+        from drafttree.models.random_shapes import shape_config
+        return shape_config(cfg.random_weights)[0]
+    from drafttree.loader.default_model import resolve_model
+    return ModelConfig.from_dir(resolve_model(cfg.model))
+
+
+def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None):
+    """(model directory or None, target, drafter or None), all checked before anything is kept.
+    Over a tensor-parallel group the target is this rank's shards and the drafter whole."""
     from drafttree.loader.default_model import resolve_model
     from drafttree.loader.drafter import load_drafter
     from drafttree.loader.weights import load_target
@@ -81,11 +92,11 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
         quant.check(cfg.draft_quantization, device)   # before any weights load
     model_dir = None
     if cfg.random_weights:
-        target = random_target(cfg.random_weights, device, dtype)
+        target = random_target(cfg.random_weights, device, dtype, tp)
         drafter = random_drafter(cfg.random_weights, target, device, dtype) if wants_drafter else None
     else:
         model_dir = resolve_model(cfg.model)
-        target, _ = load_target(model_dir, dtype, device)
+        target, _ = load_target(model_dir, dtype, device, tp)
         dpath = resolve_drafter(cfg)
         drafter = load_drafter(dpath, target, dtype, device) if dpath is not None else None
         if drafter is None and cfg.random_drafter and wants_drafter:
@@ -101,6 +112,10 @@ def describe_plan(cfg: EngineConfig) -> str:
     from drafttree.engine.scheduler import SchedulerConfig
 
     target = ModelConfig.from_dir(resolve_model(cfg.model))
+    world = cfg.tensor_parallel_size
+    if world != 1:
+        from drafttree.parallel.shard import check_size
+        check_size(target, world)
     dpath = resolve_drafter(cfg)
     dcfg = DFlashConfig.from_dir(dpath) if dpath is not None else None
     if dcfg is not None:
@@ -112,7 +127,7 @@ def describe_plan(cfg: EngineConfig) -> str:
     from drafttree.runner.model_runner import CacheConfig
     cache = CacheConfig(cfg.max_num_seqs, cfg.max_model_len or target.max_position_embeddings, spec.kv_headroom,
                         cfg.page_size)
-    plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, cache.kv_buckets)
+    plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, cache.kv_buckets, world)
     prefill = SchedulerConfig(cache, spec.max_commit, cfg.prefill_chunk, cfg.max_prefill_tokens,
                               cfg.admit_min).prefill   # the engine's own rule
     shapes = prefill.shapes()
@@ -122,6 +137,7 @@ def describe_plan(cfg: EngineConfig) -> str:
     head = (f"spec={spec.method} block_size={spec.block_size} budget={budget} budget_schedule={sched} "
             f"speculate_sampled={'on' if spec.sampled else 'off'} max_num_seqs={cfg.max_num_seqs}"
             + (f" draft_quantization={cfg.draft_quantization}" if cfg.draft_quantization and spec.speculative else "")
+            + (f" tensor_parallel_size={world} (each rank captures every graph; memory per rank)" if world > 1 else "")
             + "\n"
             f"max_model_len={cache.max_model_len} (the KV budget may lower it at start-up); KV pages of "
             f"{cache.page_size} tokens, {cache.pages_per_row} per request at most; prefix caching "

@@ -13,11 +13,15 @@ from drafttree.config import ModelConfig
 from drafttree.loader.lazy_tensors import CheckpointTensors
 from drafttree.loader.moe_weights import layer_tensors
 from drafttree.models.moe_decoder import SparseDecoderLM, build_rotary, fp32_parameters, is_sparse
+from drafttree.parallel import shard
+from drafttree.parallel.group import TPGroup
 
 StateDict = dict[str, torch.Tensor]
 
 
-def read_safetensors(path: str | Path) -> StateDict:
+def read_safetensors(path: str | Path, select: shard.Select | None = None) -> StateDict:
+    """Every tensor of a checkpoint; with `select` (a tensor-parallel rank's, `parallel.shard`),
+    the slice it names of each tensor, read as such (the rest of the tensor is never read)."""
     path = Path(path)
     single = path / "model.safetensors"
     index = path / "model.safetensors.index.json"
@@ -38,7 +42,8 @@ def read_safetensors(path: str | Path) -> StateDict:
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for k in fh.keys():
-                    out[k] = fh.get_tensor(k)
+                    part = None if select is None else select(k, fh.get_slice(k).get_shape())
+                    out[k] = fh.get_tensor(k) if part is None else fh.get_slice(k)[part]
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise ValueError(f"cannot read {f}: {e}") from None
     return out
@@ -103,18 +108,26 @@ def load_into(module: nn.Module, state: StateDict, dtype: torch.dtype, device: s
     module.load_state_dict(fixed, strict=False, assign=True)   # buffers: the caller rebuilds them
 
 
-def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device):
+def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device, tp: TPGroup | None = None):
     """Build a DecoderLM (a SparseDecoderLM for MoE/MLA models) from a Hugging Face directory;
-    raises before allocating on bad input."""
+    raises before allocating on bad input. Over a tensor-parallel group, this rank's shards only
+    (`parallel.shard`; dense models only)."""
     from drafttree.models.decoder import DecoderLM
     from drafttree.models.layers import Rotary
 
     cfg = ModelConfig.from_dir(path)
     if is_sparse(cfg):
+        if tp is not None:
+            raise ValueError(shard.unsupported_sparse(cfg))
         return load_sparse_target(Path(path), cfg, dtype, device), cfg
-    state = target_state_dict(read_safetensors(path), cfg.num_layers, cfg.tie_word_embeddings)
+    select = None if tp is None else shard.selector(cfg, tp.rank, tp.world)
+    state = target_state_dict(read_safetensors(path, select), cfg.num_layers, cfg.tie_word_embeddings)
+    if tp is not None:
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            if name in state:
+                state[name] = shard.pad_vocab(state[name], cfg.vocab_size, tp.world)
     with torch.device("meta"):
-        model = DecoderLM(cfg)
+        model = DecoderLM(cfg, tp)
     load_into(model, state, dtype, device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -6,17 +6,23 @@ from torch import nn
 
 from drafttree.config import ModelConfig
 from drafttree.kernels import dispatch
+from drafttree.models.kv_cache import KVLayout
 from drafttree.models.layers import MLP, Attention, AttnMeta, RMSNorm, Rotary
 from drafttree.models.quant import weight_scale
+from drafttree.parallel.group import TPGroup
+from drafttree.parallel.layers import VocabParallelEmbedding, VocabParallelHead
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """One layer; over `tp` its attention and MLP hold this rank's shards, and each ends in an
+    all-reduce, so the residual stream is whole (and the same) on every rank."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope, meta: AttnMeta, k_cache,
                 v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -37,7 +43,8 @@ class DecoderLayer(nn.Module):
         weight class."""
         ln, attn = self.input_layernorm, self.self_attn
         x, qkv = dispatch.norm_gemv(x, delta, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        o = dispatch.gemv(attn.attend_qkv(qkv, rope, meta, k_cache, v_cache), attn.o_proj.weight, attn.o_proj.bias)
+        o = attn.reduce(dispatch.gemv(attn.attend_qkv(qkv, rope, meta, k_cache, v_cache), attn.o_proj.weight,
+                                      attn.o_proj.bias))
         return *self.mlp_after(x, o, fused=True), x
 
     def mlp_after(self, x: torch.Tensor, attn_out: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +54,7 @@ class DecoderLayer(nn.Module):
         if fused:
             x, h = dispatch.norm_glu_gemv(x, attn_out, post.weight, post.eps, mlp.gate_up_proj.weight,
                                              weight_scale(mlp.gate_up_proj))
-            return x, dispatch.gemv(h, mlp.down_proj.weight, None, weight_scale(mlp.down_proj))
+            return x, mlp.reduce(dispatch.gemv(h, mlp.down_proj.weight, None, weight_scale(mlp.down_proj)))
         x, h = post.add_and_norm(x, attn_out)
         return x, mlp(h)
 
@@ -59,14 +66,19 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The target. Over a tensor-parallel group `tp` (None: one device) every layer holds this
+    rank's shards, and the embedding and LM head its vocabulary rows (`parallel.layers`); the
+    hidden states and logits it returns are whole on every rank."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.cfg, self.tp = cfg, tp
+        V, D = cfg.vocab_size, cfg.hidden_size
+        self.embed_tokens = nn.Embedding(V, D) if tp is None else VocabParallelEmbedding(V, D, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(D, V, bias=False) if tp is None else VocabParallelHead(V, D, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -92,6 +104,11 @@ class DecoderLM(nn.Module):
             captured.append(x)
         aux = torch.cat(captured, dim=-1) if captured else None
         return x, aux
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """What this rank's cache holds per token (its KV heads: `parallel.shard.kv_heads_per_rank`)."""
+        return KVLayout.of(self.cfg, 1 if self.tp is None else self.tp.world)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -11,6 +11,9 @@ from drafttree.config import ModelConfig
 from drafttree.kernels import dispatch
 from drafttree.kernels.fused import fused
 from drafttree.kernels.torch_ops import add_rms_norm, rms_norm, silu_mul
+from drafttree.parallel.comm import all_reduce
+from drafttree.parallel.group import TPGroup
+from drafttree.parallel.shard import kv_heads_per_rank
 
 
 class RMSNorm(nn.Module):
@@ -119,21 +122,34 @@ def attend(q: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor, v_cache: torc
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
+    """gate/up column-parallel and down row-parallel over `tp` (this rank's inter / N rows; the
+    output all-reduced); whole without a group."""
+
+    def __init__(self, hidden: int, inter: int, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
+        inter //= tp.world if tp is not None else 1
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.reduce(self.down_proj(silu_mul(self.gate_up_proj(x))))
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The down projection's partial sums added over the ranks (as is without a group)."""
+        return y if self.tp is None else all_reduce(y, self.tp)
 
 
 class Attention(nn.Module):
-    """Self-attention with fused QKV, optional q/k RMSNorm (Qwen3) and QKV bias (Qwen2)."""
+    """Self-attention with fused QKV, optional q/k RMSNorm (Qwen3) and QKV bias (Qwen2). Over `tp`,
+    this rank's heads (`parallel.shard`): QKV column-parallel, o row-parallel (its output
+    all-reduced)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.h, self.hkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.tp = tp
+        world = tp.world if tp is not None else 1
+        self.h, self.hkv, self.hd = cfg.num_heads // world, kv_heads_per_rank(cfg.num_kv_heads, world), cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -161,8 +177,12 @@ class Attention(nn.Module):
 
     def from_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttnMeta,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """The attention output (o-projected) from the fused QKV projection's output."""
-        return self.o_proj(self.attend_qkv(qkv, rope, meta, k_cache, v_cache))
+        """The attention output (o-projected, summed over the ranks) from the fused QKV projection's output."""
+        return self.reduce(self.o_proj(self.attend_qkv(qkv, rope, meta, k_cache, v_cache)))
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The o projection's partial sums added over the ranks (as is without a group)."""
+        return y if self.tp is None else all_reduce(y, self.tp)
 
     def attend_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttnMeta,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ from drafttree.models.layers import MLP, Attention, AttnMeta, RMSNorm, Rotary
 from drafttree.models.mla import MLAttention
 from drafttree.models.moe import SparseMoE
 from drafttree.models.rope import ScaledRotary
+from drafttree.parallel.group import TPGroup
+from drafttree.parallel.shard import unsupported_sparse
 
 
 class SparseDecoderLayer(nn.Module):
@@ -44,7 +46,7 @@ class SparseDecoderLM(DecoderLM):
 
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)   # not DecoderLM's: its dense layers are never built
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, None   # one device: tensor parallelism refuses sparse models
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(SparseDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -55,12 +57,17 @@ class SparseDecoderLM(DecoderLM):
 
 
 def is_sparse(cfg: ModelConfig) -> bool:
-    return cfg.moe is not None or cfg.mla is not None or cfg.arch in ("qwen3_moe", "deepseek_v3")
+    return cfg.sparse
 
 
-def build_target(cfg: ModelConfig) -> DecoderLM:
-    """The target module for a config (on the current default device)."""
-    return SparseDecoderLM(cfg) if is_sparse(cfg) else DecoderLM(cfg)
+def build_target(cfg: ModelConfig, tp: TPGroup | None = None) -> DecoderLM:
+    """The target module for a config (on the current default device); over a tensor-parallel
+    group `tp`, this rank's shards (dense models only: `parallel.shard.check_size` refuses the others)."""
+    if not is_sparse(cfg):
+        return DecoderLM(cfg, tp)
+    if tp is not None:
+        raise ValueError(unsupported_sparse(cfg))
+    return SparseDecoderLM(cfg)
 
 
 def build_rotary(cfg: ModelConfig) -> nn.Module:

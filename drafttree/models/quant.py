@@ -20,6 +20,7 @@ from torch import nn
 
 from drafttree.kernels import dispatch
 from drafttree.kernels.torch_ops import dequantize  # noqa: F401  (quantize_rows' inverse, for callers)
+from drafttree.parallel.layers import GatheredLogits, VocabParallelHead
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -83,7 +84,9 @@ def quantize_drafter(drafter: nn.Module, method: str) -> None:
                                    for layer in drafter.layers for path in PROJECTIONS]
     for parent, name in parents:
         setattr(parent, name, Fp8Linear.of(getattr(parent, name)))
-    head = drafter.lm_head.weight
-    drafter.__dict__["draft_head"] = Fp8Linear(head.detach())
+    lm_head = drafter.lm_head
+    head = lm_head.weight
+    fp8 = Fp8Linear(head.detach())   # a vocabulary-parallel head's rows, gathered as the head gathers
+    drafter.__dict__["draft_head"] = GatheredLogits(fp8, lm_head) if isinstance(lm_head, VocabParallelHead) else fp8
     if head.is_cuda:   # the replaced 16-bit weights back to the device, before the KV cache is sized
         torch.cuda.empty_cache()

@@ -14,6 +14,8 @@ from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
 from drafttree.models.layers import Rotary
 from drafttree.models.moe_decoder import build_rotary, build_target, fp32_parameters
+from drafttree.parallel.group import TPGroup
+from drafttree.parallel.shard import kv_heads_per_rank
 
 # The published config.json fields of the MoE/MLA shapes (token ids left out), parsed as a checkpoint's.
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
@@ -38,6 +40,10 @@ SHAPES: dict[str, tuple[ModelConfig, dict]] = {
                              num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
                              rope_theta=1e6, max_position_embeddings=40960, qk_norm=True),
                  dict(layers=5, block_size=16, mask_token_id=151669, target_layer_ids=(1, 9, 17, 25, 33))),
+    "qwen3-32b": (ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                              num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                              rope_theta=1e6, max_position_embeddings=40960, qk_norm=True),
+                  dict(layers=5, block_size=16, mask_token_id=151669, target_layer_ids=(1, 16, 31, 46, 61))),
     "smollm2-135m": (ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                  num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
                                  rope_theta=1e5, max_position_embeddings=8192, tie_word_embeddings=True),
@@ -68,11 +74,12 @@ def shape_config(shape: str) -> tuple[ModelConfig, dict]:
     return cfg, dict(d, target_layer_ids=tuple(default_target_layer_ids(n, min(5, n))))
 
 
-def projections(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(N, K) of one layer's four projection weights, as the layers fuse them."""
-    D, I, HD = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
-    return {"qkv": (HD + 2 * cfg.num_kv_heads * cfg.head_dim, D), "o": (D, HD), "gate_up": (2 * I, D),
-            "down": (D, I)}
+def projections(cfg: ModelConfig, world: int = 1) -> dict[str, tuple[int, int]]:
+    """(N, K) of one layer's four projection weights, as the layers fuse them, on one rank of a
+    tensor-parallel group of `world` ranks (`parallel.shard`)."""
+    D, I, HD = cfg.hidden_size, cfg.intermediate_size // world, cfg.num_heads // world * cfg.head_dim
+    KV = kv_heads_per_rank(cfg.num_kv_heads, world) * cfg.head_dim
+    return {"qkv": (HD + 2 * KV, D), "o": (D, HD), "gate_up": (2 * I, D), "down": (D, I)}
 
 
 def _randomize(m: nn.Module, device: torch.device, dtype: torch.dtype, seed: int) -> None:
@@ -87,14 +94,14 @@ def _randomize(m: nn.Module, device: torch.device, dtype: torch.dtype, seed: int
     m.to(dtype)
 
 
-def random_target(shape: str, device: torch.device, dtype: torch.dtype) -> DecoderLM:
-    return random_model(shape_config(shape)[0], device, dtype)
+def random_target(shape: str, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None) -> DecoderLM:
+    return random_model(shape_config(shape)[0], device, dtype, tp)
 
 
-def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> DecoderLM:
-    """A target of any shape with random weights."""
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None) -> DecoderLM:
+    """A target of any shape with random weights (over `tp`, this rank's shards only, as random)."""
     with torch.device("meta"):
-        model = build_target(cfg)
+        model = build_target(cfg, tp)
     _randomize(model, device, dtype, 0)
     for name in fp32_parameters(model):
         model.get_parameter(name).data = model.get_parameter(name).data.float()

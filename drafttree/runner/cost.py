@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from drafttree.parallel.comm import from_leader
 from drafttree.phases import Phase, SpecConfig
 from drafttree.sampling import SampleMode
 from drafttree.spec.rounds import context_phase, decode_round, draft_phase, verify_phase
@@ -91,7 +92,9 @@ def measure(runner, reps: int = REPS, time_limit_s: float = TIME_LIMIT_S) -> Cos
     for B in buckets:
         for phase, width, budget, sampled in entries(spec, B):
             key = (phase, B, width, sampled)
-            if graphs is None and time.perf_counter() - t0 > time_limit_s and _estimate(table, key):
+            # rank 0's clock decides for every tensor-parallel rank: all must time the same forwards
+            late = graphs is None and from_leader(time.perf_counter() - t0 > time_limit_s, runner.target.tp)
+            if late and _estimate(table, key):
                 continue
             mode = SampleMode.SAMPLE if sampled else SampleMode.GREEDY
             fn = _graph_fn(graphs, phase, B, kv_len, budget, mode) if graphs is not None else \

@@ -66,27 +66,29 @@ class PlanEntry:
 
 
 def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | None,
-               max_num_seqs: int, kv_lengths: list[int]) -> list[PlanEntry]:
-    """What `GraphRunner.capture` will capture; needs no GPU."""
+               max_num_seqs: int, kv_lengths: list[int], world: int = 1) -> list[PlanEntry]:
+    """What `GraphRunner.capture` will capture on each rank of `world`; needs no GPU."""
     buckets = batch_buckets(max_num_seqs)
     out = []
     V = target.vocab_size
     for phase in (Phase.CONTEXT, Phase.DECODE, Phase.DRAFT, Phase.VERIFY):
         if phase is Phase.CONTEXT and not spec.speculative:
             continue
-        cfg = drafter if phase in (Phase.CONTEXT, Phase.DRAFT) and drafter is not None else target
+        on_drafter = phase in (Phase.CONTEXT, Phase.DRAFT) and drafter is not None
+        cfg = drafter if on_drafter else target
+        shards = 1 if on_drafter else world   # the target's heads and MLP rows split over the ranks
         widths = {b: phase_widths(spec, phase, b) for b in buckets}
         for W in sorted({w for ws in widths.values() for w in ws}, reverse=True):
             bs = tuple(b for b in buckets if W in widths[b])
             B = bs[-1]
             rows = B * (W - 1 if phase is Phase.DRAFT else W)
             # logits (fp32) with sort/noise temporaries + a few hidden-size activations per token
-            per_row = 2 * 8 * (cfg.hidden_size + cfg.intermediate_size * 2)
+            per_row = 2 * 8 * (cfg.hidden_size + cfg.intermediate_size * 2 // shards)
             per_row += 0 if phase is Phase.CONTEXT else 4 * V * 4
             if phase is Phase.DRAFT and spec.method == "ddtree":
                 per_row += 4 * V  # log-softmax for the tree build
             # attention scores over the longest KV bucket, fp32, for every query row of every head
-            attn = 0 if phase is Phase.CONTEXT else 4 * B * W * cfg.num_heads * kv_lengths[-1]
+            attn = 0 if phase is Phase.CONTEXT else 4 * B * W * cfg.num_heads // shards * kv_lengths[-1]
             out.append(PlanEntry(phase, W, bs, tuple(kv_lengths), 2 * rows * per_row + attn))
     return out
 
@@ -132,7 +134,9 @@ class GraphRunner:
 
     def plan(self) -> list[PlanEntry]:
         d = self.r.drafter.cfg.model if self.r.drafter is not None else None
-        return graph_plan(self.spec, self.r.target.cfg, d, self.r.cache_cfg.max_num_seqs, self.kv_buckets)
+        tp = self.r.target.tp
+        return graph_plan(self.spec, self.r.target.cfg, d, self.r.cache_cfg.max_num_seqs, self.kv_buckets,
+                          1 if tp is None else tp.world)
 
     def _phase_fns(self, B: int, mode: SampleMode, L: int) -> list[tuple[Phase, int, Callable[[], None]]]:
         """(phase, budget, function) for every graph of a set: the decode round (after the
@@ -200,10 +204,15 @@ class GraphRunner:
             secs["warm-up"] = secs.get("warm-up", 0.0) + time.perf_counter() - t0
             self.check_widths(B, mode, L)
             self.r.state.park(0, B)
+            tp = self.r.target.tp is not None
+            if tp:   # no collective of the warm-up still runs when a capture (with its own) starts
+                torch.cuda.synchronize()
             for phase, budget, fn in fns:
                 t0 = time.perf_counter()
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
+                # Tensor-parallel: NCCL's collectives are captured on this stream; its watchdog
+                # thread may query events of earlier work meanwhile, which a global capture forbids.
+                with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local" if tp else "global"):
                     fn()
                 self.graphs[(phase, B, mode, L, budget)] = g
                 secs[phase.value] = secs.get(phase.value, 0.0) + time.perf_counter() - t0

@@ -10,6 +10,8 @@ from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashDrafter
 from drafttree.models.kv_cache import NULL_PAGE, KVLayout, PagedKVCache, attn_meta, causal
+from drafttree.parallel.comm import gather_objects
+from drafttree.parallel.commands import CommandChannel, command
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
 from drafttree.runner.phase_timer import PhaseTimer
 from drafttree.runner.prefill_plan import reach
@@ -88,8 +90,9 @@ class ModelRunner:
             raise ValueError(f"cache headroom {cache.headroom} != spec.kv_headroom {spec.kv_headroom}")
         # The drafter's context K/V is per position too: one page id names both pools' page, so
         # one block table (and one prefix-cache entry) serves the target and the drafter. Each
-        # pool has its model's own widths (an MLA target's: the latent in K, no V).
-        kv = PagedKVCache.allocate(KVLayout.of(tc), pages, ps, dtype, device)
+        # pool has its model's own widths (an MLA target's: the latent in K, no V; a tensor-parallel
+        # rank's: its KV heads).
+        kv = PagedKVCache.allocate(target.kv_layout, pages, ps, dtype, device)
         dkv, capture_layers, feat = None, (), 0
         if drafter is not None:
             dc = drafter.cfg.model
@@ -107,6 +110,8 @@ class ModelRunner:
         self.graphs = None  # set by the engine when CUDA graphs are captured
         self.prefill_graphs = None   # a PrefillGraphs, when the engine is asked for them
         self.timer = PhaseTimer(torch.device(device))
+        # Rank 0 of a tensor-parallel engine: the `command` methods are sent to the other ranks first.
+        self.channel: CommandChannel | None = None
 
     # What the rounds work on, read through the one RoundContext (graphs captured over it).
     @property
@@ -138,6 +143,7 @@ class ModelRunner:
         return self.round_ctx.capture_layers
 
     # -- prefill -----------------------------------------------------------------------------
+    @command
     @torch.inference_mode()
     def prefill(self, chunks: list[PrefillChunk]) -> list[int]:
         """One padded forward over prefill chunks of several requests, each at its own start (the
@@ -226,6 +232,7 @@ class ModelRunner:
         self.drafter.write_context(aux, pos, *dkv, slots=meta.slots, rows=meta.rows)
         return hidden[rows, at], aux[rows, at]
 
+    @command
     def set_pages(self, row: int, first: int, pages: list[int]) -> None:
         """Row `row`'s block-table entries first.. become `pages` (new pages of a running
         request, written before the round that uses them)."""
@@ -234,6 +241,7 @@ class ModelRunner:
             self.state.block_table[row, first:first + len(pages)] = torch.tensor(pages, device=self.device)
 
     # -- rounds ------------------------------------------------------------------------------
+    @command
     @torch.inference_mode()
     def run_round(self, B: int, mode: SampleMode, max_length: int, budget: int | None = None) -> None:
         """One round for rows 0..B-1 at `budget` (0: a decode round; default: the largest the
@@ -292,12 +300,22 @@ class ModelRunner:
         with self.timer.phase("verify"):
             verify_phase(self.round_ctx, B, kv_len, tree, mode, budget)
 
+    @command
     def move_row(self, src: int, dst: int) -> None:
         """Keep running requests packed in rows 0..B-1 when one finishes or is preempted: the
         row's state and block table move (its K/V stay in their pages); `src` keeps no pages."""
         if src != dst:
             self.state.copy_row(src, dst)
         self.state.block_table[src].fill_(NULL_PAGE)
+
+    @command
+    @torch.inference_mode()
+    def digests(self, B: int) -> list[list[int]]:
+        """What rows 0..B-1 hold (lengths, next tokens, block tables, the last round's tokens) on
+        every tensor-parallel rank, in rank order: the ranks must agree exactly."""
+        s, tp = self.state, self.target.tp
+        mine = torch.cat([s.start[:B], s.bonus[:B], s.block_table[:B].flatten(), s.out[:B].flatten()]).tolist()
+        return [mine] if tp is None else gather_objects(mine, tp)
 
 
 @dataclass

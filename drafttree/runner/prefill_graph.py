@@ -65,7 +65,7 @@ class PrefillGraphs:
     def capture(self) -> None:
         """Capture every shape before serving. The warm-up runs and captures read and write the
         null page only (every row's block table is the null page's). Out of memory: prefill stays
-        eager."""
+        eager; tensor-parallel, the engine fails to start (every rank must replay alike)."""
         shapes = self.shapes()
         log.info("capturing %d prefill graphs ((rows, padded length, attention length), up to %d tokens; "
                  "%d at offsets)", len(shapes), self.limits.graph_tokens, sum(L > 0 for _, _, L in shapes))
@@ -76,6 +76,8 @@ class PrefillGraphs:
                     buf.lens.fill_(shape[1])
                     self.graphs[shape] = (self._capture(self.forward_fn(buf)), buf)
         except torch.cuda.OutOfMemoryError:
+            if self.r.target.tp is not None:
+                raise   # the other ranks replay their graphs: an eager forward here would not meet them
             self.failed, self.graphs, self.pool = True, {}, None
             log.warning("out of memory capturing a prefill graph (%d prompts, %d tokens, attention over %d): "
                         "prefill runs eagerly", *shape)
@@ -156,6 +158,8 @@ class PrefillGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()   # apart from the rounds' pool
         warm_up(fn)
+        if self.r.target.tp is not None:   # no collective of the warm-up in flight (as GraphRunner.capture)
+            torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # a server's event loop runs in another thread meanwhile: its CUDA calls (none expected) stay allowed
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):

@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from drafttree.engine.engine import Engine, EngineConfig
+from drafttree.engine.launch import check_launch, follow, start_engine
+from drafttree.parallel.group import TensorParallelError
 from drafttree.server.boot import RETRY_AFTER_S, Boot
 from drafttree.server.limits import BodySizeLimit, ServerLimits
 from drafttree.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -80,7 +82,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 def create_app(engine: Engine | Callable[[], Engine], model_name: str, limits: ServerLimits | None = None,
                on_failure: Callable[[], None] | None = None) -> FastAPI:
     """An app serving `engine` (or the engine `engine()` builds, in a start-up thread) under
-    `model_name`. It listens at once; /ready answers 200 once the engine is warm (server/boot.py)."""
+    `model_name`. It listens at once; /ready answers 200 once the engine is warm (server/boot.py).
+    `on_failure()`: the engine failed to start, or stopped for good (a tensor-parallel rank lost)."""
     limits = limits or ServerLimits()
     metrics = ServerMetrics()
     make = (lambda: engine) if isinstance(engine, Engine) else engine
@@ -116,7 +119,7 @@ def create_app(engine: Engine | Callable[[], Engine], model_name: str, limits: S
         if boot.error is not None:
             return JSONResponse({"status": "engine failed to start", "error": str(boot.error)}, status_code=503)
         if not boot.alive:
-            return JSONResponse({"status": "engine not running"}, status_code=503)
+            return JSONResponse({"status": boot.failure or "engine not running"}, status_code=503)
         return JSONResponse({"status": "ok" if boot.ready else "starting"})
 
     @app.get("/ready")
@@ -161,23 +164,36 @@ def create_app(engine: Engine | Callable[[], Engine], model_name: str, limits: S
 def run_server(cfg: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                model_name: str | None = None, limits: ServerLimits | None = None) -> None:
     """Listen at once, build and warm the engine behind /ready, and serve until interrupted.
-    An engine that fails to start stops the server and raises its error here."""
+    An engine that fails to start, or loses a tensor-parallel rank, stops the server and raises
+    its error here. Tensor-parallel: rank 0 serves; under torchrun the other ranks follow it."""
     import uvicorn
 
     from drafttree.loader.default_model import DEFAULT_MODEL_NAME
 
+    # a size the model or the host cannot take is refused before the server listens
+    run = check_launch(cfg)
+    if run is not None and run.rank != 0:   # a torchrun rank other than 0: the server is rank 0's
+        follow(start_engine(cfg))
+        return
     name = model_name or cfg.model or DEFAULT_MODEL_NAME
     server: uvicorn.Server | None = None
 
-    def stop() -> None:
+    def stop() -> None:   # a start-up thread or the engine thread: uvicorn ends, as on SIGTERM
         if server is not None:
             server.should_exit = True
 
-    app = create_app(lambda: Engine(cfg), name, limits, on_failure=stop)
+    app = create_app(lambda: start_engine(cfg), name, limits, on_failure=stop)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
-    log.info("listening on http://%s:%d: /health answers now, /ready once the engine is loaded and warm",
-             host, port)
-    server.run()
+    log.info("listening on http://%s:%d: /health answers now, /ready once the engine is loaded and warm%s",
+             host, port, f" (tensor_parallel_size={cfg.tensor_parallel_size})" if cfg.tensor_parallel_size > 1 else "")
     boot: Boot = app.state.boot
+    try:
+        server.run()
+    finally:
+        boot.stop()
+        if cfg.tensor_parallel_size > 1:
+            boot.join()   # an engine still starting: its ranks are stopped once it is built
     if boot.error is not None:
         raise boot.error
+    if boot.fatal is not None:
+        raise TensorParallelError(boot.fatal)

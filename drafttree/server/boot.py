@@ -37,19 +37,33 @@ class Boot:
     error: BaseException | None = None
     serving: OpenAIServing | None = None   # set when ready
     seconds: float | None = None           # from the start of `run` to ready
+    engine: Engine | None = None           # once built
     _thread: threading.Thread | None = field(default=None, repr=False)
+    _stopping: threading.Event = field(default_factory=threading.Event, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def worker(self) -> EngineWorker | None:
         return self.serving.worker if self.serving is not None else None
 
     @property
+    def fatal(self) -> str | None:
+        """Why the running engine stopped for good (a tensor-parallel rank lost), or None."""
+        return self.worker.fatal if self.worker is not None else None
+
+    @property
+    def failure(self) -> str | None:
+        """`fatal`, or a loss the engine thread has not seen yet (it looks every second while idle)."""
+        w = self.worker
+        return None if w is None else w.fatal or w.engine.failure
+
+    @property
     def ready(self) -> bool:
-        return self.serving is not None and self.serving.worker.alive
+        return self.serving is not None and self.serving.worker.alive and self.failure is None
 
     @property
     def alive(self) -> bool:
-        return self.error is None and (self.serving is None or self.serving.worker.alive)
+        return self.error is None and (self.serving is None or (self.serving.worker.alive and self.failure is None))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="drafttree-startup", daemon=True)
@@ -63,16 +77,21 @@ class Boot:
         t0 = time.perf_counter()
         try:
             self.stage = "loading the engine (weights, CUDA graphs)"
-            engine = self.make()
+            engine = self.engine = self.make()
+            if self._stopped(engine):
+                return
             self.stage = "warming up"
             with engine.startup.stage("warm-up"):
-                warm_up(engine)
-            worker = EngineWorker(engine, self.metrics)
+                warm_up(engine)   # tensor-parallel: rank 0's steps, which the other ranks follow
+            worker = EngineWorker(engine, self.metrics, lambda _: self._failed())
             serving = OpenAIServing(worker, self.model_name)
             self.seconds = time.perf_counter() - t0
             self.metrics.startup(engine.startup.stages, self.seconds)
-            worker.start()
-            self.serving, self.stage = serving, "ready"
+            with self._lock:
+                if self._stopped(engine):
+                    return
+                worker.start()
+                self.serving, self.stage = serving, "ready"
             log.info("ready in %.2f s: %s (spec=%s, max_model_len=%d, max_num_seqs=%d, %s)", self.seconds,
                      self.model_name, engine.spec.method, engine.max_model_len, engine.cfg.max_num_seqs,
                      _graphs(engine))
@@ -80,12 +99,31 @@ class Boot:
         except BaseException as e:   # noqa: BLE001 (reported by /health and /ready, and by run_server)
             self.error, self.stage = e, "failed"
             log.exception("the engine failed to start")
-            if self.on_failure is not None:
-                self.on_failure()
+            if self.engine is not None:
+                self.engine.shutdown()
+            self._failed()
+
+    def _stopped(self, engine: Engine) -> bool:
+        """Whether the server ended while the engine started: then it is shut down here, on the
+        thread that steps it (`stop` leaves an engine still starting to this thread)."""
+        if not self._stopping.is_set():
+            return False
+        self.stage = "stopped"
+        engine.shutdown()
+        return True
+
+    def _failed(self) -> None:
+        if self.on_failure is not None:
+            self.on_failure()
 
     def stop(self) -> None:
-        if self.serving is not None:
-            self.serving.worker.stop()
+        """Stop the engine thread, then the engine's tensor-parallel ranks (nothing on one device)."""
+        with self._lock:
+            self._stopping.set()
+            serving = self.serving
+        if serving is not None:
+            serving.worker.stop()
+            serving.worker.engine.shutdown()
 
 
 def _graphs(engine: Engine) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from drafttree.engine.engine import Engine
 from drafttree.engine.sequence import Sequence
+from drafttree.parallel.group import TensorParallelError
 from drafttree.sampling import SamplingParams
 from drafttree.server.metrics import ServerMetrics
 
@@ -99,6 +100,7 @@ class _Abort:
 
 
 _STOP = object()
+IDLE_CHECK_S = 1.0
 
 
 class RequestHandle:
@@ -134,8 +136,13 @@ class RequestHandle:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
+        """`on_fatal(message)`: called (on the engine thread) when the engine stops for good (a
+        tensor-parallel rank lost): the thread fails every request and ends; the server should too."""
         self.engine = engine
+        self.on_fatal = on_fatal
+        self.fatal: str | None = None
         engine.stream_text = True   # deltas are read from seq.text after every step
         self.metrics = metrics
         self._cmds: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -167,7 +174,7 @@ class EngineWorker:
         """Queue a request; returns once the engine accepted it. Raises BadRequest (a ValueError)
         if it refused. `budget` sets params.max_tokens from the prompt's length."""
         if not self.alive:
-            raise EngineError("the engine is not running")
+            raise EngineError(self.fatal or "the engine is not running")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Message] = asyncio.Queue()
 
@@ -197,7 +204,10 @@ class EngineWorker:
     def _run(self) -> None:
         eng = self.engine
         while True:
-            cmds = [] if eng.has_unfinished() else [self._cmds.get()]
+            cmds = [] if eng.has_unfinished() else self._wait()
+            if eng.failure is not None:   # a tensor-parallel rank was lost while idle
+                self._stop_for_good(eng.failure)
+                return
             while True:
                 try:
                     cmds.append(self._cmds.get_nowait())
@@ -208,8 +218,8 @@ class EngineWorker:
                     self._fail_all("the server is shutting down")
                     return
                 self._handle(cmd)
-            if eng.has_unfinished():
-                self._step()
+            if eng.has_unfinished() and not self._step():
+                return
             self._publish()
 
     def _handle(self, cmd: object) -> None:
@@ -237,13 +247,31 @@ class EngineWorker:
                 if self.metrics is not None:
                     self.metrics.request_finished("abort")
 
-    def _step(self) -> None:
+    def _wait(self) -> list[object]:
+        """The next command; idle, the engine's health is looked at every IDLE_CHECK_S."""
+        try:
+            return [self._cmds.get(timeout=IDLE_CHECK_S)]
+        except queue.Empty:
+            return []
+
+    def _stop_for_good(self, message: str) -> None:
+        self.fatal = message
+        log.critical("%s", message)
+        self._fail_all(message)
+        if self.on_fatal is not None:
+            self.on_fatal(message)
+
+    def _step(self) -> bool:
+        """One engine step and its snapshots; False when the engine stopped for good."""
         try:
             out = self.engine.step()
+        except TensorParallelError as e:
+            self._stop_for_good(str(e))
+            return False
         except Exception as e:
             log.exception("engine step failed")
             self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
-            return
+            return True
         touched: dict[str, Sequence] = {}
         for seq, _ in out:
             touched[seq.request_id] = seq
@@ -260,6 +288,7 @@ class EngineWorker:
                     self.metrics.request_finished(seq.finish_reason)
             else:
                 deliver(Snapshot(seq.text, len(seq.output_ids)))
+        return True
 
     def _fail_all(self, message: str) -> None:
         for seq, deliver in self._live.values():

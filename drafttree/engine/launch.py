@@ -1,0 +1,256 @@
+"""Starting an engine over several ranks (tensor parallelism), and the ranks that follow rank 0.
+
+`start_engine(cfg)` is how every engine starts (LLM, the command line, the server). At
+tensor_parallel_size 1 it is `Engine(cfg)`. At N > 1 it first checks the size against the
+model's config and the devices (no weights read), then either
+  - spawns ranks 1..N-1 (torch.multiprocessing, one GPU each; gloo processes on the CPU), which
+    meet rank 0 at a free local port, or
+  - joins the launch torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;
+    `torchrun --nnodes` for several hosts),
+and every rank builds the same engine over its shards. Rank 0 returns its engine, which owns the
+scheduler, the tokenizer and the server; its runner sends its commands to the others
+(`parallel.commands`). Spawned ranks follow until rank 0 shuts down; under torchrun the caller
+runs `follow(engine)` on ranks > 0 (the command line and LLM do).
+
+Failure: rank 0 watches the ranks it spawned; one that exits ends the engine (its next step
+raises TensorParallelError naming it, and if the engine is stuck in a step, e.g. in an NCCL
+collective that will never finish, the process exits after GRACE_S). Collectives time out after
+`cfg.distributed_timeout_s`. A follower that loses rank 0 exits.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+
+from drafttree.config import resolve_device
+from drafttree.engine.config import EngineConfig
+from drafttree.engine.engine import Engine
+from drafttree.engine.plan import target_config
+from drafttree.parallel.commands import COMMANDS, NOOP, SHUTDOWN, CommandChannel
+from drafttree.parallel.group import Launch, TPGroup, close_group, free_port, init_group, torchrun_launch
+from drafttree.parallel.shard import check_size
+
+log = logging.getLogger(__name__)
+GRACE_S = 10.0   # after a rank is lost, how long a step stuck in a collective may take to fail
+
+
+def check_launch(cfg: EngineConfig) -> Launch | None:
+    """Refuse a bad tensor_parallel_size before anything loads: < 1, not dividing the model's
+    heads (or MLP rows), more ranks than GPUs, or not torchrun's WORLD_SIZE. Returns torchrun's
+    launch when the engine joins one."""
+    n = cfg.tensor_parallel_size
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
+    run = torchrun_launch()
+    if n == 1:
+        return None
+    if run is not None and run.world != n:
+        raise ValueError(f"tensor_parallel_size {n} but torchrun started {run.world} processes (WORLD_SIZE): "
+                         f"give --nproc-per-node (times --nnodes) = {n}")
+    check_size(target_config(cfg), n)
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        if device.index is not None:
+            raise ValueError(f"device {device}: a tensor-parallel engine puts rank r on the host's GPU r "
+                             "(CUDA_VISIBLE_DEVICES chooses which GPUs those are)")
+        have = torch.cuda.device_count()
+        local = run.local_world if run is not None else n
+        if local > have:
+            raise ValueError(f"tensor_parallel_size {n} needs {local} GPUs on this host, which has {have}")
+    return run
+
+
+def start_engine(cfg: EngineConfig) -> Engine:
+    """The engine for `cfg` on this process (rank 0's, or under torchrun this rank's: see `follow`)."""
+    run = check_launch(cfg)
+    if cfg.tensor_parallel_size == 1:
+        return Engine(cfg)
+    device = resolve_device(cfg.device)
+    workers: list[mp.process.BaseProcess] = []
+    if run is None:
+        port = free_port()
+        run = Launch(0, cfg.tensor_parallel_size, 0, f"tcp://127.0.0.1:{port}")
+        workers = spawn_ranks(cfg, port)
+    try:
+        tp = init_group(run, device, cfg.distributed_timeout_s)
+        engine = Engine(cfg, tp)
+    except BaseException:
+        stop_processes(workers, 0.0)
+        close_group()
+        raise
+    if tp.leader:
+        Ranks(engine, workers).attach()
+    return engine
+
+
+def spawn_ranks(cfg: EngineConfig, port: int) -> list[mp.process.BaseProcess]:
+    ctx = mp.get_context("spawn")
+    threads = torch.get_num_threads()
+    procs = [ctx.Process(target=_rank_main, args=(r, cfg, port, threads, logging.getLogger().level),
+                         name=f"drafttree-rank-{r}", daemon=False)
+             for r in range(1, cfg.tensor_parallel_size)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _rank_main(rank: int, cfg: EngineConfig, port: int, threads: int, level: int) -> None:
+    """A spawned rank: join, build the same engine, follow rank 0, exit with its code."""
+    logging.basicConfig(level=level or logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
+    torch.set_num_threads(threads)
+    launch = Launch(rank, cfg.tensor_parallel_size, rank, f"tcp://127.0.0.1:{port}")
+    try:
+        engine = Engine(cfg, init_group(launch, resolve_device(cfg.device), cfg.distributed_timeout_s))
+    except Exception:
+        log.exception("rank %d could not start its engine", rank)
+        sys.exit(1)
+    sys.exit(follow(engine))
+
+
+def follow(engine: Engine) -> int:
+    """Run rank 0's commands on this rank's engine until it shuts down (returns 0). A rank that
+    loses rank 0 or fails a command exits the process at once (code 1): a collective it left
+    behind may never complete, and tearing down its process group could wait on it."""
+    tp = engine.tp
+    assert tp is not None and not tp.leader, "rank 0 steps its engine; the other ranks follow it"
+    channel, runner = CommandChannel(tp), engine.runner
+    while True:
+        try:
+            name, args, kwargs = channel.receive()
+        except Exception as e:
+            _stop(f"rank {tp.rank} lost rank 0 ({str(e).splitlines()[0]})")
+        if name == SHUTDOWN:
+            close_group()
+            return 0
+        if name == NOOP:
+            continue
+        if name not in COMMANDS:
+            _stop(f"rank {tp.rank}: unknown command {name!r}")
+        try:
+            getattr(runner, name)(*args, **kwargs)
+        except Exception:
+            log.exception("rank %d failed running %s", tp.rank, name)
+            _stop(f"rank {tp.rank} failed running {name}")
+        runner.timer.collect()
+
+
+def _stop(message: str) -> NoReturn:
+    log.error("%s: stopping", message)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+class Ranks:
+    """Rank 0's hold on the others: the command channel, the processes it spawned and their watch."""
+
+    def __init__(self, engine: Engine, workers: list[mp.process.BaseProcess]) -> None:
+        self.engine = weakref.ref(engine)
+        self.tp: TPGroup = engine.tp
+        self.workers = workers
+        self.channel = CommandChannel(self.tp)
+        self.closing = threading.Event()
+
+    def attach(self) -> None:
+        engine = self.engine()
+        engine.runner.channel = self.channel
+        engine.ranks = self
+        self.channel.start_heartbeat()
+        if self.workers:
+            threading.Thread(target=self._watch, name="drafttree-tp-watch", daemon=True).start()
+        # on garbage collection and at exit, whichever comes first; holds no reference to the engine
+        weakref.finalize(engine, self.close)
+
+    def lost(self) -> str | None:
+        """What is known lost: a spawned rank that exited (looked at now), or what the heartbeat saw."""
+        if self.channel.failure is None and not self.closing.is_set():
+            gone = next((p for p in self.workers if not p.is_alive()), None)
+            if gone is not None:
+                self.channel.failure = f"tensor-parallel rank {self.workers.index(gone) + 1} (pid {gone.pid}) " \
+                                       f"{_exit_text(gone.exitcode)}"
+        return self.channel.failure
+
+    def _watch(self) -> None:
+        alive = {p.sentinel: p for p in self.workers}
+        while alive and not self.closing.is_set():
+            if mp.connection.wait(list(alive), timeout=1.0) and not self.closing.is_set():
+                self._lost()
+                return
+
+    def _lost(self) -> None:
+        msg = self.lost()
+        log.error("%s: the engine stops", msg)
+        stop_processes([w for w in self.workers if w.is_alive()], 0.0)
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline:
+            engine = self.engine()
+            if engine is None or not engine.in_step or engine.dead is not None:
+                return   # idle (its next step raises) or the failure already surfaced
+            time.sleep(0.1)
+        print(f"drafttree: error: {msg}, and rank 0 is stuck in a step (a collective waits for it): exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def close(self, failed: bool = False) -> None:
+        if self.closing.is_set():
+            return
+        self.closing.set()
+        self.channel.close(farewell=not failed)
+        stop_processes(self.workers, 10.0)
+        close_group()
+
+
+def _exit_text(code: int | None) -> str:
+    return f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+
+
+def stop_processes(procs: list[mp.process.BaseProcess], wait_s: float) -> None:
+    """Join each process for up to wait_s seconds in all, then kill what still runs."""
+    deadline = time.monotonic() + wait_s
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0.0))
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+
+
+def run_ranks(fn: Callable[..., Any], world: int, device: str | None, timeout_s: float, *args: Any) -> Any:
+    """Run fn(tp, *args) on `world` ranks, each the same code (no commands; the phase benchmark):
+    spawned here, or on torchrun's ranks. Returns rank 0's result (None elsewhere)."""
+    dev = resolve_device(device)
+    run = torchrun_launch()
+    workers: list[mp.process.BaseProcess] = []
+    if run is None:
+        port = free_port()
+        run = Launch(0, world, 0, f"tcp://127.0.0.1:{port}")
+        ctx = mp.get_context("spawn")
+        workers = [ctx.Process(target=_same_code, args=(r, world, port, dev, timeout_s, fn, args))
+                   for r in range(1, world)]
+        for p in workers:
+            p.start()
+    try:
+        tp = init_group(run, dev, timeout_s)
+        out = fn(tp, *args)
+        return out if tp.leader else None
+    finally:
+        close_group()
+        stop_processes(workers, 60.0)
+
+
+def _same_code(rank: int, world: int, port: int, device: torch.device, timeout_s: float,
+               fn: Callable[..., Any], args: tuple) -> None:
+    tp = init_group(Launch(rank, world, rank, f"tcp://127.0.0.1:{port}"), device, timeout_s)
+    try:
+        fn(tp, *args)
+    finally:
+        close_group()

@@ -1,0 +1,109 @@
+"""The collectives of a sharded forward, and the hosts' agreements.
+
+A forward at tensor-parallel size N runs, per decoder layer, one all-reduce after the attention's
+o projection and one after the MLP's down projection (row-parallel: each rank holds a slice of
+their inputs, so each output is a partial sum); one all-reduce after the vocabulary-parallel
+embedding and one all-gather of the vocabulary-parallel LM head's logits. None of them syncs the
+host (NCCL runs on the device's stream; on the CPU, gloo returns when done), so they are captured
+inside the phases' CUDA graphs like any kernel. Nothing here runs at size 1: the layers hold no
+group then.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from drafttree.parallel.group import TPGroup
+
+# (op, shape, dtype) of every collective while `recording()` is on (the phase benchmark replays them)
+_recorded: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    global _recorded
+    _recorded, out = [], []
+    try:
+        yield out
+    finally:
+        out += _recorded
+        _recorded = None
+
+
+def all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """x summed over the ranks, in place (every rank gets the same bits: NCCL's and gloo's
+    all-reduce hand every rank the one reduced value)."""
+    if _recorded is not None:
+        _recorded.append(("all_reduce", tuple(x.shape), x.dtype))
+    dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def gather_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """x [..., n] of every rank, concatenated in rank order along the last dimension: [..., N * n]."""
+    n = x.shape[-1]
+    flat = x.reshape(-1, n).contiguous()
+    if _recorded is not None:
+        _recorded.append(("all_gather", tuple(flat.shape), x.dtype))
+    out = torch.empty(tp.world * flat.shape[0], n, dtype=x.dtype, device=x.device)
+    _gather_into(out, flat, group=tp.group)
+    return out.view(tp.world, flat.shape[0], n).transpose(0, 1).reshape(*x.shape[:-1], tp.world * n)
+
+
+def replay(ops: list[tuple[str, tuple[int, ...], torch.dtype]], tp: TPGroup, device: torch.device):
+    """A function that runs the recorded collectives again on buffers of their shapes (made once)."""
+    bufs = [torch.zeros(shape, dtype=dtype, device=device) for _, shape, dtype in ops]
+    outs = [torch.empty(tp.world * s[0], *s[1:], dtype=d, device=device) if op == "all_gather" else None
+            for (op, s, d) in ops]
+
+    def run() -> None:
+        for (op, _, _), b, o in zip(ops, bufs, outs):
+            if op == "all_reduce":
+                dist.all_reduce(b, group=tp.group)
+            else:
+                _gather_into(o, b, group=tp.group)
+    return run
+
+
+# -- the hosts' agreements (the gloo group) ---------------------------------------------------------
+
+
+def from_leader(value: Any, tp: TPGroup | None) -> Any:
+    """Rank 0's value on every rank (a choice the clock or memory makes, which ranks must share)."""
+    if tp is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=tp.cpu)
+    return box[0]
+
+
+def smallest(value: int, tp: TPGroup | None) -> int:
+    """The least of the ranks' values (what every rank's memory holds)."""
+    if tp is None:
+        return value
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu)
+    return int(t)
+
+
+def gather_objects(value: Any, tp: TPGroup) -> list[Any]:
+    out: list[Any] = [None] * tp.world
+    dist.all_gather_object(out, value, group=tp.cpu)
+    return out
+
+
+def explain(error: BaseException, tp: TPGroup, known: str | None = None) -> str:
+    """What a failed step says: the dead rank the watcher saw, a timeout, or the error itself."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if known:
+        return f"{known}; the engine stopped ({type(error).__name__}: {text})"
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return (f"a tensor-parallel collective timed out after {tp.timeout_s:g} s (a rank stopped responding); "
+                f"the engine stopped ({text})")
+    if "connection closed" in text.lower() or "connection reset" in text.lower():
+        return f"a tensor-parallel rank exited; the engine stopped ({text})"
+    return f"a tensor-parallel step failed; the engine stopped ({type(error).__name__}: {text})"

@@ -1,0 +1,108 @@
+"""The process group of one engine's ranks: where each rank comes from (torchrun's environment,
+or rank 0's spawn), and its two groups over the same ranks.
+
+`group` carries the model's collectives (NCCL on CUDA, gloo on CPU); `cpu` (gloo) carries what
+the hosts say to each other: rank 0's step commands and the few start-up agreements (the KV pool's
+size). Step commands on a host group never wait behind device work and never sync a device.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Seconds a collective may wait for the other ranks before it fails (`EngineConfig.distributed_timeout_s`).
+DEFAULT_TIMEOUT_S = 300.0
+# The rendezvous waits longer: a spawned rank imports torch and the engine before it joins.
+STARTUP_TIMEOUT_S = 600.0
+
+
+class TensorParallelError(RuntimeError):
+    """A rank died, a collective timed out, or a rank failed: the engine's ranks no longer agree,
+    so the engine stops."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in the group and how the ranks meet (an init_method URL)."""
+    rank: int
+    world: int
+    local_rank: int
+    init_method: str
+    local_world: int = 0    # ranks on this host (torchrun's LOCAL_WORLD_SIZE); 0: all of them
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int
+    world: int
+    device: torch.device    # this rank's device: cuda:local_rank on CUDA
+    group: Any              # ProcessGroup: the model's collectives
+    cpu: Any                # ProcessGroup (gloo): step commands and host agreements
+    timeout_s: float
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+
+def torchrun_launch() -> Launch | None:
+    """The launch torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;
+    `--nnodes` for several hosts), or None outside torchrun."""
+    env = os.environ
+    if int(env.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in env:
+        return None
+    world = int(env["WORLD_SIZE"])
+    return Launch(int(env["RANK"]), world, int(env.get("LOCAL_RANK", "0")), "env://",
+                  int(env.get("LOCAL_WORLD_SIZE", world)))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(device: torch.device, launch: Launch) -> torch.device:
+    """A rank's device: its local rank's GPU on CUDA (one GPU per rank), else the device as given."""
+    return torch.device("cuda", launch.local_rank) if device.type == "cuda" else device
+
+
+def init_group(launch: Launch, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
+    """Join the ranks of `launch` (every rank calls this) and build the two groups."""
+    device = rank_device(device, launch)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        # NCCL's collectives are captured in the phases' CUDA graphs: without this, the process
+        # group's recordStream calls on graph-pool tensors leak and can break captures (vLLM #2152).
+        os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a process group: one tensor-parallel engine per "
+                           "process at a time (shut the other down first: LLM.shutdown())")
+    dist.init_process_group(backend, init_method=launch.init_method, rank=launch.rank, world_size=launch.world,
+                            timeout=timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)))
+    timeout = timedelta(seconds=timeout_s)
+    group = dist.new_group(backend=backend, timeout=timeout)
+    cpu = dist.new_group(backend="gloo", timeout=timeout)
+    # The first collective: NCCL creates its communicator here, never inside a graph capture.
+    probe = torch.ones(1, device=device)
+    dist.all_reduce(probe, group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return TPGroup(launch.rank, launch.world, device, group, cpu, timeout_s)
+
+
+def close_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

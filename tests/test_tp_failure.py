@@ -1,0 +1,138 @@
+"""Tensor parallelism fails clearly and never hangs: a bad size, or a MoE or MLA target (not sharded
+yet), is refused before any weight loads (or any rank starts), and a rank that dies or stops
+answering ends the engine with a TensorParallelError that says which, within the group's timeout.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from drafttree import LLM, SamplingParams
+from drafttree.cli import main as cli_main
+from drafttree.engine import engine as engine_module
+from drafttree.engine import launch
+from drafttree.parallel.group import TensorParallelError
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def tp_llm(pair, **kw) -> LLM:
+    return LLM(model=str(pair.target), device="cpu", dtype="float32", max_num_seqs=2, max_model_len=64,
+               tensor_parallel_size=2, **kw)
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Fail the test if a weight loads or a rank starts."""
+    def loaded(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    def spawned(*a, **k):
+        raise AssertionError("ranks were started")
+    monkeypatch.setattr(engine_module, "load_models", loaded)
+    monkeypatch.setattr(launch, "spawn_ranks", spawned)
+
+
+def test_bad_sizes_are_refused_before_anything_loads(zoo, nothing_starts):
+    pair = zoo("llama")   # 4 heads, 2 KV heads, 64 MLP rows
+    with pytest.raises(ValueError, match="must be an integer >= 1"):
+        LLM(model=str(pair.target), device="cpu", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="does not divide the 4 attention heads.*takes sizes 1, 2, 4"):
+        LLM(model=str(pair.target), device="cpu", tensor_parallel_size=3)
+    if torch.cuda.device_count() < 4:
+        with pytest.raises(ValueError, match=f"needs 4 GPUs on this host, which has {torch.cuda.device_count()}"):
+            LLM(model=str(pair.target), device="cuda", tensor_parallel_size=4)
+
+
+def test_the_command_line_refuses_a_bad_size(zoo, nothing_starts, capsys):
+    pair = zoo("llama")
+    assert cli_main(["generate", "x", "--model", str(pair.target), "--device", "cpu", "-tp", "3"]) == 2
+    assert "tensor_parallel_size 3 does not divide the 4 attention heads" in capsys.readouterr().err
+
+
+SPARSE_REFUSED = "tensor parallelism for MoE and MLA targets is not supported yet"
+
+
+@pytest.mark.parametrize("shape,layers", [("qwen3_moe", "MoE"), ("deepseek_v3", "MoE and MLA")])
+def test_moe_and_mla_targets_are_refused_before_anything_loads(tmp_path, nothing_starts, monkeypatch, capsys,
+                                                              shape, layers):
+    import uvicorn
+
+    from tests.moe_tiny import make_moe_target
+    target = str(make_moe_target(tmp_path / shape, shape))
+    with pytest.raises(ValueError, match=f"{SPARSE_REFUSED}: this {shape} model has {layers} layers; run it "
+                                         "with tensor_parallel_size 1"):
+        LLM(model=target, device="cpu", tensor_parallel_size=2)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: pytest.fail("the server listened"))
+    for cmd in (["graphs"], ["generate", "x"], ["serve"]):
+        assert cli_main([*cmd, "--model", target, "--device", "cpu", "-tp", "2"]) == 2
+        assert SPARSE_REFUSED in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b@2", "kimi-k2@2"])
+def test_moe_and_mla_random_shapes_are_refused_and_never_built_sharded(nothing_starts, shape):
+    from drafttree.models.moe_decoder import build_target
+    from drafttree.models.random_shapes import shape_config
+    from drafttree.parallel.group import TPGroup
+    with pytest.raises(ValueError, match=SPARSE_REFUSED):
+        LLM(random_weights=shape, device="cpu", tensor_parallel_size=2)
+    with torch.device("meta"), pytest.raises(ValueError, match=SPARSE_REFUSED):
+        build_target(shape_config(shape)[0], TPGroup(0, 2, torch.device("cpu"), None, None, 60.0))
+
+
+def test_a_rank_lost_in_a_step_stops_the_engine(zoo):
+    pair = zoo("llama")
+    llm = tp_llm(pair)
+    try:
+        worker = llm.engine.ranks.workers[0]
+        run_round = llm.engine.runner.run_round
+
+        def lose_rank_then_run(*args, **kwargs):   # the rank dies as rank 0 starts a round
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join(10)
+            return run_round(*args, **kwargs)
+        llm.engine.runner.run_round = lose_rank_then_run
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match=f"rank 1 \\(pid {worker.pid}\\) was killed by signal 9.*"
+                                                      "the engine stopped"):
+            llm.generate([[1, 2, 3]], PARAMS)
+        assert time.monotonic() - t0 < 20
+        with pytest.raises(TensorParallelError, match=f"rank 1 \\(pid {worker.pid}\\) was killed by signal 9"):
+            llm.generate([[1, 2, 3]], PARAMS)   # and every step after it says why
+    finally:
+        llm.shutdown()
+
+
+def test_a_rank_lost_while_idle_is_named_at_the_next_step(zoo):
+    llm = tp_llm(zoo("llama"))
+    try:
+        worker = llm.engine.ranks.workers[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        deadline = time.monotonic() + 5
+        while llm.engine.failure is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(TensorParallelError, match=f"rank 1 \\(pid {worker.pid}\\) was killed by signal 9"):
+            llm.generate([[1, 2, 3]], PARAMS)
+    finally:
+        llm.shutdown()
+
+
+def test_a_stalled_rank_times_out(zoo):
+    llm = tp_llm(zoo("llama"), distributed_timeout_s=5.0)
+    pid = llm.engine.ranks.workers[0].pid
+    os.kill(pid, signal.SIGSTOP)   # alive, answering nothing
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="(?i)timed out"):
+            llm.generate([[1, 2, 3]], PARAMS)
+        assert time.monotonic() - t0 < 25
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGCONT)
+        llm.shutdown()

@@ -156,7 +156,7 @@ def test_checkpoint_checked_before_loading(tmp_path):
         load_target(tmp_path / "shape", torch.float32, "cpu")
 
 
-def test_expert_forms_agree():
+def test_expert_forms_agree(monkeypatch):
     """The gathered, all-experts and sorted forms of the same routing give the same output."""
     from drafttree.moe_config import MoEConfig
 
@@ -171,6 +171,10 @@ def test_expert_forms_agree():
     want = ex.all_experts(x, w, idx)
     assert torch.allclose(ex.gathered(x, w, idx), want, atol=1e-5)
     assert torch.allclose(ex.sorted(x, w, idx), want, atol=1e-5)
+    # all experts in groups of 1, 4 (the last group short) and 6: the same sum
+    for group in (1, 4, 6):
+        monkeypatch.setattr(moe, "ALL_EXPERTS_ELEMENTS", group * 9 * 10)
+        assert torch.allclose(ex.all_experts(x, w, idx), want, atol=1e-5), group
 
 
 def test_config_layers_and_refusals(tiny):

@@ -17,6 +17,8 @@ from drafttree.moe_config import MoEConfig
 # Token rows from which an eager forward sorts its pairs by expert (a prefill chunk); below, and
 # inside a graph capture, the static forms run.
 SORTED_MIN_ROWS = 256
+# values in one expert group's intermediates in `Experts.all_experts` (128 MiB in bf16)
+ALL_EXPERTS_ELEMENTS = 1 << 26
 
 # (token, k) pairs up to which the experts may be gathered: the copy is a transient of this many
 # experts' weights (1.4 GB for Kimi K2's in bf16 at 16), so a decode of one or two tokens.
@@ -94,12 +96,21 @@ class Experts(nn.Module):
 
     def all_experts(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Every expert over every row, scaled by its combine weight (zero where it was not picked):
-        E / k times the FLOPs of the picked experts alone."""
-        combine = torch.zeros(x.shape[0], self.gate_up.shape[0], dtype=x.dtype, device=x.device)
+        E / k times the FLOPs of the picked experts alone, each expert's weights read once. Experts
+        go in groups, each group three batched products (not a few kernels per expert: in a
+        graphed verify the launches, not the FLOPs, were the cost); a group's intermediates hold
+        at most ALL_EXPERTS_ELEMENTS values."""
+        E, two_i, D = self.gate_up.shape
+        N = x.shape[0]
+        combine = torch.zeros(N, E, dtype=x.dtype, device=x.device)
         combine.scatter_add_(1, idx, w.to(x.dtype))
         out = torch.zeros_like(x)
-        for e in range(self.gate_up.shape[0]):
-            out += combine[:, e, None] * F.linear(silu_mul(F.linear(x, self.gate_up[e])), self.down[e])
+        step = max(1, ALL_EXPERTS_ELEMENTS // (N * max(two_i, D)))
+        for a in range(0, E, step):
+            h = torch.matmul(x, self.gate_up[a:a + step].transpose(1, 2))              # [e, N, 2I]
+            y = torch.matmul(silu_mul(h), self.down[a:a + step].transpose(1, 2))     # [e, N, D]
+            # the combine-weighted sum over the group's experts, one batched product per row
+            out += torch.bmm(y.permute(1, 2, 0), combine[:, a:a + step, None])[..., 0]
         return out
 
     def sorted(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

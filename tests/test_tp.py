@@ -3,8 +3,9 @@ decoding, DFlash and DDTree give TP=1's tokens, greedy and sampled with a seed, 
 holds the same round state afterwards (the ranks decide alike without exchanging decisions).
 
 The Llama has one KV head (each rank holds a copy) and tied embeddings; the Qwen3 two KV heads
-(one per rank), q/k norms and an untied head. A tiny vocabulary (7) does not divide by 2: the
-vocabulary-parallel embedding and head pad their last shard.
+(one per rank), q/k norms and an untied head; the GQA Llama three KV heads of nine query heads,
+split unevenly by whole groups (2 + 1 KV heads, 6 + 3 query heads). A tiny vocabulary (7) does not
+divide by 2: the vocabulary-parallel embedding and head pad their last shard.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from drafttree import LLM, SamplingParams
 from drafttree.models.decoder import DecoderLayer, DecoderLM
 from drafttree.models.random_shapes import SHAPES, projections
 from drafttree.parallel.group import TPGroup
-from drafttree.parallel.shard import head_rows
+from drafttree.parallel.shard import check_size, head_rows, valid_sizes
 from tests.helpers import Pair, make_prompts
 
 MAX_TOKENS = [32, 11, 23]   # rows finish at different rounds: the others move down (a command too)
@@ -44,7 +45,7 @@ def sharded(pair: Pair, spec: str, world: int = 2) -> Iterator[LLM]:
         llm.shutdown()
 
 
-@pytest.mark.parametrize("shape", ["llama-mqa", "qwen3"])
+@pytest.mark.parametrize("shape", ["llama-mqa", "qwen3", "llama-gqa3"])
 @pytest.mark.parametrize("spec", ["none", "dflash", "ddtree"])
 def test_tp2_gives_tp1_tokens(zoo, shape, spec):
     pair = zoo(shape)
@@ -52,7 +53,8 @@ def test_tp2_gives_tp1_tokens(zoo, shape, spec):
     want = pair.llm(spec).generate(prompts, mixed())
     with sharded(pair, spec) as llm:
         assert llm.engine.world == 2
-        assert llm.engine.runner.kv.k.shape[2] == {"llama-mqa": 1, "qwen3": 1}[shape]   # 1 of 1, 1 of 2
+        # rank 0's pool: 1 of 1, 1 of 2, 2 of 3
+        assert llm.engine.runner.kv.k.shape[2] == {"llama-mqa": 1, "qwen3": 1, "llama-gqa3": 2}[shape]
         got = llm.generate(prompts, mixed())
         again = llm.generate(prompts[:1], mixed()[:1])   # its pages from the prefix cache this time
         assert llm.engine.agree()
@@ -65,8 +67,9 @@ def test_tp2_gives_tp1_tokens(zoo, shape, spec):
 
 
 @pytest.mark.slow
-def test_default_model_at_tp3_gives_tp1_tokens():
-    """SmolLM2-135M has 9 heads and 3 KV heads: it takes sizes 1 and 3 (2 is refused)."""
+@pytest.mark.parametrize("world", [2, 3])
+def test_default_model_sharded_gives_tp1_tokens(world):
+    """SmolLM2-135M has 9 heads and 3 KV heads: 3 ranks hold a group each, 2 ranks two and one."""
     from drafttree.loader.default_model import default_gguf_path
     try:
         default_gguf_path()
@@ -76,12 +79,12 @@ def test_default_model_at_tp3_gives_tp1_tokens():
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     chat = [{"role": "user", "content": "Write quicksort in Python."}]
     want = LLM(**kw).chat(chat, params)[0]
-    three = LLM(tensor_parallel_size=3, **kw)
+    sharded_llm = LLM(tensor_parallel_size=world, **kw)
     try:
-        got = three.chat(chat, params)[0]
-        assert three.engine.agree()
+        got = sharded_llm.chat(chat, params)[0]
+        assert sharded_llm.engine.agree()
     finally:
-        three.shutdown()
+        sharded_llm.shutdown()
     assert got.token_ids == want.token_ids and got.metrics["accept_lengths"] == want.metrics["accept_lengths"]
 
 
@@ -120,3 +123,29 @@ def test_vocabulary_shards_and_kv_heads():
     assert head_rows(cfg, 1, 4) == (slice(8 * 128, 16 * 128), slice(2 * 128, 4 * 128))
     # 8 KV heads over 16 ranks: ranks 2k and 2k + 1 share KV head k, and hold query heads 2r, 2r + 1
     assert head_rows(cfg, 5, 16) == (slice(10 * 128, 12 * 128), slice(2 * 128, 3 * 128))
+
+
+def test_uneven_split_by_kv_groups():
+    """Sizes up to the KV heads split them by whole groups, the first ranks one more; larger sizes
+    keep the even rules (divide the query heads, a multiple of the KV heads), others are refused."""
+    from drafttree.models.kv_cache import KVLayout
+
+    cfg = SHAPES["smollm2-135m"][0]   # 9 heads, 3 KV heads of 64
+    assert valid_sizes(cfg, 12) == [1, 2, 3]
+    assert head_rows(cfg, 0, 2) == (slice(0, 6 * 64), slice(0, 2 * 64))
+    assert head_rows(cfg, 1, 2) == (slice(6 * 64, 9 * 64), slice(2 * 64, 3 * 64))
+    assert [KVLayout.of(cfg, 2, r).kv_heads for r in range(2)] == [2, 1]
+    assert projections(cfg, 2, 1) == {"qkv": (5 * 64, 576), "o": (576, 3 * 64), "gate_up": (2 * 768, 576),
+                                      "down": (576, 768)}
+    with torch.device("meta"):
+        layer = DecoderLayer(cfg, fake_group(1, 2))
+    assert tuple(layer.self_attn.o_proj.weight.shape) == (576, 3 * 64)
+    check_size(cfg, 2)
+    with pytest.raises(ValueError, match="does not divide the 9 attention heads"):
+        check_size(cfg, 4)
+    # the even rules stand: Qwen3-8B at 16 ranks replicates its 8 KV heads, and 12 is refused
+    big = SHAPES["qwen3-8b"][0]
+    check_size(big, 16)
+    with pytest.raises(ValueError):
+        check_size(big, 12)
+    assert head_rows(big, 2, 3) == (slice(24 * 128, 32 * 128), slice(6 * 128, 8 * 128))   # 3 + 3 + 2 KV heads

@@ -26,6 +26,9 @@ SHAPES: dict[str, dict] = {
     # one KV head (MQA): tensor-parallel ranks each hold a copy of it
     "llama-mqa": dict(arch="llama", hidden_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=8,
                       tie_word_embeddings=True),
+    # three KV heads of nine query heads (SmolLM2's grouping): two ranks split them 2 + 1 by whole groups
+    "llama-gqa3": dict(arch="llama", hidden_size=36, num_attention_heads=9, num_key_value_heads=3, head_dim=8,
+                       tie_word_embeddings=True),
 }
 
 

@@ -129,7 +129,7 @@ class Engine:
             raise ValueError(f"page_size must be >= 1, got {ps}")
         # a token's K/V in every pool that holds it: the target's (MLA: its latent only; tensor-parallel:
         # this rank's KV heads, the pool holding the same pages on every rank) and the drafter's
-        bpt = KVLayout.of(tcfg, self.world).bytes_per_token(self.dtype)
+        bpt = KVLayout.of(tcfg, self.world, 0 if self.tp is None else self.tp.rank).bytes_per_token(self.dtype)
         if drafter is not None:
             bpt += KVLayout.of(drafter.cfg.model).bytes_per_token(self.dtype)
         budget, source = self._kv_budget(drafter.cfg.model if drafter is not None else None, use_graphs)

@@ -108,7 +108,7 @@ class DecoderLM(nn.Module):
     @property
     def kv_layout(self) -> KVLayout:
         """What this rank's cache holds per token (its KV heads: `parallel.shard.kv_heads_per_rank`)."""
-        return KVLayout.of(self.cfg, 1 if self.tp is None else self.tp.world)
+        return KVLayout.of(self.cfg) if self.tp is None else KVLayout.of(self.cfg, self.tp.world, self.tp.rank)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

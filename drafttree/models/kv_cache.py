@@ -42,9 +42,9 @@ class KVLayout:
     v_dim: int
 
     @classmethod
-    def of(cls, cfg: ModelConfig, world: int = 1) -> "KVLayout":
-        """`cfg`'s layout; over `world` tensor-parallel ranks, one rank's (its share of the KV heads)."""
-        return cls(cfg.num_layers, kv_heads_per_rank(cfg.num_kv_heads, world), cfg.head_dim, cfg.v_cache_dim)
+    def of(cls, cfg: ModelConfig, world: int = 1, rank: int = 0) -> "KVLayout":
+        """`cfg`'s layout; over `world` tensor-parallel ranks, rank `rank`'s (its share of the KV heads)."""
+        return cls(cfg.num_layers, kv_heads_per_rank(cfg.num_kv_heads, world, rank), cfg.head_dim, cfg.v_cache_dim)
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return self.layers * self.kv_heads * (self.k_dim + self.v_dim) * torch.empty((), dtype=dtype).element_size()

@@ -13,7 +13,7 @@ from drafttree.kernels.fused import fused
 from drafttree.kernels.torch_ops import add_rms_norm, rms_norm, silu_mul
 from drafttree.parallel.comm import all_reduce
 from drafttree.parallel.group import TPGroup
-from drafttree.parallel.shard import kv_heads_per_rank
+from drafttree.parallel.shard import kv_heads_per_rank, q_span
 
 
 class RMSNorm(nn.Module):
@@ -148,8 +148,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp
-        world = tp.world if tp is not None else 1
-        self.h, self.hkv, self.hd = cfg.num_heads // world, kv_heads_per_rank(cfg.num_kv_heads, world), cfg.head_dim
+        world, rank = (tp.world, tp.rank) if tp is not None else (1, 0)
+        self.h, self.hkv = q_span(cfg, world, rank)[1], kv_heads_per_rank(cfg.num_kv_heads, world, rank)
+        self.hd = cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None

@@ -15,7 +15,7 @@ from drafttree.models.dflash import DFlashConfig, DFlashDrafter, default_target_
 from drafttree.models.layers import Rotary
 from drafttree.models.moe_decoder import build_rotary, build_target, fp32_parameters
 from drafttree.parallel.group import TPGroup
-from drafttree.parallel.shard import kv_heads_per_rank
+from drafttree.parallel.shard import kv_heads_per_rank, q_span
 
 # The published config.json fields of the MoE/MLA shapes (token ids left out), parsed as a checkpoint's.
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
@@ -74,11 +74,11 @@ def shape_config(shape: str) -> tuple[ModelConfig, dict]:
     return cfg, dict(d, target_layer_ids=tuple(default_target_layer_ids(n, min(5, n))))
 
 
-def projections(cfg: ModelConfig, world: int = 1) -> dict[str, tuple[int, int]]:
-    """(N, K) of one layer's four projection weights, as the layers fuse them, on one rank of a
+def projections(cfg: ModelConfig, world: int = 1, rank: int = 0) -> dict[str, tuple[int, int]]:
+    """(N, K) of one layer's four projection weights, as the layers fuse them, on rank `rank` of a
     tensor-parallel group of `world` ranks (`parallel.shard`)."""
-    D, I, HD = cfg.hidden_size, cfg.intermediate_size // world, cfg.num_heads // world * cfg.head_dim
-    KV = kv_heads_per_rank(cfg.num_kv_heads, world) * cfg.head_dim
+    D, I, HD = cfg.hidden_size, cfg.intermediate_size // world, q_span(cfg, world, rank)[1] * cfg.head_dim
+    KV = kv_heads_per_rank(cfg.num_kv_heads, world, rank) * cfg.head_dim
     return {"qkv": (HD + 2 * KV, D), "o": (D, HD), "gate_up": (2 * I, D), "down": (D, I)}
 
 

@@ -1,8 +1,11 @@
 """Which slice of every weight a rank holds, and which tensor-parallel sizes a model takes.
 
 At size N rank r holds (Megatron's layout, as vLLM and SGLang shard):
-    q_proj rows      its H/N query heads, r * H/N ..          column-parallel (fused into qkv_proj)
-    k_proj, v_proj   its Hkv/N KV heads; where Hkv < N, KV head r // (N / Hkv), replicated
+    q_proj rows      the query heads of its KV heads' groups    column-parallel (fused into qkv_proj)
+    k_proj, v_proj   a contiguous run of KV heads: Hkv/N each, or where N does not divide Hkv
+                     (N <= Hkv) ceil(Hkv/N) on the first Hkv % N ranks and floor on the rest (their
+                     query heads follow: SmolLM2's 3 KV heads of 9 at N = 2 are 2 + 1, 6 + 3 query
+                     heads); where Hkv < N, KV head r // (N / Hkv), replicated, and H/N query heads
     o_proj columns   the inputs of its query heads            row-parallel: one all-reduce
     gate/up rows     its I/N intermediate rows                 column-parallel (fused into gate_up_proj)
     down columns     the same I/N                              row-parallel: one all-reduce
@@ -23,10 +26,30 @@ from drafttree.parallel.layers import vocab_shard
 Select = Callable[[str, list[int]], tuple[slice, ...] | None]
 
 
-def kv_heads_per_rank(kv_heads: int, world: int) -> int:
-    """KV heads a rank holds (and caches): its share, or one replicated head where there are
-    fewer KV heads than ranks. The KV pool's bytes per token follow from this one count."""
-    return max(kv_heads // world, 1)
+def kv_span(kv_heads: int, world: int, rank: int = 0) -> tuple[int, int]:
+    """(first KV head, count) rank `rank` holds: its contiguous run of the KV heads (the first
+    kv_heads % world ranks one more), or one replicated head where there are fewer than ranks."""
+    if kv_heads < world:
+        return rank // (world // kv_heads), 1
+    base, extra = divmod(kv_heads, world)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def kv_heads_per_rank(kv_heads: int, world: int, rank: int = 0) -> int:
+    """KV heads a rank holds (and caches). The KV pool's bytes per token follow from this one count
+    (rank 0 holds the most; the ranks agree on the fewest pages, `engine`)."""
+    return kv_span(kv_heads, world, rank)[1]
+
+
+def q_span(cfg: ModelConfig, world: int, rank: int = 0) -> tuple[int, int]:
+    """(first query head, count) rank `rank` holds: the query heads of its KV heads' groups, or
+    H/N where KV heads are replicated."""
+    if cfg.num_kv_heads < world:
+        h = cfg.num_heads // world
+        return rank * h, h
+    group = cfg.num_heads // cfg.num_kv_heads
+    first, n = kv_span(cfg.num_kv_heads, world, rank)
+    return first * group, n * group
 
 
 def valid_sizes(cfg: ModelConfig, most: int = 64) -> list[int]:
@@ -35,11 +58,12 @@ def valid_sizes(cfg: ModelConfig, most: int = 64) -> list[int]:
 
 def problems(cfg: ModelConfig, world: int) -> list[str]:
     out = []
-    if cfg.num_heads % world:
-        out.append(f"the {cfg.num_heads} attention heads")
     kv = cfg.num_kv_heads
-    if kv % world and world % kv:
-        out.append(f"the {kv} KV heads (nor is it a multiple of them)")
+    if world > kv:   # at most kv ranks split by whole KV groups, evenly or not; more replicate them
+        if cfg.num_heads % world:
+            out.append(f"the {cfg.num_heads} attention heads")
+        if world % kv:
+            out.append(f"the {kv} KV heads (nor is it a multiple of them)")
     if cfg.intermediate_size % world:
         out.append(f"the MLP's {cfg.intermediate_size} intermediate rows")
     return out
@@ -53,7 +77,9 @@ def unsupported_sparse(cfg: ModelConfig) -> str:
 
 def check_size(cfg: ModelConfig, world: int) -> None:
     """Refuse a tensor-parallel size the model cannot be split into, naming what it must divide,
-    and any size > 1 for MoE and MLA targets (not sharded yet)."""
+    and any size > 1 for MoE and MLA targets (not sharded yet). Sizes up to the KV heads split
+    them by whole groups (unevenly where they do not divide); larger ones must divide the query
+    heads and be a multiple of the KV heads."""
     if world < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
     if world > 1 and cfg.sparse:
@@ -67,10 +93,10 @@ def check_size(cfg: ModelConfig, world: int) -> None:
 
 def head_rows(cfg: ModelConfig, rank: int, world: int) -> tuple[slice, slice]:
     """(query-head rows, KV-head rows) of rank `rank` in q_proj and in k_proj / v_proj."""
-    hd, h = cfg.head_dim, cfg.num_heads // world
-    kv = kv_heads_per_rank(cfg.num_kv_heads, world)
-    first_kv = rank * kv if cfg.num_kv_heads >= world else rank // (world // cfg.num_kv_heads)
-    return slice(rank * h * hd, (rank + 1) * h * hd), slice(first_kv * hd, (first_kv + kv) * hd)
+    hd = cfg.head_dim
+    first_q, h = q_span(cfg, world, rank)
+    first_kv, kv = kv_span(cfg.num_kv_heads, world, rank)
+    return slice(first_q * hd, (first_q + h) * hd), slice(first_kv * hd, (first_kv + kv) * hd)
 
 
 def selector(cfg: ModelConfig, rank: int, world: int) -> Select:

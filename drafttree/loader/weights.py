@@ -11,7 +11,7 @@ from torch import nn
 
 from drafttree.config import ModelConfig
 from drafttree.loader.lazy_tensors import CheckpointTensors
-from drafttree.loader.moe_weights import layer_tensors
+from drafttree.loader.moe_weights import attention_tensors, layer_tensors, mlp_tensors
 from drafttree.models.moe_decoder import SparseDecoderLM, build_rotary, fp32_parameters, is_sparse
 from drafttree.parallel import shard
 from drafttree.parallel.group import TPGroup
@@ -71,20 +71,9 @@ def target_state_dict(hf: StateDict, num_layers: int, tied: bool) -> StateDict:
 
 
 def layer_state_dict(src: StateDict, p: str, take: Callable[[str], torch.Tensor]) -> StateDict:
-    a, m = p + "self_attn.", p + "mlp."
-    out = {
-        p + "input_layernorm.weight": take(p + "input_layernorm.weight"),
-        p + "post_attention_layernorm.weight": take(p + "post_attention_layernorm.weight"),
-        a + "qkv_proj.weight": torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]),
-        a + "o_proj.weight": take(a + "o_proj.weight"),
-        m + "gate_up_proj.weight": torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
-        m + "down_proj.weight": take(m + "down_proj.weight"),
-    }
-    if a + "q_proj.bias" in src:
-        out[a + "qkv_proj.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
-    for n in ("q_norm", "k_norm"):
-        if a + n + ".weight" in src:
-            out[a + n + ".weight"] = src[a + n + ".weight"]
+    out = {p + n + ".weight": take(p + n + ".weight") for n in ("input_layernorm", "post_attention_layernorm")}
+    out.update(attention_tensors(src, p + "self_attn.", take))
+    out.update(mlp_tensors(p + "mlp.", take))
     return out
 
 

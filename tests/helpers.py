@@ -131,6 +131,22 @@ def pool_is_whole(llm: LLM) -> None:
     assert all(r == 0 for r in e.pool.ref), "a page is still held"
     assert (e.runner.state.block_table == 0).all(), "a row still names pages"
 
+def next_turn_reuses_generated_pages(pair: Pair, spec: str, block_size: int | None, budget: int | None) -> None:
+    """A follow-up whose prompt is the last prompt and its answer finds the answer's pages in the
+    prefix cache (generated, not prefilled) and still gives plain decoding's tokens."""
+    (first,) = make_prompts(pair.vocab, lens=(10,), seed=11)
+    llm = make_llm(pair, spec, block_size, budget, page_size=4)
+    (answer,) = llm.generate([first], greedy(30))
+    follow = first + answer.token_ids + [1, 2, 3]
+    before = llm.engine.stats.prefix_cache_hits
+    (out,) = llm.generate([follow], greedy(12))
+    hits = llm.engine.stats.prefix_cache_hits - before
+    # all but the pages of the positions its last round (up to max_commit) and the drafter's
+    # pending context (as many) could still write when they were offered
+    assert hits >= (len(first) + 30 - 1 - 2 * llm.engine.spec.max_commit) // 4 * 4 > len(first), hits
+    assert out.token_ids == pair.plain(follow, 12)
+    pool_is_whole(llm)
+
 
 def pool_gb(pair: Pair, spec: str, block_size: int | None, budget: int | None, pages: int, page_size: int,
             **kw) -> float:

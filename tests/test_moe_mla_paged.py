@@ -10,7 +10,8 @@ import torch
 from drafttree.loader.weights import load_target
 from drafttree.models import mla
 from drafttree.models.kv_cache import KVLayout, PagedKVCache, attn_meta, causal
-from tests.helpers import Pair, greedy, make_llm, make_prompts, pool_gb, pool_is_whole
+from tests.helpers import (Pair, greedy, make_llm, make_prompts, next_turn_reuses_generated_pages, pool_gb,
+                           pool_is_whole)
 
 SPECS = [("none", None, None), ("dflash", 4, None), ("ddtree", 4, 8)]
 MLA_SHAPES = ["deepseek_v3", "deepseek_v3_plain"]
@@ -122,16 +123,7 @@ def test_generated_latent_pages_serve_the_next_turn(moe_zoo, spec, block_size, b
     """The latent entries a verify wrote and its commit moved are final: a follow-up turn takes
     the answer's pages from the prefix cache and still decodes plain decoding's tokens."""
     pair = moe_zoo("deepseek_v3")
-    (first,) = make_prompts(pair.vocab, lens=(10,), seed=11)
-    llm = make_llm(pair, spec, block_size, budget, page_size=4)
-    (answer,) = llm.generate([first], greedy(30))
-    follow = first + answer.token_ids + [1, 2, 3]
-    before = llm.engine.stats.prefix_cache_hits
-    (out,) = llm.generate([follow], greedy(12))
-    hits = llm.engine.stats.prefix_cache_hits - before
-    assert hits >= (len(first) + 30 - 1 - 2 * llm.engine.spec.max_commit) // 4 * 4 > len(first), hits
-    assert out.token_ids == pair.plain(follow, 12)
-    pool_is_whole(llm)
+    next_turn_reuses_generated_pages(pair, spec, block_size, budget)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,8 @@ from drafttree.engine.pages import PagePool
 from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
 from drafttree.runner.model_runner import CacheConfig
-from tests.helpers import greedy, make_llm, make_prompts, pool_gb, pool_is_whole
+from tests.helpers import (greedy, make_llm, make_prompts, next_turn_reuses_generated_pages, pool_gb,
+                           pool_is_whole)
 
 SPECS = [("none", None, None), ("dflash", 4, None), ("ddtree", 4, 8)]
 
@@ -74,18 +75,7 @@ def test_generated_pages_serve_the_next_turn(zoo, spec, block_size, budget):
     """A follow-up whose prompt is the last prompt and its answer finds the answer's pages too
     (generated, not prefilled), and still gives plain decoding's tokens."""
     pair = zoo("llama")
-    (first,) = make_prompts(pair.vocab, lens=(10,), seed=11)
-    llm = make_llm(pair, spec, block_size, budget, page_size=4)
-    (answer,) = llm.generate([first], greedy(30))
-    follow = first + answer.token_ids + [1, 2, 3]
-    before = llm.engine.stats.prefix_cache_hits
-    (out,) = llm.generate([follow], greedy(12))
-    hits = llm.engine.stats.prefix_cache_hits - before
-    # all but the pages of the positions its last round (up to max_commit) and the drafter's
-    # pending context (as many) could still write when they were offered
-    assert hits >= (len(first) + 30 - 1 - 2 * llm.engine.spec.max_commit) // 4 * 4 > len(first), hits
-    assert out.token_ids == pair.plain(follow, 12)
-    pool_is_whole(llm)
+    next_turn_reuses_generated_pages(pair, spec, block_size, budget)
 
 
 @pytest.mark.parametrize("spec,block_size,budget", SPECS)

@@ -240,6 +240,8 @@ class GraphRunner:
                             b, shape, mode.name, kv_len)
             return False
         self.r.state.park(b, B)
+        # a round's phases replay back to back: a verify graph reads the tree its job's draft graph
+        # left in the shared pool, which any other graph's replay may reuse (`cost.measure` too)
         for k in keys:
             with self.r.timer.phase(k[0].value):
                 self.graphs[k].replay()

@@ -31,7 +31,10 @@ if args.spec == "dflash":
 if args.draft_quantization:
     extra["draft_quantization"] = args.draft_quantization
 B, P = args.batch, args.prompt_len
-eng = Engine(EngineConfig(spec=args.spec, random_weights=args.shape, max_num_seqs=B, max_model_len=2048, **extra))
+# the draft phase is profiled eagerly: no graphs to capture at start-up
+graphs = None if args.phase == "round" else False
+eng = Engine(EngineConfig(spec=args.spec, random_weights=args.shape, max_num_seqs=B, max_model_len=2048,
+                          cuda_graphs=graphs, **extra))
 r = eng.runner
 V = r.target.cfg.vocab_size
 g = torch.Generator().manual_seed(0)

@@ -106,3 +106,31 @@ def test_projection_shapes_are_the_layers(shape):
     have = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
             "down": layer.mlp.down_proj}
     assert projections(cfg) == {name: tuple(m.weight.shape) for name, m in have.items()}
+
+
+def test_one_engine_runs_every_batch_size_and_prompt_set(tmp_path):
+    """`--batch 1,3` and two prompt sets: each run is compared with plain decoding of its own
+    prompts, batch size and temperature."""
+    t = make_target(tmp_path / "t", "qwen3", vocab=11, layers=2, scale=3.0)
+    d = make_drafter(tmp_path / "d", t, block_size=4, target_layer_ids=[0])
+    sets = []
+    for k in range(2):
+        sets.append(tmp_path / f"set{k}.jsonl")
+        sets[-1].write_text("\n".join(json.dumps({"prompt_ids": [i % 7 + 1 + k, 2, 3 + k]}) for i in range(4)))
+    out = tmp_path / "out"
+    assert main(["--model", str(t), "--draft-model", str(d), "--prompts", ",".join(map(str, sets)),
+                 "--num-prompts", "4", "--max-tokens", "9", "--methods", "ar,ddtree", "--budgets", "auto,4",
+                 "--temperatures", "0", "--batch", "1,3", "--device", "cpu", "--dtype", "float32",
+                 "--max-model-len", "64", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    cells = {(r["prompts"], r["batch"]) for r in res["results"]}
+    assert cells == {(str(s), b) for s in sets for b in (1, 3)} and res["meta"]["batch"] == [1, 3]
+    for r in res["results"]:
+        ar = next(x for x in res["results"] if x["method"] == "ar" and (x["prompts"], x["batch"]) == (r["prompts"], r["batch"]))
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / ar["tokens_per_s"])
+        assert r["output_tokens"] == 36 and r["same_as_ar"] == 1.0
+    for s in sets:
+        for b in (1, 3):
+            assert (out / f"budget_sweep_{s.stem}_b{b}.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="positive"):
+        main(["--batch", "0", "--out", str(tmp_path / "bad")])

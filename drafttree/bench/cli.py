@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", default=None, help="default: the shipped drafter of the default model")
     p.add_argument("--random-weights", default=None, help="timing only: a shape from drafttree.models.random_shapes")
     p.add_argument("--random-drafter", action="store_true", help="timing only: a random drafter for --model")
-    p.add_argument("--prompts", default="humaneval", help="humaneval | sharegpt-heldout | FILE.jsonl")
+    p.add_argument("--prompts", default="humaneval",
+                   help="humaneval | sharegpt-heldout | FILE.jsonl, or several, comma-separated (one engine runs them all)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--methods", default="ar,dflash,ddtree")
@@ -51,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--top-p", type=float, default=1.0, help="of every sampled request (1: off)")
     p.add_argument("--top-k", type=int, default=0, help="of every sampled request (0: off)")
-    p.add_argument("--batch", type=int, default=1, help="concurrent requests (max_num_seqs)")
+    p.add_argument("--batch", default="1",
+                   help="concurrent requests, or several sizes comma-separated (e.g. 1,4,16,64): each method's "
+                        "engine is started once, at the largest, and runs every size")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--draft-quantization", default=None, help="fp8: the drafter's weights as e4m3")
@@ -87,6 +90,13 @@ def runs(a: argparse.Namespace) -> list[tuple[str, int | str | None]]:
     return out
 
 
+def batches(a: argparse.Namespace) -> list[int]:
+    out = [int(b) for b in str(a.batch).split(",") if b.strip()]
+    if not out or min(out) < 1:
+        raise ValueError(f"--batch needs positive sizes, got {a.batch!r}")
+    return out
+
+
 def make_llm(a, method: str, budget: int | str | None) -> LLM:
     """One engine per (method, budget): every temperature of the run shares it (and its graphs)."""
     # DFlash's chain in every round: a fixed budget (its value is not used)
@@ -94,7 +104,7 @@ def make_llm(a, method: str, budget: int | str | None) -> LLM:
     return LLM(model=a.model, draft_model=a.draft_model, spec="none" if method == "ar" else method,
                budget=engine_budget, block_size=a.block_size,
                budget_schedule=schedule_for(method, a.budget_schedule), speculate_sampled=a.speculate_sampled,
-               dtype=a.dtype, device=a.device, max_num_seqs=a.batch,
+               dtype=a.dtype, device=a.device, max_num_seqs=max(batches(a)),
                max_model_len=a.max_model_len, cuda_graphs=False if a.no_cuda_graphs else None,
                prefill_graphs=False if a.no_prefill_graphs else None,
                overlap=False if a.no_overlap else None, random_weights=a.random_weights,
@@ -103,8 +113,10 @@ def make_llm(a, method: str, budget: int | str | None) -> LLM:
 
 
 def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, temperature: float,
-            bar) -> tuple[dict, list[list[int]]]:
-    """One method at one temperature over all prompts: its figures, and its outputs' token ids."""
+            bar, batch: int | None = None, prompt_set: str | None = None) -> tuple[dict, list[list[int]]]:
+    """One method at one temperature over all prompts, `batch` at a time: its figures, and its
+    outputs' token ids."""
+    batch = batch or batches(a)[0]
     eng = llm.engine
     texts = [p if isinstance(p, list) or llm.tokenizer is None else llm.apply_chat_template(
         [{"role": "user", "content": p}]) for p in prompts]
@@ -115,8 +127,8 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
     # process at batch 16: 2,034, 7,774, 9,439 tok/s).
     warm = SamplingParams(temperature=temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=min(8, a.max_tokens),
                           seed=0)
-    for i in range(0, len(texts), a.batch):
-        llm.generate(texts[i:i + a.batch], warm)
+    for i in range(0, len(texts), batch):
+        llm.generate(texts[i:i + batch], warm)
     st, timer = eng.stats, eng.runner.timer
     rounds0, prefill0, gpu0 = st.rounds, st.prefill_seconds, _round_seconds(timer)
     budgets0 = Counter(st.budget_hist)
@@ -124,13 +136,14 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
     outs, t0 = [], time.perf_counter()
     if profiler is not None:
         profiler.enable()
-    for i in range(0, len(texts), a.batch):
-        outs += llm.generate(texts[i:i + a.batch], params[i:i + a.batch])
-        bar.update(len(texts[i:i + a.batch]))
+    for i in range(0, len(texts), batch):
+        outs += llm.generate(texts[i:i + batch], params[i:i + batch])
+        bar.update(len(texts[i:i + batch]))
     wall = time.perf_counter() - t0
     if profiler is not None:
         profiler.disable()
-        name = f"host_profile_{method}{'' if budget is None else budget}_T{temperature:g}.txt"
+        cell = _cell_suffix(a, batch, prompt_set)
+        name = f"host_profile_{method}{'' if budget is None else budget}_T{temperature:g}{cell}.txt"
         with open(Path(a.out) / name, "w") as f:
             pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
     rounds = max(st.rounds - rounds0, 1)
@@ -138,7 +151,8 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
     taus = [t for o in outs for t in o.metrics["accept_lengths"]]
     tpot = [(o.metrics["total_s"] - o.metrics["ttft_s"]) / max(len(o.token_ids) - 1, 1) for o in outs]
     after_first = sum(o.metrics["total_s"] - o.metrics["ttft_s"] for o in outs)
-    return {"method": method, "budget": budget, "budget_schedule": eng.spec.budget_schedule,
+    return {"method": method, "budget": budget, "prompts": prompt_set or a.prompts, "batch": batch,
+            "budget_schedule": eng.spec.budget_schedule,
             "block_size": eng.spec.block_size, "temperature": temperature, "top_p": a.top_p, "top_k": a.top_k,
             "output_tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
             "tpot_ms": 1e3 * sum(tpot) / len(tpot), "tau_mean": sum(taus) / max(len(taus), 1),
@@ -156,12 +170,27 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
             "cost_model_s": eng.costs.measure_s if eng.costs is not None else None}, [o.token_ids for o in outs]
 
 
+def _cell_suffix(a, batch: int, prompt_set: str | None) -> str:
+    """'' for a run of one prompt set at one batch size, else what tells its cells apart."""
+    many_sets, many_batches = len(prompt_sets(a)) > 1, len(batches(a)) > 1
+    return (f"_{Path(prompt_set or a.prompts).stem}" if many_sets else "") + (f"_b{batch}" if many_batches else "")
+
+
+def prompt_sets(a: argparse.Namespace) -> list[str]:
+    return [p.strip() for p in a.prompts.split(",") if p.strip()]
+
+
+def _cell(r: dict) -> tuple:
+    """The runs one speedup compares: the same prompts, batch size and temperature."""
+    return r.get("prompts"), r.get("batch"), r["temperature"]
+
+
 def _round_seconds(timer) -> float:
     """Seconds the runner's timer has counted in round phases (not prefill)."""
     return sum(timer.totals[p.value] for p in Phase if p is not Phase.PREFILL and p.value in timer.totals)
 
 
-def plot(results: list[dict], out: Path) -> list[str]:
+def plot(results: list[dict], out: Path, suffix: str = "") -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -187,8 +216,8 @@ def plot(results: list[dict], out: Path) -> list[str]:
         ax.set_ylabel(name)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "budget_sweep.png", dpi=120)
-    files.append("budget_sweep.png")
+    fig.savefig(out / f"budget_sweep{suffix}.png", dpi=120)
+    files.append(f"budget_sweep{suffix}.png")
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in results:
         if r["method"] != "ar" and r["temperature"] == temps[0]:
@@ -201,30 +230,38 @@ def plot(results: list[dict], out: Path) -> list[str]:
     ax.set_ylabel("fraction of rounds")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "acceptance_histogram.png", dpi=120)
+    fig.savefig(out / f"acceptance_histogram{suffix}.png", dpi=120)
     plt.close("all")
-    return files + ["acceptance_histogram.png"]
+    return files + [f"acceptance_histogram{suffix}.png"]
 
 
 def finish(results: list[dict], meta: dict, out: Path) -> None:
     """Speedups over AR at the same temperature, results.json, plots and the printed table."""
     for r in results:
-        ar = next((x for x in results if x["method"] == "ar" and x["temperature"] == r["temperature"]), None)
+        ar = next((x for x in results if x["method"] == "ar" and _cell(x) == _cell(r)), None)
         r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar else None
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    files = plot(results, out)
-    print(f"{'method':<8}{'budget':>7}{'T':>4}{'tau':>7}{'tok/s':>9}{'TPOT ms':>9}{'TTFT ms':>9}{'speedup':>9}{'=AR':>6}"
+    cells = list(dict.fromkeys((r.get("prompts"), r.get("batch")) for r in results))
+    files = []
+    for ps, b in cells:
+        suffix = "" if len(cells) == 1 else f"_{Path(str(ps)).stem}_b{b}"
+        files += plot([r for r in results if (r.get("prompts"), r.get("batch")) == (ps, b)], out, suffix)
+    many = len(cells) > 1
+    head = f"{'prompts':<12}{'batch':>6}" if many else ""
+    print(f"{head}{'method':<8}{'budget':>7}{'T':>4}{'tau':>7}{'tok/s':>9}{'TPOT ms':>9}{'TTFT ms':>9}{'speedup':>9}{'=AR':>6}"
           f"{'round ms':>10}{'GPU ms':>8}")
     for r in results:
         sp = f"{r['speedup']:.2f}" if r["speedup"] else "-"
         ttft = f"{r['ttft_ms']:.1f}" if "ttft_ms" in r else "-"   # absent from older results files
         same = f"{r['same_as_ar']:.2f}" if r.get("same_as_ar") is not None else "-"
         rnd = f"{r['round_ms']:>10.3f}{r['round_gpu_ms']:>8.3f}" if "round_ms" in r else f"{'-':>10}{'-':>8}"
-        print(f"{r['method']:<8}{r['budget'] or '-':>7}{r['temperature']:>4g}{r['tau_mean']:>7.2f}"
+        cell = f"{Path(str(r.get('prompts'))).stem[:11]:<12}{r.get('batch') or '-':>6}" if many else ""
+        print(f"{cell}{r['method']:<8}{r['budget'] or '-':>7}{r['temperature']:>4g}{r['tau_mean']:>7.2f}"
               f"{r['tokens_per_s']:>9.1f}{r['tpot_ms']:>9.2f}{ttft:>9}{sp:>9}{same:>6}{rnd}")
     for r in results:
         if r.get("budget") == "auto":
-            print(f"{r['method']} auto T={r['temperature']:g}: rounds per chosen budget "
+            where = f"{Path(str(r.get('prompts'))).stem} b{r.get('batch')} " if many else ""
+            print(f"{where}{r['method']} auto T={r['temperature']:g}: rounds per chosen budget "
                   f"{r.get('budget_histogram')}")
     print(f"wrote {out / 'results.json'} and {', '.join(files)}")
 
@@ -253,34 +290,39 @@ def main(argv: list[str] | None = None) -> int:
     if a.random_weights:
         from drafttree.models.random_shapes import shape_config
         vocab = shape_config(a.random_weights)[0].vocab_size
-    prompts = load_prompts(a.prompts, a.num_prompts, random_vocab=vocab)
+    sizes = batches(a)
+    sets = {ps: load_prompts(ps, a.num_prompts, random_vocab=vocab) for ps in prompt_sets(a)}
     temps = [float(T) for T in a.temperatures.split(",")]
     plan = runs(a)
     meta = {"date": time.strftime("%Y-%m-%d"),
             "command": "drafttree bench " + " ".join(sys.argv[2:] if argv is None else argv),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() and a.device != "cpu"
             else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
-            "prompts": a.prompts, "num_prompts": len(prompts), "max_tokens": a.max_tokens, "batch": a.batch,
+            "prompts": a.prompts, "num_prompts": {ps: len(p) for ps, p in sets.items()}, "max_tokens": a.max_tokens,
+            "batch": sizes,
             "tensor_parallel_size": a.tensor_parallel_size,
             "environment": environment()}
     results, outputs = [], {}
-    with tqdm(total=len(plan) * len(temps) * len(prompts), desc="bench", unit="req") as bar:
+    total = len(plan) * len(temps) * len(sizes) * sum(len(p) for p in sets.values())
+    with tqdm(total=total, desc="bench", unit="req") as bar:
         for m, b in plan:
             llm = make_llm(a, m, b)
-            for T in temps:
-                bar.set_postfix_str(f"{m}{'' if b is None else f' B={b}'} T={T:g}")
-                r, outputs[(m, b, T)] = run_one(a, llm, m, b, prompts, T, bar)
-                results.append(r)
-                # written after every run, so a run cut short still leaves what it measured
-                (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+            for ps, prompts in sets.items():
+                for size in sizes:
+                    for T in temps:
+                        bar.set_postfix_str(f"{m}{'' if b is None else f' B={b}'} T={T:g} batch {size}")
+                        r, outputs[(m, b, T, ps, size)] = run_one(a, llm, m, b, prompts, T, bar, size, ps)
+                        results.append(r)
+                        # written after every run, so a run cut short still leaves what it measured
+                        (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
             llm.shutdown()   # its ranks, before the next engine starts its own
             del llm
     for r in results:
         # Greedy outputs identical to plain decoding's. In fp32 a speculative method must give 1.0;
         # in bf16 on a GPU, a batched verify's numerics may part from one-row decoding on near-ties.
-        ar = outputs.get(("ar", None, r["temperature"]))
+        ar = outputs.get(("ar", None, r["temperature"], r["prompts"], r["batch"]))
         if r["temperature"] == 0 and ar is not None:
-            mine = outputs[(r["method"], r["budget"], r["temperature"])]
+            mine = outputs[(r["method"], r["budget"], r["temperature"], r["prompts"], r["batch"])]
             r["same_as_ar"] = sum(x == y for x, y in zip(mine, ar)) / len(ar)
     finish(results, meta, out)
     return 0

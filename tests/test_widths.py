@@ -109,3 +109,18 @@ def test_a_tree_of_another_width_is_refused(target, monkeypatch):
         rounds.draft_phase(rc, 2, kv_len)
     with pytest.raises(ValueError, match="headroom"):   # a cache sized for narrower rounds
         ModelRunner(target, None, spec, CacheConfig(ROWS, MAX_LEN, 32), torch.device("cpu"), torch.float32)
+
+
+def test_the_draft_head_reads_its_weight_once(target):
+    """The drafter's LM head over a block's positions 1..depth of every row is one product: a
+    strided slice fed to it as is becomes a batched product over one copy of the head per row,
+    which reads the weight once per row (the batched draft's main cost on a large vocabulary)."""
+    from torch.profiler import profile
+    drafter = drafter_for(target, torch.device("cpu"), torch.float32, 8, layers=1, layer_ids=(0, 1))
+    hidden = torch.randn(3, 8, TARGET.hidden_size)
+    with profile() as prof:
+        logits = drafter.draft_logits(hidden, 5)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::bmm" not in ops and "aten::mm" in ops, ops
+    want = torch.stack([target.lm_head(hidden[b, 1:6]) for b in range(3)])
+    assert logits.shape == (3, 5, TARGET.vocab_size) and torch.allclose(logits, want, atol=1e-5)

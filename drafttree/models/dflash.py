@@ -212,4 +212,8 @@ class DFlashDrafter(nn.Module):
         """Block positions 1..depth (default bs-1) predict the tokens at those same positions:
         [B, depth, V]; through the fp8 copy of the LM head if the drafter has one (`quant`)."""
         head = self.__dict__.get("draft_head")
-        return (self.lm_head if head is None else head)(hidden[:, 1:None if depth is None else 1 + depth]).float()
+        rows = hidden[:, 1:None if depth is None else 1 + depth]
+        # one [B * depth, D] product: the strided slice would make the head a batched product over
+        # B copies of its weight, read B times (4.6 ms of a 6.7 ms draft at batch 16, Qwen3-8B)
+        flat = rows.reshape(-1, rows.shape[-1])
+        return (self.lm_head if head is None else head)(flat).float().view(*rows.shape[:2], -1)

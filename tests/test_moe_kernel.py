@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from drafttree.kernels import moe_align, moe_kernel
+from drafttree.kernels import dispatch, moe_align, moe_kernel
 from drafttree.models import moe
 from drafttree.moe_config import MoEConfig
 from tests.helpers import DEVICE, TRITON_REASON, gpu, interpreted_on_cpu
@@ -164,6 +164,20 @@ def test_many_pairs_take_the_torch_layout(monkeypatch):
     monkeypatch.setattr(moe_align, "ALIGN_KERNEL_MAX_PAIRS", 39)
     monkeypatch.setattr(moe_align, "align_torch", lambda *a: calls.append(a) or torch_layout(*a))
     assert torch.equal(moe_kernel.fused_experts(x, w, idx, ex.gate_up, ex.down), want) and len(calls) == 1
+
+
+def test_experts_forward_takes_the_kernels_where_dispatch_says(set_settings):
+    """16-bit without autograd takes `Experts.grouped`; fp32, autograd or the setting off keep the
+    torch forms."""
+    ex, x, w, idx = experts_case(4, 2, 6, 32, 16, "topk", torch.float16)
+    with torch.no_grad():
+        assert dispatch.moe_kernels(x)
+        torch.testing.assert_close(ex(x, w, idx), ex.grouped(x, w, idx), atol=0, rtol=0)
+        assert not dispatch.moe_kernels(x.float())
+        set_settings(moe_kernel=False)
+        assert not dispatch.moe_kernels(x)
+    set_settings(moe_kernel=True)
+    assert torch.is_grad_enabled() and not dispatch.moe_kernels(x)
 
 
 @pytest.mark.gpu

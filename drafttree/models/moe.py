@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafttree.kernels import dispatch
 from drafttree.kernels.torch_ops import silu_mul
 from drafttree.models.layers import MLP
 from drafttree.moe_config import MoEConfig
@@ -29,8 +30,8 @@ def gathers(rows: int, top_k: int, num_experts: int) -> bool:
     """Whether the experts run by gathering each (token, k) pair's weights (`Experts.gathered`)
     rather than every expert over every row (`Experts.all_experts`). The gather copies the picked
     experts (a read, a write and a read of each pair's weights), the loop reads every expert once:
-    so gather while 3 * rows * k <= E, and within GATHER_MAX_PAIRS. Both are static shapes; what
-    a GPU wants for a verify is a grouped GEMM over expert-sorted pairs, which is the next step."""
+    so gather while 3 * rows * k <= E, and within GATHER_MAX_PAIRS. Both are static shapes; where
+    the grouped GEMMs run (`dispatch.moe_kernels`) neither is used."""
     pairs = rows * top_k
     return 3 * pairs <= num_experts and pairs <= GATHER_MAX_PAIRS
 
@@ -82,11 +83,19 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [N, D], routing weights and ids [N, k] -> Σ_k w[n, k] · expert_idx[n, k](x[n]): [N, D]."""
+        if dispatch.moe_kernels(x):
+            return self.grouped(x, w, idx)
         if gathers(x.shape[0], idx.shape[1], self.gate_up.shape[0]):
             return self.gathered(x, w, idx)
         if x.shape[0] >= SORTED_MIN_ROWS and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             return self.sorted(x, w, idx)
         return self.all_experts(x, w, idx)
+
+    def grouped(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The pairs sorted by expert on the device, each expert over its own pairs in grouped
+        GEMMs (`dispatch.moe_experts`): static shapes, no read-back, each hit expert's weights
+        read once per tile of its pairs."""
+        return dispatch.moe_experts(x, w, idx, self.gate_up, self.down)
 
     def gathered(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Each (token, k) pair gathers its expert's weights and runs a batched GEMV."""

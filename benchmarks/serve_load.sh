@@ -50,7 +50,7 @@ for spec in $SPECS; do
     echo "== $spec, concurrency $c, $n requests"
     load "$spec/c$c" --max-concurrency "$c" --num-prompts "$n"
   done
-  if [ "$spec" = "$first" ]; then   # the shared system prompt, with and without prefix caching
+  if [ "$spec" = "$first" ] && [ "${SHARED:-1}" = 1 ]; then   # the shared system prompt, with and without prefix caching
     echo "== $spec, shared prefix of 512 words, concurrency 16"
     load "$spec/shared512" --max-concurrency 16 --num-prompts 128 --shared-prefix-len 512
     stop

@@ -151,6 +151,14 @@ def test_grouped_experts_match_the_torch_forms(N, k, E, D, I, kind, blocks, dtyp
         torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-5)
         return
     tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    if dtype == torch.bfloat16:
+        # the two round h at different points (the torch forms to bf16 after each product): an
+        # element whose sum nearly cancels can move by more than 2e-2 of itself, so the bound is
+        # on the largest difference against the output's scale
+        scale = same_dtype.float().abs().max()
+        assert (got.float() - same_dtype.float()).abs().max() <= tol * scale
+        assert (got.float() - exact).abs().max() <= tol * exact.abs().max()
+        return
     torch.testing.assert_close(got.float(), same_dtype.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(got.float(), exact, atol=2 * tol, rtol=2 * tol)
 
@@ -170,6 +178,7 @@ def test_experts_forward_takes_the_kernels_where_dispatch_says(set_settings):
     """16-bit without autograd takes `Experts.grouped`; fp32, autograd or the setting off keep the
     torch forms."""
     ex, x, w, idx = experts_case(4, 2, 6, 32, 16, "topk", torch.float16)
+    set_settings(moe_kernel=True)
     with torch.no_grad():
         assert dispatch.moe_kernels(x)
         torch.testing.assert_close(ex(x, w, idx), ex.grouped(x, w, idx), atol=0, rtol=0)

@@ -41,6 +41,7 @@ load() {  # out-dir, bench-serve flags...
     > "$OUT/$dir/metrics.txt" || true
 }
 
+first=${SPECS%% *}
 for spec in $SPECS; do
   serve "$spec" --spec "$spec"
   grep "start-up:" "$OUT/$spec.server.log" || true
@@ -49,14 +50,13 @@ for spec in $SPECS; do
     echo "== $spec, concurrency $c, $n requests"
     load "$spec/c$c" --max-concurrency "$c" --num-prompts "$n"
   done
-  if [ "$spec" = "${SPECS%% *}" ]; then   # the shared system prompt, on the first method's server
+  if [ "$spec" = "$first" ]; then   # the shared system prompt, with and without prefix caching
     echo "== $spec, shared prefix of 512 words, concurrency 16"
     load "$spec/shared512" --max-concurrency 16 --num-prompts 128 --shared-prefix-len 512
+    stop
+    serve "${first}_nocache" --spec "$first" --no-prefix-caching
+    echo "== $first without prefix caching, shared prefix of 512 words, concurrency 16"
+    load "$first/shared512_nocache" --max-concurrency 16 --num-prompts 128 --shared-prefix-len 512
   fi
   stop
 done
-first=${SPECS%% *}
-serve "${first}_nocache" --spec "$first" --no-prefix-caching
-echo "== $first without prefix caching, shared prefix of 512 words, concurrency 16"
-load "$first/shared512_nocache" --max-concurrency 16 --num-prompts 128 --shared-prefix-len 512
-stop

@@ -192,6 +192,10 @@ class SpecConfig:
         """Tokens one round can commit per request (accepted path incl. bonus)."""
         return self.block_size if self.speculative else 1
 
+    def commit_bound(self, budget: int) -> int:
+        """Tokens a round at `budget` can commit per request: one for a decode round (0)."""
+        return self.max_commit if budget else 1
+
     @property
     def verify_width_max(self) -> int:
         """The widest verify forward at any batch size: the budget changes only at the batch

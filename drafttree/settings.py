@@ -9,6 +9,7 @@ so for a block of code (tests, benchmarks).
     DRAFTTREE_ATTN_KERNEL=0   attention, rope and the KV write by the torch ops
     DRAFTTREE_GEMV=0          every projection by the torch ops (cuBLAS)
     DRAFTTREE_GEMM=0          the few-row tiles off (verify and draft rows by the torch ops)
+    DRAFTTREE_MOE_KERNEL=0    routed experts by the torch forms, not the grouped GEMMs
     DRAFTTREE_PDL=0           no programmatic dependent launch (Hopper or newer)
     DRAFTTREE_BLOCKS=f.json   block shapes of a sweep (benchmarks/gemv_bench.py --out)
     DRAFTTREE_COMPILE=0|1|cpu torch.compile of the small fused pieces: off, CUDA, CUDA and CPU
@@ -69,6 +70,9 @@ class Settings:
     # The few-row tiles (a verify's, a draft block's rows; the fp8 drafter's weights); off: those
     # rows by the torch ops (an fp8 drafter's weights widened for them), the one-token GEMVs kept.
     gemm: bool = _var("DRAFTTREE_GEMM", _flag, default=True)
+    # Routed experts of 16-bit MoE models as grouped GEMMs over expert-sorted pairs; off: the
+    # torch forms (gathered weights, every expert, or sorted with a read-back).
+    moe_kernel: bool = _var("DRAFTTREE_MOE_KERNEL", _flag, default=True)
     # Programmatic dependent launch on Hopper or newer: a kernel's programs start while the one
     # before still runs and load their weights; off: each kernel waits for the one before.
     pdl: bool = _var("DRAFTTREE_PDL", _flag, default=True)

@@ -115,3 +115,27 @@ def test_gpu_overlap_emits_what_reading_first_emits(pair, spec, dtype):
                                      device="cuda", dtype=dtype, max_num_seqs=3, max_model_len=256,
                                      overlap=overlap, **kw)), prompts, params) for overlap in (False, True)]
     assert outs[1] == outs[0]
+
+
+def test_decode_rounds_of_a_speculative_engine_overlap_to_the_last_token(pair, monkeypatch):
+    """A round at budget 0 commits one token per request, so a speculative engine whose rounds
+    decode drains (reads a round before launching the next) only where plain decoding does: at
+    each request's last token, not in its last block_size tokens. Outputs stay plain decoding's."""
+    prompts = _prompts(3, seed=1)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (12, 20, 31)]
+    drains = {}
+    outputs = {}
+    for spec, kw in (("none", {}), ("ddtree", dict(budget=6, budget_schedule="1:0"))):
+        eng = _engine(pair, spec, True, max_num_seqs=3, **kw)
+        count = [0]
+        real = eng._drain
+
+        def drain(real=real, count=count):
+            count[0] += eng._inflight is not None
+            return real()
+        monkeypatch.setattr(eng, "_drain", drain)
+        outputs[spec] = [o for o, _, _ in _run(eng, prompts, params)]
+        drains[spec] = count[0]
+        assert set(eng.stats.budget_hist) == {0}
+    assert outputs["ddtree"] == outputs["none"]
+    assert drains["ddtree"] == drains["none"] <= len(prompts) + 1

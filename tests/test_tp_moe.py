@@ -27,7 +27,7 @@ from drafttree.moe_config import MoEConfig
 from drafttree.parallel import comm
 from drafttree.parallel.group import TPGroup
 from drafttree.parallel.shard import expert_span, kv_span, q_span, valid_sizes
-from tests.helpers import make_prompts
+from tests.helpers import interpreted_on_cpu, make_prompts, requires_triton
 from tests.moe_tiny import fp8_copy, make_moe_target
 from tests.test_tp import fake_group, mixed, sharded
 
@@ -224,36 +224,52 @@ def test_each_rank_reads_and_holds_its_share(models, tmp_path_factory, monkeypat
         assert first_experts == [r * cfg.moe.num_experts // world for r in range(world)]
 
 
-def test_expert_shards_sum_to_the_whole():
-    """Each rank's experts over every pair, the others' pairs weighing zero, sum over the ranks to
-    the whole block's output in every form; the graph-captured forms stay free of host syncs
-    (one graph under torch.compile's fullgraph)."""
+def expert_shards(world: int) -> tuple[moe.Experts, list[moe.Experts], tuple[torch.Tensor, ...]]:
+    """8 random experts whole and over `world` ranks, and (x, w, idx) of 9 tokens at top-3."""
     cfg = MoEConfig(num_experts=8, top_k=3, intermediate_size=5, scoring="softmax", norm_topk_prob=True,
                     sparse_layers=(0,))
-    whole = moe.Experts(6, cfg)
-    torch.nn.init.normal_(whole.gate_up)
-    torch.nn.init.normal_(whole.down)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(world)
+    whole = moe.Experts(6, cfg).requires_grad_(False)
+    whole.gate_up.copy_(torch.randn(whole.gate_up.shape, generator=g))
+    whole.down.copy_(torch.randn(whole.down.shape, generator=g))
+    ranks = []
+    for r in range(world):
+        ex = moe.Experts(6, cfg, fake_group(r, world)).requires_grad_(False)
+        n = 8 // world
+        ex.gate_up.copy_(whole.gate_up[r * n:(r + 1) * n])
+        ex.down.copy_(whole.down[r * n:(r + 1) * n])
+        ranks.append(ex)
     x = torch.randn(9, 6, generator=g)
     idx = torch.rand(9, 8, generator=g).topk(3, dim=-1).indices
-    w = torch.rand(9, 3, generator=g)
-    for world in (2, 4):
-        ranks = []
-        for r in range(world):
-            ex = moe.Experts(6, cfg, fake_group(r, world))
-            n = 8 // world
-            ex.gate_up.data, ex.down.data = whole.gate_up.data[r * n:(r + 1) * n], whole.down.data[r * n:(r + 1) * n]
-            ranks.append(ex)
-        for form in ("gathered", "all_experts", "sorted"):
-            want = getattr(whole, form)(x, w, idx)
-            got = sum(getattr(ex, form)(x, *ex.local(w, idx)) for ex in ranks)
-            assert torch.allclose(got, want, atol=1e-5), (world, form)
-        ex = ranks[-1]
-        for form in ("gathered", "all_experts"):
-            torch._dynamo.reset()
-            run = torch.compile(lambda x, w, idx: getattr(ex, form)(x, *ex.local(w, idx)), backend="eager",
-                                fullgraph=True)
-            assert torch.equal(run(x, w, idx), getattr(ex, form)(x, *ex.local(w, idx)))
+    return whole, ranks, (x, torch.rand(9, 3, generator=g), idx)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_shards_sum_to_the_whole(world):
+    """Each rank's experts over every pair, the others' pairs weighing zero, sum over the ranks to
+    the whole block's output in every torch form; the graph-captured forms stay free of host syncs
+    (one graph under torch.compile's fullgraph)."""
+    whole, ranks, (x, w, idx) = expert_shards(world)
+    for form in ("gathered", "all_experts", "sorted"):
+        want = getattr(whole, form)(x, w, idx)
+        got = sum(getattr(ex, form)(x, *ex.local(w, idx)) for ex in ranks)
+        assert torch.allclose(got, want, atol=1e-5), form
+    ex = ranks[-1]
+    for form in ("gathered", "all_experts"):
+        torch._dynamo.reset()
+        run = torch.compile(lambda x, w, idx: getattr(ex, form)(x, *ex.local(w, idx)), backend="eager",
+                            fullgraph=True)
+        assert torch.equal(run(x, w, idx), getattr(ex, form)(x, *ex.local(w, idx))), form
+
+
+@requires_triton
+def test_grouped_expert_shards_sum_to_the_whole(monkeypatch):
+    """The grouped GEMMs (Triton's interpreter on the CPU) over each rank's experts: the layout
+    takes the others' pairs at weight zero, and the ranks sum to the whole."""
+    interpreted_on_cpu(monkeypatch)
+    whole, ranks, (x, w, idx) = expert_shards(2)
+    got = sum(ex.grouped(x, *ex.local(w, idx)) for ex in ranks)
+    assert torch.allclose(got, whole.all_experts(x, w, idx), atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", ["qwen3-30b-a3b@2", "kimi-k2@2"])

@@ -340,15 +340,18 @@ class Engine:
         return out
 
     def _pending(self) -> int:
-        """Tokens the unread round may have committed per request beyond what the host knows."""
-        return self.spec.max_commit if self._inflight is not None else 0
+        """Tokens the unread round may have committed per request beyond what the host knows:
+        one where it decoded (a budget-0 round), so that a speculative engine that chose to
+        decode keeps overlapping its rounds to each request's last token, as plain decoding does."""
+        f = self._inflight
+        return 0 if f is None else self.spec.commit_bound(f.budget)
 
     def _may_overlap(self) -> bool:
         """Whether the next round may launch before the unread one is read: no request may reach
         its max_tokens in the unread round (the next would be wasted on it), nor come so near the
         context's end that the next round, starting up to max_commit tokens later, writes past
         the cache (whose rows hold max_model_len + kv_headroom slots)."""
-        c = self.spec.max_commit
+        c = self._pending()
         return all(len(s.output_ids) + c < s.params.max_tokens and s.length + c <= self.max_model_len
                    for s in self.scheduler.running)
 

@@ -22,6 +22,10 @@ Triton where `tl.dot` runs (on CUDA, Ampere or newer).
                              (no blocks) takes torch_ops.projection
     fp8_linear         fp8 weight tiles (gemm_kernel)
                        runs: `gemm` set, 16-bit, dots (`tiles_take`);  else: weights widened, cuBLAS
+    moe_experts        routed experts as grouped GEMMs over expert-sorted pairs (moe_align, moe_kernel)
+                       runs where `moe_kernels`: `moe_kernel` set, 16-bit, no autograd, dots; any
+                             row count (decode, draft, verify, prefill chunks)
+                       else: `models.moe.Experts`' torch forms (gathered, all experts, sorted)
     top_log_probs      vocabulary top-K and normalizer in two launches (topk_kernel)
                        runs: CUDA with Triton, k <= MAX_FUSED_TOPK;  else: torch topk
     build_tree_fused   the DDTree build after the top-K, one launch (tree_kernel)
@@ -38,8 +42,8 @@ from collections.abc import Callable
 
 import torch
 
-from drafttree.kernels import attn_kernel, filter_kernel, gemm_kernel, gemv_kernel, rope_kernel, topk_kernel
-from drafttree.kernels import torch_ops, tree_kernel
+from drafttree.kernels import attn_kernel, filter_kernel, gemm_kernel, gemv_kernel, moe_kernel, rope_kernel
+from drafttree.kernels import topk_kernel, torch_ops, tree_kernel
 from drafttree.kernels.attn_kernel import Rope
 from drafttree.kernels.tree_kernel import TreeTensors
 from drafttree.kernels.triton_jit import capability, dots_run_on, interpreting, kernels_run_on, next_pow2
@@ -47,8 +51,8 @@ from drafttree.settings import current
 
 __all__ = ["FEW_ROWS", "MAX_FUSED_TOPK", "Rope", "TreeTensors", "attention", "attention_kernels",
            "build_tree_fused", "few_rows", "filter_thresholds", "fp8_linear", "fp8_runs_on", "fused_tree_usable",
-           "gemv", "norm_gemv", "norm_glu_gemv", "projection_kernels", "qk_rope_write_kv", "rope_attention",
-           "rope_in_attention", "tiles_take", "top_log_probs", "write_kv"]
+           "gemv", "moe_experts", "moe_kernels", "norm_gemv", "norm_glu_gemv", "projection_kernels",
+           "qk_rope_write_kv", "rope_attention", "rope_in_attention", "tiles_take", "top_log_probs", "write_kv"]
 
 # -- attention, rope and the KV write --------------------------------------------------------------
 
@@ -193,6 +197,26 @@ def fp8_runs_on(device: torch.device | str) -> bool:
     capability 8.9 or newer); elsewhere the weights are widened for the torch ops."""
     dev = torch.device(device)
     return dev.type != "cuda" or interpreting() or (kernels_run_on(dev) and capability(dev) >= (8, 9))
+
+
+# -- mixture-of-experts ----------------------------------------------------------------------------
+
+
+def moe_kernels(x: torch.Tensor) -> bool:
+    """Whether routed experts over x [N, D] take the grouped GEMMs (`moe_experts`):
+    `settings.moe_kernel`, 16-bit, no autograd, dots on x's device; at every row count. They read
+    each expert hit once per tile of its pairs, where the gathered form copies the weights per
+    pair, the all-experts form reads every expert and the sorted form reads its counts back, so
+    they are expected to win everywhere on a GPU (not yet timed: benchmarks/moe_kernel_bench.py).
+    fp32 (CPU runs, the lossless tests) keeps the torch forms."""
+    return current().moe_kernel and _runs_16bit(x) and dots_run_on(x.device)
+
+
+def moe_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """Σ_k w[n, k] · expert_idx[n, k](x[n]) for x [N, D], w and idx [N, k]; gate_up [E, 2I, D],
+    down [E, D, I] (only where `moe_kernels`)."""
+    return moe_kernel.fused_experts(x, w, idx, gate_up, down)
 
 
 # -- the draft tree --------------------------------------------------------------------------------

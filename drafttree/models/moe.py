@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafttree.kernels import dispatch
 from drafttree.kernels.torch_ops import silu_mul
 from drafttree.models.layers import MLP
 from drafttree.moe_config import MoEConfig
@@ -37,8 +38,8 @@ def gathers(rows: int, top_k: int, num_experts: int) -> bool:
     """Whether the experts run by gathering each (token, k) pair's weights (`Experts.gathered`)
     rather than every expert over every row (`Experts.all_experts`). The gather copies the picked
     experts (a read, a write and a read of each pair's weights), the loop reads every expert once:
-    so gather while 3 * rows * k <= E, and within GATHER_MAX_PAIRS. Both are static shapes; what
-    a GPU wants for a verify is a grouped GEMM over expert-sorted pairs, which is the next step."""
+    so gather while 3 * rows * k <= E, and within GATHER_MAX_PAIRS. Both are static shapes; where
+    the grouped GEMMs run (`dispatch.moe_kernels`) neither is used."""
     pairs = rows * top_k
     return 3 * pairs <= num_experts and pairs <= GATHER_MAX_PAIRS
 
@@ -96,6 +97,8 @@ class Experts(nn.Module):
         """x [N, D], routing weights and expert ids [N, k] -> Σ_k w[n, k] · expert_idx[n, k](x[n]):
         [N, D], over this rank's experts (the others' pairs add nothing)."""
         w, idx = self.local(w, idx)
+        if dispatch.moe_kernels(x):
+            return self.grouped(x, w, idx)
         if gathers(x.shape[0], idx.shape[1], self.gate_up.shape[0]):
             return self.gathered(x, w, idx)
         if x.shape[0] >= SORTED_MIN_ROWS and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -112,6 +115,15 @@ class Experts(nn.Module):
         rel = idx - self.first
         mine = (rel >= 0) & (rel < E)
         return w.masked_fill(~mine, 0.0), torch.where(mine, rel, E)
+
+    def grouped(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The pairs sorted by expert on the device, each expert over its own pairs in grouped
+        GEMMs (`dispatch.moe_experts`): static shapes, no read-back, each hit expert's weights
+        read once per tile of its pairs. The layout takes ids in [0, E): a pair of another rank's
+        (id E) runs expert E - 1 at weight zero."""
+        if self.sharded:
+            idx = idx.clamp(max=self.gate_up.shape[0] - 1)
+        return dispatch.moe_experts(x, w, idx, self.gate_up, self.down)
 
     def gathered(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Each (token, k) pair gathers its expert's weights and runs a batched GEMV (a pair of

@@ -40,12 +40,13 @@ SHAPES: dict[str, dict] = {
 
 
 def make_moe_target(path: Path, shape: str, vocab: int = 97, layers: int = 3, seed: int = 0, scale: float = 1.0,
-                    max_shard_size: str | None = None) -> Path:
-    """Save a random transformers model of the shape; `scale` sharpens its logits. Routers and
-    DeepSeek's correction biases are random too, so that routing differs by token."""
+                    max_shard_size: str | None = None, **changes) -> Path:
+    """Save a random transformers model of the shape (config fields in `changes` replaced); `scale`
+    sharpens its logits. Routers and DeepSeek's correction biases are random too, so that routing
+    differs by token."""
     import transformers as tf
 
-    spec = dict(SHAPES[shape])
+    spec = {**SHAPES[shape], **changes}
     arch = spec.pop("arch")
     cls_cfg, cls_model = {"qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
                           "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM)}[arch]

@@ -1,5 +1,5 @@
-"""Tensor parallelism fails clearly and never hangs: a bad size, or a MoE or MLA target (not sharded
-yet), is refused before any weight loads (or any rank starts), and a rank that dies or stops
+"""Tensor parallelism fails clearly and never hangs: a size that does not divide the heads, MLP rows
+or experts is refused before any weight loads (or any rank starts), and a rank that dies or stops
 answering ends the engine with a TensorParallelError that says which, within the group's timeout.
 """
 from __future__ import annotations
@@ -54,34 +54,34 @@ def test_the_command_line_refuses_a_bad_size(zoo, nothing_starts, capsys):
     assert "tensor_parallel_size 3 does not divide the 4 attention heads" in capsys.readouterr().err
 
 
-SPARSE_REFUSED = "tensor parallelism for MoE and MLA targets is not supported yet"
-
-
-@pytest.mark.parametrize("shape,layers", [("qwen3_moe", "MoE"), ("deepseek_v3", "MoE and MLA")])
-def test_moe_and_mla_targets_are_refused_before_anything_loads(tmp_path, nothing_starts, monkeypatch, capsys,
-                                                              shape, layers):
+@pytest.mark.parametrize("shape,changes,world,match", [
+    ("qwen3_moe", dict(num_experts=6), 4, "tensor_parallel_size 4 does not divide the 6 routed experts; "
+                                          "this model takes sizes 1, 2"),
+    ("deepseek_v3", dict(num_attention_heads=6), 4, "tensor_parallel_size 4 does not divide the 6 attention heads; "
+                                                    "this model takes sizes 1, 2"),
+], ids=["experts", "mla-heads"])
+def test_moe_and_mla_sizes_that_do_not_divide_are_refused_before_anything_loads(
+        tmp_path, nothing_starts, monkeypatch, capsys, shape, changes, world, match):
     import uvicorn
 
     from tests.moe_tiny import make_moe_target
-    target = str(make_moe_target(tmp_path / shape, shape))
-    with pytest.raises(ValueError, match=f"{SPARSE_REFUSED}: this {shape} model has {layers} layers; run it "
-                                         "with tensor_parallel_size 1"):
-        LLM(model=target, device="cpu", tensor_parallel_size=2)
+    target = str(make_moe_target(tmp_path / shape, shape, **changes))
+    with pytest.raises(ValueError, match=match):
+        LLM(model=target, device="cpu", tensor_parallel_size=world)
     monkeypatch.setattr(uvicorn.Server, "run", lambda self: pytest.fail("the server listened"))
     for cmd in (["graphs"], ["generate", "x"], ["serve"]):
-        assert cli_main([*cmd, "--model", target, "--device", "cpu", "-tp", "2"]) == 2
-        assert SPARSE_REFUSED in capsys.readouterr().err
+        assert cli_main([*cmd, "--model", target, "--device", "cpu", "-tp", str(world)]) == 2
+        assert match in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("shape", ["qwen3-30b-a3b@2", "kimi-k2@2"])
-def test_moe_and_mla_random_shapes_are_refused_and_never_built_sharded(nothing_starts, shape):
-    from drafttree.models.moe_decoder import build_target
-    from drafttree.models.random_shapes import shape_config
-    from drafttree.parallel.group import TPGroup
-    with pytest.raises(ValueError, match=SPARSE_REFUSED):
-        LLM(random_weights=shape, device="cpu", tensor_parallel_size=2)
-    with torch.device("meta"), pytest.raises(ValueError, match=SPARSE_REFUSED):
-        build_target(shape_config(shape)[0], TPGroup(0, 2, torch.device("cpu"), None, None, 60.0))
+@pytest.mark.parametrize("shape,match", [
+    ("qwen3-30b-a3b@2", "tensor_parallel_size 3 does not divide the 128 routed experts; this model takes sizes 1, 2, 4"),
+    ("kimi-k2@2", "tensor_parallel_size 3 does not divide the 64 attention heads and the shared experts' 2048 "
+                  "intermediate rows"),
+], ids=["qwen3-30b-a3b", "kimi-k2"])
+def test_moe_and_mla_random_shapes_refuse_sizes_that_do_not_divide(nothing_starts, shape, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(random_weights=shape, device="cpu", tensor_parallel_size=3)
 
 
 def test_a_rank_lost_in_a_step_stops_the_engine(zoo):

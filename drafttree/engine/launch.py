@@ -46,8 +46,8 @@ GRACE_S = 10.0   # after a rank is lost, how long a step stuck in a collective m
 
 def check_launch(cfg: EngineConfig) -> Launch | None:
     """Refuse a bad tensor_parallel_size before anything loads: < 1, not dividing the model's
-    heads (or MLP rows), more ranks than GPUs, or not torchrun's WORLD_SIZE. Returns torchrun's
-    launch when the engine joins one."""
+    heads (or MLP rows, or routed experts), more ranks than GPUs, or not torchrun's WORLD_SIZE.
+    Returns torchrun's launch when the engine joins one."""
     n = cfg.tensor_parallel_size
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")

@@ -29,3 +29,20 @@ def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int])
                          f"{bn} x {bk} blocks; expected {want}")
     s = scale_inv.float().repeat_interleave(bn, dim=0)[:N].repeat_interleave(bk, dim=1)[:, :K]
     return w.float() * s
+
+
+def covering(part: tuple[slice, ...], shape: list[int],
+             block: tuple[int, int]) -> tuple[tuple[slice, ...], tuple[slice, ...], tuple[slice, ...]]:
+    """For `part` of a [N, K] weight (a tensor-parallel shard's rows or columns, step 1): the
+    block-aligned slice of the weight to read, the scales of the blocks it covers, and where `part`
+    lies in the read once dequantized. A shard's edge need not fall on a block's (a 2048-row
+    expert's shard of 1024 rows at 128 x 128 blocks does; a q_b_proj head's 192 rows do not)."""
+    read, scales, trim = [], [], []
+    for d, n in enumerate(shape):
+        a, b, _ = (part[d] if d < len(part) else slice(None)).indices(n)
+        bs = block[d]
+        lo, hi = a // bs, -(-b // bs)
+        read.append(slice(lo * bs, min(hi * bs, n)))
+        scales.append(slice(lo, hi))
+        trim.append(slice(a - lo * bs, b - lo * bs))
+    return tuple(read), tuple(scales), tuple(trim)

@@ -1,5 +1,7 @@
 """Qwen3-MoE and DeepSeek-V3 checkpoints (the Hugging Face layout: one tensor per expert) into
-`models.moe_decoder.SparseDecoderLM`: experts stacked into [E, ...] tensors, gate and up fused."""
+`models.moe_decoder.SparseDecoderLM`: experts stacked into [E, ...] tensors, gate and up fused.
+A tensor-parallel rank stacks its own experts only (`parallel.shard.expert_span`); the others'
+tensors are never read."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -16,16 +18,17 @@ MLA_TENSORS = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_wit
                "kv_b_proj", "o_proj")
 
 
-def layer_tensors(src: Mapping[str, torch.Tensor], cfg: ModelConfig, i: int, take: Take) -> StateDict:
+def layer_tensors(src: Mapping[str, torch.Tensor], cfg: ModelConfig, i: int, take: Take,
+                  experts: range | None = None) -> StateDict:
     """Layer i's tensors under our names, relative to the layer, from HF names without the 'model.'
     prefix (`src`, read lazily); anything the config does not ask for (DeepSeek's
-    multi-token-prediction layers) is never read."""
+    multi-token-prediction layers, `experts` other than those given: all by default) is never read."""
     p = f"layers.{i}."
     out = {n + ".weight": take(p + n + ".weight") for n in ("input_layernorm", "post_attention_layernorm")}
     out.update(mla_tensors(src, p + "self_attn.") if cfg.mla is not None else
                attention_tensors(src, p + "self_attn.", take))
     if cfg.moe is not None and i in cfg.moe.sparse_layers:
-        out.update(moe_tensors(src, p + "mlp.", cfg.moe.num_experts, take))
+        out.update(moe_tensors(src, p + "mlp.", range(cfg.moe.num_experts) if experts is None else experts, take))
     else:
         out.update(mlp_tensors(p + "mlp.", take))
     return {k.removeprefix(p): v for k, v in out.items()}
@@ -53,9 +56,10 @@ def mlp_tensors(m: str, take: Take) -> StateDict:
             m + "down_proj.weight": take(m + "down_proj.weight")}
 
 
-def moe_tensors(src: Mapping[str, torch.Tensor], m: str, num_experts: int, take: Take) -> StateDict:
-    """Router, experts stacked [E, 2I, D] and [E, D, I], shared experts. Also reads experts saved
-    already stacked (transformers' in-memory layout: experts.gate_up_proj, experts.down_proj)."""
+def moe_tensors(src: Mapping[str, torch.Tensor], m: str, experts: range, take: Take) -> StateDict:
+    """Router, `experts` stacked [E, 2I, D] and [E, D, I], shared experts. Also reads experts saved
+    already stacked (transformers' in-memory layout: experts.gate_up_proj, experts.down_proj; `src`
+    slices them)."""
     out = {m + "router.weight": take(m + "gate.weight")}
     if m + "gate.e_score_correction_bias" in src:
         out[m + "router.bias"] = src[m + "gate.e_score_correction_bias"]
@@ -64,8 +68,8 @@ def moe_tensors(src: Mapping[str, torch.Tensor], m: str, num_experts: int, take:
         out[m + "experts.gate_up"], out[m + "experts.down"] = take(e + "gate_up_proj"), take(e + "down_proj")
     else:
         out[m + "experts.gate_up"] = torch.stack(
-            [torch.cat([take(f"{e}{j}.gate_proj.weight"), take(f"{e}{j}.up_proj.weight")]) for j in range(num_experts)])
-        out[m + "experts.down"] = torch.stack([take(f"{e}{j}.down_proj.weight") for j in range(num_experts)])
+            [torch.cat([take(f"{e}{j}.gate_proj.weight"), take(f"{e}{j}.up_proj.weight")]) for j in experts])
+        out[m + "experts.down"] = torch.stack([take(f"{e}{j}.down_proj.weight") for j in experts])
     if m + "shared_experts.gate_proj.weight" in src:
         out.update(mlp_tensors(m + "shared_experts.", take))
         out = {k.replace(m + "shared_experts.", m + "shared."): v for k, v in out.items()}

@@ -100,15 +100,15 @@ def load_into(module: nn.Module, state: StateDict, dtype: torch.dtype, device: s
 def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device, tp: TPGroup | None = None):
     """Build a DecoderLM (a SparseDecoderLM for MoE/MLA models) from a Hugging Face directory;
     raises before allocating on bad input. Over a tensor-parallel group, this rank's shards only
-    (`parallel.shard`; dense models only)."""
+    (`parallel.shard`)."""
     from drafttree.models.decoder import DecoderLM
     from drafttree.models.layers import Rotary
 
     cfg = ModelConfig.from_dir(path)
+    if tp is not None:
+        shard.check_size(cfg, tp.world)
     if is_sparse(cfg):
-        if tp is not None:
-            raise ValueError(shard.unsupported_sparse(cfg))
-        return load_sparse_target(Path(path), cfg, dtype, device), cfg
+        return load_sparse_target(Path(path), cfg, dtype, device, tp), cfg
     select = None if tp is None else shard.selector(cfg, tp.rank, tp.world)
     state = target_state_dict(read_safetensors(path, select), cfg.num_layers, cfg.tie_word_embeddings)
     if tp is not None:
@@ -124,20 +124,29 @@ def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device
     return model.eval().requires_grad_(False), cfg
 
 
-def load_sparse_target(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> SparseDecoderLM:
+def load_sparse_target(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+                       tp: TPGroup | None = None) -> SparseDecoderLM:
     """A Qwen3-MoE or DeepSeek-V3 checkpoint, read and placed one layer at a time (its experts
     stacked then), so that host memory holds about one layer beyond what is read; fp8 weights come
-    dequantized; routers keep fp32. Every name and shape is checked first, with nothing read."""
-    src = CheckpointTensors(path)
+    dequantized; routers keep fp32. Every name and shape is checked first, with nothing read. Over
+    `tp`, this rank's slices and experts only."""
+    world, rank = (tp.world, tp.rank) if tp is not None else (1, 0)
+    src = CheckpointTensors(path, None if tp is None else shard.selector(cfg, rank, world))
+    experts = None
+    if cfg.moe is not None:
+        first, n = shard.expert_span(cfg.moe.num_experts, world, rank)
+        experts = range(first, first + n)
     with torch.device("meta"):
-        model = SparseDecoderLM(cfg)
+        model = SparseDecoderLM(cfg, tp)
     top = [(model.embed_tokens, "embed_tokens.weight"), (model.norm, "norm.weight")]
     if not cfg.tie_word_embeddings:
         top.append((model.lm_head, "lm_head.weight"))
     for view in (src.shapes(), src):   # meta tensors first: the checks; then the weights
         take = _taker(view)
+        if tp is not None:
+            take = _vocab_padded(take, cfg.vocab_size, world)
         for i, layer in enumerate(model.layers):
-            state = layer_tensors(view, cfg, i, take)
+            state = layer_tensors(view, cfg, i, take, experts)
             if view is not src:
                 check_state(layer, state)
                 continue
@@ -153,6 +162,14 @@ def load_sparse_target(path: Path, cfg: ModelConfig, dtype: torch.dtype, device:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = build_rotary(cfg).to(device)
     return model.eval().requires_grad_(False)
+
+
+def _vocab_padded(take: Callable[[str], torch.Tensor], vocab: int, world: int) -> Callable[[str], torch.Tensor]:
+    """`take`, the vocabulary shards (embedding, LM head) padded to ceil(V / N) rows."""
+    def padded(name: str) -> torch.Tensor:
+        t = take(name)
+        return shard.pad_vocab(t, vocab, world) if name in ("embed_tokens.weight", "lm_head.weight") else t
+    return padded
 
 
 def _taker(src) -> Callable[[str], torch.Tensor]:

@@ -65,6 +65,16 @@ class DecoderLayer(nn.Module):
         return x + y
 
 
+def vocab_ends(cfg: ModelConfig, tp: TPGroup | None) -> tuple[nn.Module, nn.Module]:
+    """(embedding, LM head): whole, or over `tp` this rank's vocabulary rows; tied where the model ties them."""
+    V, D = cfg.vocab_size, cfg.hidden_size
+    embed = nn.Embedding(V, D) if tp is None else VocabParallelEmbedding(V, D, tp)
+    head = nn.Linear(D, V, bias=False) if tp is None else VocabParallelHead(V, D, tp)
+    if cfg.tie_word_embeddings:
+        head.weight = embed.weight
+    return embed, head
+
+
 class DecoderLM(nn.Module):
     """The target. Over a tensor-parallel group `tp` (None: one device) every layer holds this
     rank's shards, and the embedding and LM head its vocabulary rows (`parallel.layers`); the
@@ -73,14 +83,11 @@ class DecoderLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
-        V, D = cfg.vocab_size, cfg.hidden_size
-        self.embed_tokens = nn.Embedding(V, D) if tp is None else VocabParallelEmbedding(V, D, tp)
+        self.embed_tokens, head = vocab_ends(cfg, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
-        self.lm_head = nn.Linear(D, V, bias=False) if tp is None else VocabParallelHead(V, D, tp)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head = head   # registered last: random weights are drawn in the parameters' order
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -43,8 +43,10 @@ class KVLayout:
 
     @classmethod
     def of(cls, cfg: ModelConfig, world: int = 1, rank: int = 0) -> "KVLayout":
-        """`cfg`'s layout; over `world` tensor-parallel ranks, rank `rank`'s (its share of the KV heads)."""
-        return cls(cfg.num_layers, kv_heads_per_rank(cfg.num_kv_heads, world, rank), cfg.head_dim, cfg.v_cache_dim)
+        """`cfg`'s layout; over `world` tensor-parallel ranks, rank `rank`'s (its share of the KV
+        heads). MLA's latent head is every query head's keys and values, so each rank keeps it whole."""
+        heads = 1 if cfg.mla is not None else kv_heads_per_rank(cfg.num_kv_heads, world, rank)
+        return cls(cfg.num_layers, heads, cfg.head_dim, cfg.v_cache_dim)
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return self.layers * self.kv_heads * (self.k_dim + self.v_dim) * torch.empty((), dtype=dtype).element_size()

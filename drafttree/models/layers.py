@@ -133,7 +133,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(self.down_proj(silu_mul(self.gate_up_proj(x))))
+        return self.reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's addend of the output, before the all-reduce (the whole output without a group)."""
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         """The down projection's partial sums added over the ranks (as is without a group)."""

@@ -15,6 +15,11 @@ space, so every head attends over the cache itself as one shared head [c ; k_pe]
 after the attention. Many rows (prefill) take the expanded form: the cache's latents go up through
 kv_b_proj to per-head keys and values once, for all query rows. Both take the metadata of dense
 attention (slots, the intra-block mask), so tree verify and compaction work unchanged.
+
+Over a tensor-parallel group each rank holds H/N heads (`parallel.shard`): their rows of q_b_proj
+(q_proj) and kv_b_proj, their columns of o_proj (row-parallel, one all-reduce). The latent path
+(q_a_proj, kv_a_proj_with_mqa, their norms) is whole, so every rank writes the same latent into
+its own whole copy of the cache, which all its heads read.
 """
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ from torch import nn
 from drafttree.config import ModelConfig
 from drafttree.kernels.torch_ops import masked_softmax, write_kv
 from drafttree.models.layers import AttnMeta, RMSNorm
+from drafttree.parallel.comm import all_reduce
+from drafttree.parallel.group import TPGroup
+from drafttree.parallel.shard import q_span
 
 # Query rows per request up to which attention is absorbed: a verify of budget + 1 <= 128 nodes,
 # a draft block, a decode. A prefill chunk wider than this expands the latents instead.
@@ -53,13 +61,17 @@ def latents(k_cache: torch.Tensor, meta: AttnMeta, B: int) -> torch.Tensor:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Over `tp`, this rank's H/N heads; the latent projections whole."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         m = cfg.mla
         assert m is not None and cfg.num_kv_heads == 1 and cfg.head_dim == m.cache_dim, \
             "an MLA config keeps one latent cache head of kv_lora_rank + qk_rope_head_dim"
-        self.m, self.h = m, cfg.num_heads
-        D, H, qk = cfg.hidden_size, cfg.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
+        world, rank = (tp.world, tp.rank) if tp is not None else (1, 0)
+        self.tp = tp
+        self.m, self.h = m, q_span(cfg, world, rank)[1]
+        D, H, qk = cfg.hidden_size, self.h, m.qk_nope_head_dim + m.qk_rope_head_dim
         bias = cfg.attention_bias
         if m.q_lora_rank is None:
             self.q_proj = nn.Linear(D, H * qk, bias=False)
@@ -70,7 +82,8 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(D, m.cache_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(H * m.v_head_dim, D, bias=bias)
+        # row-parallel: the ranks' outputs are summed, so the bias is rank 0's alone (added once)
+        self.o_proj = nn.Linear(H * m.v_head_dim, D, bias=bias and rank == 0)
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """[B, W, H, nope + rope], rope not yet applied."""
@@ -96,7 +109,8 @@ class MLAttention(nn.Module):
             out = self.absorbed(q_nope, q_pe, cache, meta.mask)
         else:
             out = self.expanded(q_nope, q_pe, cache, meta.mask)
-        return self.o_proj(out.reshape(B, W, self.h * m.v_head_dim))
+        y = self.o_proj(out.reshape(B, W, self.h * m.v_head_dim))
+        return y if self.tp is None else all_reduce(y, self.tp)
 
     def _w_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, r] and W_UV [H, v, r]: kv_b_proj's rows per head."""

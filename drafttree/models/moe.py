@@ -3,6 +3,11 @@
 Decode, draft and verify forwards run on static shapes without a host sync, so that they can be
 captured in CUDA graphs: no `nonzero`, no per-expert token counts read back. An eager prefill
 sorts its (token, k) pairs by expert and reads the counts back once (`Experts.sorted`).
+
+Over a tensor-parallel group the block is expert-parallel (`parallel.shard`): every rank routes
+every token alike (the router is whole), runs the same forms over its own E/N experts only, the
+pairs routed to other ranks' experts weighing zero, adds its slice of the shared experts, and one
+all-reduce sums the ranks' parts.
 """
 from __future__ import annotations
 
@@ -14,6 +19,9 @@ from drafttree.kernels import dispatch
 from drafttree.kernels.torch_ops import silu_mul
 from drafttree.models.layers import MLP
 from drafttree.moe_config import MoEConfig
+from drafttree.parallel.comm import all_reduce
+from drafttree.parallel.group import TPGroup
+from drafttree.parallel.shard import expert_span
 
 # Token rows from which an eager forward sorts its pairs by expert (a prefill chunk); below, and
 # inside a graph capture, the static forms run.
@@ -73,16 +81,22 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts, gate and up fused: gate_up [E, 2I, D], down [E, D, I]."""
+    """E SwiGLU experts, gate and up fused: gate_up [E, 2I, D], down [E, D, I]. Over `tp`, this
+    rank's contiguous run of E/N experts (`parallel.shard.expert_span`), which it sums alone."""
 
-    def __init__(self, hidden: int, moe: MoEConfig) -> None:
+    def __init__(self, hidden: int, moe: MoEConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        E, I = moe.num_experts, moe.intermediate_size
+        world, rank = (tp.world, tp.rank) if tp is not None else (1, 0)
+        self.first, E = expert_span(moe.num_experts, world, rank)
+        self.sharded = E < moe.num_experts
+        I = moe.intermediate_size
         self.gate_up = nn.Parameter(torch.empty(E, 2 * I, hidden))
         self.down = nn.Parameter(torch.empty(E, hidden, I))
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """x [N, D], routing weights and ids [N, k] -> Σ_k w[n, k] · expert_idx[n, k](x[n]): [N, D]."""
+        """x [N, D], routing weights and expert ids [N, k] -> Σ_k w[n, k] · expert_idx[n, k](x[n]):
+        [N, D], over this rank's experts (the others' pairs add nothing)."""
+        w, idx = self.local(w, idx)
         if dispatch.moe_kernels(x):
             return self.grouped(x, w, idx)
         if gathers(x.shape[0], idx.shape[1], self.gate_up.shape[0]):
@@ -91,14 +105,31 @@ class Experts(nn.Module):
             return self.sorted(x, w, idx)
         return self.all_experts(x, w, idx)
 
+    def local(self, w: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pairs in this rank's expert ids 0..E-1, E (one past) for a pair routed to another
+        rank's expert, whose weight becomes zero. Static shapes, no host sync: every pair stays,
+        so the forms below keep their graph-captured shapes. Unsharded: as given."""
+        if not self.sharded:
+            return w, idx
+        E = self.gate_up.shape[0]
+        rel = idx - self.first
+        mine = (rel >= 0) & (rel < E)
+        return w.masked_fill(~mine, 0.0), torch.where(mine, rel, E)
+
     def grouped(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The pairs sorted by expert on the device, each expert over its own pairs in grouped
         GEMMs (`dispatch.moe_experts`): static shapes, no read-back, each hit expert's weights
-        read once per tile of its pairs."""
+        read once per tile of its pairs. The layout takes ids in [0, E): a pair of another rank's
+        (id E) runs expert E - 1 at weight zero."""
+        if self.sharded:
+            idx = idx.clamp(max=self.gate_up.shape[0] - 1)
         return dispatch.moe_experts(x, w, idx, self.gate_up, self.down)
 
     def gathered(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Each (token, k) pair gathers its expert's weights and runs a batched GEMV."""
+        """Each (token, k) pair gathers its expert's weights and runs a batched GEMV (a pair of
+        another rank's, id E, runs expert E - 1 at weight zero)."""
+        if self.sharded:
+            idx = idx.clamp(max=self.gate_up.shape[0] - 1)
         h = torch.matmul(self.gate_up[idx], x[:, None, :, None])[..., 0]       # [N, k, 2I]
         y = torch.matmul(self.down[idx], silu_mul(h)[..., None])[..., 0]       # [N, k, D]
         return (y * w[..., None].to(y.dtype)).sum(dim=1)
@@ -111,8 +142,8 @@ class Experts(nn.Module):
         at most ALL_EXPERTS_ELEMENTS values."""
         E, two_i, D = self.gate_up.shape
         N = x.shape[0]
-        combine = torch.zeros(N, E, dtype=x.dtype, device=x.device)
-        combine.scatter_add_(1, idx, w.to(x.dtype))
+        combine = torch.zeros(N, E + 1, dtype=x.dtype, device=x.device)   # column E: other ranks' pairs
+        combine = combine.scatter_add_(1, idx, w.to(x.dtype))[:, :E]
         out = torch.zeros_like(x)
         step = max(1, ALL_EXPERTS_ELEMENTS // (N * max(two_i, D)))
         for a in range(0, E, step):
@@ -125,13 +156,16 @@ class Experts(nn.Module):
     def sorted(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The (token, k) pairs sorted by expert, each expert over its own rows only: the FLOPs of
         the picked experts, one host sync (the counts). The outputs go back to their pairs' places
-        and are summed over k in order, so the result does not depend on atomic adds."""
+        and are summed over k in order, so the result does not depend on atomic adds. Pairs of
+        other ranks' experts (id E) sort last and stay zero."""
         N, k = idx.shape
+        E = self.gate_up.shape[0]
         flat = idx.flatten()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
-        xs = x[order // k]
-        ys = torch.empty_like(xs)
+        counts = torch.bincount(flat, minlength=E + 1).tolist()[:E]
+        mine = order[:sum(counts)]
+        xs = x[mine // k]
+        ys = torch.zeros(N * k, x.shape[1], dtype=x.dtype, device=x.device)
         start = 0
         for e, n in enumerate(counts):
             if n:
@@ -143,18 +177,23 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """The MoE block that replaces a layer's MLP: routed experts plus the shared ones."""
+    """The MoE block that replaces a layer's MLP: routed experts plus the shared ones. Over `tp`
+    the router is whole, the routed experts this rank's E/N and the shared experts' rows its
+    slice (column- then row-parallel, as a dense MLP's); one all-reduce sums both parts."""
 
-    def __init__(self, hidden: int, moe: MoEConfig) -> None:
+    def __init__(self, hidden: int, moe: MoEConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.router = Router(hidden, moe)
-        self.experts = Experts(hidden, moe)
-        self.shared = MLP(hidden, moe.num_shared * moe.intermediate_size) if moe.num_shared else None
+        self.experts = Experts(hidden, moe, tp)
+        self.shared = MLP(hidden, moe.num_shared * moe.intermediate_size, tp) if moe.num_shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
         w, idx = self.router(h)
         out = self.experts(h, w, idx)
         if self.shared is not None:
-            out = out + self.shared(h)
+            out = out + self.shared.partial(h)
+        if self.tp is not None:
+            out = all_reduce(out, self.tp)
         return out.view(x.shape)

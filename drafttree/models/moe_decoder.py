@@ -5,7 +5,8 @@ Qwen3-MoE: Qwen3's attention (q/k norm, GQA); MoE in the layers `MoEConfig.spars
 (decoder_sparse_step, mlp_only_layers), dense MLPs elsewhere. DeepSeek-V3: MLA; dense MLPs in the
 first `first_k_dense_replace` layers (and off `moe_layer_freq`), MoE with shared experts after.
 The layers run the torch ops (no fused projection kernels yet); the attention of Qwen3-MoE takes
-the dense models' kernels where they run.
+the dense models' kernels where they run. Over a tensor-parallel group, the attention and dense
+MLPs shard as the dense models' (MLA by heads), the MoE blocks by experts (`parallel.shard`).
 """
 from __future__ import annotations
 
@@ -13,23 +14,26 @@ import torch
 from torch import nn
 
 from drafttree.config import ModelConfig
-from drafttree.models.decoder import DecoderLM
+from drafttree.models.decoder import DecoderLM, vocab_ends
 from drafttree.models.layers import MLP, Attention, AttnMeta, RMSNorm, Rotary
 from drafttree.models.mla import MLAttention
 from drafttree.models.moe import SparseMoE
 from drafttree.models.rope import ScaledRotary
 from drafttree.parallel.group import TPGroup
-from drafttree.parallel.shard import unsupported_sparse
 
 
 class SparseDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    """One layer; over `tp`, as `decoder.DecoderLayer`, its attention and MLP (or MoE block) each
+    end in an all-reduce, so the residual stream is whole and the same on every rank."""
+
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg) if cfg.mla is not None else Attention(cfg)
+        self.self_attn = MLAttention(cfg, tp) if cfg.mla is not None else Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.moe is not None and index in cfg.moe.sparse_layers
-        self.mlp = SparseMoE(cfg.hidden_size, cfg.moe) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (SparseMoE(cfg.hidden_size, cfg.moe, tp) if sparse
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, tp))
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope, meta: AttnMeta, k_cache,
                 v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,18 +46,17 @@ class SparseDecoderLayer(nn.Module):
 
 
 class SparseDecoderLM(DecoderLM):
-    """`DecoderLM` (forward, logits, capture of hidden states for a drafter) over sparse layers."""
+    """`DecoderLM` (forward, logits, capture of hidden states for a drafter, the KV layout) over
+    sparse layers; over `tp`, this rank's shards and vocabulary rows."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         nn.Module.__init__(self)   # not DecoderLM's: its dense layers are never built
-        self.cfg, self.tp = cfg, None   # one device: tensor parallelism refuses sparse models
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(SparseDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.cfg, self.tp = cfg, tp
+        self.embed_tokens, head = vocab_ends(cfg, tp)
+        self.layers = nn.ModuleList(SparseDecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = ScaledRotary(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head = head   # registered last: random weights are drawn in the parameters' order
 
 
 def is_sparse(cfg: ModelConfig) -> bool:
@@ -62,12 +65,8 @@ def is_sparse(cfg: ModelConfig) -> bool:
 
 def build_target(cfg: ModelConfig, tp: TPGroup | None = None) -> DecoderLM:
     """The target module for a config (on the current default device); over a tensor-parallel
-    group `tp`, this rank's shards (dense models only: `parallel.shard.check_size` refuses the others)."""
-    if not is_sparse(cfg):
-        return DecoderLM(cfg, tp)
-    if tp is not None:
-        raise ValueError(unsupported_sparse(cfg))
-    return SparseDecoderLM(cfg)
+    group `tp`, this rank's shards (`parallel.shard.check_size` has accepted its size)."""
+    return SparseDecoderLM(cfg, tp) if is_sparse(cfg) else DecoderLM(cfg, tp)
 
 
 def build_rotary(cfg: ModelConfig) -> nn.Module:

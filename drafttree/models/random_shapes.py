@@ -5,6 +5,7 @@ without importing the benchmark or training packages."""
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import torch
 from torch import nn
@@ -82,7 +83,10 @@ def projections(cfg: ModelConfig, world: int = 1, rank: int = 0) -> dict[str, tu
     return {"qkv": (HD + 2 * KV, D), "o": (D, HD), "gate_up": (2 * I, D), "down": (D, I)}
 
 
-def _randomize(m: nn.Module, device: torch.device, dtype: torch.dtype, seed: int) -> None:
+def _randomize(m: nn.Module, device: torch.device, dtype: torch.dtype, seed: int, by_name: bool = False) -> None:
+    """Norms 1, matrices N(0, 0.02) drawn in the parameters' order from one seed; or `by_name`,
+    each from a seed of its name, so that the tensors a tensor-parallel rank holds whole (a router,
+    MLA's latent projections, a KV head that ranks share) are the same on every rank."""
     m.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -90,6 +94,8 @@ def _randomize(m: nn.Module, device: torch.device, dtype: torch.dtype, seed: int
             if p.dim() == 1:
                 p.fill_(1.0)
             else:
+                if by_name:
+                    g.manual_seed(seed + zlib.crc32(name.encode()))
                 p.normal_(0.0, 0.02, generator=g)
     m.to(dtype)
 
@@ -102,7 +108,7 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp:
     """A target of any shape with random weights (over `tp`, this rank's shards only, as random)."""
     with torch.device("meta"):
         model = build_target(cfg, tp)
-    _randomize(model, device, dtype, 0)
+    _randomize(model, device, dtype, 0, by_name=tp is not None)
     for name in fp32_parameters(model):
         model.get_parameter(name).data = model.get_parameter(name).data.float()
     if cfg.tie_word_embeddings:

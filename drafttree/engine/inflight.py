@@ -27,9 +27,11 @@ class Launched:
     budget: int = 0                     # the round's budget (0: a decode round)
 
     def read(self) -> list[list[int]]:
+        """Per row: out_n, the committed tokens, then the predictions; a decode round's rows
+        only out_n and its one token (what the engine reads of them)."""
         if self.done is not None:
             self.done.synchronize()
-        return self.host.tolist()
+        return (self.host if self.budget else self.host[:, :2]).tolist()
 
     @property
     def abandoned(self) -> bool:

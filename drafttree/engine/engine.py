@@ -392,19 +392,21 @@ class Engine:
         self.stats.budget_hist[budget] += 1
         self.stats.method_rounds[method] += 1
         preds = 1 + self.spec.max_commit   # the predictions' first column in a row
-        out = []
+        out, taus = [], []
         for seq, row in zip(launched.seqs, rows):
             if seq.finished:
                 continue
             k = row[0]
+            taus.append(k)
             seq.stats.rounds += 1
             seq.stats.accept_lengths.append(k)
-            self.stats.accept_hist[k] += 1
-            self.stats.method_rows[method] += 1
-            self.stats.method_tokens[method] += k
             if budget:
                 self.chooser.observe(seq.params.greedy, budget, k, row[preds:])
             out.append((seq, self._emit(seq, row[1:1 + k])))
+        if taus:   # the round's counters once, not per request: this loop is host time between rounds
+            self.stats.accept_hist.update(taus)
+            self.stats.method_rows[method] += len(taus)
+            self.stats.method_tokens[method] += sum(taus)
         return out
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> list[int]:

@@ -13,7 +13,7 @@ so for a block of code (tests, benchmarks).
     DRAFTTREE_PDL=0           no programmatic dependent launch (Hopper or newer)
     DRAFTTREE_BLOCKS=f.json   block shapes of a sweep (benchmarks/gemv_bench.py --out)
     DRAFTTREE_COMPILE=0|1|cpu torch.compile of the small fused pieces: off, CUDA, CUDA and CPU
-    DRAFTTREE_CACHE=dir       converted models (default ~/.cache/drafttree)
+    DRAFTTREE_CACHE=dir       converted models and compiled pieces (default ~/.cache/drafttree)
 """
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 keep matching plain PyTorch (a process with many models once failed there on the GPU)."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -209,3 +210,17 @@ def test_sampler_compiles_and_matches_eager(set_settings):
         if R > 1:
             assert torch.equal(want[1], logits[1].argmax(-1))           # the greedy row
             assert not torch.equal(want[0], logits[0].argmax(-1))       # the sampled row samples
+
+
+def test_compiled_pieces_are_cached_with_the_converted_models(set_settings, monkeypatch, tmp_path):
+    """Inductor's cache goes under settings.cache unless TORCHINDUCTOR_CACHE_DIR names one, and is
+    set before the first piece compiles."""
+    from drafttree.kernels import fused as fused_mod
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    set_settings(cache=tmp_path)
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR")) or fn)
+    fused_mod._compile(lambda x: x)
+    assert seen == [str(tmp_path / "inductor")]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert fused_mod.persist_compile_cache() == str(tmp_path / "mine")

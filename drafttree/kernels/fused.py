@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Callable, TypeVar
 
 import torch
@@ -48,10 +49,19 @@ def fused(fn: F) -> F:
 RECOMPILE_LIMIT = 64
 
 
+def persist_compile_cache() -> str:
+    """Where Inductor keeps what it compiles: TORCHINDUCTOR_CACHE_DIR if set, else `inductor`
+    under drafttree's cache (settings.cache). Inductor's own default is under /tmp, which a
+    reboot empties, and a server compiles its pieces for every graph shape it captures at
+    start-up; kept with the converted models, a restarted machine finds them."""
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(current().cache / "inductor"))
+
+
 def _compile(fn: Callable) -> Callable:
     """Each new dtype or float constant (an eps, a rope factor) is one more compiled variant;
     a process holding several models (tests, benchmarks) passes Dynamo's default of 8. The
     limit is raised, and without fullgraph a piece past it runs eagerly instead of raising."""
+    persist_compile_cache()
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))

@@ -86,7 +86,10 @@ def projections(cfg: ModelConfig, world: int = 1, rank: int = 0) -> dict[str, tu
 def _randomize(m: nn.Module, device: torch.device, dtype: torch.dtype, seed: int, by_name: bool = False) -> None:
     """Norms 1, matrices N(0, 0.02) drawn in the parameters' order from one seed; or `by_name`,
     each from a seed of its name, so that the tensors a tensor-parallel rank holds whole (a router,
-    MLA's latent projections, a KV head that ranks share) are the same on every rank."""
+    MLA's latent projections, a KV head that ranks share) are the same on every rank. Drawn in
+    `dtype` (the meta module takes it before any memory is allocated): a model that fits in bf16
+    must not be made in fp32 first."""
+    m.to(dtype)
     m.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -97,7 +100,6 @@ def _randomize(m: nn.Module, device: torch.device, dtype: torch.dtype, seed: int
                 if by_name:
                     g.manual_seed(seed + zlib.crc32(name.encode()))
                 p.normal_(0.0, 0.02, generator=g)
-    m.to(dtype)
 
 
 def random_target(shape: str, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None) -> DecoderLM:

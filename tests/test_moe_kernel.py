@@ -25,14 +25,18 @@ def _kernel_device(monkeypatch: pytest.MonkeyPatch) -> None:
 def routing(kind: str, N: int, k: int, E: int, seed: int = 0) -> torch.Tensor:
     """idx [N, k]: "topk", k distinct experts per token; "one", every token on experts 0..k-1
     (k = 1: every pair on one expert); "few", every pick among experts 1 and E - 1 (repeats too,
-    most experts empty)."""
+    most experts empty); "dropped", "topk" with about half the pairs on id E (another
+    tensor-parallel rank's experts: no slot)."""
     g = torch.Generator().manual_seed(seed)
     if kind == "topk":
         idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
     elif kind == "one":
         idx = torch.arange(k).expand(N, k)
-    else:
+    elif kind == "few":
         idx = torch.where(torch.rand(N, k, generator=g) < 0.5, 1, E - 1)
+    else:
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+        idx = torch.where(torch.rand(N, k, generator=g) < 0.5, idx, E)
     return idx.to(DEVICE)
 
 
@@ -54,7 +58,8 @@ def reference_layout(idx: torch.Tensor, E: int, bm: int) -> tuple[list[int], lis
 
 
 LAYOUTS = [(1, 8, 10, 16, "topk"), (5, 2, 7, 16, "topk"), (40, 8, 10, 16, "topk"), (33, 8, 130, 16, "topk"),
-           (40, 1, 5, 16, "one"), (17, 2, 9, 32, "few"), (40, 8, 3, 64, "few"), (3, 1, 6, 16, "topk")]
+           (40, 1, 5, 16, "one"), (17, 2, 9, 32, "few"), (40, 8, 3, 64, "few"), (3, 1, 6, 16, "topk"),
+           (40, 8, 16, 16, "dropped"), (9, 2, 7, 16, "dropped")]
 
 
 @pytest.mark.parametrize("N,k,E,bm,kind", LAYOUTS)
@@ -205,3 +210,17 @@ def test_grouped_experts_replay_in_a_cuda_graph():
         sidx.copy_(routing(kind, 16, 8, 24, seed))
         graph.replay()
         assert torch.equal(out, moe_kernel.fused_experts(sx, sw, sidx, ex.gate_up, ex.down)), kind
+
+
+@pytest.mark.parametrize("N,k,E", [(1, 8, 16), (33, 8, 16), (40, 2, 7)])
+def test_pairs_of_another_rank_are_not_computed(N, k, E):
+    """Pairs of id E (`Experts.local` on a sharded block) take no slot, and the result is the sum
+    over the others alone: the same as weighing them zero on any expert."""
+    ex, x, w, _ = experts_case(N, k, E, 32, 16, "topk", torch.float32)
+    idx = routing("dropped", N, k, E, seed=N)
+    mine = idx < E
+    lay = moe_align.layout(idx, E, 16)
+    assert sorted(p for p in lay.pairs.tolist() if p < N * k) == [p for p in range(N * k) if mine.flatten()[p]]
+    got = moe_kernel.fused_experts(x, w, idx, ex.gate_up, ex.down, dropless=False)
+    want = ex.all_experts(x, w * mine, idx.clamp(max=E - 1))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

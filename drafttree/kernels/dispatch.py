@@ -213,10 +213,10 @@ def moe_kernels(x: torch.Tensor) -> bool:
 
 
 def moe_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
+                down: torch.Tensor, dropless: bool = True) -> torch.Tensor:
     """Σ_k w[n, k] · expert_idx[n, k](x[n]) for x [N, D], w and idx [N, k]; gate_up [E, 2I, D],
-    down [E, D, I] (only where `moe_kernels`)."""
-    return moe_kernel.fused_experts(x, w, idx, gate_up, down)
+    down [E, D, I] (only where `moe_kernels`); dropless=False: ids may be E, pairs to skip."""
+    return moe_kernel.fused_experts(x, w, idx, gate_up, down, dropless=dropless)
 
 
 # -- the draft tree --------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ ceil(count_e / BM) consecutive tiles, experts in order, pairs within an expert i
 index (p = n·k + j); the rest of an expert's last tile is padding. `pairs` [T·BM] holds each slot's
 pair, P for padding; `tile_expert` [T] each tile's expert, E for tiles past the last real one.
 T = (P + min(E, P)·(BM − 1)) // BM bounds the tiles whatever the routing: each of the at most
-min(E, P) experts hit pads its last tile by at most BM − 1 rows. So every size depends on N, k,
+min(E, P) experts hit pads its last tile by at most BM − 1 rows. A pair of id E (an expert on
+another tensor-parallel rank, `models.moe.Experts.local`) takes no slot: no tile computes it. So every size depends on N, k,
 E and BM only, and neither form reads anything back to the host: both can be captured in a CUDA
 graph.
 
@@ -50,7 +51,8 @@ def _align_kernel(ids_ptr, pairs_ptr, tiles_ptr, P, T, E: tl.constexpr, EB: tl.c
     p0 = 0
     while p0 < P:
         p = p0 + tl.arange(0, BP)
-        ids = tl.load(ids_ptr + p, mask=p < P, other=EB).to(tl.int32)   # EB: matches no expert
+        ids = tl.load(ids_ptr + p, mask=p < P, other=EB).to(tl.int32)
+        ids = tl.where(ids < E, ids, EB)   # EB matches no expert: padding lanes, other ranks' pairs
         counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
         p0 += BP
     tiles = (counts + BM - 1) // BM
@@ -75,16 +77,18 @@ def _align_kernel(ids_ptr, pairs_ptr, tiles_ptr, P, T, E: tl.constexpr, EB: tl.c
     while p0 < P:
         p = p0 + tl.arange(0, BP)
         ids = tl.load(ids_ptr + p, mask=p < P, other=EB).to(tl.int32)
+        ids = tl.where(ids < E, ids, EB)
         hit = (ids[:, None] == e[None, :]).to(tl.int32)                   # [BP, EB]
         before = tl.cumsum(hit, axis=0) - hit                             # same-expert pairs earlier in the block
         slot = tl.sum(hit * (nxt[None, :] + before), axis=1)
-        tl.store(pairs_ptr + slot, p, mask=p < P)
+        tl.store(pairs_ptr + slot, p, mask=(p < P) & (ids < E))
         nxt += tl.sum(hit, axis=0)
         p0 += BP
 
 
 def align(idx: torch.Tensor, num_experts: int, block_m: int) -> Layout:
-    """The layout of idx [N, k] (expert ids in [0, E)) in one Triton launch (where kernels run)."""
+    """The layout of idx [N, k] (expert ids in [0, E], E: no slot) in one Triton launch (where
+    kernels run)."""
     P = idx.numel()
     T = max_tiles(P, num_experts, block_m)
     pairs = torch.empty(T * block_m, dtype=torch.int32, device=idx.device)
@@ -113,10 +117,12 @@ def align_torch(idx: torch.Tensor, num_experts: int, block_m: int) -> Layout:
     start = end - tiles
     # the first expert whose tiles end after t: E past the last real tile
     tile_expert = torch.searchsorted(end, torch.arange(T, device=dev, dtype=end.dtype), right=True)
-    slot = start[ids] * block_m + torch.arange(P, device=dev) - first[ids]
-    pairs = torch.full((T * block_m,), P, dtype=torch.int32, device=dev)
+    mine = ids < num_experts               # id E sorts last and takes no slot (one spare, cut below)
+    at = ids.clamp(max=num_experts - 1)
+    slot = torch.where(mine, start[at] * block_m + torch.arange(P, device=dev) - first[at], T * block_m)
+    pairs = torch.full((T * block_m + 1,), P, dtype=torch.int32, device=dev)
     pairs.scatter_(0, slot, order.to(torch.int32))
-    return Layout(pairs, tile_expert.to(torch.int32), block_m)
+    return Layout(pairs[:T * block_m], tile_expert.to(torch.int32), block_m)
 
 
 def layout(idx: torch.Tensor, num_experts: int, block_m: int) -> Layout:

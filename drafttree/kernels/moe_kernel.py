@@ -105,9 +105,10 @@ def _down_kernel(h_ptr, w_ptr, pairs_ptr, tiles_ptr, cw_ptr, y_ptr, P, E: tl.con
 
 
 def fused_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, blocks: Blocks | None = None) -> torch.Tensor:
+                  down: torch.Tensor, blocks: Blocks | None = None, dropless: bool = True) -> torch.Tensor:
     """Σ_k w[n, k] · expert_idx[n, k](x[n]) for x [N, D], w [N, k] (fp32), idx [N, k] (ids in
-    [0, E)); gate_up [E, 2I, D], down [E, D, I] (copied where not contiguous). -> [N, D] in x's dtype."""
+    [0, E); with dropless=False also E: a pair that adds nothing and is not computed); gate_up
+    [E, 2I, D], down [E, D, I] (copied where not contiguous). -> [N, D] in x's dtype."""
     N, k = idx.shape
     E, two_i, D = gate_up.shape
     I, P = two_i // 2, N * k
@@ -116,7 +117,8 @@ def fused_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: 
     T = lay.tile_expert.numel()
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     h = torch.empty(T * b.bm, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(P, D, dtype=x.dtype, device=x.device)
+    # a pair with no slot (id E) is never written: zeros, so that the sum over k skips it
+    y = (torch.empty if dropless else torch.zeros)(P, D, dtype=x.dtype, device=x.device)
     pdl = pdl_options(x.device)
     jit_kernel(_gate_up_kernel, interpreting(), ("P",))[(T, cdiv(I, b.bn_up))](
         x, gate_up, lay.pairs, lay.tile_expert, h, P, E=E, TOPK=k, D=D, I=I, BM=b.bm, BN=b.bn_up, BK=b.bk,

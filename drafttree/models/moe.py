@@ -119,11 +119,9 @@ class Experts(nn.Module):
     def grouped(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The pairs sorted by expert on the device, each expert over its own pairs in grouped
         GEMMs (`dispatch.moe_experts`): static shapes, no read-back, each hit expert's weights
-        read once per tile of its pairs. The layout takes ids in [0, E): a pair of another rank's
-        (id E) runs expert E - 1 at weight zero."""
-        if self.sharded:
-            idx = idx.clamp(max=self.gate_up.shape[0] - 1)
-        return dispatch.moe_experts(x, w, idx, self.gate_up, self.down)
+        read once per tile of its pairs. A pair of another rank's expert (id E) takes no slot in
+        the layout: no tile computes it."""
+        return dispatch.moe_experts(x, w, idx, self.gate_up, self.down, dropless=not self.sharded)
 
     def gathered(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Each (token, k) pair gathers its expert's weights and runs a batched GEMV (a pair of

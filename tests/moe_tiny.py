@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from drafttree.models.kv_cache import PagedKVCache, attn_meta, causal
+
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32,
         "beta_slow": 1}
 
@@ -103,3 +105,23 @@ def fp8_copy(src: Path, fp8_dir: Path, dequant_dir: Path, block: tuple[int, int]
     index = {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}
     (fp8_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     return fp8_dir, dequant_dir
+
+
+PAGED_PAGES, PAGED_PAGE_SIZE = 1 + 2 * 12, 4   # paged_logits' pool: the null page, 12 a prompt
+
+
+def paged_logits(model, cfg, kv: PagedKVCache | None = None) -> torch.Tensor:
+    """Logits of two random prompts of 37 tokens fed in chunks (one a single token) into pages of 4
+    in shuffled order, in a pool of the model's own layout (or `kv`, of PAGED_PAGES pages)."""
+    B, T, ps, per_row = 2, 37, PAGED_PAGE_SIZE, 12
+    if kv is None:
+        kv = PagedKVCache.allocate(model.kv_layout, PAGED_PAGES, ps, torch.float32, "cpu")
+    table = (1 + torch.randperm(B * per_row, generator=torch.Generator().manual_seed(1))).view(B, per_row)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    out = []
+    with torch.no_grad():
+        for a, b in [(0, 7), (7, 8), (8, 13), (13, 37)]:
+            meta = attn_meta(torch.full((B,), a), causal(B, b - a, "cpu"), 40, block_table=table, page_size=ps)
+            h, _ = model(ids[:, a:b], torch.arange(a, b)[None].expand(B, b - a), meta, kv.k, kv.v)
+            out.append(model.logits(h))
+    return torch.cat(out, dim=1)

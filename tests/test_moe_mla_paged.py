@@ -9,9 +9,10 @@ import torch
 
 from drafttree.loader.weights import load_target
 from drafttree.models import mla
-from drafttree.models.kv_cache import KVLayout, PagedKVCache, attn_meta, causal
+from drafttree.models.kv_cache import KVLayout, PagedKVCache
 from tests.helpers import (Pair, greedy, make_llm, make_prompts, next_turn_reuses_generated_pages, pool_gb,
                            pool_is_whole)
+from tests.moe_tiny import PAGED_PAGE_SIZE, PAGED_PAGES, paged_logits
 
 SPECS = [("none", None, None), ("dflash", 4, None), ("ddtree", 4, 8)]
 MLA_SHAPES = ["deepseek_v3", "deepseek_v3_plain"]
@@ -42,21 +43,14 @@ def test_mla_reads_its_latent_through_the_block_table(moe_zoo, monkeypatch, shap
     monkeypatch.setattr(mla, "ABSORBED_MAX_ROWS", 10**6 if absorbed else 0)
     pair = moe_zoo(shape)
     model, cfg = load_target(pair.target, torch.float32, "cpu")
-    B, T, ps, per_row = 2, 37, 4, 12
-    kv = PagedKVCache.allocate(KVLayout.of(cfg), 1 + B * per_row, ps, torch.float32, "cpu")
+    kv = PagedKVCache.allocate(KVLayout.of(cfg), PAGED_PAGES, PAGED_PAGE_SIZE, torch.float32, "cpu")
     assert kv.k.shape[-1] == cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim and kv.v.numel() == 0
-    table = (1 + torch.randperm(B * per_row, generator=torch.Generator().manual_seed(1))).view(B, per_row)
-    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
-    out = []
+    got = paged_logits(model, cfg, kv)
+    ids = torch.randint(0, cfg.vocab_size, (2, 37), generator=torch.Generator().manual_seed(0))   # paged_logits'
     with torch.no_grad():
-        for a, b in [(0, 7), (7, 8), (8, 13), (13, 37)]:
-            meta = attn_meta(torch.full((B,), a), causal(B, b - a, "cpu"), 40, block_table=table, page_size=ps)
-            h, _ = model(ids[:, a:b], torch.arange(a, b)[None].expand(B, b - a), meta, kv.k, kv.v)
-            out.append(model.logits(h))
         want = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()(ids).logits
-    got = torch.cat(out, dim=1)
     assert float((got - want).norm() / want.norm()) < 1e-4
-    assert kv.k[:, 0, 0, :ps].abs().sum() == 0, "the null page was written"
+    assert kv.k[:, 0, 0, :PAGED_PAGE_SIZE].abs().sum() == 0, "the null page was written"
 
 
 @pytest.mark.parametrize("spec,block_size,budget", SPECS)

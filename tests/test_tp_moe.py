@@ -28,7 +28,7 @@ from drafttree.parallel import comm
 from drafttree.parallel.group import TPGroup
 from drafttree.parallel.shard import expert_span, kv_span, q_span, valid_sizes
 from tests.helpers import interpreted_on_cpu, make_prompts, requires_triton
-from tests.moe_tiny import fp8_copy, make_moe_target
+from tests.moe_tiny import fp8_copy, make_moe_target, paged_logits
 from tests.test_tp import fake_group, mixed, sharded
 
 FORMS = ("gathered", "all", "sorted")
@@ -80,22 +80,6 @@ def expert_form(form: str) -> Iterator[None]:
         yield
     finally:
         moe.gathers, moe.SORTED_MIN_ROWS, mla.ABSORBED_MAX_ROWS = saved
-
-
-def paged_logits(model, cfg) -> torch.Tensor:
-    """Logits of two random prompts of 37 tokens fed in chunks (one a single token) into pages of 4
-    in shuffled order, in a pool of the model's own layout."""
-    B, T, ps, per_row = 2, 37, 4, 12
-    kv = PagedKVCache.allocate(model.kv_layout, 1 + B * per_row, ps, torch.float32, "cpu")
-    table = (1 + torch.randperm(B * per_row, generator=torch.Generator().manual_seed(1))).view(B, per_row)
-    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
-    out = []
-    with torch.no_grad():
-        for a, b in [(0, 7), (7, 8), (8, 13), (13, 37)]:
-            meta = attn_meta(torch.full((B,), a), causal(B, b - a, "cpu"), 40, block_table=table, page_size=ps)
-            h, _ = model(ids[:, a:b], torch.arange(a, b)[None].expand(B, b - a), meta, kv.k, kv.v)
-            out.append(model.logits(h))
-    return torch.cat(out, dim=1)
 
 
 def decode_collectives(model, cfg) -> Counter:

@@ -56,8 +56,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "chunks), every shape the scheduler can ask for captured at start-up)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the target over N ranks, one GPU each (gloo processes on the CPU): started here, "
-                        "or under torchrun (--nproc-per-node, --nnodes) its processes; N must divide the "
-                        "attention heads")
+                        "or under torchrun (--nproc-per-node, --nnodes) its processes; a size the model "
+                        "cannot split (heads, MLP rows, experts) is refused, naming what it must divide")
     g.add_argument("--distributed-timeout", type=float, default=EngineConfig.distributed_timeout_s, metavar="S",
                    help="tensor parallel: a collective waiting longer than S seconds for a rank stops the engine")
     g.add_argument("--no-overlap", action="store_true",

@@ -142,7 +142,7 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
     wall = time.perf_counter() - t0
     if profiler is not None:
         profiler.disable()
-        cell = _cell_suffix(a, batch, prompt_set)
+        cell = _cell_suffix(prompt_set or a.prompts, batch, len(prompt_sets(a)) * len(batches(a)) > 1)
         name = f"host_profile_{method}{'' if budget is None else budget}_T{temperature:g}{cell}.txt"
         with open(Path(a.out) / name, "w") as f:
             pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
@@ -170,10 +170,9 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
             "cost_model_s": eng.costs.measure_s if eng.costs is not None else None}, [o.token_ids for o in outs]
 
 
-def _cell_suffix(a, batch: int, prompt_set: str | None) -> str:
-    """'' for a run of one prompt set at one batch size, else what tells its cells apart."""
-    many_sets, many_batches = len(prompt_sets(a)) > 1, len(batches(a)) > 1
-    return (f"_{Path(prompt_set or a.prompts).stem}" if many_sets else "") + (f"_b{batch}" if many_batches else "")
+def _cell_suffix(prompt_set: str, batch: int, many: bool) -> str:
+    """What tells a cell's files apart when a run has several cells (prompt sets x batch sizes)."""
+    return f"_{Path(str(prompt_set)).stem}_b{batch}" if many else ""
 
 
 def prompt_sets(a: argparse.Namespace) -> list[str]:
@@ -243,10 +242,10 @@ def finish(results: list[dict], meta: dict, out: Path) -> None:
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     cells = list(dict.fromkeys((r.get("prompts"), r.get("batch")) for r in results))
     files = []
-    for ps, b in cells:
-        suffix = "" if len(cells) == 1 else f"_{Path(str(ps)).stem}_b{b}"
-        files += plot([r for r in results if (r.get("prompts"), r.get("batch")) == (ps, b)], out, suffix)
     many = len(cells) > 1
+    for ps, b in cells:
+        files += plot([r for r in results if (r.get("prompts"), r.get("batch")) == (ps, b)], out,
+                      _cell_suffix(ps, b, many))
     head = f"{'prompts':<12}{'batch':>6}" if many else ""
     print(f"{head}{'method':<8}{'budget':>7}{'T':>4}{'tau':>7}{'tok/s':>9}{'TPOT ms':>9}{'TTFT ms':>9}{'speedup':>9}{'=AR':>6}"
           f"{'round ms':>10}{'GPU ms':>8}")

@@ -349,7 +349,7 @@ class Engine:
     def _may_overlap(self) -> bool:
         """Whether the next round may launch before the unread one is read: no request may reach
         its max_tokens in the unread round (the next would be wasted on it), nor come so near the
-        context's end that the next round, starting up to max_commit tokens later, writes past
+        context's end that the next round, starting up to `_pending()` tokens later, writes past
         the cache (whose rows hold max_model_len + kv_headroom slots)."""
         c = self._pending()
         return all(len(s.output_ids) + c < s.params.max_tokens and s.length + c <= self.max_model_len

@@ -79,8 +79,9 @@ def start_engine(cfg: EngineConfig) -> Engine:
     workers: list[mp.process.BaseProcess] = []
     if run is None:
         port = free_port()
-        run = Launch(0, cfg.tensor_parallel_size, 0, f"tcp://127.0.0.1:{port}")
-        workers = spawn_ranks(cfg, port)
+        run = _local(0, cfg.tensor_parallel_size, port)
+        threads, level = torch.get_num_threads(), logging.getLogger().level
+        workers = spawn_ranks(_rank_main, cfg.tensor_parallel_size, lambda r: (r, cfg, port, threads, level))
     try:
         tp = init_group(run, device, cfg.distributed_timeout_s)
         engine = Engine(cfg, tp)
@@ -93,12 +94,17 @@ def start_engine(cfg: EngineConfig) -> Engine:
     return engine
 
 
-def spawn_ranks(cfg: EngineConfig, port: int) -> list[mp.process.BaseProcess]:
+def _local(rank: int, world: int, port: int) -> Launch:
+    """A rank of ranks that meet on this host at `port` (spawned here; GPU = rank)."""
+    return Launch(rank, world, rank, f"tcp://127.0.0.1:{port}")
+
+
+def spawn_ranks(target: Callable[..., None], world: int,
+           args_of: Callable[[int], tuple]) -> list[mp.process.BaseProcess]:
+    """Ranks 1..world-1 started as fresh processes running target(*args_of(rank))."""
     ctx = mp.get_context("spawn")
-    threads = torch.get_num_threads()
-    procs = [ctx.Process(target=_rank_main, args=(r, cfg, port, threads, logging.getLogger().level),
-                         name=f"drafttree-rank-{r}", daemon=False)
-             for r in range(1, cfg.tensor_parallel_size)]
+    procs = [ctx.Process(target=target, args=args_of(r), name=f"drafttree-rank-{r}", daemon=False)
+             for r in range(1, world)]
     for p in procs:
         p.start()
     return procs
@@ -108,7 +114,7 @@ def _rank_main(rank: int, cfg: EngineConfig, port: int, threads: int, level: int
     """A spawned rank: join, build the same engine, follow rank 0, exit with its code."""
     logging.basicConfig(level=level or logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
     torch.set_num_threads(threads)
-    launch = Launch(rank, cfg.tensor_parallel_size, rank, f"tcp://127.0.0.1:{port}")
+    launch = _local(rank, cfg.tensor_parallel_size, port)
     try:
         engine = Engine(cfg, init_group(launch, resolve_device(cfg.device), cfg.distributed_timeout_s))
     except Exception:
@@ -232,12 +238,8 @@ def run_ranks(fn: Callable[..., Any], world: int, device: str | None, timeout_s:
     workers: list[mp.process.BaseProcess] = []
     if run is None:
         port = free_port()
-        run = Launch(0, world, 0, f"tcp://127.0.0.1:{port}")
-        ctx = mp.get_context("spawn")
-        workers = [ctx.Process(target=_same_code, args=(r, world, port, dev, timeout_s, fn, args))
-                   for r in range(1, world)]
-        for p in workers:
-            p.start()
+        run = _local(0, world, port)
+        workers = spawn_ranks(_same_code, world, lambda r: (r, world, port, dev, timeout_s, fn, args))
     try:
         tp = init_group(run, dev, timeout_s)
         out = fn(tp, *args)
@@ -249,7 +251,7 @@ def run_ranks(fn: Callable[..., Any], world: int, device: str | None, timeout_s:
 
 def _same_code(rank: int, world: int, port: int, device: torch.device, timeout_s: float,
                fn: Callable[..., Any], args: tuple) -> None:
-    tp = init_group(Launch(rank, world, rank, f"tcp://127.0.0.1:{port}"), device, timeout_s)
+    tp = init_group(_local(rank, world, port), device, timeout_s)
     try:
         fn(tp, *args)
     finally:

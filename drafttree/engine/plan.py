@@ -109,6 +109,7 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, tp:
 def describe_plan(cfg: EngineConfig) -> str:
     from drafttree.loader.default_model import resolve_model
     from drafttree.runner.cuda_graph import format_plan, graph_plan
+    from drafttree.runner.prefill_plan import at_offsets
     from drafttree.engine.scheduler import SchedulerConfig
 
     target = ModelConfig.from_dir(resolve_model(cfg.model))
@@ -131,7 +132,7 @@ def describe_plan(cfg: EngineConfig) -> str:
     prefill = SchedulerConfig(cache, spec.max_commit, cfg.prefill_chunk, cfg.max_prefill_tokens,
                               cfg.admit_min).prefill   # the engine's own rule
     shapes = prefill.shapes()
-    offsets = sum(L > 0 for _, _, L in shapes)
+    offsets = at_offsets(shapes)
     sched = ",".join(f"{b}:{n}" for b, n in spec.budget_schedule) or "-"
     budget = f"auto(<={spec.budget}: {','.join(map(str, spec.budgets))})" if spec.adaptive else spec.budget
     head = (f"spec={spec.method} block_size={spec.block_size} budget={budget} budget_schedule={sched} "

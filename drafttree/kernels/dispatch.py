@@ -206,9 +206,10 @@ def moe_kernels(x: torch.Tensor) -> bool:
     """Whether routed experts over x [N, D] take the grouped GEMMs (`moe_experts`):
     `settings.moe_kernel`, 16-bit, no autograd, dots on x's device; at every row count. They read
     each expert hit once per tile of its pairs, where the gathered form copies the weights per
-    pair, the all-experts form reads every expert and the sorted form reads its counts back, so
-    they are expected to win everywhere on a GPU (not yet timed: benchmarks/moe_kernel_bench.py).
-    fp32 (CPU runs, the lossless tests) keeps the torch forms."""
+    pair, the all-experts form reads every expert and the sorted form reads its counts back: on an
+    H200, a Qwen3-30B-A3B layer at 1, 16, 33 and 528 rows took 1.2-2.8x less time than the best
+    torch form (benchmarks/moe_kernel_bench.py). fp32 (CPU runs, the lossless tests) keeps the
+    torch forms."""
     return current().moe_kernel and _runs_16bit(x) and dots_run_on(x.device)
 
 

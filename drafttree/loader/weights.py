@@ -12,7 +12,7 @@ from torch import nn
 from drafttree.config import ModelConfig
 from drafttree.loader.lazy_tensors import CheckpointTensors
 from drafttree.loader.moe_weights import attention_tensors, layer_tensors, mlp_tensors
-from drafttree.models.moe_decoder import SparseDecoderLM, build_rotary, fp32_parameters, is_sparse
+from drafttree.models.moe_decoder import SparseDecoderLM, build_rotary, fp32_parameters
 from drafttree.parallel import shard
 from drafttree.parallel.group import TPGroup
 
@@ -107,7 +107,7 @@ def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device
     cfg = ModelConfig.from_dir(path)
     if tp is not None:
         shard.check_size(cfg, tp.world)
-    if is_sparse(cfg):
+    if cfg.sparse:
         return load_sparse_target(Path(path), cfg, dtype, device, tp), cfg
     select = None if tp is None else shard.selector(cfg, tp.rank, tp.world)
     state = target_state_dict(read_safetensors(path, select), cfg.num_layers, cfg.tie_word_embeddings)

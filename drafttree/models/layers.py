@@ -141,7 +141,7 @@ class MLP(nn.Module):
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         """The down projection's partial sums added over the ranks (as is without a group)."""
-        return y if self.tp is None else all_reduce(y, self.tp)
+        return all_reduce(y, self.tp)
 
 
 class Attention(nn.Module):
@@ -187,7 +187,7 @@ class Attention(nn.Module):
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         """The o projection's partial sums added over the ranks (as is without a group)."""
-        return y if self.tp is None else all_reduce(y, self.tp)
+        return all_reduce(y, self.tp)
 
     def attend_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttnMeta,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

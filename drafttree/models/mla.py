@@ -109,8 +109,7 @@ class MLAttention(nn.Module):
             out = self.absorbed(q_nope, q_pe, cache, meta.mask)
         else:
             out = self.expanded(q_nope, q_pe, cache, meta.mask)
-        y = self.o_proj(out.reshape(B, W, self.h * m.v_head_dim))
-        return y if self.tp is None else all_reduce(y, self.tp)
+        return all_reduce(self.o_proj(out.reshape(B, W, self.h * m.v_head_dim)), self.tp)
 
     def _w_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, r] and W_UV [H, v, r]: kv_b_proj's rows per head."""

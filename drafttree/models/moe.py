@@ -192,6 +192,4 @@ class SparseMoE(nn.Module):
         out = self.experts(h, w, idx)
         if self.shared is not None:
             out = out + self.shared.partial(h)
-        if self.tp is not None:
-            out = all_reduce(out, self.tp)
-        return out.view(x.shape)
+        return all_reduce(out, self.tp).view(x.shape)

@@ -59,19 +59,15 @@ class SparseDecoderLM(DecoderLM):
         self.lm_head = head   # registered last: random weights are drawn in the parameters' order
 
 
-def is_sparse(cfg: ModelConfig) -> bool:
-    return cfg.sparse
-
-
 def build_target(cfg: ModelConfig, tp: TPGroup | None = None) -> DecoderLM:
     """The target module for a config (on the current default device); over a tensor-parallel
     group `tp`, this rank's shards (`parallel.shard.check_size` has accepted its size)."""
-    return SparseDecoderLM(cfg, tp) if is_sparse(cfg) else DecoderLM(cfg, tp)
+    return SparseDecoderLM(cfg, tp) if cfg.sparse else DecoderLM(cfg, tp)
 
 
 def build_rotary(cfg: ModelConfig) -> nn.Module:
     """The rotary tables of `build_target(cfg)` (rebuilt after loading onto a device)."""
-    return ScaledRotary(cfg) if is_sparse(cfg) else Rotary(cfg)
+    return ScaledRotary(cfg) if cfg.sparse else Rotary(cfg)
 
 
 def fp32_parameters(module: nn.Module, marker: str = ".mlp.router.") -> list[str]:

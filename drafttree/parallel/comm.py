@@ -34,9 +34,11 @@ def recording() -> Iterator[list[tuple[str, tuple[int, ...], torch.dtype]]]:
         _recorded = None
 
 
-def all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
     """x summed over the ranks, in place (every rank gets the same bits: NCCL's and gloo's
-    all-reduce hand every rank the one reduced value)."""
+    all-reduce hand every rank the one reduced value); x itself without a group (one device)."""
+    if tp is None:
+        return x
     if _recorded is not None:
         _recorded.append(("all_reduce", tuple(x.shape), x.dtype))
     dist.all_reduce(x, group=tp.group)

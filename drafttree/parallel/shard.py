@@ -122,8 +122,8 @@ def head_rows(cfg: ModelConfig, rank: int, world: int) -> tuple[slice, slice]:
 
 def expert_span(num_experts: int, world: int, rank: int = 0) -> tuple[int, int]:
     """(first routed expert, count) rank `rank` holds: a contiguous run of E/N."""
-    n = num_experts // world
-    return rank * n, n
+    s = _rows(num_experts, world, rank)
+    return s.start, s.stop - s.start
 
 
 def _rows(total: int, world: int, rank: int) -> slice:

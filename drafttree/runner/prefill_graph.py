@@ -31,7 +31,7 @@ import torch
 
 from drafttree.models.kv_cache import NULL_PAGE, attn_meta, causal
 from drafttree.runner.cuda_graph import collector_paused, warm_up
-from drafttree.runner.prefill_plan import PrefillLimits, Shape
+from drafttree.runner.prefill_plan import PrefillLimits, Shape, at_offsets
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class PrefillGraphs:
         eager; tensor-parallel, the engine fails to start (every rank must replay alike)."""
         shapes = self.shapes()
         log.info("capturing %d prefill graphs ((rows, padded length, attention length), up to %d tokens; "
-                 "%d at offsets)", len(shapes), self.limits.graph_tokens, sum(L > 0 for _, _, L in shapes))
+                 "%d at offsets)", len(shapes), self.limits.graph_tokens, at_offsets(shapes))
         try:
             with collector_paused():
                 for shape in shapes:

@@ -37,6 +37,11 @@ MAX_TOKENS = 2048   # padded tokens of one graph at most: a longer forward is GP
 Shape = tuple[int, int, int]   # (rows, padded length Pb, attention length L: 0 = Pb, all from position 0)
 
 
+def at_offsets(shapes) -> int:
+    """How many of these (rows, Pb, L) shapes serve forwards at an offset (L > 0)."""
+    return sum(L > 0 for _, _, L in shapes)
+
+
 def reach(spans: list[tuple[int, int]]) -> int:
     """A forward's reach from its chunks' (start, length): max(start + length) when any chunk
     starts at an offset, 0 when every chunk starts at 0 (its graphs attend over Pb alone)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from drafttree.engine.engine import Engine
 from drafttree.engine.warmup import warm_up
+from drafttree.runner.prefill_plan import at_offsets
 from drafttree.server.metrics import ServerMetrics
 from drafttree.server.serving import OpenAIServing
 from drafttree.server.worker import EngineWorker
@@ -131,7 +132,7 @@ def _graphs(engine: Engine) -> str:
     if r.graphs is None:
         return "no CUDA graphs"
     pg = r.prefill_graphs
-    offsets = 0 if pg is None else sum(L > 0 for _, _, L in pg.graphs)
+    offsets = 0 if pg is None else at_offsets(pg.graphs)
     prefill = "prefill eager" if pg is None or pg.failed else \
         f"{len(pg.graphs)} prefill graphs ({len(pg.graphs) - offsets} from position 0, {offsets} at offsets)"
     return f"{len(r.graphs.graphs)} round graphs, {prefill}"

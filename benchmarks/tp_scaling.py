@@ -6,7 +6,7 @@ and all-gather timed alone, as one graph), the graphed DDTree round, and the rou
     python benchmarks/tp_scaling.py [--shapes qwen3-8b,qwen3-32b] [--batches 1,16] [--tp 1,2,4]
                                     [--budget 32] [--out tp_scaling]        (CUDA; sizes past the GPUs are skipped)
 
-Aims (issue 37): a TP=2 decode step at most 0.6x the TP=1 step; the round in decode steps no worse
+Aims: a TP=2 decode step at most 0.6x the TP=1 step; the round in decode steps no worse
 than at TP=1 plus 0.1.
 """
 from __future__ import annotations

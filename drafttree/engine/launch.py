@@ -179,11 +179,12 @@ class Ranks:
 
     def lost(self) -> str | None:
         """What is known lost: a spawned rank that exited (looked at now), or what the heartbeat saw."""
-        if self.channel.failure is None and not self.closing.is_set():
-            gone = next((p for p in self.workers if not p.is_alive()), None)
+        if self.channel.failure is None and not self.closing.is_set() and self.workers:
+            exited = set(mp.connection.wait([p.sentinel for p in self.workers], timeout=0))
+            gone = next((p for p in self.workers if p.sentinel in exited), None)
             if gone is not None:
                 self.channel.failure = f"tensor-parallel rank {self.workers.index(gone) + 1} (pid {gone.pid}) " \
-                                       f"{_exit_text(gone.exitcode)}"
+                                       f"{_exit_text(_exit_code(gone))}"
         return self.channel.failure
 
     def _watch(self) -> None:
@@ -214,6 +215,16 @@ class Ranks:
         self.channel.close(farewell=not failed)
         stop_processes(self.workers, 10.0)
         close_group()
+
+
+def _exit_code(p: mp.process.BaseProcess, wait_s: float = 2.0) -> int | None:
+    """The exit code of a process whose sentinel is ready. Its sentinel closes a moment before
+    the kernel reports the exit, and another thread (a join, the watcher) may be reaping it, in
+    which case this thread sees no child until that one records the code: so wait a little."""
+    deadline = time.monotonic() + wait_s
+    while (code := p.exitcode) is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return code
 
 
 def _exit_text(code: int | None) -> str:

@@ -60,6 +60,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "cannot split (heads, MLP rows, experts) is refused, naming what it must divide")
     g.add_argument("--distributed-timeout", type=float, default=EngineConfig.distributed_timeout_s, metavar="S",
                    help="tensor parallel: a collective waiting longer than S seconds for a rank stops the engine")
+    g.add_argument("--deterministic", action="store_true", default=None,
+                   help="a token's logits the same bits whatever the phase, width and batch that computes it: "
+                        "speculative decoding then reproduces plain decoding bit for bit on the GPU, and a "
+                        "served answer can be reproduced (dense targets; costs speed, see docs/performance.md)")
     g.add_argument("--no-overlap", action="store_true",
                    help="read each round's tokens before launching the next (default on CUDA: the next round "
                         "is launched first, so the host's work between rounds overlaps the device's)")
@@ -81,7 +85,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         cuda_graphs=False if a.no_cuda_graphs else None,
                         prefill_graphs=False if a.no_prefill_graphs else None,
                         overlap=False if a.no_overlap else None, tensor_parallel_size=a.tensor_parallel_size,
-                        distributed_timeout_s=a.distributed_timeout)
+                        distributed_timeout_s=a.distributed_timeout, deterministic=a.deterministic)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ so for a block of code (tests, benchmarks).
     DRAFTTREE_GEMM=0          the few-row tiles off (verify and draft rows by the torch ops)
     DRAFTTREE_MOE_KERNEL=0    routed experts by the torch forms, not the grouped GEMMs
     DRAFTTREE_PDL=0           no programmatic dependent launch (Hopper or newer)
+    DRAFTTREE_DETERMINISTIC=1 a token's logits the same bits in every phase and batch (`--deterministic`)
     DRAFTTREE_BLOCKS=f.json   block shapes of a sweep (benchmarks/gemv_bench.py --out)
     DRAFTTREE_COMPILE=0|1|cpu torch.compile of the small fused pieces: off, CUDA, CUDA and CPU
     DRAFTTREE_CACHE=dir       converted models and compiled pieces (default ~/.cache/drafttree)
@@ -77,6 +78,10 @@ class Settings:
     # Programmatic dependent launch on Hopper or newer: a kernel's programs start while the one
     # before still runs and load their weights; off: each kernel waits for the one before.
     pdl: bool = _var("DRAFTTREE_PDL", _flag, default=True)
+    # Deterministic mode: every projection, attention and norm sums in an order fixed per token,
+    # never per forward width or batch (`kernels.dispatch`), so speculative decoding gives the
+    # bits plain decoding gives; off: the fastest kernel per width. Dense targets only.
+    deterministic: bool = _var("DRAFTTREE_DETERMINISTIC", _flag, default=False)
     # A JSON file of block shapes per kernel and weight size from `benchmarks/gemv_bench.py --out`,
     # applied over the code's tables (tuned on an H200) for another GPU or model.
     blocks: str | None = _var("DRAFTTREE_BLOCKS", _blocks_file, default=None)

@@ -26,6 +26,7 @@ from drafttree.llm import LLM
 from drafttree.parallel.group import torchrun_launch
 from drafttree.phases import Phase, schedule_for
 from drafttree.sampling import SamplingParams
+from drafttree.settings import current, install
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-prefill-graphs", action="store_true", help="eager prefill")
     p.add_argument("--no-overlap", action="store_true", help="read each round before launching the next")
+    p.add_argument("--deterministic", action="store_true", default=None,
+                   help="every engine in deterministic mode (same_as_ar is then 1.00 at T = 0 on the GPU too)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the target over N ranks, one GPU each; every engine of the run starts its own")
     p.add_argument("--host-profile", action="store_true",
@@ -109,7 +112,7 @@ def make_llm(a, method: str, budget: int | str | None) -> LLM:
                prefill_graphs=False if a.no_prefill_graphs else None,
                overlap=False if a.no_overlap else None, random_weights=a.random_weights,
                random_drafter=a.random_drafter, draft_quantization=a.draft_quantization,
-               tensor_parallel_size=a.tensor_parallel_size)
+               tensor_parallel_size=a.tensor_parallel_size, deterministic=a.deterministic)
 
 
 def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, temperature: float,
@@ -291,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         vocab = shape_config(a.random_weights)[0].vocab_size
     sizes = batches(a)
     sets = {ps: load_prompts(ps, a.num_prompts, random_vocab=vocab) for ps in prompt_sets(a)}
+    if a.deterministic:   # in force before the environment is recorded (the engines would install it)
+        install(current().replace(deterministic=True))
     temps = [float(T) for T in a.temperatures.split(",")]
     plan = runs(a)
     meta = {"date": time.strftime("%Y-%m-%d"),

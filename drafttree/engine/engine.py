@@ -24,7 +24,7 @@ from drafttree.parallel.comm import explain, smallest
 from drafttree.parallel.group import TensorParallelError, TPGroup
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
-from drafttree.settings import Settings, current
+from drafttree.settings import Settings, current, install
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ class Engine:
         self.dead: str | None = None       # why a tensor-parallel engine stopped (it steps no more)
         self.in_step = False
         self.ranks: Any = None   # rank 0's hold on the other ranks (`engine.launch.Ranks`): close() stops them
+        if cfg.deterministic is not None and cfg.deterministic != current().deterministic:
+            install(current().replace(deterministic=cfg.deterministic))   # the kernels read it process-wide
         self.settings: Settings = current()   # DRAFTTREE_*: read from the environment once per process
         self.device = tp.device if tp is not None else resolve_device(cfg.device)
         self.dtype = parse_dtype(cfg.dtype, str(self.device))

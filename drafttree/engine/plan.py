@@ -7,6 +7,7 @@ import torch
 
 from drafttree.config import ModelConfig
 from drafttree.engine.config import EngineConfig
+from drafttree.kernels import invariant_attn
 from drafttree.models.dflash import DFlashConfig
 from drafttree.parallel.group import TPGroup
 from drafttree.phases import SpecConfig, schedule_for
@@ -78,6 +79,16 @@ def target_config(cfg: EngineConfig) -> ModelConfig:
     return ModelConfig.from_dir(resolve_model(cfg.model))
 
 
+def check_deterministic(tcfg: ModelConfig) -> None:
+    """Refuse, before any weights load, a target deterministic mode does not cover."""
+    if tcfg.sparse:
+        raise ValueError(f"deterministic mode covers dense Llama, Qwen2 and Qwen3 targets; this one ({tcfg.arch}) "
+                         "has MoE or MLA layers")
+    if not invariant_attn.takes(tcfg.head_dim):
+        raise ValueError(f"deterministic mode needs a head dim that is a power of two, at least 16; this model's is "
+                         f"{tcfg.head_dim}")
+
+
 def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None):
     """(model directory or None, target, drafter or None), all checked before anything is kept.
     Over a tensor-parallel group the target is this rank's shards and the drafter whole."""
@@ -88,6 +99,8 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, tp:
     from drafttree.models.random_shapes import drafter_for, random_drafter, random_target
 
     wants_drafter = cfg.spec not in (None, "none")
+    if current().deterministic:
+        check_deterministic(target_config(cfg))
     if cfg.draft_quantization is not None:
         quant.check(cfg.draft_quantization, device)   # before any weights load
     model_dir = None

@@ -34,6 +34,12 @@ Triton where `tl.dot` runs (on CUDA, Ampere or newer).
     filter_thresholds  top-k / top-p threshold by a radix descent (filter_kernel)
                        runs: CUDA dots, vocabulary < 2^19;  else: a sort
 
+Deterministic mode (`settings.deterministic`, where `invariant`: no autograd, 16-bit or fp32, dots):
+every projection of any row count takes the tiles with blocks and input splits fixed per weight
+(gemm_kernel.INVARIANT_BLOCKS), attention `invariant_attn` at any width, the norms outside the
+projections `norm_kernel`, the LM head the tiles, and one-token decodes do not fold rope into
+attention: a token's logits are then the same bits in every phase and batch.
+
 Under CUDA graphs each choice is made once, at capture: they depend on shapes and settings only.
 """
 from __future__ import annotations
@@ -42,17 +48,27 @@ from collections.abc import Callable
 
 import torch
 
-from drafttree.kernels import attn_kernel, filter_kernel, gemm_kernel, gemv_kernel, moe_kernel, rope_kernel
-from drafttree.kernels import topk_kernel, torch_ops, tree_kernel
+import torch.nn.functional as F
+
+from drafttree.kernels import attn_kernel, filter_kernel, gemm_kernel, gemv_kernel, invariant_attn, moe_kernel
+from drafttree.kernels import norm_kernel, rope_kernel, topk_kernel, torch_ops, tree_kernel
 from drafttree.kernels.attn_kernel import Rope
 from drafttree.kernels.tree_kernel import TreeTensors
 from drafttree.kernels.triton_jit import capability, dots_run_on, interpreting, kernels_run_on, next_pow2
 from drafttree.settings import current
 
-__all__ = ["FEW_ROWS", "MAX_FUSED_TOPK", "Rope", "TreeTensors", "attention", "attention_kernels",
+__all__ = ["FEW_ROWS", "MAX_FUSED_TOPK", "Rope", "TreeTensors", "add_rms_norm", "attention", "attention_kernels",
            "build_tree_fused", "few_rows", "filter_thresholds", "fp8_linear", "fp8_runs_on", "fused_tree_usable",
-           "gemv", "moe_experts", "moe_kernels", "norm_gemv", "norm_glu_gemv", "projection_kernels",
-           "qk_rope_write_kv", "rope_attention", "rope_in_attention", "tiles_take", "top_log_probs", "write_kv"]
+           "gemv", "invariant", "linear", "moe_experts", "moe_kernels", "norm_gemv", "norm_glu_gemv",
+           "projection_kernels", "qk_rope_write_kv", "rms_norm", "rope_attention", "rope_in_attention", "tiles_take",
+           "top_log_probs", "write_kv"]
+
+
+def invariant(x: torch.Tensor) -> bool:
+    """Whether a forward over x runs in deterministic mode (module docstring): `settings.deterministic`,
+    no autograd, 16-bit or fp32, and Triton's dots on x's device."""
+    return (current().deterministic and not torch.is_grad_enabled()
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and dots_run_on(x.device))
 
 # -- attention, rope and the KV write --------------------------------------------------------------
 
@@ -80,7 +96,7 @@ def rope_in_attention(qkv: torch.Tensor, head_dim: int, group: int) -> bool:
     """Whether a forward takes `rope_attention`: one token per row (a decode), few rows (`group`
     query heads per KV head). A wider forward would redo each query row's
     rope once per split (a DDTree verify at budget 32 lost more than decode gained)."""
-    return attention_kernels(qkv, head_dim) and qkv.shape[1] == 1 and few_rows(qkv, group)
+    return attention_kernels(qkv, head_dim) and qkv.shape[1] == 1 and few_rows(qkv, group) and not invariant(qkv)
 
 
 def rope_attention(qkv: torch.Tensor, heads: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -104,7 +120,7 @@ def qk_rope_write_kv(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: tor
                      slots: torch.Tensor) -> torch.Tensor:
     """qkv [B, W, (H + 2 Hkv) * hd] -> q [B, W, H, hd], normed (with weights, Qwen3) and roped; k
     (normed, roped) and v written to cache[rows[b], :, slots[b, i]]. cos, sin [B, W, 1, hd]."""
-    if attention_kernels(qkv, qkv.shape[-1] // (heads + 2 * kv_heads)):
+    if attention_kernels(qkv, qkv.shape[-1] // (heads + 2 * kv_heads)) or invariant(qkv):
         return rope_kernel.qk_rope_write_kv(qkv, heads, kv_heads, q_weight, k_weight, eps, cos, sin, k_cache,
                                             v_cache, rows, slots)
     q, k, v = torch_ops.qk_rope(qkv, heads, kv_heads, q_weight, k_weight, eps, cos, sin)
@@ -113,12 +129,17 @@ def qk_rope_write_kv(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: tor
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-              grouped_mask: Callable[[int], torch.Tensor], kv_slots: torch.Tensor | None = None) -> torch.Tensor:
+              grouped_mask: Callable[[int], torch.Tensor], kv_slots: torch.Tensor | None = None,
+              visible: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
     """softmax(q kᵀ * scale, masked) v: q [B, W, H, hd]; k, v [B, Hkv, L, hd] (views of the cache),
     or paged the pools [1, Hkv, slots, hd] read at kv_slots [B, L] (the kernel follows the slots;
     the torch ops gather a copy); mask [B, 1, W, L] bool; grouped_mask(g): the mask with g query
-    heads folded into its rows (made once per forward, for the torch ops). -> [B, W, H * hd]."""
+    heads folded into its rows (made once per forward, for the torch ops); visible(): each token's
+    keys in order (`invariant_attn.visible_keys`, made once per forward; deterministic mode). -> [B, W, H * hd]."""
     B, W, H, hd = q.shape
+    # (a drafter's heads may not fit the kernel: the drafter's bits need not hold, the target's are checked at start)
+    if visible is not None and invariant(q) and invariant_attn.takes(hd):
+        return invariant_attn.attention(q, k, v, *visible(), scale, paged=kv_slots is not None).view(B, W, H * hd)
     g = H // k.shape[1]
     few = few_rows(q, g * W)
     if few and attention_kernels(q):
@@ -147,6 +168,8 @@ def projection_kernels(x: torch.Tensor) -> bool:
     `norm_glu_gemv`) instead of the unfused layers: `settings.gemv`, 16-bit, and one token row
     (the GEMVs) or 2 to gemm_kernel.MAX_ROWS rows where the tiles may run."""
     rows = x.numel() // x.shape[-1]
+    if invariant(x):
+        return True
     if not (current().gemv and _runs_16bit(x)):
         return False
     return rows == 1 or (rows <= gemm_kernel.MAX_ROWS and tiles_take(x))
@@ -154,6 +177,9 @@ def projection_kernels(x: torch.Tensor) -> bool:
 
 def _project(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
              w: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if scale is None and invariant(x):
+        gemv_kernel.check(kind, x, w, any_rows=True)
+        return gemm_kernel.launch(kind, x, delta, g, eps, w, b, invariant=True)
     rows = gemv_kernel.check(kind, x, w)
     if scale is not None:   # fp8 weights: the tiles at any rows (the torch ops have no weight-only fp8 product)
         return gemm_kernel.launch(kind, x, delta, g, eps, w, b, scale)
@@ -182,6 +208,28 @@ def norm_glu_gemv(x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor, 
     """(x + delta, silu(gate) * up) for [gate | up] = norm_gemv(x, delta, g, eps, w)[1], w [2I, K]:
     a program owns gate rows n and up rows I + n, so SiLU·up is its epilogue."""
     return _project("glu", x, delta, g, eps, w, None, scale)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T (an LM head): the tiles in deterministic mode, else cuBLAS."""
+    if invariant(x):
+        return gemv(x, w)
+    return F.linear(x, w)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., D] (`norm_kernel` in deterministic mode, else the torch ops)."""
+    if invariant(x):
+        return norm_kernel.add_rms_norm(x, None, weight, eps)[1]
+    return torch_ops.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm of it), as `rms_norm` chooses."""
+    if invariant(x):
+        return norm_kernel.add_rms_norm(x, delta, weight, eps)
+    return torch_ops.add_rms_norm(x, delta, weight, eps)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:

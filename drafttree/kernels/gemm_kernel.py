@@ -71,6 +71,24 @@ BLOCKS: dict[str, list[tuple[int, Blocks | None]]] = {
 }
 
 
+# Deterministic mode (`settings.deterministic`): every row count takes these tiles, with blocks
+# fixed per kernel and a split of the inputs fixed per weight shape, never per row count: a
+# token's sums then run in one order whether it is projected alone (a decode), in a verify, a
+# prefill chunk or beside other requests. (weight rows per program, inputs per step, warps,
+# stages, token rows per program); the split (`invariant_split`) aims at INVARIANT_PROGRAMS
+# programs for one token row.
+INVARIANT_BLOCKS: dict[str, tuple[int, int, int, int, int]] = {
+    "norm": (64, 64, 4, 4, 16), "plain": (64, 128, 4, 4, 16), "glu": (64, 64, 4, 4, 16)}
+INVARIANT_PROGRAMS = 264   # two waves of an H200's 132 SMs
+
+
+def invariant_split(kind: str, N: int, K: int) -> int:
+    """The input split of deterministic mode's tiles for a weight of N outputs (halved for GLU)
+    and K inputs: a function of the weight's shape only."""
+    bn, bk = INVARIANT_BLOCKS[kind][:2]
+    return max(1, min(INVARIANT_PROGRAMS // cdiv(N, bn), K // bk))
+
+
 @device_function
 def glu_out(gate, up, dt):
     """silu(gate) * up of fp32 sums, rounded where the unfused ops round: gate and up, silu, product."""
@@ -221,21 +239,26 @@ def _finish_kernel(ws_ptr, ss_ptr, b_ptr, y_ptr, M, N, eps, K: tl.constexpr, HAS
 
 
 def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
-           w: torch.Tensor, b: torch.Tensor | None,
-           scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           w: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor | None = None,
+           invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`gemv_kernel.launch` for x [..., K] of 2 to MAX_ROWS rows whose weight class has blocks that
     cover them (`tiles_cover`; checked by the caller); with `scale` (fp8 weights w, fp32 scale
-    [rows of w]) any rows."""
+    [rows of w]) any rows; `invariant` (deterministic mode): any rows, each summed as it would be
+    alone (INVARIANT_BLOCKS)."""
     w8 = scale is not None
-    blocks = blocks_for(kind, w.numel(), BLOCKS_FP8 if w8 else None)
     K = w.shape[1]
     M = x.numel() // K
-    if not w8 and (blocks is None or M > blocks[6]):
-        raise ValueError(f"{kind} tiles: no blocks for {w.numel()} weight elements at {M} rows")
     x, d, xo, y = outputs(kind, x, delta, w)
     N = y.shape[-1]
-    bn, bk, warps, stages, split, bm, _, pre = blocks
-    bm = min(bm, max(16, next_pow2(M)))
+    if invariant:
+        bn, bk, warps, stages, bm = INVARIANT_BLOCKS[kind]
+        split, pre = invariant_split(kind, N, K), 0
+    else:
+        blocks = blocks_for(kind, w.numel(), BLOCKS_FP8 if w8 else None)
+        if not w8 and (blocks is None or M > blocks[6]):
+            raise ValueError(f"{kind} tiles: no blocks for {w.numel()} weight elements at {M} rows")
+        bn, bk, warps, stages, split, bm, _, pre = blocks
+        bm = min(bm, max(16, next_pow2(M)))
     ks = cdiv(cdiv(K, max(1, split)), bk) * bk   # inputs per split, a multiple of bk
     split = cdiv(K, ks)
     pre = 1 << (min(pre, ks // bk).bit_length() - 1) if pre > 0 else 0

@@ -143,15 +143,16 @@ def _gemv_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, xo_ptr, y_ptr, N, eps, K: tl
     tl.store(y_ptr + n, acc.to(dt), mask=n < N)
 
 
-def check(kind: str, x: torch.Tensor, w: torch.Tensor) -> int:
-    """The token rows of x [..., K] for a fused projection of kind `kind` by w [N, K]; a
-    ValueError where the kernels cannot take them."""
+def check(kind: str, x: torch.Tensor, w: torch.Tensor, any_rows: bool = False) -> int:
+    """The token rows of x [..., K] for a fused projection of kind `kind` by w [N, K] (at most
+    gemm_kernel.MAX_ROWS unless `any_rows`); a ValueError where the kernels cannot take them."""
     N, K = w.shape
     rows = x.numel() // K
-    if x.shape[-1] != K or rows > gemm_kernel.MAX_ROWS or not w.is_contiguous() or kind == "glu" and N % 2:
+    most = None if any_rows else gemm_kernel.MAX_ROWS
+    if x.shape[-1] != K or most is not None and rows > most or not w.is_contiguous() or kind == "glu" and N % 2:
         even = ", w's rows [gate | up]: an even count" if kind == "glu" else ""
-        raise ValueError(f"{kind} gemv: x {tuple(x.shape)}, w {tuple(w.shape)} "
-                         f"(at most {gemm_kernel.MAX_ROWS} rows, w contiguous{even})")
+        limit = "" if most is None else f"at most {most} rows, "
+        raise ValueError(f"{kind} gemv: x {tuple(x.shape)}, w {tuple(w.shape)} ({limit}w contiguous{even})")
     return rows
 
 

@@ -118,4 +118,5 @@ class DecoderLM(nn.Module):
         return KVLayout.of(self.cfg) if self.tp is None else KVLayout.of(self.cfg, self.tp.world, self.tp.rank)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        head = self.lm_head
+        return (dispatch.linear(hidden, head.weight) if isinstance(head, nn.Linear) else head(hidden)).float()

@@ -10,7 +10,8 @@ from torch import nn
 from drafttree.config import ModelConfig
 from drafttree.kernels import dispatch
 from drafttree.kernels.fused import fused
-from drafttree.kernels.torch_ops import add_rms_norm, rms_norm, silu_mul
+from drafttree.kernels.invariant_attn import visible_keys
+from drafttree.kernels.torch_ops import silu_mul
 from drafttree.parallel.comm import all_reduce
 from drafttree.parallel.group import TPGroup
 from drafttree.parallel.shard import kv_heads_per_rank, q_span
@@ -23,11 +24,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return dispatch.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta)): a residual add and the next norm in one kernel."""
-        return add_rms_norm(x, delta, self.weight, self.eps)
+        return dispatch.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -87,6 +88,13 @@ class AttnMeta:
     def kv_len(self) -> int:
         return self.mask.shape[-1]
 
+    def visible_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's visible keys in order, and their counts (`invariant_attn.visible_keys`),
+        built once per forward."""
+        if "visible" not in self._grouped:
+            self._grouped["visible"] = visible_keys(self.mask, self.kv_slots)
+        return self._grouped["visible"]
+
     def grouped_mask(self, g: int) -> torch.Tensor:
         """The mask for g query heads folded into the row dimension, built once per forward."""
         if g == 1:
@@ -118,7 +126,8 @@ def attend(q: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor, v_cache: torc
     else:
         kc = k_cache[:B, :, :L]  # [B, Hkv, L, hd], a view
         vc = v_cache[:B, :, :L]
-    return dispatch.attention(q, kc, vc, meta.mask, 1.0 / math.sqrt(hd), meta.grouped_mask, meta.kv_slots)
+    return dispatch.attention(q, kc, vc, meta.mask, 1.0 / math.sqrt(hd), meta.grouped_mask, meta.kv_slots,
+                              meta.visible_keys)
 
 
 class MLP(nn.Module):

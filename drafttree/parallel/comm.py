@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from drafttree.parallel.group import TPGroup
+from drafttree.settings import current
 
 # (op, shape, dtype) of every collective while `recording()` is on (the phase benchmark replays them)
 _recorded: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
@@ -36,13 +37,34 @@ def recording() -> Iterator[list[tuple[str, tuple[int, ...], torch.dtype]]]:
 
 def all_reduce(x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
     """x summed over the ranks, in place (every rank gets the same bits: NCCL's and gloo's
-    all-reduce hand every rank the one reduced value); x itself without a group (one device)."""
+    all-reduce hand every rank the one reduced value); x itself without a group (one device).
+
+    In deterministic mode over more than two ranks the addends are gathered and added in rank
+    order: an all-reduce's order of addition per element follows its message size (ring chunks,
+    tree or NVLS), so the same token could sum differently in a decode and in a verify. Two
+    addends sum alike in either order."""
     if tp is None:
         return x
+    if tp.world > 2 and current().deterministic:
+        parts = gather_first(x, tp)
+        total = parts[0].clone()
+        for r in range(1, tp.world):
+            total += parts[r]
+        return x.copy_(total)
     if _recorded is not None:
         _recorded.append(("all_reduce", tuple(x.shape), x.dtype))
     dist.all_reduce(x, group=tp.group)
     return x
+
+
+def gather_first(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """x of every rank, stacked in rank order: [N, *x.shape]."""
+    flat = x.contiguous().view(1, -1)
+    if _recorded is not None:
+        _recorded.append(("all_gather", tuple(flat.shape), x.dtype))
+    out = torch.empty(tp.world, flat.shape[1], dtype=x.dtype, device=x.device)
+    _gather_into(out, flat, group=tp.group)
+    return out.view(tp.world, *x.shape)
 
 
 def gather_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

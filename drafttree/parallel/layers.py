@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafttree.kernels import dispatch
 from drafttree.parallel.comm import all_reduce, gather_last
 from drafttree.parallel.group import TPGroup
 
@@ -46,7 +47,7 @@ class VocabParallelHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_shard(vocab, tp.world), dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _whole(gather_last(F.linear(x, self.weight), self.tp), self.vocab)
+        return _whole(gather_last(dispatch.linear(x, self.weight), self.tp), self.vocab)
 
 
 def _whole(logits: torch.Tensor, vocab: int) -> torch.Tensor:

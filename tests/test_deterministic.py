@@ -82,6 +82,19 @@ def test_the_norm_kernel_sums_a_row_alike_at_any_row_count(dtype):
     torch.testing.assert_close(norm(x)[:, D:], want, atol=1e-2, rtol=1e-2)
 
 
+def test_visible_keys_list_each_tokens_keys_in_order():
+    """A forward's mask (`attn_meta`: the context, then some of the W new entries) as a prefix of
+    positions from 0 and a tail of at most W positions."""
+    intra = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 1, 1]]], dtype=torch.bool)
+    meta = attn_meta(torch.tensor([5]), intra, 12)
+    vis = invariant_attn.visible_keys(meta.mask)
+    for i in range(4):
+        want = meta.mask[0, 0, i].nonzero()[:, 0].tolist()
+        n, p = int(vis.counts[0, i]), int(vis.prefix[0, i])
+        assert list(range(p)) + vis.tail[0, i, :n - p].tolist() == want
+    assert vis.prefix[0].tolist() == [6, 7, 6, 5] and vis.counts[0].tolist() == [6, 7, 7, 7]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
 def test_attention_gives_a_token_the_same_bits_in_a_decode_a_tree_and_a_prefill(dtype, paged):
@@ -111,8 +124,7 @@ def test_attention_gives_a_token_the_same_bits_in_a_decode_a_tree_and_a_prefill(
         return pk.to(DEVICE), pv.to(DEVICE), perm[None].to(DEVICE)
 
     def run(k, v, kv_slots, mask, q, inline):
-        got, cnt = invariant_attn.visible_keys(mask.to(DEVICE), kv_slots)
-        return invariant_attn.attention(q, k, v, got, cnt, scale, paged=paged, inline=inline)
+        return invariant_attn.attention(q, k, v, invariant_attn.visible_keys(mask.to(DEVICE)), scale, kv_slots, inline)
 
     # decode: the token at ctx + i sees positions 0 .. ctx + i
     decodes = []

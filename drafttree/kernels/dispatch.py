@@ -130,7 +130,7 @@ def qk_rope_write_kv(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: tor
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
               grouped_mask: Callable[[int], torch.Tensor], kv_slots: torch.Tensor | None = None,
-              visible: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+              visible: Callable[[], invariant_attn.Visible] | None = None) -> torch.Tensor:
     """softmax(q kᵀ * scale, masked) v: q [B, W, H, hd]; k, v [B, Hkv, L, hd] (views of the cache),
     or paged the pools [1, Hkv, slots, hd] read at kv_slots [B, L] (the kernel follows the slots;
     the torch ops gather a copy); mask [B, 1, W, L] bool; grouped_mask(g): the mask with g query
@@ -139,7 +139,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     B, W, H, hd = q.shape
     # (a drafter's heads may not fit the kernel: the drafter's bits need not hold, the target's are checked at start)
     if visible is not None and invariant(q) and invariant_attn.takes(hd):
-        return invariant_attn.attention(q, k, v, *visible(), scale, paged=kv_slots is not None).view(B, W, H * hd)
+        return invariant_attn.attention(q, k, v, visible(), scale, kv_slots).view(B, W, H * hd)
     g = H // k.shape[1]
     few = few_rows(q, g * W)
     if few and attention_kernels(q):

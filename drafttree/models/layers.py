@@ -10,7 +10,7 @@ from torch import nn
 from drafttree.config import ModelConfig
 from drafttree.kernels import dispatch
 from drafttree.kernels.fused import fused
-from drafttree.kernels.invariant_attn import visible_keys
+from drafttree.kernels.invariant_attn import Visible, visible_keys
 from drafttree.kernels.torch_ops import silu_mul
 from drafttree.parallel.comm import all_reduce
 from drafttree.parallel.group import TPGroup
@@ -88,11 +88,10 @@ class AttnMeta:
     def kv_len(self) -> int:
         return self.mask.shape[-1]
 
-    def visible_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's visible keys in order, and their counts (`invariant_attn.visible_keys`),
-        built once per forward."""
+    def visible_keys(self) -> Visible:
+        """Each token's visible keys in order (`invariant_attn.visible_keys`), built once per forward."""
         if "visible" not in self._grouped:
-            self._grouped["visible"] = visible_keys(self.mask, self.kv_slots)
+            self._grouped["visible"] = visible_keys(self.mask)
         return self._grouped["visible"]
 
     def grouped_mask(self, g: int) -> torch.Tensor:

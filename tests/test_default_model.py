@@ -300,3 +300,26 @@ def test_topk_filter_keeps_real_logits_on_its_fast_path(converted_dir: Path) -> 
         logits = torch.cat([model(s).logits[0] for s in seqs]).to(torch.bfloat16)
     for k2 in (8, 32, 128):
         assert filter_counts(logits, k2).max() <= filter_plan(k2, 8192)[1], k2
+
+
+def test_a_text_conversation_is_answered_in_its_chat_template(converted_dir: Path, tmp_path: Path) -> None:
+    """Turn 1 of a conversation is asked after turn 0 and the target's own reply, as the chat
+    template lays them out; the reply's text is kept for the next turn."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from drafttree.train.data import Conversation
+    from drafttree.train.regen import RegenConfig, regenerate
+
+    conv = Conversation(("Name a color.", "And another one?"))
+    rc = RegenConfig(target=str(converted_dir), device="cpu", max_num_seqs=2, max_prompt_tokens=128, max_tokens=5)
+    path = regenerate([conv], tmp_path / "r.jsonl", rc, progress=False)
+    recs = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert [r["turn"] for r in recs] == [0, 1]
+    tok = AutoTokenizer.from_pretrained(str(converted_dir))
+    assert recs[0]["response_text"] == tok.decode(recs[0]["response_ids"], skip_special_tokens=True)
+    messages = [{"role": "user", "content": conv.turns[0]}, {"role": "assistant", "content": recs[0]["response_text"]},
+                {"role": "user", "content": conv.turns[1]}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert recs[1]["prompt_ids"] == tok(text, add_special_tokens=False)["input_ids"]

@@ -17,8 +17,10 @@ from drafttree.loader.drafter import load_drafter
 from drafttree.models.kv_cache import KVCache, attn_meta
 from drafttree.train.cli import main
 from drafttree.train.data import (
+    Conversation,
     TrainSequence,
     iter_json_array,
+    load_sharegpt_conversations,
     load_sharegpt_prompts,
     read_prompts,
     read_sequences,
@@ -254,6 +256,56 @@ def test_prompt_files_and_truncated_sharegpt(tmp_path):
     seqs = [TrainSequence([1, 2, 3, 4], 1), TrainSequence([5, 6, 7], 2), TrainSequence([8, 9, 10, 11, 12], 2)]
     back = read_sequences(write_sequences(tmp_path / "s.jsonl", seqs), max_len=4)
     assert back == [seqs[0], TrainSequence([8, 9, 10, 11], 2)]   # one response token: no anchor fits
+
+
+def test_sharegpt_conversations_keep_every_turn_and_the_prompts_split(tmp_path):
+    long = "x" * 50
+    recs = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"},
+                               {"from": "human", "value": f"q{i} again"}, {"from": "gpt", "value": "b"},
+                               {"from": "human", "value": long if i % 3 == 0 else f"q{i} third"}]}
+            for i in range(40)]
+    recs.append({"conversations": [{"from": "human", "value": "q1"}]})   # a repeated first turn: dropped
+    f = tmp_path / "sharegpt.json"
+    f.write_text(json.dumps(recs))
+    train, heldout = load_sharegpt_conversations(seed=2, eval_size=4, max_chars=40, path=f)
+    assert len(train) + len(heldout) == 40
+    assert all(len(c.turns) == (2 if c.turns[0][1:] and int(c.turns[0][1:]) % 3 == 0 else 3) for c in train)
+    firsts = load_sharegpt_prompts(seed=2, eval_size=4, max_chars=40, path=f)
+    assert firsts == ([c.turns[0] for c in train], [c.turns[0] for c in heldout])   # the same split
+    p = write_prompts(tmp_path / "c.jsonl", [train[0], Conversation(((1, 2), (3,)))])
+    assert read_prompts(p) == [train[0], Conversation(((1, 2), (3,)))]
+
+
+def test_conversations_are_answered_turn_by_turn_and_resume(tiny, tmp_path):
+    """Token-id conversations: turn t's prompt is the turns and the target's replies before it,
+    laid end to end; an interrupted run resumes to the same records."""
+    convs = [Conversation(((1, 2, 3), (4, 5), (6,))), Conversation(((7, 8),)), Conversation(((9,), (10, 11)))]
+    rc = RegenConfig(**{**vars(tiny["regen"]), "max_tokens": 6, "max_prompt_tokens": 32})
+    path = regenerate(convs, tmp_path / "conv.jsonl", rc, progress=False)
+    recs = {(r["i"], r["turn"]): r for r in map(json.loads, path.read_text().splitlines())}
+    assert sorted(recs) == [(0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1)]
+    for (i, t), r in recs.items():
+        context = [x for u in range(t) for x in [*convs[i].turns[u], *recs[i, u]["response_ids"]]]
+        assert r["prompt_ids"] == context + list(convs[i].turns[t]) and len(r["response_ids"]) == 6
+    from drafttree.sampling import SamplingParams
+    from drafttree.train.regen import make_llm
+    again = make_llm(rc).generate(recs[0, 2]["prompt_ids"], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert again.token_ids == recs[0, 2]["response_ids"]
+    cut = tmp_path / "cut.jsonl"
+    regenerate(convs, cut, RegenConfig(**{**vars(rc), "time_limit": 0.0}), progress=False)
+    assert len(cut.read_text().splitlines()) < len(recs)
+    regenerate(convs, cut, rc, progress=False)
+    assert {(r["i"], r["turn"]): r for r in map(json.loads, cut.read_text().splitlines())} == recs
+    seqs = read_sequences(path)
+    assert len(seqs) == 6 and all(s.response_len == 6 for s in seqs)
+
+
+def test_a_long_turn_ends_its_conversation(tiny, tmp_path):
+    convs = [Conversation(((1, 2), tuple(range(1, 12)), (3,)))]   # turn 1 passes the 16-token limit
+    path = regenerate(convs, tmp_path / "conv.jsonl", RegenConfig(**{**vars(tiny["regen"]), "max_tokens": 6}),
+                      progress=False)
+    recs = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert [(r["turn"], bool(r.get("skipped"))) for r in recs] == [(0, False), (1, True)]
 
 
 def test_time_limit_fits_the_schedule_to_the_clock(tiny, tmp_path):

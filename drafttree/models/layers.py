@@ -82,7 +82,7 @@ class AttnMeta:
     kv_slots: torch.Tensor | None = None   # [B, kv_len] long (paged): the slot of every position read
     positions: torch.Tensor | None = None  # [B, W] long (paged): the new tokens' positions
 
-    _grouped: dict = field(default_factory=dict, repr=False)
+    _made: dict = field(default_factory=dict, repr=False)   # what the mask gave, once per forward
 
     @property
     def kv_len(self) -> int:
@@ -90,18 +90,18 @@ class AttnMeta:
 
     def visible_keys(self) -> Visible:
         """Each token's visible keys in order (`invariant_attn.visible_keys`), built once per forward."""
-        if "visible" not in self._grouped:
-            self._grouped["visible"] = visible_keys(self.mask)
-        return self._grouped["visible"]
+        if "visible" not in self._made:
+            self._made["visible"] = visible_keys(self.mask)
+        return self._made["visible"]
 
     def grouped_mask(self, g: int) -> torch.Tensor:
         """The mask for g query heads folded into the row dimension, built once per forward."""
         if g == 1:
             return self.mask
-        if g not in self._grouped:
+        if g not in self._made:
             B, _, W, L = self.mask.shape
-            self._grouped[g] = self.mask.expand(B, g, W, L).reshape(B, 1, g * W, L)
-        return self._grouped[g]
+            self._made[g] = self.mask.expand(B, g, W, L).reshape(B, 1, g * W, L)
+        return self._made[g]
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,

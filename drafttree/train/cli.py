@@ -68,7 +68,8 @@ def _regen_args(p: argparse.ArgumentParser) -> None:
 
 def _train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("drafter")
-    g.add_argument("--data", type=Path, default=None, help="sequences JSONL (default OUT/responses.jsonl)")
+    g.add_argument("--data", type=Path, nargs="+", default=None,
+                   help="sequences JSONL files, e.g. regeneration shards or temperatures (default OUT/responses.jsonl)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--draft-layers", type=int, default=3)
     g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")

@@ -54,7 +54,8 @@ _FIT_AT = (20, 80, 320)
 @dataclass
 class TrainConfig:
     out: Path
-    data: Path | None = None              # regenerated sequences (JSONL); default out/responses.jsonl
+    data: Path | list[Path] | None = None   # regenerated sequences (JSONL files, read in order: shards,
+                                            # temperatures); default out/responses.jsonl
     target: str | None = None
     device: str | None = None
     dtype: str | None = None              # the frozen target's; the drafter trains in fp32 (+ bf16 autocast on CUDA)
@@ -109,9 +110,10 @@ class Trainer:
         self.target = target.eval().requires_grad_(False)
         tcfg = target.cfg
         data = cfg.data or cfg.out / "responses.jsonl"
-        self.seqs = sequences if sequences is not None else read_sequences(data, cfg.max_len)
+        files = [Path(f) for f in data] if isinstance(data, (list, tuple)) else [Path(data)]
+        self.seqs = sequences if sequences is not None else [s for f in files for s in read_sequences(f, cfg.max_len)]
         if not self.seqs:
-            raise ValueError(f"no training sequences with a response in {data}")
+            raise ValueError(f"no training sequences with a response in {', '.join(map(str, files))}")
         ckpt = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False) \
             if cfg.resume and cfg.checkpoint.is_file() else None
         warm = cfg.init_from_drafter if ckpt is None else None
@@ -271,7 +273,7 @@ class Trainer:
                    "sequences": len(self.seqs), "train_seconds": seconds,
                    "seconds_per_step": seconds / max(1, self.step - start_step),
                    "parameters": count_parameters(self.config_dict), "drafter_config": self.config_dict,
-                   "train_config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+                   "train_config": {k: _plain(v) for k, v in asdict(cfg).items()},
                    "history": self.history}
         if self.group.main:
             write_log(cfg.out, summary)
@@ -318,3 +320,10 @@ def write_log(out: Path, updates: dict[str, Any]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
     return path
+
+
+def _plain(value: Any) -> Any:
+    """A config value as JSON holds it (paths as strings)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value) if isinstance(value, Path) else value

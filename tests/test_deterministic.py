@@ -264,3 +264,29 @@ def test_moe_and_mla_targets_are_refused_before_loading(tmp_path):
     target = make_moe_target(tmp_path / "q", "qwen3_moe")
     with pytest.raises(ValueError, match="deterministic mode covers dense Llama, Qwen2 and Qwen3 targets"):
         LLM(model=str(target), device="cpu", deterministic=True)
+
+
+def _reduce_on_ranks(tp, shapes):
+    """Each rank's addends (a function of its rank) all-reduced in deterministic mode; rank 0
+    returns the sums and every rank's copy of them."""
+    from drafttree.parallel.comm import all_reduce, gather_first
+    from drafttree.settings import current, install
+    install(current().replace(deterministic=True))
+    out = []
+    for shape in shapes:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(100 + tp.rank)) * 10 ** tp.rank
+        y = all_reduce(x.clone(), tp)
+        out.append((y, gather_first(y, tp)))
+    return out
+
+
+def test_more_than_two_ranks_add_their_parts_in_rank_order():
+    """Over 3 ranks (gloo) the row-parallel sums are the ranks' parts added in rank order, the same
+    bits on every rank, whatever the message size."""
+    from drafttree.engine.launch import run_ranks
+    shapes = [(1, 5), (33, 7)]
+    got = run_ranks(_reduce_on_ranks, 3, "cpu", 60.0, shapes)
+    for shape, (y, copies) in zip(shapes, got):
+        parts = [torch.randn(shape, generator=torch.Generator().manual_seed(100 + r)) * 10 ** r for r in range(3)]
+        assert torch.equal(y, (parts[0] + parts[1]) + parts[2])
+        assert all(torch.equal(c, y) for c in copies)

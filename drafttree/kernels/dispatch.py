@@ -47,7 +47,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
 import torch.nn.functional as F
 
 from drafttree.kernels import attn_kernel, filter_kernel, gemm_kernel, gemv_kernel, invariant_attn, moe_kernel
@@ -177,10 +176,10 @@ def projection_kernels(x: torch.Tensor) -> bool:
 
 def _project(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tensor | None, eps: float,
              w: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    if scale is None and invariant(x):
-        gemv_kernel.check(kind, x, w, any_rows=True)
+    inv = invariant(x)
+    rows = gemv_kernel.check(kind, x, w, any_rows=inv)
+    if scale is None and inv:
         return gemm_kernel.launch(kind, x, delta, g, eps, w, b, invariant=True)
-    rows = gemv_kernel.check(kind, x, w)
     if scale is not None:   # fp8 weights: the tiles at any rows (the torch ops have no weight-only fp8 product)
         return gemm_kernel.launch(kind, x, delta, g, eps, w, b, scale)
     if rows == 1:

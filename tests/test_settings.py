@@ -93,5 +93,7 @@ def test_graph_plan_and_bench_results_show_the_settings(zoo, set_settings):
     set_settings(gemm=False)
     text = describe_plan(EngineConfig(model=str(zoo("qwen3").target)))
     assert f"settings: {current().describe()}\n" in text and "gemm=off" in text
+    # an engine config's deterministic choice is what its engine runs under
+    assert "deterministic=on" in describe_plan(EngineConfig(model=str(zoo("qwen3").target), deterministic=True))
     env = environment()
     assert env["settings"] == current().as_dict() and env["kernels"]["few_row_projections"] is False

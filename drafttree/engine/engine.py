@@ -14,7 +14,7 @@ from drafttree.config import parse_dtype, resolve_device
 from drafttree.engine.budget import BudgetChooser
 from drafttree.engine.config import EngineConfig
 from drafttree.engine.inflight import Launched, RoundOutputs
-from drafttree.engine.plan import load_models, resolve_spec
+from drafttree.engine.plan import load_models, resolve_spec, settings_of
 from drafttree.engine.pages import PagePool
 from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
@@ -64,8 +64,8 @@ class Engine:
         self.dead: str | None = None       # why a tensor-parallel engine stopped (it steps no more)
         self.in_step = False
         self.ranks: Any = None   # rank 0's hold on the other ranks (`engine.launch.Ranks`): close() stops them
-        if cfg.deterministic is not None and cfg.deterministic != current().deterministic:
-            install(current().replace(deterministic=cfg.deterministic))   # the kernels read it process-wide
+        if settings_of(cfg) != current():
+            install(settings_of(cfg))   # the kernels read the settings process-wide
         self.settings: Settings = current()   # DRAFTTREE_*: read from the environment once per process
         self.device = tp.device if tp is not None else resolve_device(cfg.device)
         self.dtype = parse_dtype(cfg.dtype, str(self.device))

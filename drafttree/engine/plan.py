@@ -11,7 +11,7 @@ from drafttree.kernels import invariant_attn
 from drafttree.models.dflash import DFlashConfig
 from drafttree.parallel.group import TPGroup
 from drafttree.phases import SpecConfig, schedule_for
-from drafttree.settings import current
+from drafttree.settings import Settings, current
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
@@ -77,6 +77,13 @@ def target_config(cfg: EngineConfig) -> ModelConfig:
         return shape_config(cfg.random_weights)[0]
     from drafttree.loader.default_model import resolve_model
     return ModelConfig.from_dir(resolve_model(cfg.model))
+
+
+def settings_of(cfg: EngineConfig) -> Settings:
+    """The settings an engine of `cfg` runs under: the process's, with the config's deterministic
+    choice where it makes one (the engine installs it)."""
+    s = current()
+    return s if cfg.deterministic is None else s.replace(deterministic=cfg.deterministic)
 
 
 def check_deterministic(tcfg: ModelConfig) -> None:
@@ -164,5 +171,5 @@ def describe_plan(cfg: EngineConfig) -> str:
                f"{','.join(map(str, prefill.offset_lengths()))}; captured at start-up\n"
                if cfg.prefill_graphs is not False
                else "; prefill runs eagerly\n")
-            + f"settings: {current().describe()}\n")
+            + f"settings: {settings_of(cfg).describe()}\n")
     return head + format_plan(plan)

@@ -49,6 +49,7 @@ class EngineConfig:
     distributed_timeout_s: float = 300.0   # a collective waiting longer for a rank fails, and the engine stops
     deterministic: bool | None = None   # a token's logits the same bits in every phase and batch, so
                                         # speculation reproduces plain decoding bit for bit on the GPU
-                                        # (settings.deterministic; default: DRAFTTREE_DETERMINISTIC)
+                                        # (settings.deterministic, which the engine sets for the whole
+                                        # process; default: as the settings are, DRAFTTREE_DETERMINISTIC)
     random_weights: str | None = None   # timing-only: a shape from drafttree.models.random_shapes
     random_drafter: bool = False        # timing-only: an untrained drafter for the given target

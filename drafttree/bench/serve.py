@@ -15,13 +15,13 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 
 from drafttree.bench.prompts import Prompt, load_prompts
-from drafttree.bench.serve_report import plot, print_table, summarize
+from drafttree.bench.serve_report import RequestResult, plot, print_table, summarize
 
 # Common English words, most one token each with their leading space: a shared prefix of N of
 # them is about N tokens for the usual BPE vocabularies.
@@ -34,25 +34,6 @@ WORDS = ("the of and to in is you that it he was for on are as with his they at 
 
 def shared_prefix(n_words: int) -> str:
     return "You are a helpful assistant. " + " ".join(WORDS[i % len(WORDS)] for i in range(n_words))
-
-
-@dataclass
-class RequestResult:
-    index: int                    # into the prompt list
-    start_s: float                # sent, seconds after the run began
-    ok: bool = False
-    error: str | None = None
-    ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)   # gaps between chunks that carried text
-    latency_s: float = 0.0
-    prompt_tokens: int = 0
-    output_tokens: int = 0        # from the server's usage
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.ttft_s is None or self.output_tokens < 2:
-            return None
-        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
 def build_parser() -> argparse.ArgumentParser:

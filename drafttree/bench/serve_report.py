@@ -1,14 +1,33 @@
-"""The figures of a `drafttree bench serve` run: percentiles, the printed table and the plot."""
+"""The figures of a `drafttree bench serve` run: each request's result, percentiles, the printed
+table and the plot."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from drafttree.bench.serve import RequestResult
+
+@dataclass
+class RequestResult:
+    index: int                    # into the prompt list
+    start_s: float                # sent, seconds after the run began
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)   # gaps between chunks that carried text
+    latency_s: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0        # from the server's usage
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
 
 PERCENTILES = (50, 90, 99)
 

@@ -204,13 +204,15 @@ def test_init_from_drafter_continues_a_published_drafter(tiny, tmp_path):
 
 def test_checkpoint_resume_continues_to_the_same_weights(tiny, tmp_path):
     seqs = tiny["seqs"][:24]
-    ref = Trainer(tiny_config(tmp_path / "ref", epochs=2), target=tiny["target"], sequences=seqs)
+    ref = Trainer(tiny_config(tmp_path / "ref", epochs=2, log_every=2), target=tiny["target"], sequences=seqs)
     ref.run()
     assert ref.step == 6
-    first = Trainer(tiny_config(tmp_path / "cut", epochs=2, stop_at=4), target=tiny["target"], sequences=seqs)
+    first = Trainer(tiny_config(tmp_path / "cut", epochs=2, log_every=2, stop_at=4), target=tiny["target"], sequences=seqs)
     first.run()
     assert first.step == 4 and (tmp_path / "cut" / "checkpoints" / "last.pt").is_file()
-    again = Trainer(tiny_config(tmp_path / "cut", epochs=2, resume=True), target=tiny["target"], sequences=seqs)
+    curve = tmp_path / "cut" / "train_curve.png"   # drawn with the checkpoint
+    assert curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = Trainer(tiny_config(tmp_path / "cut", epochs=2, log_every=2, resume=True), target=tiny["target"], sequences=seqs)
     assert again.step == 4
     again.run()
     assert again.step == 6

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from drafttree.config import parse_dtype
 from drafttree.models.decoder import DecoderLM
 from drafttree.loader.drafter import load_drafter
+from drafttree.train.curves import CURVE, plot_history
 from drafttree.train.data import TrainSequence, read_sequences, unused_token
 from drafttree.train.forward import (
     FeatureExtractor,
@@ -187,6 +188,7 @@ class Trainer:
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
         os.replace(tmp, path)
+        plot_history(self.history, self.cfg.out / CURVE)   # the curve so far, with every checkpoint
         return path
 
     # -- one step ----------------------------------------------------------------------------
@@ -277,6 +279,7 @@ class Trainer:
                    "history": self.history}
         if self.group.main:
             write_log(cfg.out, summary)
+            plot_history(self.history, cfg.out / CURVE)
         return summary
 
     def _fit_schedule(self, cap: int, planned: int, t0: float, t5: float, timed: int, bar: tqdm) -> int:

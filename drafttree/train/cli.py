@@ -4,7 +4,8 @@ Every stage reads and writes files under --out, so each can be rerun or resumed 
   prompts_train.jsonl, prompts_heldout.jsonl   (stage `prompts`: ShareGPT conversations, every
                                                user turn; held-out first turns for τ)
   responses.jsonl                              (stage `regenerate`, appended as requests finish;
-                                               a conversation's turns wave by wave)
+                                               a conversation's turns wave by wave; with --shard
+                                               responses.shardIofN.jsonl, which `train` reads too)
   checkpoints/last.pt, drafter/, train_log.json (stage `train`; `eval` adds τ to the log)
 `all` runs the four in order, skipping what is already done.
 """
@@ -12,6 +13,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +63,9 @@ def _regen_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts of the file")
     g.add_argument("--max-tokens", type=int, default=512, help="response tokens per prompt")
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--shard", default="0/1", metavar="I/N",
-                   help="regenerate only prompts i with i %% N == I, into responses.shardIofN.jsonl "
-                        "(run N processes, e.g. one per GPU, then concatenate)")
+    g.add_argument("--shard", default="0/1", metavar="I/N|all",
+                   help="regenerate only prompts i with i %% N == I, into responses.shardIofN.jsonl; 'all': one "
+                        "process per visible GPU, each its shard on its GPU (training reads the shards)")
     g.add_argument("--regen-time-limit", type=float, default=None,
                    help="stop after this many seconds; unfinished prompts are redone by a later run")
 
@@ -69,7 +73,8 @@ def _regen_args(p: argparse.ArgumentParser) -> None:
 def _train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("drafter")
     g.add_argument("--data", type=Path, nargs="+", default=None,
-                   help="sequences JSONL files, e.g. regeneration shards or temperatures (default OUT/responses.jsonl)")
+                   help="sequences JSONL files, e.g. regeneration shards or temperatures (default: what regenerate "
+                        "wrote under OUT, its shards included)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--draft-layers", type=int, default=3)
     g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
@@ -133,6 +138,22 @@ def regen_config(a: argparse.Namespace) -> RegenConfig:
                        time_limit=getattr(a, "regen_time_limit", None))
 
 
+def run_shards(argv: list[str], gpus: int) -> None:
+    """`regenerate --shard all`: this command again once per GPU, as shard i of N on GPU i (its
+    own process, CUDA_VISIBLE_DEVICES=i); a CPU machine runs the one shard here. Waits for all,
+    and fails if any failed (a rerun resumes each shard where it stopped)."""
+    n = max(gpus, 1)
+    at = argv.index("--shard")
+    procs = []
+    for i in range(n):
+        cmd = [sys.executable, "-m", "drafttree.train.cli", *argv[:at], "--shard", f"{i}/{n}", *argv[at + 2:]]
+        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(i)} if gpus else {}))
+        procs.append(subprocess.Popen(cmd, env=env))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"regeneration shards exited with {codes} (rerun to resume them)")
+
+
 def parse_shard(text: str) -> tuple[int, int]:
     try:
         i, n = (int(x) for x in text.split("/"))
@@ -155,9 +176,15 @@ def run_prompts(a: argparse.Namespace) -> None:
           f"written to {a.out}")
 
 
-def run_regenerate(a: argparse.Namespace) -> None:
+def run_regenerate(a: argparse.Namespace, argv: list[str] | None = None) -> None:
     from drafttree.train.regen import regenerate
 
+    if getattr(a, "shard", "0/1") == "all":
+        if a.stage != "regenerate" or argv is None:
+            raise SystemExit("--shard all runs in the regenerate stage (then train on the shards)")
+        import torch
+        run_shards(argv, torch.cuda.device_count())
+        return
     path = a.prompts or a.out / "prompts_train.jsonl"
     prompts = read_prompts(path, a.num_prompts)
     shard = parse_shard(getattr(a, "shard", "0/1"))
@@ -207,13 +234,14 @@ def run_eval(a: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     a.out.mkdir(parents=True, exist_ok=True)
     if a.stage == "prompts":
         run_prompts(a)
     elif a.stage == "regenerate":
-        run_regenerate(a)
+        run_regenerate(a, argv)
     elif a.stage == "train":
         # under torchrun (one process per GPU) the ranks train together; rank 0 then evaluates
         group = init_group()

@@ -56,7 +56,7 @@ _FIT_AT = (20, 80, 320)
 class TrainConfig:
     out: Path
     data: Path | list[Path] | None = None   # regenerated sequences (JSONL files, read in order: shards,
-                                            # temperatures); default out/responses.jsonl
+                                            # temperatures); default `default_data(out)`
     target: str | None = None
     device: str | None = None
     dtype: str | None = None              # the frozen target's; the drafter trains in fp32 (+ bf16 autocast on CUDA)
@@ -110,7 +110,7 @@ class Trainer:
                                     self.device)
         self.target = target.eval().requires_grad_(False)
         tcfg = target.cfg
-        data = cfg.data or cfg.out / "responses.jsonl"
+        data = cfg.data or default_data(cfg.out)
         files = [Path(f) for f in data] if isinstance(data, (list, tuple)) else [Path(data)]
         self.seqs = sequences if sequences is not None else [s for f in files for s in read_sequences(f, cfg.max_len)]
         if not self.seqs:
@@ -313,6 +313,17 @@ class Trainer:
                 "loss": float(acc["loss"]) / n, "grad_norm": float(acc["gnorm"]) / n,
                 "acc": [round(a, 4) for a in per_pos],
                 "tau_train": 1.0 + float(acc["accepted"]) / max(int(acc["blocks"]), 1)}
+
+
+def default_data(out: Path) -> list[Path]:
+    """What `regenerate` wrote under `out`: responses.jsonl, and the shards of a sharded run
+    (responses.shardIofN.jsonl, in shard order)."""
+    def order(p: Path) -> tuple[int, int]:   # (N, I) of responses.shardIofN.jsonl
+        i, n = p.name[len("responses.shard"):-len(".jsonl")].split("of")
+        return int(n), int(i)
+    shards = sorted(out.glob("responses.shard*of*.jsonl"), key=order)
+    whole = out / "responses.jsonl"
+    return ([whole] if whole.is_file() or not shards else []) + shards
 
 
 def write_log(out: Path, updates: dict[str, Any]) -> Path:

@@ -64,9 +64,9 @@ class Engine:
         self.dead: str | None = None       # why a tensor-parallel engine stopped (it steps no more)
         self.in_step = False
         self.ranks: Any = None   # rank 0's hold on the other ranks (`engine.launch.Ranks`): close() stops them
-        if settings_of(cfg) != current():
-            install(settings_of(cfg))   # the kernels read the settings process-wide
-        self.settings: Settings = current()   # DRAFTTREE_*: read from the environment once per process
+        self.settings: Settings = settings_of(cfg)   # DRAFTTREE_* (read once per process), and cfg's choices
+        if self.settings != current():
+            install(self.settings)   # the kernels read the settings process-wide
         self.device = tp.device if tp is not None else resolve_device(cfg.device)
         self.dtype = parse_dtype(cfg.dtype, str(self.device))
         self.startup = StartupTimes()

@@ -47,10 +47,10 @@ def all_reduce(x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
         return x
     if tp.world > 2 and current().deterministic:
         parts = gather_first(x, tp)
-        total = parts[0].clone()
+        x.copy_(parts[0])
         for r in range(1, tp.world):
-            total += parts[r]
-        return x.copy_(total)
+            x += parts[r]
+        return x
     if _recorded is not None:
         _recorded.append(("all_reduce", tuple(x.shape), x.dtype))
     dist.all_reduce(x, group=tp.group)

@@ -313,13 +313,13 @@ def test_training_reads_several_sequence_files_in_order(tiny, tmp_path):
 def test_regeneration_on_every_gpu_writes_shards_that_training_reads(tiny, tmp_path, monkeypatch):
     """`--shard all` runs one process per GPU (two here, on the CPU), each its shard; training's
     default data is the shards, in order, and they hold every prompt once."""
-    from drafttree.train.trainer import default_data
+    from drafttree.train.data import regenerated
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     prompts = write_prompts(tmp_path / "p.jsonl", tiny["prompts"][:6])
     assert main(["regenerate", "--out", str(tmp_path), "--target", str(tiny["target_dir"]), "--device", "cpu",
                  "--prompts", str(prompts), "--shard", "all", "--max-tokens", "5", "--max-prompt-tokens", "16",
                  "--quiet"]) == 0
-    files = default_data(tmp_path)
+    files = regenerated(tmp_path)
     assert [f.name for f in files] == ["responses.shard0of2.jsonl", "responses.shard1of2.jsonl"]
     recs = [json.loads(ln) for f in files for ln in f.read_text().splitlines()]
     assert sorted(r["i"] for r in recs) == list(range(6))

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from drafttree.train.data import Conversation, load_sharegpt_conversations, read_prompts, write_prompts
+from drafttree.train.data import (Conversation, load_sharegpt_conversations, read_prompts, responses_path,
+                                  write_prompts)
 from drafttree.train.parallel import Group, close_group, init_group
 from drafttree.train.regen import RegenConfig
 
@@ -188,8 +189,7 @@ def run_regenerate(a: argparse.Namespace, argv: list[str] | None = None) -> None
     path = a.prompts or a.out / "prompts_train.jsonl"
     prompts = read_prompts(path, a.num_prompts)
     shard = parse_shard(getattr(a, "shard", "0/1"))
-    name = "responses.jsonl" if shard[1] == 1 else f"responses.shard{shard[0]}of{shard[1]}.jsonl"
-    out = regenerate(prompts, a.out / name, regen_config(a), progress=not a.quiet, shard=shard)
+    out = regenerate(prompts, responses_path(a.out, shard), regen_config(a), progress=not a.quiet, shard=shard)
     print(f"responses for {len(prompts)} prompts in {out}")
 
 

@@ -190,6 +190,24 @@ def write_sequences(path: Path, seqs: list[TrainSequence]) -> Path:
     return path
 
 
+def responses_path(out: Path, shard: tuple[int, int] = (0, 1)) -> Path:
+    """Where `regenerate` writes shard (I, N)'s sequences under `out`: responses.jsonl, or
+    responses.shardIofN.jsonl for one of several shards."""
+    i, n = shard
+    return out / ("responses.jsonl" if n == 1 else f"responses.shard{i}of{n}.jsonl")
+
+
+def regenerated(out: Path) -> list[Path]:
+    """Every sequences file `regenerate` wrote under `out` (`responses_path`), the shards in order;
+    responses.jsonl alone when there is nothing yet."""
+    shards = {}
+    for f in out.glob("responses.shard*of*.jsonl"):
+        i, n = f.name[len("responses.shard"):-len(".jsonl")].split("of")
+        shards[int(n), int(i)] = f
+    whole = responses_path(out)
+    return ([whole] if whole.is_file() or not shards else []) + [shards[k] for k in sorted(shards)]
+
+
 def unused_token(seqs: list[TrainSequence], vocab: int) -> int:
     """The largest token id absent from the data (else the largest of the rarest)."""
     ids = torch.tensor([t for s in seqs for t in s.ids], dtype=torch.long)

@@ -18,7 +18,7 @@ from drafttree.config import parse_dtype
 from drafttree.models.decoder import DecoderLM
 from drafttree.loader.drafter import load_drafter
 from drafttree.train.curves import CURVE, plot_history
-from drafttree.train.data import TrainSequence, read_sequences, unused_token
+from drafttree.train.data import TrainSequence, read_sequences, regenerated, unused_token
 from drafttree.train.forward import (
     FeatureExtractor,
     block_loss,
@@ -56,7 +56,7 @@ _FIT_AT = (20, 80, 320)
 class TrainConfig:
     out: Path
     data: Path | list[Path] | None = None   # regenerated sequences (JSONL files, read in order: shards,
-                                            # temperatures); default `default_data(out)`
+                                            # temperatures); default `data.regenerated(out)`
     target: str | None = None
     device: str | None = None
     dtype: str | None = None              # the frozen target's; the drafter trains in fp32 (+ bf16 autocast on CUDA)
@@ -110,7 +110,7 @@ class Trainer:
                                     self.device)
         self.target = target.eval().requires_grad_(False)
         tcfg = target.cfg
-        data = cfg.data or default_data(cfg.out)
+        data = cfg.data or regenerated(cfg.out)
         files = [Path(f) for f in data] if isinstance(data, (list, tuple)) else [Path(data)]
         self.seqs = sequences if sequences is not None else [s for f in files for s in read_sequences(f, cfg.max_len)]
         if not self.seqs:
@@ -267,8 +267,9 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        if cfg.save_every or cfg.stop_at is not None or self.step < self.total_steps:
-            self.save_checkpoint()
+        saved = cfg.save_every or cfg.stop_at is not None or self.step < self.total_steps
+        if saved:
+            self.save_checkpoint()   # draws the curve too
         if self.group.main:
             save_drafter(self.drafter, self.config_dict, cfg.drafter_dir, parse_dtype(cfg.save_dtype))
         summary = {"step": self.step, "total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
@@ -279,7 +280,8 @@ class Trainer:
                    "history": self.history}
         if self.group.main:
             write_log(cfg.out, summary)
-            plot_history(self.history, cfg.out / CURVE)
+            if not saved:
+                plot_history(self.history, cfg.out / CURVE)
         return summary
 
     def _fit_schedule(self, cap: int, planned: int, t0: float, t5: float, timed: int, bar: tqdm) -> int:
@@ -313,17 +315,6 @@ class Trainer:
                 "loss": float(acc["loss"]) / n, "grad_norm": float(acc["gnorm"]) / n,
                 "acc": [round(a, 4) for a in per_pos],
                 "tau_train": 1.0 + float(acc["accepted"]) / max(int(acc["blocks"]), 1)}
-
-
-def default_data(out: Path) -> list[Path]:
-    """What `regenerate` wrote under `out`: responses.jsonl, and the shards of a sharded run
-    (responses.shardIofN.jsonl, in shard order)."""
-    def order(p: Path) -> tuple[int, int]:   # (N, I) of responses.shardIofN.jsonl
-        i, n = p.name[len("responses.shard"):-len(".jsonl")].split("of")
-        return int(n), int(i)
-    shards = sorted(out.glob("responses.shard*of*.jsonl"), key=order)
-    whole = out / "responses.jsonl"
-    return ([whole] if whole.is_file() or not shards else []) + shards
 
 
 def write_log(out: Path, updates: dict[str, Any]) -> Path:

@@ -7,7 +7,7 @@ from torch import nn
 from drafttree.config import ModelConfig
 from drafttree.kernels import dispatch
 from drafttree.models.kv_cache import KVLayout
-from drafttree.models.layers import MLP, Attention, AttnMeta, RMSNorm, Rotary
+from drafttree.models.layers import MLP, Attention, AttnMeta, LMHead, RMSNorm, Rotary
 from drafttree.models.quant import weight_scale
 from drafttree.parallel.group import TPGroup
 from drafttree.parallel.layers import VocabParallelEmbedding, VocabParallelHead
@@ -69,7 +69,7 @@ def vocab_ends(cfg: ModelConfig, tp: TPGroup | None) -> tuple[nn.Module, nn.Modu
     """(embedding, LM head): whole, or over `tp` this rank's vocabulary rows; tied where the model ties them."""
     V, D = cfg.vocab_size, cfg.hidden_size
     embed = nn.Embedding(V, D) if tp is None else VocabParallelEmbedding(V, D, tp)
-    head = nn.Linear(D, V, bias=False) if tp is None else VocabParallelHead(V, D, tp)
+    head = LMHead(D, V) if tp is None else VocabParallelHead(V, D, tp)
     if cfg.tie_word_embeddings:
         head.weight = embed.weight
     return embed, head
@@ -118,5 +118,4 @@ class DecoderLM(nn.Module):
         return KVLayout.of(self.cfg) if self.tp is None else KVLayout.of(self.cfg, self.tp.world, self.tp.rank)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.lm_head
-        return (dispatch.linear(hidden, head.weight) if isinstance(head, nn.Linear) else head(hidden)).float()
+        return self.lm_head(hidden).float()

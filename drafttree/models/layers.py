@@ -31,6 +31,17 @@ class RMSNorm(nn.Module):
         return dispatch.add_rms_norm(x, delta, self.weight, self.eps)
 
 
+class LMHead(nn.Linear):
+    """The LM head of one device: hidden states to logits as `dispatch.linear` computes them (the
+    tiles in deterministic mode, else cuBLAS), so a token's logits follow the projections' rule."""
+
+    def __init__(self, dim: int, vocab: int) -> None:
+        super().__init__(dim, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dispatch.linear(x, self.weight)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))

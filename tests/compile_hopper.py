@@ -13,6 +13,7 @@ from drafttree.kernels.triton_jit import cdiv, jit_kernel
 
 ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pre_ptr": "*i32", "tail_ptr": "*i32",
         "cnt_ptr": "*i32", "kvs_ptr": "*i32", "o_ptr": "*bf16", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "scale": "fp32"}
+H100_SHARED = 232448   # sm_90's largest shared memory per block (227 KiB)
 TILES = {p: "*bf16" for p in ("x_ptr", "d_ptr", "g_ptr", "w_ptr", "b_ptr", "sc_ptr", "xo_ptr", "y_ptr")} | {
     "ws_ptr": "*fp32", "ss_ptr": "*fp32", "eps": "fp32"}
 
@@ -31,11 +32,11 @@ def variants():
            {p: "*bf16" for p in ("x_ptr", "d_ptr", "g_ptr", "xo_ptr", "y_ptr")} | {"eps": "fp32"},
            dict(D=4096, BD=norm_kernel.BLOCK, HAS_D=1, PDL=1), {})
     for kind in ("norm", "plain", "glu"):
-        for N, K in ((960, 576), (6144, 4096)):
-            bn, bk, warps, stages, bm = gemm_kernel.INVARIANT_BLOCKS[kind]
+        for (N, K), bm in zip(((960, 576), (6144, 4096), (6144, 4096)), gemm_kernel.INVARIANT_ROWS):
+            bn, bk, warps, stages = gemm_kernel.INVARIANT_BLOCKS[kind]
             ks = cdiv(cdiv(K, gemm_kernel.invariant_split(kind, N, K)), bk) * bk
             normed = int(kind != "plain")
-            yield (f"tiles {kind} {N}x{K}", gemm_kernel._gemm_kernel, ("M", "N"), TILES,
+            yield (f"tiles {kind} {N}x{K} rows {bm}", gemm_kernel._gemm_kernel, ("M", "N"), TILES,
                    dict(K=K, HAS_D=normed, HAS_B=0, NORM=normed, GLU=int(kind == "glu"), W8=0, BM=bm, BN=bn, BK=bk,
                         KS=ks, SPLIT=cdiv(K, ks), STAGES=stages, PRE=0, PDL=1),
                    {"num_warps": warps, "num_stages": stages})
@@ -53,9 +54,11 @@ def main() -> int:
     for name, fn, unspecialized, types, const, options in variants():
         sig = {p: "constexpr" if p in const else types.get(p, "i32") for p in inspect.signature(fn).parameters}
         try:
-            triton.compile(ASTSource(jit_kernel(fn, False, unspecialized), sig, const),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
-            print(f"ok {name}")
+            k = triton.compile(ASTSource(jit_kernel(fn, False, unspecialized), sig, const),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
+            if k.metadata.shared > H100_SHARED:
+                raise RuntimeError(f"{k.metadata.shared} bytes of shared memory, over sm_90's {H100_SHARED}")
+            print(f"ok {name} ({k.metadata.shared} bytes shared)")
         except Exception as e:   # noqa: BLE001  (every failure is reported, then the exit code says)
             if "ptxas" in str(e) and "not found" in str(e).lower():
                 print(f"cannot compile ahead of time: {e}")

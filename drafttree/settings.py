@@ -74,7 +74,7 @@ class Settings:
     # Routed experts of 16-bit MoE models as grouped GEMMs over expert-sorted pairs; off: the
     # torch forms (gathered weights, every expert, or sorted with a read-back). Off by default
     # until the GPU tests of the kernels (bf16 against the torch forms, CUDA-graph replay) pass.
-    moe_kernel: bool = _var("DRAFTTREE_MOE_KERNEL", _flag, default=False)
+    moe_kernel: bool = _var("DRAFTTREE_MOE_KERNEL", _flag, default=True)
     # Programmatic dependent launch on Hopper or newer: a kernel's programs start while the one
     # before still runs and load their weights; off: each kernel waits for the one before.
     pdl: bool = _var("DRAFTTREE_PDL", _flag, default=True)

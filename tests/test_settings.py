@@ -18,16 +18,16 @@ def test_defaults_and_every_variable(tmp_path):
     assert Settings.from_env({}) == Settings()
     d = Settings()
     assert (d.attn_kernel, d.gemv, d.gemm, d.moe_kernel, d.pdl, d.deterministic, d.blocks, d.compile) == (
-        True, True, True, False, True, False, None, "1")
+        True, True, True, True, True, False, None, "1")
     assert d.cache == Path.home() / ".cache" / "drafttree"
     blocks = tmp_path / "best.json"
     blocks.write_text("[]")
-    env = {"DRAFTTREE_ATTN_KERNEL": "0", "DRAFTTREE_GEMV": "0", "DRAFTTREE_GEMM": "0", "DRAFTTREE_MOE_KERNEL": "1",
+    env = {"DRAFTTREE_ATTN_KERNEL": "0", "DRAFTTREE_GEMV": "0", "DRAFTTREE_GEMM": "0", "DRAFTTREE_MOE_KERNEL": "0",
            "DRAFTTREE_PDL": "0", "DRAFTTREE_DETERMINISTIC": "1", "DRAFTTREE_BLOCKS": str(blocks),
            "DRAFTTREE_COMPILE": "cpu",
            "DRAFTTREE_CACHE": "~/elsewhere"}
     s = Settings.from_env(env)
-    assert s == Settings(attn_kernel=False, gemv=False, gemm=False, moe_kernel=True, pdl=False, deterministic=True,
+    assert s == Settings(attn_kernel=False, gemv=False, gemm=False, moe_kernel=False, pdl=False, deterministic=True,
                          blocks=str(blocks), compile="cpu", cache=Path("~/elsewhere").expanduser())
     assert Settings.from_env({k: "" for k in env}) == Settings()   # empty: unset
     assert {settings.env_name(f.name) for f in dataclasses.fields(Settings)} == set(env)
@@ -64,10 +64,10 @@ def test_an_unknown_variable_is_logged_once(caplog):
 
 def test_describe_and_as_dict():
     s = Settings(gemm=False, compile="0", cache=Path("/tmp/c"))
-    assert s.describe() == ("attn_kernel=on gemv=on gemm=off moe_kernel=off pdl=on deterministic=off blocks=- "
+    assert s.describe() == ("attn_kernel=on gemv=on gemm=off moe_kernel=on pdl=on deterministic=off blocks=- "
                             "compile=0 cache=/tmp/c")
     d = s.as_dict()
-    assert d == {"attn_kernel": True, "gemv": True, "gemm": False, "moe_kernel": False, "pdl": True,
+    assert d == {"attn_kernel": True, "gemv": True, "gemm": False, "moe_kernel": True, "pdl": True,
                  "deterministic": False, "blocks": None, "compile": "0", "cache": "/tmp/c"}
     assert json.loads(json.dumps(d)) == d
 

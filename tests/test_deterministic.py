@@ -40,11 +40,16 @@ def _rows_alone_and_together(fn, x: torch.Tensor, picks: list[int]) -> None:
         assert torch.equal(whole[r], some[i]), f"row {r}: differs in a batch of {len(picks)}"
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["norm", "plain", "glu"])
-def test_projection_rows_sum_alike_at_any_row_count(kind, dtype):
+def test_projection_rows_sum_alike_at_any_row_count(kind, dtype, split, monkeypatch):
+    """Small weights are read whole; larger ones in input splits added in order (`split`: this
+    weight treated as a large one)."""
+    if split:
+        monkeypatch.setattr(gemm_kernel, "INVARIANT_SPLIT_FROM", 0)
     gen = torch.Generator().manual_seed(1)
-    K, N = 200, 96
+    K, N = 300, 96
     normed = kind != "plain"
     w = (torch.randn(2 * N if kind == "glu" else N, K, generator=gen) / 8).to(dtype).to(DEVICE)
     g = torch.rand(K, generator=gen).to(dtype).to(DEVICE) if normed else None
@@ -55,6 +60,7 @@ def test_projection_rows_sum_alike_at_any_row_count(kind, dtype):
     def project(rows):
         delta = rows[:, K:].contiguous() if normed else None
         return gemm_kernel.launch(kind, rows[:, :K].contiguous(), delta, g, 1e-6, w, b, invariant=True)[1]
+    assert (gemm_kernel.invariant_split(kind, N, K) > 1) == split
     _rows_alone_and_together(project, x, [0, 17, 33, 69])
     h = x[:, :K].float()
     if normed:
@@ -257,6 +263,39 @@ def test_speculative_decoding_repeats_plain_decoding(pair):
         outs[spec] = [o.token_ids for o in llm.generate(prompts, params)]
         llm.shutdown()
     assert outs["ddtree"] == outs["none"]
+
+
+def test_the_drafter_keeps_the_fast_kernels(pair, monkeypatch):
+    """Only the target's numerics reach committed tokens: in the mode every kernel choice of the
+    target's forwards is the invariant one, every one of the drafter's (its own layers and the LM
+    head it borrows) the fast one."""
+    from drafttree.kernels import dispatch
+    from drafttree.models import dflash
+    seen: dict[str, set[bool]] = {"target": set(), "drafter": set()}
+    inside = []
+    invariant = dispatch.invariant
+
+    def spy(x):
+        answer = invariant(x)
+        seen["drafter" if inside else "target"].add(answer)
+        return answer
+
+    for name in ("forward", "write_context", "draft_logits"):
+        method = getattr(dflash.DFlashDrafter, name)
+
+        def wrapped(self, *args, _method=method, **kwargs):
+            inside.append(1)
+            try:
+                return _method(self, *args, **kwargs)
+            finally:
+                inside.pop()
+        monkeypatch.setattr(dflash.DFlashDrafter, name, wrapped)
+    monkeypatch.setattr(dispatch, "invariant", spy)
+    llm = LLM(model=str(pair[0]), draft_model=str(pair[1]), spec="ddtree", budget=6, device=DEVICE,
+              deterministic=True)
+    llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    llm.shutdown()
+    assert seen == {"target": {True}, "drafter": {False}}
 
 
 def test_moe_and_mla_targets_are_refused_before_loading(tmp_path):

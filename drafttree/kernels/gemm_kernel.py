@@ -94,10 +94,18 @@ def invariant_rows(M: int) -> int:
     return next((bm for bm in INVARIANT_ROWS if M <= bm), INVARIANT_ROWS[-1])
 
 
+# Weights of fewer elements are not split: read whole in about a microsecond, they gain less from
+# the split's parallelism than the launch adding the splits costs (four such launches a layer
+# were most of the mode's cost on the SmolLM2 decode step, whose weights are all below this).
+INVARIANT_SPLIT_FROM = 1 << 21
+
+
 def invariant_split(kind: str, N: int, K: int) -> int:
     """The input split of deterministic mode's tiles for a weight of N outputs (halved for GLU)
     and K inputs: a function of the weight's shape only."""
     bn, bk = INVARIANT_BLOCKS[kind][:2]
+    if (2 if kind == "glu" else 1) * N * K < INVARIANT_SPLIT_FROM:
+        return 1
     return max(1, min(INVARIANT_PROGRAMS // cdiv(N, bn), K // bk))
 
 

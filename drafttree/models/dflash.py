@@ -7,6 +7,7 @@ The drafter borrows the target's embedding and LM head (references, not copies).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from drafttree.models.decoder import DecoderLayer
 from drafttree.models.layers import AttnMeta, RMSNorm, Rotary, attend, cached_attention
 from drafttree.models.quant import weight_scale
 from drafttree.phases import SpecConfig
+from drafttree.settings import current, using
 
 
 def _is_schedule(value: object) -> bool:
@@ -155,6 +157,20 @@ class DraftLayer(DecoderLayer):
         return attend(q[:, q.shape[1] - meta.mask.shape[2]:], meta, k_cache, v_cache)
 
 
+def _fast_kernels(method):
+    """Run `method` with deterministic mode's kernels off. Every committed token is the target's
+    own choice at its position (argmax, or its logits with the position's seeded noise), so the
+    drafter's numerics decide how many tokens a round accepts, never which: it keeps the fast
+    kernels, and the mode's cost stays on the target."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if not current().deterministic:
+            return method(self, *args, **kwargs)
+        with using(deterministic=False):
+            return method(self, *args, **kwargs)
+    return run
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig, embed: nn.Embedding | None = None,
                  lm_head: nn.Linear | None = None) -> None:
@@ -178,6 +194,7 @@ class DFlashDrafter(nn.Module):
     def context(self, features: torch.Tensor) -> torch.Tensor:
         return self.hidden_norm(self.fc(features))
 
+    @_fast_kernels
     def forward(self, block_ids: torch.Tensor, block_pos: torch.Tensor, ctx_feat: torch.Tensor,
                 ctx_pos: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
@@ -192,6 +209,7 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, rope_q, rope_kv, meta, k_cache[i], v_cache[i])
         return self.norm(x)
 
+    @_fast_kernels
     def write_context(self, ctx_feat: torch.Tensor, ctx_pos: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor | None = None,
                       rows: torch.Tensor | None = None) -> None:
@@ -208,6 +226,7 @@ class DFlashDrafter(nn.Module):
             _, k, v = layer.self_attn.project(ctx)
             dispatch.write_kv(k_cache[i], v_cache[i], rows, slots, apply_rope(k, cos, sin), v)
 
+    @_fast_kernels
     def draft_logits(self, hidden: torch.Tensor, depth: int | None = None) -> torch.Tensor:
         """Block positions 1..depth (default bs-1) predict the tokens at those same positions:
         [B, depth, V]; through the fp8 copy of the LM head if the drafter has one (`quant`)."""

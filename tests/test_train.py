@@ -414,3 +414,83 @@ def test_two_ranks_train_in_step(tiny, tmp_path):
     ckpt = torch.load(out / "checkpoints" / "last.pt", weights_only=False)
     assert ckpt["world"] == 2 and len(ckpt["rng"]["anchors"]) == 2 and ckpt["step"] == 8
     assert (out / "drafter" / "model.safetensors").is_file()
+
+
+CODE = '''
+import os
+
+
+def public(a, b: int = 2) -> int:
+    """Add a and b, then double the sum; a docstring long enough to count."""
+    total = a + b
+    return 2 * total
+
+
+def _private(x):
+    """A private helper whose docstring is long enough but whose name is not public."""
+    return x
+
+
+def short_doc(x):
+    """Too short."""
+    return x
+
+
+class Box:
+    def size(self) -> int:
+        """The number of items in the box, counting nested boxes once each."""
+        # a comment kept in the source
+        return len(self.items)
+
+    def only_doc(self):
+        """A method whose body is nothing but this docstring,
+        long enough to count."""
+'''
+
+
+def test_code_prompts_come_from_public_documented_functions(tmp_path):
+    from drafttree.train.code_prompts import TASKS, code_prompts, code_units
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(CODE)
+    (tmp_path / "pkg" / "tests").mkdir()
+    (tmp_path / "pkg" / "tests" / "helpers.py").write_text(CODE)     # test folders are skipped
+    (tmp_path / "pkg" / "broken.py").write_text("def (:\n")            # unparsable files too
+    units = {u.name: u for u in code_units([tmp_path])}
+    assert set(units) == {"public", "Box.size", "Box.only_doc"}
+    pub = units["public"]
+    assert pub.module == "pkg.mod" and pub.signature == "(a, b: int=2) -> int"
+    assert pub.doc.startswith("Add a and b") and '"""' in pub.source and '"""' not in pub.bare
+    assert pub.bare == "def public(a, b: int = 2) -> int:\n    total = a + b\n    return 2 * total"
+    assert "# a comment kept in the source" in units["Box.size"].bare
+    assert units["Box.only_doc"].bare.endswith("pass")
+    prompts, counts = code_prompts(None, seed=3, roots=[tmp_path])
+    assert len(prompts) == 3 and sum(counts.values()) == 3 and set(counts) == {t for t, _ in TASKS}
+    assert code_prompts(None, seed=3, roots=[tmp_path]) == (prompts, counts)
+    assert len(code_prompts(2, seed=3, roots=[tmp_path])[0]) == 2
+    for p in prompts:   # each asks about one unit: its code, or (to write it) its name, signature and docstring
+        assert sum(u.source in p or u.bare in p or (f"`{u.name}{u.signature}`" in p and u.doc in p)
+                   for u in units.values()) == 1, p
+
+
+def test_prompts_stage_mixes_code_into_the_training_prompts(tmp_path, monkeypatch):
+    import drafttree.train.data as data
+    f = tmp_path / "sharegpt.json"
+    records = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "a"},
+                                  {"from": "human", "value": f"follow-up {i}"}]} for i in range(12)]
+    f.write_text(json.dumps(records))
+    monkeypatch.setattr(data, "sharegpt_path", lambda: f)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "mod.py").write_text(CODE)
+    out = tmp_path / "run"
+    assert main(["prompts", "--out", str(out), "--eval-size", "2", "--code-roots", str(tmp_path / "src")]) == 0
+    train = read_prompts(out / "prompts_train.jsonl")
+    convs = [p for p in train if isinstance(p, Conversation)]
+    code = [p for p in train if isinstance(p, str)]
+    assert len(convs) == 10 and len(code) == 3 and all("```python" in p or "Write a Python" in p for p in code)
+    sources = json.loads((out / "prompt_sources.json").read_text())
+    assert sources["sharegpt"]["prompts"] == 10 and sources["sharegpt"]["user_turns"] == 20
+    assert sources["code"]["prompts"] == 3 and sources["heldout"]["prompts"] == 2
+    held = read_prompts(out / "prompts_heldout.jsonl")
+    assert len(held) == 2 and not set(held) & {c.turns[0] for c in convs}
+    assert main(["prompts", "--out", str(tmp_path / "none"), "--code-prompts", "0"]) == 0
+    assert all(isinstance(p, Conversation) for p in read_prompts(tmp_path / "none" / "prompts_train.jsonl"))

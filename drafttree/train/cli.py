@@ -2,7 +2,9 @@
 
 Every stage reads and writes files under --out, so each can be rerun or resumed alone:
   prompts_train.jsonl, prompts_heldout.jsonl   (stage `prompts`: ShareGPT conversations, every
-                                               user turn; held-out first turns for τ)
+                                               user turn, and code prompts from installed Python
+                                               source; held-out first turns for τ)
+  prompt_sources.json                          (what each source gave)
   responses.jsonl                              (stage `regenerate`, appended as requests finish;
                                                a conversation's turns wave by wave; with --shard
                                                responses.shardIofN.jsonl, which `train` reads too)
@@ -12,14 +14,17 @@ Every stage reads and writes files under --out, so each can be rerun or resumed 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from drafttree.train.data import (Conversation, load_sharegpt_conversations, read_prompts, responses_path,
+from drafttree.train.code_prompts import code_prompts, stdlib_root
+from drafttree.train.data import (Conversation, Prompt, load_sharegpt_conversations, read_prompts, responses_path,
                                   write_prompts)
 from drafttree.train.parallel import Group, close_group, init_group
 from drafttree.train.regen import RegenConfig
@@ -37,7 +42,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _prompt_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("prompts (ShareGPT)")
+    g = p.add_argument_group("prompts (ShareGPT, code)")
     g.add_argument("--limit", type=int, default=None, help="at most this many training prompts")
     g.add_argument("--eval-size", type=int, default=None, help="held-out prompts (default: 2%% of all)")
     g.add_argument("--max-prompt-chars", type=int, default=4000,
@@ -45,6 +50,11 @@ def _prompt_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--turns", choices=["all", "first"], default="all",
                    help="all: every user turn of a conversation, each answered in the context of the turns and "
                         "replies before it; first: first turns only")
+    g.add_argument("--code-prompts", default="all", metavar="N|all",
+                   help="code prompts from installed Python source mixed into training (0: none; "
+                        "train.code_prompts)")
+    g.add_argument("--code-roots", type=Path, nargs="+", default=None,
+                   help="folders of Python source for the code prompts (default: the standard library)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -165,16 +175,36 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
+def code_count(text: str) -> int | None:
+    if text == "all":
+        return None
+    if not text.isdigit():
+        raise SystemExit(f"--code-prompts takes a count or 'all', got {text!r}")
+    return int(text)
+
+
 def run_prompts(a: argparse.Namespace) -> None:
-    """Training prompts (whole conversations with --turns all) and held-out first turns (the
-    τ evaluation's prompts; their conversations stay out of training)."""
+    """Training prompts (whole conversations with --turns all, and code prompts, shuffled
+    together so that every regeneration shard gets both) and held-out first turns (the τ
+    evaluation's prompts; their conversations stay out of training)."""
+    n_code = code_count(a.code_prompts)
     train, heldout = load_sharegpt_conversations(a.limit, a.seed, a.eval_size, max_chars=a.max_prompt_chars)
-    train_prompts = train if a.turns == "all" else [c.turns[0] for c in train]
+    train_prompts: list[Prompt] = list(train) if a.turns == "all" else [c.turns[0] for c in train]
+    code, tasks = code_prompts(n_code, a.seed, a.code_roots, a.max_prompt_chars) if n_code != 0 else ([], {})
+    turns = sum(len(c.turns) if isinstance(c, Conversation) else 1 for c in train_prompts)
+    sources = {"sharegpt": {"prompts": len(train_prompts), "user_turns": turns,
+                            "chars": sum(len(t) for c in train_prompts for t in
+                                         (c.turns if isinstance(c, Conversation) else [c]))},
+               "code": {"prompts": len(code), "tasks": tasks, "chars": sum(map(len, code)),
+                        "roots": [str(r) for r in a.code_roots or [stdlib_root()]]},
+               "heldout": {"prompts": len(heldout), "source": "sharegpt"}}
+    train_prompts += code
+    random.Random(a.seed).shuffle(train_prompts)
     write_prompts(a.out / "prompts_train.jsonl", train_prompts)
     write_prompts(a.out / "prompts_heldout.jsonl", [c.turns[0] for c in heldout])
-    turns = sum(len(c.turns) if isinstance(c, Conversation) else 1 for c in train_prompts)
-    print(f"{len(train_prompts)} training prompts ({turns} user turns) and {len(heldout)} held-out prompts "
-          f"written to {a.out}")
+    (a.out / "prompt_sources.json").write_text(json.dumps(sources, indent=1))
+    print(f"{len(train_prompts)} training prompts ({sources['sharegpt']['prompts']} ShareGPT with {turns} user turns, "
+          f"{len(code)} code) and {len(heldout)} held-out prompts written to {a.out}")
 
 
 def run_regenerate(a: argparse.Namespace, argv: list[str] | None = None) -> None:

@@ -72,8 +72,7 @@ class Settings:
     # rows by the torch ops (an fp8 drafter's weights widened for them), the one-token GEMVs kept.
     gemm: bool = _var("DRAFTTREE_GEMM", _flag, default=True)
     # Routed experts of 16-bit MoE models as grouped GEMMs over expert-sorted pairs; off: the
-    # torch forms (gathered weights, every expert, or sorted with a read-back). Off by default
-    # until the GPU tests of the kernels (bf16 against the torch forms, CUDA-graph replay) pass.
+    # torch forms (gathered weights, every expert, or sorted with a read-back).
     moe_kernel: bool = _var("DRAFTTREE_MOE_KERNEL", _flag, default=True)
     # Programmatic dependent launch on Hopper or newer: a kernel's programs start while the one
     # before still runs and load their weights; off: each kernel waits for the one before.

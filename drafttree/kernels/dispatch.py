@@ -136,8 +136,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     heads folded into its rows (made once per forward, for the torch ops); visible(): each token's
     keys in order (`invariant_attn.visible_keys`, made once per forward; deterministic mode). -> [B, W, H * hd]."""
     B, W, H, hd = q.shape
-    # (a drafter's heads may not fit the kernel: the drafter's bits need not hold, the target's are checked at start)
-    if visible is not None and invariant(q) and invariant_attn.takes(hd):
+    if visible is not None and invariant(q):   # (targets whose heads it cannot take are refused at start)
         return invariant_attn.attention(q, k, v, visible(), scale, kv_slots).view(B, W, H * hd)
     g = H // k.shape[1]
     few = few_rows(q, g * W)

@@ -50,10 +50,10 @@ def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
     return f"({ast.unparse(node.args)}){ret}"
 
 
-def _without_docstring(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
-    """The function's source lines with its docstring's lines left out (`pass` if nothing remains)."""
+def _without_docstring(lines: list[str], first: int, node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """The function's source lines from `first` (its first decorator's) with its docstring's lines
+    left out (`pass` if nothing remains)."""
     doc = node.body[0]
-    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
     kept = lines[first - 1:doc.lineno - 1] + lines[doc.end_lineno:node.end_lineno]
     if len(node.body) == 1:
         kept.append(lines[doc.lineno - 1][:doc.col_offset] + "pass")
@@ -82,7 +82,7 @@ def _units_in(path: Path, module: str, min_doc: int, max_lines: int) -> Iterator
         if not 3 <= fn.end_lineno - first + 1 <= max_lines:
             continue
         source = textwrap.dedent("\n".join(lines[first - 1:fn.end_lineno])).strip()
-        yield CodeUnit(module, qualname, _signature(fn), doc.strip(), source, _without_docstring(lines, fn))
+        yield CodeUnit(module, qualname, _signature(fn), doc.strip(), source, _without_docstring(lines, first, fn))
 
 
 def code_units(roots: list[Path] | None = None, min_doc: int = 40, max_lines: int = 60) -> list[CodeUnit]:

@@ -31,12 +31,16 @@ def variants():
     yield ("norm", norm_kernel._add_rms_norm_kernel, (),
            {p: "*bf16" for p in ("x_ptr", "d_ptr", "g_ptr", "xo_ptr", "y_ptr")} | {"eps": "fp32"},
            dict(D=4096, BD=norm_kernel.BLOCK, HAS_D=1, PDL=1), {})
+    # bf16 at each row tile; fp32 (its inputs twice as wide) at the one it keeps
+    shapes = [(N, K, bm, "bf16") for (N, K), bm in zip(((960, 576), (6144, 4096), (6144, 4096)), gemm_kernel.INVARIANT_ROWS)]
+    shapes.append((6144, 4096, gemm_kernel.INVARIANT_ROWS[0], "fp32"))
     for kind in ("norm", "plain", "glu"):
-        for (N, K), bm in zip(((960, 576), (6144, 4096), (6144, 4096)), gemm_kernel.INVARIANT_ROWS):
+        for N, K, bm, dt in shapes:
             bn, bk, warps, stages = gemm_kernel.INVARIANT_BLOCKS[kind]
             ks = cdiv(cdiv(K, gemm_kernel.invariant_split(kind, N, K)), bk) * bk
             normed = int(kind != "plain")
-            yield (f"tiles {kind} {N}x{K} rows {bm}", gemm_kernel._gemm_kernel, ("M", "N"), TILES,
+            types = TILES | {p: f"*{dt}" for p in ("x_ptr", "d_ptr", "g_ptr", "w_ptr", "b_ptr", "sc_ptr", "xo_ptr", "y_ptr")}
+            yield (f"tiles {kind} {N}x{K} rows {bm} {dt}", gemm_kernel._gemm_kernel, ("M", "N"), types,
                    dict(K=K, HAS_D=normed, HAS_B=0, NORM=normed, GLU=int(kind == "glu"), W8=0, BM=bm, BN=bn, BK=bk,
                         KS=ks, SPLIT=cdiv(K, ks), STAGES=stages, PRE=0, PDL=1),
                    {"num_warps": warps, "num_stages": stages})

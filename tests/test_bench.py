@@ -110,7 +110,7 @@ def test_projection_shapes_are_the_layers(shape):
 
 def test_one_engine_runs_every_batch_size_and_prompt_set(tmp_path):
     """`--batch 1,3` and two prompt sets: each run is compared with plain decoding of its own
-    prompts, batch size and temperature."""
+    prompts, batch size and temperature, and with plain decoding at batch 1."""
     t = make_target(tmp_path / "t", "qwen3", vocab=11, layers=2, scale=3.0)
     d = make_drafter(tmp_path / "d", t, block_size=4, target_layer_ids=[0])
     sets = []
@@ -128,7 +128,7 @@ def test_one_engine_runs_every_batch_size_and_prompt_set(tmp_path):
     for r in res["results"]:
         ar = next(x for x in res["results"] if x["method"] == "ar" and (x["prompts"], x["batch"]) == (r["prompts"], r["batch"]))
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / ar["tokens_per_s"])
-        assert r["output_tokens"] == 36 and r["same_as_ar"] == 1.0
+        assert r["output_tokens"] == 36 and r["same_as_ar"] == 1.0 and r["same_as_ar_alone"] == 1.0
     for s in sets:
         for b in (1, 3):
             assert (out / f"budget_sweep_{s.stem}_b{b}.png").stat().st_size > 0

@@ -328,5 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         if r["temperature"] == 0 and ar is not None:
             mine = outputs[(r["method"], r["budget"], r["temperature"], r["prompts"], r["batch"])]
             r["same_as_ar"] = sum(x == y for x, y in zip(mine, ar)) / len(ar)
+            # and to plain decoding one batch size apart (the smallest run): what a request gets
+            # does not depend on which others share its rounds (fp32, or --deterministic on a GPU)
+            alone = outputs.get(("ar", None, r["temperature"], r["prompts"], min(sizes)))
+            if alone is not None:
+                r["same_as_ar_alone"] = sum(x == y for x, y in zip(mine, alone)) / len(alone)
     finish(results, meta, out)
     return 0

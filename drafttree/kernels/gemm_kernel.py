@@ -83,30 +83,22 @@ INVARIANT_PROGRAMS = 264   # two waves of an H200's 132 SMs
 # tile of 16, 64 or 128 rows, with the same bits (H200: every row of 2,048 at three weight shapes;
 # test_deterministic checks rows alone against 70 together on the GPU), so a verify or a prefill
 # chunk reads each weight tile once per 128 rows rather than once per 16. Triton's interpreter
-# multiplies tiles with the host's BLAS, whose sums do depend on the tile's rows: it keeps 16.
+# multiplies tiles with the host's BLAS, whose sums do depend on the tile's rows: it keeps 16. So
+# do fp32 inputs: their wider tiles overflow an H200's shared memory, and only bf16 was shown equal.
 INVARIANT_ROWS = (16, 64, 128)
 
 
-def invariant_rows(M: int) -> int:
-    """Deterministic mode's token rows per program for a forward of M rows."""
-    if interpreting():
+def invariant_rows(M: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Deterministic mode's token rows per program for a forward of M rows of `dtype`."""
+    if interpreting() or dtype.itemsize > 2:
         return INVARIANT_ROWS[0]
     return next((bm for bm in INVARIANT_ROWS if M <= bm), INVARIANT_ROWS[-1])
-
-
-# Weights of fewer elements are not split: read whole in about a microsecond, they should gain
-# less from the split's parallelism than the launch adding the splits costs (four such launches a
-# layer on the SmolLM2 decode step, whose layers' weights are all below this, and which the mode
-# took from 0.53 to 0.99 ms with them; the gain is not yet measured).
-INVARIANT_SPLIT_FROM = 1 << 21
 
 
 def invariant_split(kind: str, N: int, K: int) -> int:
     """The input split of deterministic mode's tiles for a weight of N outputs (halved for GLU)
     and K inputs: a function of the weight's shape only."""
     bn, bk = INVARIANT_BLOCKS[kind][:2]
-    if (2 if kind == "glu" else 1) * N * K < INVARIANT_SPLIT_FROM:
-        return 1
     return max(1, min(INVARIANT_PROGRAMS // cdiv(N, bn), K // bk))
 
 
@@ -273,7 +265,7 @@ def launch(kind: str, x: torch.Tensor, delta: torch.Tensor | None, g: torch.Tens
     N = y.shape[-1]
     if invariant:
         bn, bk, warps, stages = INVARIANT_BLOCKS[kind]
-        split, pre, bm = invariant_split(kind, N, K), 0, invariant_rows(M)
+        split, pre, bm = invariant_split(kind, N, K), 0, invariant_rows(M, x.dtype)
     else:
         blocks = blocks_for(kind, w.numel(), BLOCKS_FP8 if w8 else None)
         if not w8 and (blocks is None or M > blocks[6]):

@@ -54,6 +54,15 @@ def make_prompts(vocab: int, lens=LENS, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
+def every_round(spec: str, budget: int | None) -> int | None:
+    """A budget for `spec` that drafts in every round. The default, auto, chooses per round by the
+    rounds' measured seconds, so its accepted lengths follow the machine's load (its tokens do
+    not: tests/test_adaptive.py checks them)."""
+    if budget is None and spec != "none":
+        return 32 if spec == "ddtree" else 1
+    return budget
+
+
 @dataclass
 class Pair:
     """A random target, a random drafter for it (block size 4), and cached plain outputs."""
@@ -67,10 +76,7 @@ class Pair:
             max_num_seqs: int = 3, max_model_len: int = 128, drafter: Path | None = None) -> LLM:
         """One engine per configuration, reused across tests (so engines also serve several
         generate calls in a row, over cache rows that earlier requests left dirty)."""
-        if budget is None and spec != "none":
-            # the method as itself in every round (the default, auto, chooses per round and may
-            # decode plainly: tests/test_adaptive.py checks it)
-            budget = 32 if spec == "ddtree" else 1
+        budget = every_round(spec, budget)
         key = (spec, block_size, budget, max_num_seqs, max_model_len, drafter)
         if key not in self._llms:
             self._llms[key] = LLM(model=str(self.target),
@@ -120,7 +126,7 @@ def make_llm(pair: Pair, spec: str, block_size: int | None, budget: int | None, 
     """A fresh engine over the pair (not cached: the tests vary pages, pools and caching)."""
     kw = {"max_num_seqs": 3, "max_model_len": 128, "device": "cpu", "dtype": "float32", **kw}
     return LLM(model=str(pair.target), draft_model=None if spec == "none" else str(pair.drafter), spec=spec,
-               block_size=block_size, budget=budget, **kw)
+               block_size=block_size, budget=every_round(spec, budget), **kw)
 
 
 def pool_is_whole(llm: LLM) -> None:

@@ -20,7 +20,7 @@ from drafttree.models.decoder import DecoderLayer, DecoderLM
 from drafttree.models.random_shapes import SHAPES, projections
 from drafttree.parallel.group import TPGroup
 from drafttree.parallel.shard import check_size, head_rows, valid_sizes
-from tests.helpers import Pair, make_prompts
+from tests.helpers import Pair, every_round, make_prompts
 
 MAX_TOKENS = [32, 11, 23]   # rows finish at different rounds: the others move down (a command too)
 
@@ -35,9 +35,8 @@ def mixed() -> list[SamplingParams]:
 @contextlib.contextmanager
 def sharded(pair: Pair, spec: str, world: int = 2) -> Iterator[LLM]:
     """The engine `pair.llm(spec)` is, over `world` ranks."""
-    budget = 32 if spec == "ddtree" else 1 if spec == "dflash" else None
     llm = LLM(model=str(pair.target), draft_model=None if spec == "none" else str(pair.drafter), spec=spec,
-              budget=budget, device="cpu", dtype="float32", max_num_seqs=3, max_model_len=128,
+              budget=every_round(spec, None), device="cpu", dtype="float32", max_num_seqs=3, max_model_len=128,
               tensor_parallel_size=world)
     try:
         yield llm

@@ -14,8 +14,11 @@ from drafttree.kernels.triton_jit import cdiv, jit_kernel
 ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pre_ptr": "*i32", "tail_ptr": "*i32",
         "cnt_ptr": "*i32", "kvs_ptr": "*i32", "o_ptr": "*bf16", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "scale": "fp32"}
 H100_SHARED = 232448   # sm_90's largest shared memory per block (227 KiB)
-TILES = {p: "*bf16" for p in ("x_ptr", "d_ptr", "g_ptr", "w_ptr", "b_ptr", "sc_ptr", "xo_ptr", "y_ptr")} | {
-    "ws_ptr": "*fp32", "ss_ptr": "*fp32", "eps": "fp32"}
+TILE_DATA = ("x_ptr", "d_ptr", "g_ptr", "w_ptr", "b_ptr", "sc_ptr", "xo_ptr", "y_ptr")   # in the model's dtype
+
+
+def tiles(dtype: str) -> dict[str, str]:
+    return {p: f"*{dtype}" for p in TILE_DATA} | {"ws_ptr": "*fp32", "ss_ptr": "*fp32", "eps": "fp32"}
 
 
 def variants():
@@ -39,8 +42,7 @@ def variants():
             bn, bk, warps, stages = gemm_kernel.INVARIANT_BLOCKS[kind]
             ks = cdiv(cdiv(K, gemm_kernel.invariant_split(kind, N, K)), bk) * bk
             normed = int(kind != "plain")
-            types = TILES | {p: f"*{dt}" for p in ("x_ptr", "d_ptr", "g_ptr", "w_ptr", "b_ptr", "sc_ptr", "xo_ptr", "y_ptr")}
-            yield (f"tiles {kind} {N}x{K} rows {bm} {dt}", gemm_kernel._gemm_kernel, ("M", "N"), types,
+            yield (f"tiles {kind} {N}x{K} rows {bm} {dt}", gemm_kernel._gemm_kernel, ("M", "N"), tiles(dt),
                    dict(K=K, HAS_D=normed, HAS_B=0, NORM=normed, GLU=int(kind == "glu"), W8=0, BM=bm, BN=bn, BK=bk,
                         KS=ks, SPLIT=cdiv(K, ks), STAGES=stages, PRE=0, PDL=1),
                    {"num_warps": warps, "num_stages": stages})

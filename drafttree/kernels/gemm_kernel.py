@@ -88,7 +88,7 @@ INVARIANT_PROGRAMS = 264   # two waves of an H200's 132 SMs
 INVARIANT_ROWS = (16, 64, 128)
 
 
-def invariant_rows(M: int, dtype: torch.dtype = torch.bfloat16) -> int:
+def invariant_rows(M: int, dtype: torch.dtype) -> int:
     """Deterministic mode's token rows per program for a forward of M rows of `dtype`."""
     if interpreting() or dtype.itemsize > 2:
         return INVARIANT_ROWS[0]

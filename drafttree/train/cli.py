@@ -41,6 +41,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def code_count(text: str) -> int | None:
+    """--code-prompts: a count, or 'all' (None)."""
+    if text == "all":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"a count or 'all', got {text!r}")
+    return int(text)
+
+
 def _prompt_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prompts (ShareGPT, code)")
     g.add_argument("--limit", type=int, default=None, help="at most this many training prompts")
@@ -50,8 +59,8 @@ def _prompt_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--turns", choices=["all", "first"], default="all",
                    help="all: every user turn of a conversation, each answered in the context of the turns and "
                         "replies before it; first: first turns only")
-    g.add_argument("--code-prompts", default="all", metavar="N|all",
-                   help="code prompts from installed Python source mixed into training (0: none; "
+    g.add_argument("--code-prompts", type=code_count, default=None, metavar="N|all",
+                   help="code prompts from installed Python source mixed into training (default: all; 0: none; "
                         "train.code_prompts)")
     g.add_argument("--code-roots", type=Path, nargs="+", default=None,
                    help="folders of Python source for the code prompts (default: the standard library)")
@@ -175,19 +184,11 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def code_count(text: str) -> int | None:
-    if text == "all":
-        return None
-    if not text.isdigit():
-        raise SystemExit(f"--code-prompts takes a count or 'all', got {text!r}")
-    return int(text)
-
-
 def run_prompts(a: argparse.Namespace) -> None:
     """Training prompts (whole conversations with --turns all, and code prompts, shuffled
     together so that every regeneration shard gets both) and held-out first turns (the τ
     evaluation's prompts; their conversations stay out of training)."""
-    n_code = code_count(a.code_prompts)
+    n_code = a.code_prompts   # None: all
     train, heldout = load_sharegpt_conversations(a.limit, a.seed, a.eval_size, max_chars=a.max_prompt_chars)
     train_prompts: list[Prompt] = list(train) if a.turns == "all" else [c.turns[0] for c in train]
     code, tasks = code_prompts(n_code, a.seed, a.code_roots, a.max_prompt_chars) if n_code != 0 else ([], {})

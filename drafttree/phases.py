@@ -35,12 +35,17 @@ def auto_budgets(max_budget: int) -> tuple[int, ...]:
 
 def schedule_for(method: str, text: str | None) -> str | None:
     """The part of a budget schedule a method takes: all of it for DDTree; for DFlash (no budget)
-    only a schedule whose entries all turn speculation off ('16:0'); none for plain decoding."""
+    only a schedule whose entries all turn speculation off ('16:0'), and 'none' for any other
+    given schedule, so that a schedule given for DDTree never lets DFlash fall back to the
+    drafter config's; None (the drafter config's, if any) when none is given; None for plain
+    decoding."""
     if method == "ddtree":
         return text
-    if method != "dflash" or not text or text.strip() in ("auto", "none"):
+    if method != "dflash" or not text:
         return None
-    return text if all(n == 0 for _, n in SpecConfig.parse_schedule(text)) else None
+    if text.strip() in ("auto", "none"):
+        return text.strip()
+    return text if all(n == 0 for _, n in SpecConfig.parse_schedule(text)) else "none"
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:

@@ -89,7 +89,9 @@ def test_budget_schedule_goes_where_it_applies():
     from drafttree.phases import schedule_for
     assert schedule_for("ddtree", "8:16,32:0") == "8:16,32:0" and schedule_for("ddtree", "auto") == "auto"
     assert schedule_for("dflash", "16:0") == "16:0"
-    assert schedule_for("dflash", "8:16,32:0") is None and schedule_for("dflash", "auto") is None
+    # a given schedule DFlash cannot take means no schedule, not the drafter config's
+    assert schedule_for("dflash", "8:16,32:0") == "none" and schedule_for("dflash", "auto") == "auto"
+    assert schedule_for("dflash", " none ") == "none"
     assert schedule_for("ar", "16:0") is None and schedule_for("dflash", None) is None
 
 
@@ -110,7 +112,8 @@ def test_projection_shapes_are_the_layers(shape):
 
 def test_one_engine_runs_every_batch_size_and_prompt_set(tmp_path):
     """`--batch 1,3` and two prompt sets: each run is compared with plain decoding of its own
-    prompts, batch size and temperature, and with plain decoding at batch 1."""
+    prompts, batch size and temperature, and with plain decoding at batch 1. `--waves 2` makes
+    the batch-3 cells decode 6 requests (the 4 prompts, then the first 2 again)."""
     t = make_target(tmp_path / "t", "qwen3", vocab=11, layers=2, scale=3.0)
     d = make_drafter(tmp_path / "d", t, block_size=4, target_layer_ids=[0])
     sets = []
@@ -120,17 +123,20 @@ def test_one_engine_runs_every_batch_size_and_prompt_set(tmp_path):
     out = tmp_path / "out"
     assert main(["--model", str(t), "--draft-model", str(d), "--prompts", ",".join(map(str, sets)),
                  "--num-prompts", "4", "--max-tokens", "9", "--methods", "ar,ddtree", "--budgets", "auto,4",
-                 "--temperatures", "0", "--batch", "1,3", "--device", "cpu", "--dtype", "float32",
-                 "--max-model-len", "64", "--out", str(out)]) == 0
+                 "--temperatures", "0", "--batch", "1,3", "--waves", "2", "--device", "cpu",
+                 "--dtype", "float32", "--max-model-len", "64", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
     cells = {(r["prompts"], r["batch"]) for r in res["results"]}
     assert cells == {(str(s), b) for s in sets for b in (1, 3)} and res["meta"]["batch"] == [1, 3]
     for r in res["results"]:
         ar = next(x for x in res["results"] if x["method"] == "ar" and (x["prompts"], x["batch"]) == (r["prompts"], r["batch"]))
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / ar["tokens_per_s"])
-        assert r["output_tokens"] == 36 and r["same_as_ar"] == 1.0 and r["same_as_ar_alone"] == 1.0
+        assert r["output_tokens"] == 9 * (4 if r["batch"] == 1 else 6)
+        assert r["same_as_ar"] == 1.0 and r["same_as_ar_alone"] == 1.0
     for s in sets:
         for b in (1, 3):
             assert (out / f"budget_sweep_{s.stem}_b{b}.png").stat().st_size > 0
     with pytest.raises(ValueError, match="positive"):
         main(["--batch", "0", "--out", str(tmp_path / "bad")])
+    with pytest.raises(ValueError, match="waves"):
+        main(["--waves", "-1", "--out", str(tmp_path / "bad")])

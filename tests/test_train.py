@@ -202,6 +202,20 @@ def test_init_from_drafter_continues_a_published_drafter(tiny, tmp_path):
     assert float(warm.train_step(batch)[0].loss.detach()) < 0.9 * float(cold.train_step(batch)[0].loss.detach())
 
 
+def test_tau_is_measured_with_the_chain_in_every_round(tiny, tmp_path):
+    """A drafter config's budget schedule ('1:0': plain rounds from one row on) must not turn the
+    τ measurement into plain decoding: every round drafts."""
+    from drafttree.train.evaluate import measure_tau
+
+    Trainer(tiny_config(tmp_path / "a", max_steps=2), target=tiny["target"], sequences=tiny["seqs"]).run()
+    drafter = tmp_path / "a" / "drafter"
+    cfg = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps(dict(cfg, ddtree_default_budget_schedule="1:0")))
+    res = measure_tau(drafter, tiny["prompts"][:3], tiny["regen"], max_tokens=12)
+    assert res["generated_tokens"] == 36 and sum(res["budget_histogram"].values()) > 0
+    assert "0" not in res["budget_histogram"], res["budget_histogram"]
+
+
 def test_checkpoint_resume_continues_to_the_same_weights(tiny, tmp_path):
     seqs = tiny["seqs"][:24]
     ref = Trainer(tiny_config(tmp_path / "ref", epochs=2, log_every=2), target=tiny["target"], sequences=seqs)

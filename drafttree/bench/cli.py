@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="humaneval",
                    help="humaneval | sharegpt-heldout | FILE.jsonl, or several, comma-separated (one engine runs them all)")
     p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--waves", type=int, default=0,
+                   help="at each batch size B, decode at least this many full batches (N x B requests, the "
+                        "prompts reused in order): cells at large batch sizes then run long enough to rank")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--methods", default="ar,dflash,ddtree")
     p.add_argument("--budgets", default="auto,8,16,32,64,128",
@@ -97,7 +100,14 @@ def batches(a: argparse.Namespace) -> list[int]:
     out = [int(b) for b in str(a.batch).split(",") if b.strip()]
     if not out or min(out) < 1:
         raise ValueError(f"--batch needs positive sizes, got {a.batch!r}")
+    if a.waves < 0:
+        raise ValueError(f"--waves must be >= 0, got {a.waves}")
     return out
+
+
+def cell_requests(a: argparse.Namespace, prompts: int, batch: int) -> int:
+    """How many requests a cell of `prompts` prompts decodes at `batch`: --waves full batches at least."""
+    return max(prompts, a.waves * batch)
 
 
 def make_llm(a, method: str, budget: int | str | None) -> LLM:
@@ -123,6 +133,8 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
     eng = llm.engine
     texts = [p if isinstance(p, list) or llm.tokenizer is None else llm.apply_chat_template(
         [{"role": "user", "content": p}]) for p in prompts]
+    distinct = len(texts)
+    texts = [texts[i % distinct] for i in range(cell_requests(a, distinct, batch))]
     params = [SamplingParams(temperature=temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=i)
               for i in range(len(texts))]
     # Warm-up on every batch of the run, short outputs: first calls compile and load kernels per
@@ -130,8 +142,8 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
     # process at batch 16: 2,034, 7,774, 9,439 tok/s).
     warm = SamplingParams(temperature=temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=min(8, a.max_tokens),
                           seed=0)
-    for i in range(0, len(texts), batch):
-        llm.generate(texts[i:i + batch], warm)
+    for i in range(0, distinct, batch):
+        llm.generate(texts[i:min(i + batch, distinct)], warm)
     st, timer = eng.stats, eng.runner.timer
     rounds0, prefill0, gpu0 = st.rounds, st.prefill_seconds, _round_seconds(timer)
     budgets0 = Counter(st.budget_hist)
@@ -303,11 +315,11 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() and a.device != "cpu"
             else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
             "prompts": a.prompts, "num_prompts": {ps: len(p) for ps, p in sets.items()}, "max_tokens": a.max_tokens,
-            "batch": sizes,
+            "batch": sizes, "waves": a.waves,
             "tensor_parallel_size": a.tensor_parallel_size,
             "environment": environment()}
     results, outputs = [], {}
-    total = len(plan) * len(temps) * len(sizes) * sum(len(p) for p in sets.values())
+    total = len(plan) * len(temps) * sum(cell_requests(a, len(p), b) for p in sets.values() for b in sizes)
     with tqdm(total=total, desc="bench", unit="req") as bar:
         for m, b in plan:
             llm = make_llm(a, m, b)

@@ -19,8 +19,9 @@ def measure_tau(drafter_dir: Path, prompts: list[Prompt], cfg: RegenConfig, max_
     """Greedy (T=0) DFlash decoding of `prompts`; τ = committed tokens per round, bonus included.
     With `compare_plain`, also decode without speculation and count differing outputs."""
     run = replace(cfg, max_tokens=max_tokens)
-    # the chain in every round (a fixed budget): τ of the drafter, not of the per-round choice
-    llm = make_llm(run, draft_model=str(drafter_dir), spec="dflash", budget=1)
+    # the chain in every round (a fixed budget, and no schedule: a drafter config's '16:0' would
+    # make rounds over 16+ rows plain): τ of the drafter, not of a choice
+    llm = make_llm(run, draft_model=str(drafter_dir), spec="dflash", budget=1, budget_schedule="none")
     ids = [encode_prompt(llm, p, cfg.chat_template) for p in prompts]
     ids = [p for p in ids if 0 < len(p) <= cfg.max_prompt_tokens]
     if not ids:
@@ -37,6 +38,8 @@ def measure_tau(drafter_dir: Path, prompts: list[Prompt], cfg: RegenConfig, max_
         "tau": sum(lengths) / max(len(lengths), 1), "rounds": len(lengths), "prompts": len(ids),
         "generated_tokens": sum(len(o.token_ids) for o in outs), "seconds": seconds,
         "accept_histogram": dict(sorted(hist.items())), "block_size": llm.engine.spec.block_size,
+        # engine rounds per budget they ran at (0: plain decode rounds; there should be none)
+        "budget_histogram": {str(k): v for k, v in sorted(llm.engine.stats.budget_hist.items())},
         "max_tokens": max_tokens,
     }
     if compare_plain:

@@ -216,6 +216,45 @@ def test_tau_is_measured_with_the_chain_in_every_round(tiny, tmp_path):
     assert "0" not in res["budget_histogram"], res["budget_histogram"]
 
 
+def test_a_grown_drafter_starts_where_the_old_one_was(tiny, tmp_path):
+    """Growing a trained drafter (2 -> 3 layers, MLP 64 -> 96) changes nothing it computes: the
+    same batch gives the same loss; the new layer's and units' output projections start at zero
+    and are the ones the first step moves; the grown drafter saves, loads and decodes losslessly."""
+    from drafttree.llm import LLM
+    from drafttree.sampling import SamplingParams
+
+    first = Trainer(tiny_config(tmp_path / "a", draft_layers=2, max_steps=20), target=tiny["target"],
+                    sequences=tiny["seqs"])
+    first.run()
+    src = tmp_path / "a" / "drafter"
+    same = Trainer(tiny_config(tmp_path / "b", init_from_drafter=src, seed=3), target=tiny["target"],
+                   sequences=tiny["seqs"])
+    grown = Trainer(tiny_config(tmp_path / "c", init_from_drafter=src, seed=3, grow_layers=3, grow_intermediate=96),
+                    target=tiny["target"], sequences=tiny["seqs"])
+    assert (grown.config_dict["num_hidden_layers"], grown.config_dict["intermediate_size"]) == (3, 96)
+    assert len(grown.drafter.layers) == 3 and grown.drafter.layers[0].mlp.down_proj.weight.shape[1] == 96
+    new = grown.drafter.layers[2]
+    assert not new.self_attn.o_proj.weight.any() and not new.mlp.down_proj.weight.any()
+    assert not grown.drafter.layers[0].mlp.down_proj.weight[:, 64:].any()
+    batch = list(range(8))
+    a, b = same.train_step(batch)[0].loss.item(), grown.train_step(batch)[0].loss.item()
+    assert b == pytest.approx(a, rel=1e-5)
+    assert new.self_attn.o_proj.weight.any() and grown.drafter.layers[0].mlp.down_proj.weight[:, 64:].any()
+    grown.cfg.max_steps = grown.total_steps = 2
+    grown.run()
+    prompts = tiny["prompts"][:3]
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    plain = LLM(model=str(tiny["target_dir"]), device="cpu", max_num_seqs=3).generate(prompts, sp)
+    spec = LLM(model=str(tiny["target_dir"]), draft_model=str(tmp_path / "c" / "drafter"), spec="dflash",
+               device="cpu", max_num_seqs=3).generate(prompts, sp)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    with pytest.raises(ValueError, match="only grows"):
+        Trainer(tiny_config(tmp_path / "d", init_from_drafter=src, grow_layers=1), target=tiny["target"],
+                sequences=tiny["seqs"])
+    with pytest.raises(ValueError, match="needs init_from_drafter"):
+        Trainer(tiny_config(tmp_path / "e", grow_layers=4), target=tiny["target"], sequences=tiny["seqs"])
+
+
 def test_checkpoint_resume_continues_to_the_same_weights(tiny, tmp_path):
     seqs = tiny["seqs"][:24]
     ref = Trainer(tiny_config(tmp_path / "ref", epochs=2, log_every=2), target=tiny["target"], sequences=seqs)

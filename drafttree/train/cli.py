@@ -104,6 +104,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init-from-target", action="store_true", help="start draft layers from the target's last layers")
     g.add_argument("--init-from-drafter", type=Path, default=None,
                    help="continue training a published drafter (its config and weights; shape flags are ignored)")
+    g.add_argument("--grow-layers", type=int, default=None, metavar="N",
+                   help="with --init-from-drafter: N layers, the new ones after the old and starting as identities "
+                        "(the grown drafter drafts exactly as the old one until trained)")
+    g.add_argument("--grow-intermediate", type=int, default=None, metavar="M",
+                   help="with --init-from-drafter: MLP width M, the new units starting silent")
     g.add_argument("--attention", default="auto", choices=["auto", "dense", "blockwise"],
                    help="training attention (auto: blockwise on CUDA, dense on CPU)")
     g = p.add_argument_group("training")
@@ -231,7 +236,8 @@ def run_train(a: argparse.Namespace, group: Group | None = None) -> dict[str, An
                       draft_layers=a.draft_layers, intermediate_size=a.intermediate_size, block_size=a.block_size,
                       num_target_features=a.num_target_features, target_layer_ids=a.target_layer_ids,
                       mask_token_id=a.mask_token_id, init_from_target=a.init_from_target,
-                      init_from_drafter=a.init_from_drafter, attention=a.attention,
+                      init_from_drafter=a.init_from_drafter, grow_layers=a.grow_layers,
+                      grow_intermediate=a.grow_intermediate, attention=a.attention,
                       anchors_per_seq=a.anchors_per_seq, batch_size=a.batch_size, epochs=a.epochs,
                       max_steps=a.max_steps, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
                       grad_clip=a.grad_clip, gamma=a.gamma, max_len=a.max_len, save_every=a.save_every,

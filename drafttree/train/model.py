@@ -91,6 +91,46 @@ def copy_target_layers(drafter: DFlashDrafter, target: DecoderLM) -> None:
             dst.mlp.down_proj.weight.copy_(src.mlp.down_proj.weight[:, :inter])
 
 
+@torch.no_grad()
+def grow_drafter(old: DFlashDrafter, config: dict[str, Any], target: DecoderLM, layers: int | None = None,
+                 intermediate: int | None = None, init_std: float = 0.02) -> tuple[DFlashDrafter, dict[str, Any]]:
+    """A deeper and/or wider drafter that computes exactly what `old` does: new layers come after
+    the old ones and new MLP units join every layer, each with its output projection at zero (a new
+    layer's o_proj and down_proj, a new unit's down_proj column), so the residual stream is
+    unchanged. Training then starts from the old drafter's acceptance, and the new capacity
+    comes in as the gradients move those projections off zero. Returns the drafter (fp32, on the
+    target's device) and its config."""
+    n0, m0 = len(old.layers), old.layers[0].mlp.down_proj.weight.shape[1]
+    n, m = layers or n0, intermediate or m0
+    if n < n0 or m < m0:
+        raise ValueError(f"a drafter only grows: it has {n0} layers of MLP width {m0}, asked for {n} and {m}")
+    grown = {**config, "num_hidden_layers": n, "intermediate_size": m}
+    new = new_drafter(config_from_dict(grown), target, init_std)
+    old = old.to(device=new.fc.weight.device, dtype=torch.float32)
+    for name in ("fc", "hidden_norm", "norm"):
+        getattr(new, name).weight.copy_(getattr(old, name).weight)
+    for i, dst in enumerate(new.layers):
+        if i >= n0:
+            dst.self_attn.o_proj.weight.zero_()
+            dst.mlp.down_proj.weight.zero_()
+            continue
+        src = old.layers[i]
+        for a in ("input_layernorm", "post_attention_layernorm"):
+            getattr(dst, a).weight.copy_(getattr(src, a).weight)
+        dst.self_attn.qkv_proj.weight.copy_(src.self_attn.qkv_proj.weight)
+        dst.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
+        if src.self_attn.q_norm is not None:
+            dst.self_attn.q_norm.weight.copy_(src.self_attn.q_norm.weight)
+            dst.self_attn.k_norm.weight.copy_(src.self_attn.k_norm.weight)
+        gate, up = dst.mlp.gate_up_proj.weight.chunk(2, dim=0)      # views: copies land in the weight
+        src_gate, src_up = src.mlp.gate_up_proj.weight.chunk(2, dim=0)
+        gate[:m0].copy_(src_gate)
+        up[:m0].copy_(src_up)
+        dst.mlp.down_proj.weight[:, :m0].copy_(src.mlp.down_proj.weight)
+        dst.mlp.down_proj.weight[:, m0:].zero_()
+    return new, grown
+
+
 def published_state_dict(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
     """Our fused names -> the published ones: qkv_proj -> q/k/v_proj, gate_up -> gate/up."""
     out: dict[str, torch.Tensor] = {}

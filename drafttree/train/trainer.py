@@ -30,6 +30,7 @@ from drafttree.train.model import (
     config_from_dict,
     count_parameters,
     drafter_config_dict,
+    grow_drafter,
     new_drafter,
     published_config,
     save_drafter,
@@ -68,6 +69,8 @@ class TrainConfig:
     mask_token_id: int | None = None      # default: the largest id absent from the data
     init_from_target: bool = False
     init_from_drafter: Path | None = None  # continue from a published drafter: its shape and weights
+    grow_layers: int | None = None        # with init_from_drafter: this many layers (model.grow_drafter)
+    grow_intermediate: int | None = None  # with init_from_drafter: this MLP width
     attention: str = "auto"               # dense | blockwise; auto: blockwise on CUDA, dense on CPU
     anchors_per_seq: int = 512
     batch_size: int = 8
@@ -103,6 +106,8 @@ class Trainer:
         from drafttree.loader.default_model import resolve_model
         from drafttree.loader.weights import load_target
 
+        if (cfg.grow_layers or cfg.grow_intermediate) and cfg.init_from_drafter is None:
+            raise ValueError("growing a drafter (grow_layers / grow_intermediate) needs init_from_drafter")
         self.cfg, self.group = cfg, group or Group()
         self.device = self.group.device(cfg.device)
         if target is None:
@@ -131,7 +136,12 @@ class Trainer:
         self.dcfg.check_fits(tcfg)
         torch.manual_seed(cfg.seed)
         if warm is not None:   # the published weights, as a trainable fp32 copy
-            self.drafter = load_drafter(Path(warm), target, torch.float32, self.device).train().requires_grad_(True)
+            self.drafter = load_drafter(Path(warm), target, torch.float32, self.device)
+            if cfg.grow_layers or cfg.grow_intermediate:
+                self.drafter, self.config_dict = grow_drafter(self.drafter, self.config_dict, target,
+                                                              cfg.grow_layers, cfg.grow_intermediate)
+                self.dcfg = config_from_dict(self.config_dict)
+            self.drafter.train().requires_grad_(True)
         else:
             self.drafter = new_drafter(self.dcfg, target, init_from_target=cfg.init_from_target).train()
         self.group.broadcast_module(self.drafter)

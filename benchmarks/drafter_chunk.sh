@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One chunk of drafter training on one machine, each stage bounded in time: regenerate answers
+# from the target for REGEN_S seconds, train from DRAFTER for TRAIN_S seconds (optionally grown:
+# GROW="--grow-layers 5 --grow-intermediate 2048"), then τ of the new and the old drafter (DFlash
+# chain in every round, T = 0) on each evaluation prompt file. Everything lands under $OUT.
+# Usage: OUT=dir PROMPTS=prompts_train.jsonl EVAL="heldout.jsonl:48 humaneval.jsonl:32" \
+#        [TARGET=model.gguf] [ROWS=256 MAX_TOKENS=512 EVAL_ROWS=48] [DRAFTER=drafttree/assets/drafter-smollm2] [REGEN_S=150] [TRAIN_S=190] \
+#        bash benchmarks/drafter_chunk.sh
+# The prompt files come from `drafttree train-drafter prompts --out DIR` (prompts_train.jsonl,
+# prompts_heldout.jsonl) or any JSONL of {"prompt": ...}; HumanEval: drafttree.bench.prompts.
+set -uo pipefail
+OUT=${OUT:?}; PROMPTS=${PROMPTS:?}; EVAL=${EVAL:?}
+DRAFTER=${DRAFTER:-drafttree/assets/drafter-smollm2}
+TARGET_ARG=${TARGET:+--target $TARGET}
+R=$OUT/run; mkdir -p "$R"
+t0=$(date +%s); step() { echo "== $(( $(date +%s) - t0 )) s: $*"; }
+step "regenerate ${REGEN_S:-150} s"
+python3 -m drafttree.cli train-drafter regenerate --out "$R" $TARGET_ARG --prompts "$PROMPTS" \
+  --max-num-seqs ${ROWS:-256} --max-tokens ${MAX_TOKENS:-512} --max-prompt-tokens ${MAX_PROMPT_TOKENS:-1536} \
+  --regen-time-limit ${REGEN_S:-150} --quiet > "$OUT/regen.log" 2>&1; echo "rc=$?"; tail -2 "$OUT/regen.log"
+step "train ${TRAIN_S:-190} s from $DRAFTER ${GROW:-}"
+python3 -m drafttree.cli train-drafter train --out "$R" $TARGET_ARG --init-from-drafter "$DRAFTER" ${GROW:-} \
+  --batch-size 16 --lr ${LR:-3e-4} --epochs 100 --seed ${SEED:-5} --train-time-limit ${TRAIN_S:-190} \
+  --eval-num 0 --quiet > "$OUT/train.log" 2>&1; echo "rc=$?"; tail -2 "$OUT/train.log"
+for d in "$R/drafter" "$DRAFTER"; do
+  for e in $EVAL; do
+    step "τ of $d on ${e%%:*}"
+    python3 -m drafttree.cli train-drafter eval --out "$OUT/eval" $TARGET_ARG --drafter "$d" --max-num-seqs ${EVAL_ROWS:-48} \
+      --no-cuda-graphs --eval-prompts "${e%%:*}" --eval-num "${e##*:}" --quiet 2>&1 | grep "τ ="
+  done
+done
+step done

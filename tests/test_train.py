@@ -216,6 +216,28 @@ def test_tau_is_measured_with_the_chain_in_every_round(tiny, tmp_path):
     assert "0" not in res["budget_histogram"], res["budget_histogram"]
 
 
+def test_init_from_target_copies_its_last_layers(tiny, tmp_path):
+    """--init-from-target: draft layer i starts as target layer L - n + i (norms, attention, the
+    first MLP units when the drafter's MLP is narrower), the final norm as the target's."""
+    from drafttree.train.model import new_drafter
+
+    target = tiny["target"]
+    cfg = Trainer(tiny_config(tmp_path, draft_layers=2, intermediate_size=32), target=target,
+                  sequences=tiny["seqs"]).dcfg
+    d = new_drafter(cfg, target, init_from_target=True)
+    L, inter = len(target.layers), d.layers[0].mlp.down_proj.weight.shape[1]
+    assert inter < target.layers[0].mlp.down_proj.weight.shape[1]
+    torch.testing.assert_close(d.norm.weight, target.norm.weight, atol=0, rtol=0)
+    for i, dst in enumerate(d.layers):
+        src = target.layers[L - 2 + i]
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            torch.testing.assert_close(getattr(dst, name).weight, getattr(src, name).weight, atol=0, rtol=0)
+        for name in ("qkv_proj", "o_proj"):
+            torch.testing.assert_close(getattr(dst.self_attn, name).weight, getattr(src.self_attn, name).weight,
+                                       atol=0, rtol=0)
+        torch.testing.assert_close(dst.mlp.down_proj.weight, src.mlp.down_proj.weight[:, :inter], atol=0, rtol=0)
+
+
 def test_a_grown_drafter_starts_where_the_old_one_was(tiny, tmp_path):
     """Growing a trained drafter (2 -> 3 layers, MLP 64 -> 96) changes nothing it computes: the
     same batch gives the same loss; the new layer's and units' output projections start at zero

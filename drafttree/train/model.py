@@ -69,6 +69,18 @@ def new_drafter(cfg: DFlashConfig, target: DecoderLM, init_std: float = 0.02,
 
 
 @torch.no_grad()
+def copy_attention(dst: torch.nn.Module, src: torch.nn.Module) -> None:
+    """A layer's norms and attention weights, from a layer of the same width and heads."""
+    for a in ("input_layernorm", "post_attention_layernorm"):
+        getattr(dst, a).weight.copy_(getattr(src, a).weight)
+    dst.self_attn.qkv_proj.weight.copy_(src.self_attn.qkv_proj.weight)
+    dst.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
+    if src.self_attn.q_norm is not None:
+        dst.self_attn.q_norm.weight.copy_(src.self_attn.q_norm.weight)
+        dst.self_attn.k_norm.weight.copy_(src.self_attn.k_norm.weight)
+
+
+@torch.no_grad()
 def copy_target_layers(drafter: DFlashDrafter, target: DecoderLM) -> None:
     """Start draft layer i from target layer L-n+i (the last n) and the final norm from the
     target's. MLPs narrower than the target's take the first rows/columns."""
@@ -76,13 +88,7 @@ def copy_target_layers(drafter: DFlashDrafter, target: DecoderLM) -> None:
     drafter.norm.weight.copy_(target.norm.weight)
     for i, dst in enumerate(drafter.layers):
         src = target.layers[max(L - n + i, 0)]
-        for a in ("input_layernorm", "post_attention_layernorm"):
-            getattr(dst, a).weight.copy_(getattr(src, a).weight)
-        dst.self_attn.qkv_proj.weight.copy_(src.self_attn.qkv_proj.weight)
-        dst.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
-        if src.self_attn.q_norm is not None:
-            dst.self_attn.q_norm.weight.copy_(src.self_attn.q_norm.weight)
-            dst.self_attn.k_norm.weight.copy_(src.self_attn.k_norm.weight)
+        copy_attention(dst, src)
         inter = dst.mlp.down_proj.weight.shape[1]
         t_inter = src.mlp.down_proj.weight.shape[1]
         if inter <= t_inter:
@@ -115,13 +121,7 @@ def grow_drafter(old: DFlashDrafter, config: dict[str, Any], target: DecoderLM, 
             dst.mlp.down_proj.weight.zero_()
             continue
         src = old.layers[i]
-        for a in ("input_layernorm", "post_attention_layernorm"):
-            getattr(dst, a).weight.copy_(getattr(src, a).weight)
-        dst.self_attn.qkv_proj.weight.copy_(src.self_attn.qkv_proj.weight)
-        dst.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
-        if src.self_attn.q_norm is not None:
-            dst.self_attn.q_norm.weight.copy_(src.self_attn.q_norm.weight)
-            dst.self_attn.k_norm.weight.copy_(src.self_attn.k_norm.weight)
+        copy_attention(dst, src)
         gate, up = dst.mlp.gate_up_proj.weight.chunk(2, dim=0)      # views: copies land in the weight
         src_gate, src_up = src.mlp.gate_up_proj.weight.chunk(2, dim=0)
         gate[:m0].copy_(src_gate)

@@ -1,32 +1,37 @@
 #!/usr/bin/env bash
 # One chunk of drafter training on one machine, each stage bounded in time: regenerate answers
-# from the target for REGEN_S seconds, train from DRAFTER for TRAIN_S seconds (optionally grown:
-# GROW="--grow-layers 5 --grow-intermediate 2048"), then τ of the new and the old drafter (DFlash
-# chain in every round, T = 0) on each evaluation prompt file. Everything lands under $OUT.
+# from the target into DATA for REGEN_S seconds (0: use what DATA holds), train from DRAFTER for
+# TRAIN_S seconds (optionally grown: GROW="--grow-layers 5 --grow-intermediate 2048"), then τ of
+# the new and the old drafter (DFlash chain in every round, T = 0) on each evaluation prompt file.
+# Variants on the same data: run again with another OUT, the same DATA and REGEN_S=0.
 # Usage: OUT=dir PROMPTS=prompts_train.jsonl EVAL="heldout.jsonl:48 humaneval.jsonl:32" \
-#        [TARGET=model.gguf] [ROWS=256 MAX_TOKENS=512 EVAL_ROWS=48] [DRAFTER=drafttree/assets/drafter-smollm2] [REGEN_S=150] [TRAIN_S=190] \
-#        bash benchmarks/drafter_chunk.sh
+#        [DATA=$OUT/data] [TARGET=model.gguf] [DRAFTER=drafttree/assets/drafter-smollm2] \
+#        [REGEN_S=150] [TRAIN_S=190] [ROWS=256 MAX_TOKENS=512 EVAL_ROWS=48] bash benchmarks/drafter_chunk.sh
 # The prompt files come from `drafttree train-drafter prompts --out DIR` (prompts_train.jsonl,
 # prompts_heldout.jsonl) or any JSONL of {"prompt": ...}; HumanEval: drafttree.bench.prompts.
 set -uo pipefail
 OUT=${OUT:?}; PROMPTS=${PROMPTS:?}; EVAL=${EVAL:?}
+DATA=${DATA:-$OUT/data}
 DRAFTER=${DRAFTER:-drafttree/assets/drafter-smollm2}
 TARGET_ARG=${TARGET:+--target $TARGET}
-R=$OUT/run; mkdir -p "$R"
+mkdir -p "$OUT" "$DATA"
 t0=$(date +%s); step() { echo "== $(( $(date +%s) - t0 )) s: $*"; }
-step "regenerate ${REGEN_S:-150} s"
-python3 -m drafttree.cli train-drafter regenerate --out "$R" $TARGET_ARG --prompts "$PROMPTS" \
-  --max-num-seqs ${ROWS:-256} --max-tokens ${MAX_TOKENS:-512} --max-prompt-tokens ${MAX_PROMPT_TOKENS:-1536} \
-  --regen-time-limit ${REGEN_S:-150} --quiet > "$OUT/regen.log" 2>&1; echo "rc=$?"; tail -2 "$OUT/regen.log"
+if [ "${REGEN_S:-150}" != 0 ]; then
+  step "regenerate ${REGEN_S:-150} s into $DATA"
+  python3 -m drafttree.cli train-drafter regenerate --out "$DATA" $TARGET_ARG --prompts "$PROMPTS" \
+    --max-num-seqs ${ROWS:-256} --max-tokens ${MAX_TOKENS:-512} --max-prompt-tokens ${MAX_PROMPT_TOKENS:-1536} \
+    --regen-time-limit ${REGEN_S:-150} --quiet > "$OUT/regen.log" 2>&1; echo "rc=$?"; tail -2 "$OUT/regen.log"
+fi
 step "train ${TRAIN_S:-190} s from $DRAFTER ${GROW:-}"
-python3 -m drafttree.cli train-drafter train --out "$R" $TARGET_ARG --init-from-drafter "$DRAFTER" ${GROW:-} \
-  --batch-size 16 --lr ${LR:-3e-4} --epochs 100 --seed ${SEED:-5} --train-time-limit ${TRAIN_S:-190} \
-  --eval-num 0 --quiet > "$OUT/train.log" 2>&1; echo "rc=$?"; tail -2 "$OUT/train.log"
-for d in "$R/drafter" "$DRAFTER"; do
+python3 -m drafttree.cli train-drafter train --out "$OUT/train" --data "$DATA"/responses*.jsonl $TARGET_ARG \
+  --init-from-drafter "$DRAFTER" ${GROW:-} --batch-size 16 --lr ${LR:-3e-4} --epochs 100 --seed ${SEED:-5} \
+  --train-time-limit ${TRAIN_S:-190} --eval-num 0 --quiet > "$OUT/train.log" 2>&1; echo "rc=$?"; tail -2 "$OUT/train.log"
+for d in "$OUT/train/drafter" "$DRAFTER"; do
   for e in $EVAL; do
     step "τ of $d on ${e%%:*}"
-    python3 -m drafttree.cli train-drafter eval --out "$OUT/eval" $TARGET_ARG --drafter "$d" --max-num-seqs ${EVAL_ROWS:-48} \
-      --no-cuda-graphs --eval-prompts "${e%%:*}" --eval-num "${e##*:}" --quiet 2>&1 | grep "τ ="
+    python3 -m drafttree.cli train-drafter eval --out "$OUT/eval" $TARGET_ARG --drafter "$d" \
+      --max-num-seqs ${EVAL_ROWS:-48} --no-cuda-graphs --eval-prompts "${e%%:*}" --eval-num "${e##*:}" --quiet \
+      2>&1 | grep "τ ="
   done
 done
 step done

@@ -27,7 +27,7 @@ from drafttree.train.data import (
     write_prompts,
     write_sequences,
 )
-from drafttree.train.forward import drafter_train_forward
+from drafttree.train.forward import FeatureExtractor, drafter_train_forward
 from drafttree.train.recipe import (
     IGNORE,
     build_blocks,
@@ -121,6 +121,43 @@ def test_train_forward_matches_inference_drafter(tiny, tmp_path, attention):
                              slots=torch.cat([ctx_pos, block_pos], dim=1))
             ref = d(blocks.ids[:, 4 * n:4 * n + 4], block_pos, feats[:, :a], ctx_pos, meta, kv.k, kv.v)
             torch.testing.assert_close(hidden[:, 4 * n:4 * n + 4], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_engine_accepts_what_the_training_forward_predicts(tiny, tmp_path):
+    """Walk each greedy output with the training forward: a block at the anchor where a round
+    would start, then on by the drafted tokens it got right plus the bonus. The engine's DFlash
+    rounds accept exactly those lengths, round for round: the drafter decodes as it was trained
+    (context features, positions, masks, the paged context writes)."""
+    from drafttree.llm import LLM
+    from drafttree.sampling import SamplingParams
+
+    Trainer(tiny_config(tmp_path / "a", max_steps=40), target=tiny["target"], sequences=tiny["seqs"]).run()
+    path = tmp_path / "a" / "drafter"
+    d = load_drafter(path, tiny["target"], torch.float32, torch.device("cpu"))
+    bs, prompts = d.cfg.block_size, tiny["prompts"][:6]
+    # the chain in every round (budget fixed, no schedule): auto would decode plainly where drafting does not pay
+    outs = LLM(model=str(tiny["target_dir"]), draft_model=str(path), spec="dflash", budget=1, budget_schedule="none",
+               device="cpu", max_num_seqs=3).generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    features = FeatureExtractor(tiny["target"], d.cfg.target_layer_ids)
+    drafted = 0
+    for p, o in zip(prompts, outs):
+        ids, P = torch.tensor([p + o.token_ids]), len(p)
+        anchors = torch.arange(P, ids.shape[1] - 1)[None]
+        blocks = build_blocks(ids, torch.tensor([ids.shape[1]]), anchors, torch.ones_like(anchors, dtype=torch.bool),
+                              bs, d.cfg.mask_token_id)
+        with torch.no_grad():
+            hidden = drafter_train_forward(d, features(ids), blocks, "dense")
+            pred = tiny["target"].lm_head(hidden).argmax(-1).view(-1, bs)[:, 1:]
+        labels = blocks.labels.view(-1, bs)[:, 1:]
+        lead = ((pred == labels) & (labels != IGNORE)).long().cumprod(1).sum(1).tolist()
+        walk, a = [], 0
+        while a < len(lead):
+            walk.append(lead[a] + 1)
+            a += lead[a] + 1
+        got = o.metrics["accept_lengths"]
+        assert sum(got) == len(o.token_ids) - 1 and got[:-1] == walk[:len(got) - 1], (walk, got)
+        drafted += sum(k - 1 for k in got)
+    assert drafted > 10   # the drafter was right often enough for the walk to mean something
 
 
 def test_loss_falls_on_a_fixed_batch(tiny, tmp_path):

@@ -482,6 +482,7 @@ def test_time_limit_with_max_steps_stops_and_resumes(tiny, tmp_path):
     cut = Trainer(tiny_config(tmp_path, max_steps=120, time_limit=0.5), target=tiny["target"], sequences=tiny["seqs"])
     cut.run()
     assert cut.total_steps == 120 and 0 < cut.step < 120
+    assert cut.history[-1]["step"] == cut.step        # the steps after the last record are logged too
     again = Trainer(tiny_config(tmp_path, max_steps=120, resume=True), target=tiny["target"], sequences=tiny["seqs"])
     assert again.step == cut.step
     again.run()

@@ -273,6 +273,8 @@ class Trainer:
                     break
         if self.step < end:
             log.warning("time limit reached at step %d of %d", self.step, self.total_steps)
+        if acc["n"]:   # steps since the last record (a time limit stops between records)
+            self.history.append(self._log_record(acc, epoch))
         bar.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -324,6 +326,8 @@ class Trainer:
         return {"step": self.step, "epoch": epoch, "lr": self.sched.get_last_lr()[0],
                 "loss": float(acc["loss"]) / n, "grad_norm": float(acc["gnorm"]) / n,
                 "acc": [round(a, 4) for a in per_pos],
+                # drafted tokens right before the first miss, per block at uniform anchors, + 1:
+                # above the decoded τ, whose rounds start after a miss, at harder positions
                 "tau_train": 1.0 + float(acc["accepted"]) / max(int(acc["blocks"]), 1)}
 
 

@@ -85,6 +85,20 @@ def test_top_k_and_top_p_reach_every_request(tmp_path):
         assert got == want and (sampled["top_k"], sampled["top_p"]) == (1, 0.5)
 
 
+def test_prompt_files_keep_line_separators_inside_prompts(tmp_path):
+    """A JSONL written with ensure_ascii=False keeps U+2028 raw inside a prompt: one record, not two
+    halves; a line that is not a prompt record names its file and line."""
+    from drafttree.bench.prompts import load_prompts
+    f = tmp_path / "p.jsonl"
+    rows = [{"prompt": "first\u2028still first\x1cand \u00e9"}, {"prompt_ids": [1, 2, 3]}]
+    f.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n\n", encoding="utf-8")
+    assert load_prompts(str(f), 10) == [rows[0]["prompt"], [1, 2, 3]]
+    assert load_prompts(str(f), 1) == [rows[0]["prompt"]]
+    f.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: not a prompt record"):
+        load_prompts(str(f), 10)
+
+
 def test_budget_schedule_goes_where_it_applies():
     from drafttree.phases import schedule_for
     assert schedule_for("ddtree", "8:16,32:0") == "8:16,32:0" and schedule_for("ddtree", "auto") == "auto"

@@ -21,14 +21,22 @@ def humaneval(n: int) -> list[str]:
     return [f"Complete the following Python function.\n\n```python\n{r['prompt']}```" for r in rows[:n]]
 
 
-def from_jsonl(path: Path, n: int) -> list[Prompt]:
+def from_jsonl(path: Path, n: int | None) -> list[Prompt]:
+    """{"prompt": str} or {"prompt_ids": [int]} per line, read as a file's lines: a prompt may hold
+    U+2028 and other characters that str.splitlines() would also break at."""
     out: list[Prompt] = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            out.append(r["prompt_ids"] if "prompt_ids" in r else r["prompt"])
-        if len(out) == n:
-            break
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                out.append(r["prompt_ids"] if "prompt_ids" in r else r["prompt"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{i}: not a prompt record ({{'prompt': ...}} or "
+                                 f"{{'prompt_ids': [...]}}): {e}") from None
+            if len(out) == n:
+                break
     return out
 
 

@@ -367,6 +367,9 @@ def test_prompt_files_and_truncated_sharegpt(tmp_path):
     assert not set(heldout) & set(train_all)
     p = write_prompts(tmp_path / "p.jsonl", ["hello", [1, 2, 3]])
     assert read_prompts(p) == ["hello", [1, 2, 3]]
+    p.write_text(p.read_text() + '{"prompt": "cut\n')      # a record split across lines
+    with pytest.raises(ValueError, match=r"p\.jsonl:3: not JSON"):
+        read_prompts(p)
     seqs = [TrainSequence([1, 2, 3, 4], 1), TrainSequence([5, 6, 7], 2), TrainSequence([8, 9, 10, 11, 12], 2)]
     back = read_sequences(write_sequences(tmp_path / "s.jsonl", seqs), max_len=4)
     assert back == [seqs[0], TrainSequence([8, 9, 10, 11], 2)]   # one response token: no anchor fits

@@ -135,7 +135,10 @@ def read_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
             if "prompt_ids" in rec:
                 out.append([int(t) for t in rec["prompt_ids"]])
             elif isinstance(rec.get("prompt"), str):

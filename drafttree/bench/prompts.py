@@ -22,21 +22,12 @@ def humaneval(n: int) -> list[str]:
 
 
 def from_jsonl(path: Path, n: int | None) -> list[Prompt]:
-    """{"prompt": str} or {"prompt_ids": [int]} per line, read as a file's lines: a prompt may hold
-    U+2028 and other characters that str.splitlines() would also break at."""
-    out: list[Prompt] = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                out.append(r["prompt_ids"] if "prompt_ids" in r else r["prompt"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{i}: not a prompt record ({{'prompt': ...}} or "
-                                 f"{{'prompt_ids': [...]}}): {e}") from None
-            if len(out) == n:
-                break
+    """The prompts of a JSONL file (`train.data.read_prompts`); conversations are training input."""
+    from drafttree.train.data import Conversation, read_prompts
+    out = read_prompts(path, n)
+    if any(isinstance(p, Conversation) for p in out):
+        raise ValueError(f"{path}: holds conversations ('turns'); the bench decodes single prompts "
+                         "({'prompt': ...} or {'prompt_ids': [...]})")
     return out
 
 

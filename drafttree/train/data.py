@@ -139,6 +139,8 @@ def read_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
                 rec = json.loads(line)
             except ValueError as e:
                 raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            if not isinstance(rec, dict):
+                rec = {}
             if "prompt_ids" in rec:
                 out.append([int(t) for t in rec["prompt_ids"]])
             elif isinstance(rec.get("prompt"), str):
@@ -148,8 +150,8 @@ def read_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
             elif rec.get("turn_ids") and all(isinstance(t, list) and t for t in rec["turn_ids"]):
                 out.append(Conversation(tuple(tuple(int(x) for x in t) for t in rec["turn_ids"])))
             else:
-                raise ValueError(f"{path}:{n}: expected a 'prompt' string, a 'prompt_ids' list, 'turns' (strings) "
-                                 "or 'turn_ids' (lists of token ids)")
+                raise ValueError(f"{path}:{n}: not a prompt record: expected a 'prompt' string, a 'prompt_ids' list, "
+                                 "'turns' (strings) or 'turn_ids' (lists of token ids)")
             if limit is not None and len(out) >= limit:
                 break
     return out

@@ -92,6 +92,10 @@ class TrainConfig:
     progress: bool = True
 
     @property
+    def grows(self) -> bool:
+        return bool(self.grow_layers or self.grow_intermediate)
+
+    @property
     def drafter_dir(self) -> Path:
         return self.out / "drafter"
 
@@ -106,7 +110,7 @@ class Trainer:
         from drafttree.loader.default_model import resolve_model
         from drafttree.loader.weights import load_target
 
-        if (cfg.grow_layers or cfg.grow_intermediate) and cfg.init_from_drafter is None:
+        if cfg.grows and cfg.init_from_drafter is None:
             raise ValueError("growing a drafter (grow_layers / grow_intermediate) needs init_from_drafter")
         self.cfg, self.group = cfg, group or Group()
         self.device = self.group.device(cfg.device)
@@ -137,7 +141,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         if warm is not None:   # the published weights, as a trainable fp32 copy
             self.drafter = load_drafter(Path(warm), target, torch.float32, self.device)
-            if cfg.grow_layers or cfg.grow_intermediate:
+            if cfg.grows:
                 self.drafter, self.config_dict = grow_drafter(self.drafter, self.config_dict, target,
                                                               cfg.grow_layers, cfg.grow_intermediate)
                 self.dcfg = config_from_dict(self.config_dict)

@@ -19,6 +19,7 @@ from drafttree.train.cli import main
 from drafttree.train.data import (
     Conversation,
     TrainSequence,
+    closing_loop,
     iter_json_array,
     load_sharegpt_conversations,
     load_sharegpt_prompts,
@@ -239,6 +240,34 @@ def test_init_from_drafter_continues_a_published_drafter(tiny, tmp_path):
     assert float(warm.train_step(batch)[0].loss.detach()) < 0.9 * float(cold.train_step(batch)[0].loss.detach())
 
 
+def test_a_published_drafter_retrains_at_another_block_size(tiny, tmp_path):
+    """--block-size with --init-from-drafter keeps the weights (they hold no block size) and trains
+    and saves blocks of the new width; the drafter then decodes losslessly at that width."""
+    from drafttree.llm import LLM
+    from drafttree.sampling import SamplingParams
+
+    Trainer(tiny_config(tmp_path / "a", block_size=4, max_steps=10), target=tiny["target"],
+            sequences=tiny["seqs"]).run()
+    src = tmp_path / "a" / "drafter"
+    kept = Trainer(tiny_config(tmp_path / "b", block_size=None, init_from_drafter=src), target=tiny["target"],
+                   sequences=tiny["seqs"])
+    assert kept.dcfg.block_size == 4
+    wide = Trainer(tiny_config(tmp_path / "c", block_size=6, init_from_drafter=src, max_steps=2),
+                   target=tiny["target"], sequences=tiny["seqs"])
+    assert wide.dcfg.block_size == 6 and wide.pos_weights.shape == (6,)
+    for a, b in zip(kept.drafter.state_dict().values(), wide.drafter.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    wide.run()
+    assert json.loads((tmp_path / "c" / "drafter" / "config.json").read_text())["block_size"] == 6
+    prompts = tiny["prompts"][:3]
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    plain = LLM(model=str(tiny["target_dir"]), device="cpu", max_num_seqs=3).generate(prompts, sp)
+    llm = LLM(model=str(tiny["target_dir"]), draft_model=str(tmp_path / "c" / "drafter"), spec="dflash",
+              device="cpu", max_num_seqs=3)
+    assert llm.engine.spec.block_size == 6
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == [o.token_ids for o in plain]
+
+
 def test_tau_is_measured_with_the_chain_in_every_round(tiny, tmp_path):
     """A drafter config's budget schedule ('1:0': plain rounds from one row on) must not turn the
     τ measurement into plain decoding: every round drafts."""
@@ -373,6 +402,24 @@ def test_prompt_files_and_truncated_sharegpt(tmp_path):
     seqs = [TrainSequence([1, 2, 3, 4], 1), TrainSequence([5, 6, 7], 2), TrainSequence([8, 9, 10, 11, 12], 2)]
     back = read_sequences(write_sequences(tmp_path / "s.jsonl", seqs), max_len=4)
     assert back == [seqs[0], TrainSequence([8, 9, 10, 11], 2)]   # one response token: no anchor fits
+
+
+def test_a_closing_loop_is_found_and_cut_to_a_few_periods(tmp_path):
+    head = list(range(100, 160))
+    cycle = [7, 8, 9, 10, 11]
+    looped = head + cycle * 20                               # 100 tokens of a period-5 loop
+    assert closing_loop(looped) == (60, 5)
+    assert closing_loop(head + [3] * 60) == (60, 1)
+    assert closing_loop(head + [7, 8] * 10 + [1]) is None     # stopped: it does not end in a loop
+    assert closing_loop(head + cycle * 4) is None             # 20 tokens: too short to call a loop
+    # a period that is a multiple of a shorter one: the shorter is found, from the same start
+    assert closing_loop(head + [1, 2, 1, 2, 1, 3] * 12) == (60, 6)
+    assert closing_loop(head + [4, 4, 4, 4] + cycle * 20)[0] == 64
+    seqs = [TrainSequence([1, 2] + looped, 2), TrainSequence([1, 2] + head, 2)]
+    path = write_sequences(tmp_path / "s.jsonl", seqs)
+    assert read_sequences(path) == seqs
+    assert read_sequences(path, loop_keep=2) == [TrainSequence([1, 2] + head + cycle * 2, 2), seqs[1]]
+    assert read_sequences(path, loop_keep=0)[0].ids == [1, 2] + head
 
 
 def test_sharegpt_conversations_keep_every_turn_and_the_prompts_split(tmp_path):

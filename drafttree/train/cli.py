@@ -95,7 +95,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data", type=Path, nargs="+", default=None,
                    help="sequences JSONL files, e.g. regeneration shards or temperatures (default: what regenerate "
                         "wrote under OUT, its shards included)")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=None,
+                   help="positions a block drafts, anchor included (default 16; with --init-from-drafter: its own)")
     g.add_argument("--draft-layers", type=int, default=3)
     g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
     g.add_argument("--num-target-features", type=int, default=5, help="target layers whose hidden states condition")
@@ -122,6 +123,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-clip", type=float, default=1.0)
     g.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 for bs 16, 5 for 10, 4 for 8)")
     g.add_argument("--max-len", type=int, default=2048, help="cut sequences to this many tokens")
+    g.add_argument("--loop-keep", type=int, default=None, metavar="N",
+                   help="cut a response that ends in a loop to N periods of it (default: keep all)")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last.pt")
@@ -240,7 +243,7 @@ def run_train(a: argparse.Namespace, group: Group | None = None) -> dict[str, An
                       grow_intermediate=a.grow_intermediate, attention=a.attention,
                       anchors_per_seq=a.anchors_per_seq, batch_size=a.batch_size, epochs=a.epochs,
                       max_steps=a.max_steps, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
-                      grad_clip=a.grad_clip, gamma=a.gamma, max_len=a.max_len, save_every=a.save_every,
+                      grad_clip=a.grad_clip, gamma=a.gamma, max_len=a.max_len, loop_keep=a.loop_keep, save_every=a.save_every,
                       log_every=a.log_every, resume=a.resume, save_dtype=a.save_dtype, seed=a.seed,
                       time_limit=a.train_time_limit, progress=not a.quiet)
     summary = Trainer(cfg, group=group).run()

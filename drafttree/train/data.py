@@ -167,9 +167,28 @@ class TrainSequence:
         return len(self.ids) - self.prompt_len
 
 
-def read_sequences(path: Path, max_len: int | None = None, min_response: int = 2) -> list[TrainSequence]:
+def closing_loop(ids: list[int], max_period: int = 64, min_span: int = 48) -> tuple[int, int] | None:
+    """(start, period) of the cycle `ids` ends in: from `start` to the end every token equals the
+    one `period` later, over at least three periods and `min_span` tokens; the earliest such start
+    over periods up to `max_period`. None when the sequence does not end in a loop."""
+    n, best = len(ids), None
+    for p in range(1, min(max_period, n // 3) + 1):
+        j = n - p - 1
+        while j >= 0 and ids[j] == ids[j + p]:
+            j -= 1
+        span = n - (j + 1)
+        if span >= max(3 * p, min_span) and (best is None or j + 1 < best[0]):
+            best = (j + 1, p)
+    return best
+
+
+def read_sequences(path: Path, max_len: int | None = None, min_response: int = 2,
+                   loop_keep: int | None = None) -> list[TrainSequence]:
     """Regenerated sequences, cut to `max_len` tokens; those with fewer than `min_response`
-    response tokens (no room for an anchor and a label) are dropped. Kept in file order."""
+    response tokens (no room for an anchor and a label) are dropped. Kept in file order.
+    With `loop_keep`, a response that ends in a loop (`closing_loop`; greedy decoding of a small
+    target often runs into one until max_tokens) keeps `loop_keep` periods of it: the rest
+    teaches nothing new and would fill the batches with its trivially drafted tokens."""
     out: list[TrainSequence] = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -179,6 +198,9 @@ def read_sequences(path: Path, max_len: int | None = None, min_response: int = 2
             if rec.get("skipped"):
                 continue
             prompt, resp = rec["prompt_ids"], rec["response_ids"]
+            if loop_keep is not None and (loop := closing_loop(resp)) is not None:
+                start, period = loop
+                resp = resp[:start + loop_keep * period]
             ids = (prompt + resp)[:max_len] if max_len else prompt + resp
             seq = TrainSequence(ids, len(prompt))
             if seq.response_len >= min_response:

@@ -63,7 +63,7 @@ class TrainConfig:
     dtype: str | None = None              # the frozen target's; the drafter trains in fp32 (+ bf16 autocast on CUDA)
     draft_layers: int = 3
     intermediate_size: int | None = None
-    block_size: int = 16
+    block_size: int | None = None         # default 16; with init_from_drafter: the drafter's unless given
     num_target_features: int = 5
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None      # default: the largest id absent from the data
@@ -82,6 +82,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float | None = None
     max_len: int = 2048
+    loop_keep: int | None = None          # keep this many periods of a response's closing loop (data.read_sequences)
     save_every: int = 0
     log_every: int = 10
     resume: bool = False
@@ -121,7 +122,7 @@ class Trainer:
         tcfg = target.cfg
         data = cfg.data or regenerated(cfg.out)
         files = [Path(f) for f in data] if isinstance(data, (list, tuple)) else [Path(data)]
-        self.seqs = sequences if sequences is not None else [s for f in files for s in read_sequences(f, cfg.max_len)]
+        self.seqs = sequences if sequences is not None else [s for f in files for s in read_sequences(f, cfg.max_len, loop_keep=cfg.loop_keep)]
         if not self.seqs:
             raise ValueError(f"no training sequences with a response in {', '.join(map(str, files))}")
         ckpt = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False) \
@@ -131,10 +132,12 @@ class Trainer:
             self.config_dict = ckpt["drafter_config"]
         elif warm is not None:
             self.config_dict = published_config(warm)
+            if cfg.block_size is not None:    # the weights hold no block size: a drafter drafts any width
+                self.config_dict["block_size"] = cfg.block_size
         else:
             ids = cfg.target_layer_ids or default_target_layer_ids(tcfg.num_layers, cfg.num_target_features)
             mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else unused_token(self.seqs, tcfg.vocab_size)
-            spec = DrafterSpec(cfg.draft_layers, cfg.intermediate_size, cfg.block_size, mask_id, tuple(ids))
+            spec = DrafterSpec(cfg.draft_layers, cfg.intermediate_size, cfg.block_size or 16, mask_id, tuple(ids))
             self.config_dict = drafter_config_dict(tcfg, spec)
         self.dcfg = config_from_dict(self.config_dict)
         self.dcfg.check_fits(tcfg)

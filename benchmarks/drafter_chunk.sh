@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One chunk of drafter training on one machine, each stage bounded in time: regenerate answers
 # from the target into DATA for REGEN_S seconds (0: use what DATA holds), train from DRAFTER for
-# TRAIN_S seconds (TRAIN_ARGS: more trainer flags, e.g. "--block-size 8 --loop-keep 2" or
-# "--grow-layers 5 --grow-intermediate 2048"), then τ of
+# TRAIN_S seconds (TRAIN_ARGS: more trainer flags, default "--loop-keep 2"; e.g. "--block-size 8
+# --loop-keep 2" or "--grow-layers 5 --grow-intermediate 2048"; empty: none), then τ of
 # the new and the old drafter (DFlash chain in every round, T = 0) on each evaluation prompt file.
 # Variants on the same data: run again with another OUT, the same DATA and REGEN_S=0.
 # Usage: OUT=dir PROMPTS=prompts_train.jsonl EVAL="heldout.jsonl:48 humaneval.jsonl:32" \
@@ -25,9 +25,9 @@ if [ "${REGEN_S:-150}" != 0 ]; then
     --max-num-seqs ${ROWS:-256} --max-tokens ${MAX_TOKENS:-512} --max-prompt-tokens ${MAX_PROMPT_TOKENS:-1536} \
     --regen-time-limit ${REGEN_S:-150} --quiet > "$OUT/regen.log" 2>&1; echo "rc=$?"; tail -2 "$OUT/regen.log"
 fi
-step "train ${TRAIN_S:-190} s from $DRAFTER ${TRAIN_ARGS:---loop-keep 2}"
+step "train ${TRAIN_S:-190} s from $DRAFTER ${TRAIN_ARGS---loop-keep 2}"
 python3 -m drafttree.cli train-drafter train --out "$OUT/train" --data "$DATA"/responses*.jsonl $TARGET_ARG \
-  --init-from-drafter "$DRAFTER" ${TRAIN_ARGS:---loop-keep 2} --batch-size 16 --lr ${LR:-3e-4} --epochs 100 --seed ${SEED:-5} \
+  --init-from-drafter "$DRAFTER" ${TRAIN_ARGS---loop-keep 2} --batch-size 16 --lr ${LR:-3e-4} --epochs 100 --seed ${SEED:-5} \
   --train-time-limit ${TRAIN_S:-190} --eval-num 0 --quiet > "$OUT/train.log" 2>&1; echo "rc=$?"; tail -2 "$OUT/train.log"
 for d in "$OUT/train/drafter" "$DRAFTER"; do
   for e in $EVAL; do

@@ -259,6 +259,11 @@ def test_a_published_drafter_retrains_at_another_block_size(tiny, tmp_path):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     wide.run()
     assert json.loads((tmp_path / "c" / "drafter" / "config.json").read_text())["block_size"] == 6
+    with pytest.raises(ValueError, match="block_size must be at least 2"):
+        Trainer(tiny_config(tmp_path / "d", block_size=1, init_from_drafter=src), target=tiny["target"],
+                sequences=tiny["seqs"])
+    with pytest.raises(ValueError, match="loop_keep must be"):
+        Trainer(tiny_config(tmp_path / "e", loop_keep=-1), target=tiny["target"], sequences=tiny["seqs"])
     prompts = tiny["prompts"][:3]
     sp = SamplingParams(temperature=0, max_tokens=16)
     plain = LLM(model=str(tiny["target_dir"]), device="cpu", max_num_seqs=3).generate(prompts, sp)

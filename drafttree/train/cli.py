@@ -243,9 +243,9 @@ def run_train(a: argparse.Namespace, group: Group | None = None) -> dict[str, An
                       grow_intermediate=a.grow_intermediate, attention=a.attention,
                       anchors_per_seq=a.anchors_per_seq, batch_size=a.batch_size, epochs=a.epochs,
                       max_steps=a.max_steps, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
-                      grad_clip=a.grad_clip, gamma=a.gamma, max_len=a.max_len, loop_keep=a.loop_keep, save_every=a.save_every,
-                      log_every=a.log_every, resume=a.resume, save_dtype=a.save_dtype, seed=a.seed,
-                      time_limit=a.train_time_limit, progress=not a.quiet)
+                      grad_clip=a.grad_clip, gamma=a.gamma, max_len=a.max_len, loop_keep=a.loop_keep,
+                      save_every=a.save_every, log_every=a.log_every, resume=a.resume, save_dtype=a.save_dtype,
+                      seed=a.seed, time_limit=a.train_time_limit, progress=not a.quiet)
     summary = Trainer(cfg, group=group).run()
     last = summary["history"][-1] if summary["history"] else {}
     if group is not None and not group.main:

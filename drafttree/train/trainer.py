@@ -113,6 +113,10 @@ class Trainer:
 
         if cfg.grows and cfg.init_from_drafter is None:
             raise ValueError("growing a drafter (grow_layers / grow_intermediate) needs init_from_drafter")
+        if cfg.block_size is not None and cfg.block_size < 2:
+            raise ValueError(f"block_size must be at least 2 (the anchor and a drafted position), got {cfg.block_size}")
+        if cfg.loop_keep is not None and cfg.loop_keep < 0:
+            raise ValueError(f"loop_keep must be a number of periods >= 0, got {cfg.loop_keep}")
         self.cfg, self.group = cfg, group or Group()
         self.device = self.group.device(cfg.device)
         if target is None:
@@ -122,7 +126,8 @@ class Trainer:
         tcfg = target.cfg
         data = cfg.data or regenerated(cfg.out)
         files = [Path(f) for f in data] if isinstance(data, (list, tuple)) else [Path(data)]
-        self.seqs = sequences if sequences is not None else [s for f in files for s in read_sequences(f, cfg.max_len, loop_keep=cfg.loop_keep)]
+        self.seqs = sequences if sequences is not None else \
+            [s for f in files for s in read_sequences(f, cfg.max_len, loop_keep=cfg.loop_keep)]
         if not self.seqs:
             raise ValueError(f"no training sequences with a response in {', '.join(map(str, files))}")
         ckpt = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False) \

@@ -4,10 +4,11 @@
 # TRAIN_S seconds (TRAIN_ARGS: more trainer flags, default "--loop-keep 2"; e.g. "--block-size 8
 # --loop-keep 2" or "--grow-layers 5 --grow-intermediate 2048"; empty: none), then τ of
 # the new and the old drafter (DFlash chain in every round, T = 0) on each evaluation prompt file.
-# Variants on the same data: run again with another OUT, the same DATA and REGEN_S=0.
+# Variants on the same data: run again with another OUT, the same DATA and REGEN_S=0. SNAP=N: a
+# snapshot every N steps, then τ of each on the first EVAL file (OUT/train/tau_curve.json, .png).
 # Usage: OUT=dir PROMPTS=prompts_train.jsonl EVAL="heldout.jsonl:48 humaneval.jsonl:32" \
 #        [DATA=$OUT/data] [TARGET=model.gguf] [DRAFTER=drafttree/assets/drafter-smollm2] \
-#        [REGEN_S=150] [TRAIN_S=190] [TRAIN_ARGS="--loop-keep 2"] [ROWS=256 MAX_TOKENS=512 EVAL_ROWS=48] \
+#        [REGEN_S=150] [TRAIN_S=190] [TRAIN_ARGS="--loop-keep 2"] [SNAP=0] [ROWS=256 MAX_TOKENS=512 EVAL_ROWS=48] \
 #        bash benchmarks/drafter_chunk.sh
 # A run at batch 16 holds 40-55 GB of an H200 on this data: two fit side by side, three do not.
 # The prompt files come from `drafttree train-drafter prompts --out DIR` (prompts_train.jsonl,
@@ -28,7 +29,13 @@ fi
 step "train ${TRAIN_S:-190} s from $DRAFTER ${TRAIN_ARGS---loop-keep 2}"
 python3 -m drafttree.cli train-drafter train --out "$OUT/train" --data "$DATA"/responses*.jsonl $TARGET_ARG \
   --init-from-drafter "$DRAFTER" ${TRAIN_ARGS---loop-keep 2} --batch-size 16 --lr ${LR:-3e-4} --epochs 100 --seed ${SEED:-5} \
-  --train-time-limit ${TRAIN_S:-190} --eval-num 0 --quiet > "$OUT/train.log" 2>&1; echo "rc=$?"; tail -2 "$OUT/train.log"
+  --train-time-limit ${TRAIN_S:-190} --snapshot-every ${SNAP:-0} --eval-num 0 --quiet > "$OUT/train.log" 2>&1
+echo "rc=$?"; tail -2 "$OUT/train.log"
+if [ "${SNAP:-0}" != 0 ]; then
+  e=${EVAL%% *}; step "τ curve: every ${SNAP} steps on ${e%%:*}"
+  python3 -m drafttree.cli train-drafter eval --out "$OUT/train" $TARGET_ARG --snapshots --max-num-seqs ${EVAL_ROWS:-48} \
+    --no-cuda-graphs --eval-prompts "${e%%:*}" --eval-num "${e##*:}" --quiet 2>&1 | grep "τ ="
+fi
 for d in "$OUT/train/drafter" "$DRAFTER"; do
   for e in $EVAL; do
     step "τ of $d on ${e%%:*}"

@@ -273,6 +273,34 @@ def test_a_published_drafter_retrains_at_another_block_size(tiny, tmp_path):
     assert [o.token_ids for o in llm.generate(prompts, sp)] == [o.token_ids for o in plain]
 
 
+def test_snapshots_give_a_tau_curve_against_training_tokens(tiny, tmp_path):
+    """--snapshot-every N saves the drafter every N steps and at the last one, each with the step
+    and the response tokens trained on; `eval --snapshots` measures τ of each in step order and
+    writes the curve (JSON and PNG)."""
+    seqs = tiny["seqs"]
+    tr = Trainer(tiny_config(tmp_path, max_steps=30, snapshot_every=12, lr=3e-3), target=tiny["target"],
+                 sequences=seqs)
+    tr.run()
+    snaps = sorted(p.name for p in (tmp_path / "snapshots").iterdir())
+    assert snaps == ["step000012", "step000024", "step000030"]
+    metas = [json.loads((tmp_path / "snapshots" / n / "snapshot.json").read_text()) for n in snaps]
+    assert [m["step"] for m in metas] == [12, 24, 30]
+    assert 0 < metas[0]["tokens"] < metas[1]["tokens"] < metas[2]["tokens"] == tr.tokens
+    per_epoch = sum(s.response_len for s in seqs)
+    assert tr.tokens == pytest.approx(30 * 8 / len(seqs) * per_epoch, rel=0.5)   # 8 sequences a step
+    path = tmp_path / "eval.jsonl"
+    write_prompts(path, tiny["prompts"][:3])
+    assert main(["eval", "--out", str(tmp_path), "--target", str(tiny["target_dir"]), "--device", "cpu",
+                 "--eval-prompts", str(path), "--eval-num", "3", "--eval-max-tokens", "12", "--snapshots",
+                 "--max-prompt-tokens", "16", "--quiet"]) == 0
+    rows = json.loads((tmp_path / "tau_curve.json").read_text())
+    assert [r["step"] for r in rows] == [12, 24, 30] and all(r["generated_tokens"] == 36 for r in rows)
+    assert all(r["tau"] >= 1 for r in rows) and (tmp_path / "tau_curve.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="no snapshots"):
+        main(["eval", "--out", str(tmp_path / "none"), "--target", str(tiny["target_dir"]), "--device", "cpu",
+              "--eval-prompts", str(path), "--eval-num", "1", "--snapshots", "--quiet"])
+
+
 def test_tau_is_measured_with_the_chain_in_every_round(tiny, tmp_path):
     """A drafter config's budget schedule ('1:0': plain rounds from one row on) must not turn the
     τ measurement into plain decoding: every round drafts."""
@@ -359,9 +387,9 @@ def test_checkpoint_resume_continues_to_the_same_weights(tiny, tmp_path):
     curve = tmp_path / "cut" / "train_curve.png"   # drawn with the checkpoint
     assert curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = Trainer(tiny_config(tmp_path / "cut", epochs=2, log_every=2, resume=True), target=tiny["target"], sequences=seqs)
-    assert again.step == 4
+    assert again.step == 4 and again.tokens == first.tokens > 0
     again.run()
-    assert again.step == 6
+    assert again.step == 6 and again.tokens == ref.tokens
     for (name, a), b in zip(ref.drafter.state_dict().items(), again.drafter.state_dict().values()):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
     assert [h["step"] for h in again.history] == [h["step"] for h in ref.history]

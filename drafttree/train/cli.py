@@ -126,6 +126,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loop-keep", type=int, default=None, metavar="N",
                    help="cut a response that ends in a loop to N periods of it (default: keep all)")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--snapshot-every", type=int, default=0, metavar="N",
+                   help="save the drafter every N steps under OUT/snapshots (the τ curve's points: eval --snapshots)")
     g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last.pt")
     g.add_argument("--save-dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
@@ -141,6 +143,9 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-num", type=int, default=16, help="held-out prompts to decode (0: skip)")
     g.add_argument("--eval-max-tokens", type=int, default=256)
     g.add_argument("--compare-plain", action="store_true", help="also check outputs equal plain decoding")
+    g.add_argument("--snapshots", action="store_true",
+                   help="τ of every drafter under OUT/snapshots instead: OUT/tau_curve.json and .png, τ against "
+                        "the tokens trained on")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,8 +249,9 @@ def run_train(a: argparse.Namespace, group: Group | None = None) -> dict[str, An
                       anchors_per_seq=a.anchors_per_seq, batch_size=a.batch_size, epochs=a.epochs,
                       max_steps=a.max_steps, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
                       grad_clip=a.grad_clip, gamma=a.gamma, max_len=a.max_len, loop_keep=a.loop_keep,
-                      save_every=a.save_every, log_every=a.log_every, resume=a.resume, save_dtype=a.save_dtype,
-                      seed=a.seed, time_limit=a.train_time_limit, progress=not a.quiet)
+                      save_every=a.save_every, snapshot_every=a.snapshot_every, log_every=a.log_every,
+                      resume=a.resume, save_dtype=a.save_dtype, seed=a.seed, time_limit=a.train_time_limit,
+                      progress=not a.quiet)
     summary = Trainer(cfg, group=group).run()
     last = summary["history"][-1] if summary["history"] else {}
     if group is not None and not group.main:
@@ -264,6 +270,8 @@ def run_eval(a: argparse.Namespace) -> dict[str, Any] | None:
     if a.eval_num <= 0 or not path.is_file():
         print(f"τ evaluation skipped ({'no ' + str(path) if a.eval_num > 0 else '--eval-num 0'})")
         return None
+    if a.snapshots:
+        return run_curve(a, path)
     drafter = a.drafter or a.out / "drafter"
     result = measure_tau(drafter, read_prompts(path, a.eval_num), regen_config(a), a.eval_max_tokens,
                          compare_plain=a.compare_plain)
@@ -271,6 +279,19 @@ def run_eval(a: argparse.Namespace) -> dict[str, Any] | None:
     print(f"τ = {result['tau']:.3f} (mean accepted length over {result['rounds']} rounds, "
           f"{result['prompts']} prompts, T=0)")
     return result
+
+
+def run_curve(a: argparse.Namespace, path: Path) -> dict[str, Any]:
+    """τ of every snapshot the trainer saved under OUT/snapshots, against the tokens trained on."""
+    from drafttree.train.curves import plot_tau_curve
+    from drafttree.train.evaluate import tau_curve
+
+    rows = tau_curve(a.out / "snapshots", read_prompts(path, a.eval_num), regen_config(a), a.eval_max_tokens)
+    (a.out / "tau_curve.json").write_text(json.dumps(rows, indent=1))
+    plot_tau_curve(rows, a.out / "tau_curve.png")
+    for r in rows:
+        print(f"step {r['step']}: {r['tokens'] / 1e6:.2f} M tokens, τ = {r['tau']:.3f} ({r['rounds']} rounds)")
+    return {"tau_curve": rows}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,3 +31,20 @@ def plot_history(history: list[dict[str, Any]], path: Path) -> Path | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_tau_curve(rows: list[dict[str, Any]], path: Path) -> Path:
+    """τ against the response tokens trained on (`evaluate.tau_curve` rows) to `path`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["tokens"] / 1e6 for r in rows], [r["tau"] for r in rows], marker="o")
+    ax.set(xlabel="response tokens trained on (M)", ylabel="τ (DFlash chain, T = 0)",
+           title="held-out τ against training tokens")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

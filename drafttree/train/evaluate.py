@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -50,3 +51,18 @@ def measure_tau(drafter_dir: Path, prompts: list[Prompt], cfg: RegenConfig, max_
         plain = make_llm(run).generate(ids, params)
         result["mismatches"] = sum(a.token_ids != b.token_ids for a, b in zip(outs, plain))
     return result
+
+
+def tau_curve(snapshots: Path, prompts: list[Prompt], cfg: RegenConfig, max_tokens: int = 256) -> list[dict[str, Any]]:
+    """τ (`measure_tau`) of every drafter the trainer saved under `snapshots` (`snapshot_every`),
+    in step order, each with the step and the response tokens its run had trained on."""
+    dirs = sorted(d for d in snapshots.glob("step*") if (d / "snapshot.json").is_file())
+    if not dirs:
+        raise ValueError(f"no snapshots in {snapshots} (train with --snapshot-every N)")
+    rows = []
+    for d in dirs:
+        res = measure_tau(d, prompts, cfg, max_tokens)
+        rows.append({**json.loads((d / "snapshot.json").read_text()), "drafter": str(d),
+                     **{k: res[k] for k in ("tau", "rounds", "prompts", "generated_tokens")}})
+        gc.collect()
+    return rows

@@ -84,6 +84,8 @@ class TrainConfig:
     max_len: int = 2048
     loop_keep: int | None = None          # keep this many periods of a response's closing loop (data.read_sequences)
     save_every: int = 0
+    snapshot_every: int = 0               # the drafter every N steps under OUT/snapshots, with the tokens
+                                          # trained on so far: the points of the τ curve (evaluate.tau_curve)
     log_every: int = 10
     resume: bool = False
     save_dtype: str = "bf16"
@@ -174,6 +176,7 @@ class Trainer:
             self.opt, lambda s: cosine_lambda(self.total_steps, self.warm)(s))
         self.anchor_gen = torch.Generator().manual_seed(cfg.seed + self.group.rank)
         self.step = 0
+        self.tokens = 0          # response tokens trained on, all ranks (each rank's count x ranks)
         self.history: list[dict[str, Any]] = []
         if ckpt is not None:
             self._restore(ckpt)
@@ -188,6 +191,7 @@ class Trainer:
         self.opt.load_state_dict(ckpt["optimizer"])
         self.sched.load_state_dict(ckpt["scheduler"])
         self.step, self.history = ckpt["step"], ckpt["history"]
+        self.tokens = ckpt.get("tokens", 0)
         self.total_steps = ckpt.get("total_steps", self.total_steps)
         states = ckpt["rng"]["anchors"]
         self.anchor_gen.set_state(states[self.group.rank] if isinstance(states, list) else states)
@@ -203,6 +207,7 @@ class Trainer:
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "step": self.step, "history": self.history,
+                 "tokens": self.tokens,
                  "total_steps": self.total_steps,
                  "drafter_config": self.config_dict, "num_sequences": len(self.seqs),
                  "batch_size": self.cfg.batch_size, "world": self.group.world,
@@ -211,6 +216,15 @@ class Trainer:
         torch.save(state, tmp)
         os.replace(tmp, path)
         plot_history(self.history, self.cfg.out / CURVE)   # the curve so far, with every checkpoint
+        return path
+
+    def save_snapshot(self) -> Path:
+        """The drafter as it is now, in the published format, under OUT/snapshots/stepNNNNNN, with
+        snapshot.json (step, tokens trained on): one point of the τ curve."""
+        path = self.cfg.out / "snapshots" / f"step{self.step:06d}"
+        if self.group.main:
+            save_drafter(self.drafter, self.config_dict, path, parse_dtype(self.cfg.save_dtype))
+            (path / "snapshot.json").write_text(json.dumps({"step": self.step, "tokens": self.tokens}))
         return path
 
     # -- one step ----------------------------------------------------------------------------
@@ -262,6 +276,7 @@ class Trainer:
             epoch, first = divmod(self.step, self.steps_per_epoch)
             for idx in self.group.shard(epoch_batches(lengths, cfg.batch_size, cfg.seed, epoch))[first:]:
                 out, gnorm = self.train_step(idx)
+                self.tokens += sum(self.seqs[i].response_len for i in idx) * self.group.world
                 for k, v in (("loss", out.loss.detach()), ("correct", out.correct), ("count", out.count),
                              ("accepted", out.accepted), ("blocks", out.blocks), ("gnorm", gnorm.detach())):
                     acc[k] = acc[k] + v
@@ -275,6 +290,8 @@ class Trainer:
                     acc = self._zero_acc()
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     self.save_checkpoint()
+                if cfg.snapshot_every and self.step % cfg.snapshot_every == 0:
+                    self.save_snapshot()
                 if self.step - start_step == 5:
                     t5 = time.perf_counter()
                 # an explicit max_steps fixes the schedule: the time limit then only stops (resumable)
@@ -287,6 +304,8 @@ class Trainer:
             log.warning("time limit reached at step %d of %d", self.step, self.total_steps)
         if acc["n"]:   # steps since the last record (a time limit stops between records)
             self.history.append(self._log_record(acc, epoch))
+        if cfg.snapshot_every and self.step % cfg.snapshot_every:   # the curve ends at the last step
+            self.save_snapshot()
         bar.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -296,7 +315,8 @@ class Trainer:
             self.save_checkpoint()   # draws the curve too
         if self.group.main:
             save_drafter(self.drafter, self.config_dict, cfg.drafter_dir, parse_dtype(cfg.save_dtype))
-        summary = {"step": self.step, "total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
+        summary = {"step": self.step, "tokens": self.tokens, "total_steps": self.total_steps,
+                   "steps_per_epoch": self.steps_per_epoch,
                    "sequences": len(self.seqs), "train_seconds": seconds,
                    "seconds_per_step": seconds / max(1, self.step - start_step),
                    "parameters": count_parameters(self.config_dict), "drafter_config": self.config_dict,

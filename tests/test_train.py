@@ -264,6 +264,8 @@ def test_a_published_drafter_retrains_at_another_block_size(tiny, tmp_path):
                 sequences=tiny["seqs"])
     with pytest.raises(ValueError, match="loop_keep must be"):
         Trainer(tiny_config(tmp_path / "e", loop_keep=-1), target=tiny["target"], sequences=tiny["seqs"])
+    with pytest.raises(ValueError, match="snapshot_every and save_every are step counts"):
+        Trainer(tiny_config(tmp_path / "f", snapshot_every=-5), target=tiny["target"], sequences=tiny["seqs"])
     prompts = tiny["prompts"][:3]
     sp = SamplingParams(temperature=0, max_tokens=16)
     plain = LLM(model=str(tiny["target_dir"]), device="cpu", max_num_seqs=3).generate(prompts, sp)

@@ -119,6 +119,9 @@ class Trainer:
             raise ValueError(f"block_size must be at least 2 (the anchor and a drafted position), got {cfg.block_size}")
         if cfg.loop_keep is not None and cfg.loop_keep < 0:
             raise ValueError(f"loop_keep must be a number of periods >= 0, got {cfg.loop_keep}")
+        if cfg.snapshot_every < 0 or cfg.save_every < 0:
+            raise ValueError(f"snapshot_every and save_every are step counts >= 0 (0: off), "
+                             f"got {cfg.snapshot_every} and {cfg.save_every}")
         self.cfg, self.group = cfg, group or Group()
         self.device = self.group.device(cfg.device)
         if target is None:

@@ -443,11 +443,11 @@ def test_a_closing_loop_is_found_and_cut_to_a_few_periods(tmp_path):
     head = list(range(100, 160))
     cycle = [7, 8, 9, 10, 11]
     looped = head + cycle * 20                               # 100 tokens of a period-5 loop
-    assert closing_loop(looped) == (60, 5)
+    assert closing_loop(looped) == (60, 5)                   # not 10 or 15, which hold from 60 too
     assert closing_loop(head + [3] * 60) == (60, 1)
     assert closing_loop(head + [7, 8] * 10 + [1]) is None     # stopped: it does not end in a loop
     assert closing_loop(head + cycle * 4) is None             # 20 tokens: too short to call a loop
-    # a period that is a multiple of a shorter one: the shorter is found, from the same start
+    # a cycle whose first tokens repeat a shorter pattern: the whole period is found
     assert closing_loop(head + [1, 2, 1, 2, 1, 3] * 12) == (60, 6)
     assert closing_loop(head + [4, 4, 4, 4] + cycle * 20)[0] == 64
     seqs = [TrainSequence([1, 2] + looped, 2), TrainSequence([1, 2] + head, 2)]

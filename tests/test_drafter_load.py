@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from drafttree import LLM, SamplingParams
+from drafttree.models.dflash import DFlashConfig
 from tests.tiny import copy_checkpoint, edit_config, edit_tensors, make_drafter, make_target
 
 VOCAB = 31
@@ -114,6 +115,16 @@ def with_config_entry(drafter, dst, key: str, value):
     cfg[key] = value
     (d / "config.json").write_text(json.dumps(cfg))
     return d
+
+
+def test_a_drafter_config_with_a_block_under_two_is_refused(target, good_drafter, tmp_path):
+    """The drafter's own config is checked, not only an engine override: a block is the anchor
+    and at least one drafted position."""
+    d = with_config_entry(good_drafter, tmp_path / "d", "block_size", 1)
+    with pytest.raises(ValueError, match="block_size must be at least 2"):
+        DFlashConfig.from_dir(d)
+    with pytest.raises(ValueError, match="block_size must be at least 2"):
+        build(target, d, spec="dflash")
 
 
 @pytest.mark.parametrize("value,ok", [(5, True), (0, False), ("8", False)])

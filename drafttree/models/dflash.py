@@ -71,6 +71,11 @@ class DFlashConfig:
     default_schedule: str | None = None  # likewise its budget schedule under load ('16:0'), if known
     default_sampled: bool | None = None  # whether sampled (T > 0) rounds should speculate, if measured
 
+    def __post_init__(self) -> None:
+        if self.block_size < 2:   # a block is the anchor and at least one drafted position
+            raise ValueError(f"block_size must be at least 2 (the anchor and a drafted position), "
+                             f"got {self.block_size}")
+
     @classmethod
     def from_dir(cls, path: str | Path) -> "DFlashConfig":
         f = Path(path) / "config.json"

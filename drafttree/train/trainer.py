@@ -63,7 +63,7 @@ class TrainConfig:
     dtype: str | None = None              # the frozen target's; the drafter trains in fp32 (+ bf16 autocast on CUDA)
     draft_layers: int = 3
     intermediate_size: int | None = None
-    block_size: int | None = None         # default 16; with init_from_drafter: the drafter's unless given
+    block_size: int | None = None         # default DrafterSpec's; with init_from_drafter: the drafter's unless given
     num_target_features: int = 5
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None      # default: the largest id absent from the data
@@ -115,8 +115,6 @@ class Trainer:
 
         if cfg.grows and cfg.init_from_drafter is None:
             raise ValueError("growing a drafter (grow_layers / grow_intermediate) needs init_from_drafter")
-        if cfg.block_size is not None and cfg.block_size < 2:
-            raise ValueError(f"block_size must be at least 2 (the anchor and a drafted position), got {cfg.block_size}")
         if cfg.loop_keep is not None and cfg.loop_keep < 0:
             raise ValueError(f"loop_keep must be a number of periods >= 0, got {cfg.loop_keep}")
         if cfg.snapshot_every < 0 or cfg.save_every < 0:
@@ -147,7 +145,8 @@ class Trainer:
         else:
             ids = cfg.target_layer_ids or default_target_layer_ids(tcfg.num_layers, cfg.num_target_features)
             mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else unused_token(self.seqs, tcfg.vocab_size)
-            spec = DrafterSpec(cfg.draft_layers, cfg.intermediate_size, cfg.block_size or 16, mask_id, tuple(ids))
+            spec = DrafterSpec(cfg.draft_layers, cfg.intermediate_size, cfg.block_size or DrafterSpec.block_size,
+                               mask_id, tuple(ids))
             self.config_dict = drafter_config_dict(tcfg, spec)
         self.dcfg = config_from_dict(self.config_dict)
         self.dcfg.check_fits(tcfg)

@@ -6,6 +6,8 @@
 # the new and the old drafter (DFlash chain in every round, T = 0) on each evaluation prompt file.
 # Variants on the same data: run again with another OUT, the same DATA and REGEN_S=0. SNAP=N: a
 # snapshot every N steps, then τ of each on the first EVAL file (OUT/train/tau_curve.json, .png).
+# CELLS: what τ is measured in (default "--methods dflash": the chain at T = 0), e.g. "--methods
+# dflash,ddtree --budgets 8,32,128 --temperatures 0,1".
 # Usage: OUT=dir PROMPTS=prompts_train.jsonl EVAL="heldout.jsonl:48 humaneval.jsonl:32" \
 #        [DATA=$OUT/data] [TARGET=model.gguf] [DRAFTER=drafttree/assets/drafter-smollm2] \
 #        [REGEN_S=150] [TRAIN_S=190] [TRAIN_ARGS="--loop-keep 2"] [SNAP=0] [ROWS=256 MAX_TOKENS=512 EVAL_ROWS=48] \
@@ -34,13 +36,14 @@ echo "rc=$?"; tail -2 "$OUT/train.log"
 if [ "${SNAP:-0}" != 0 ]; then
   e=${EVAL%% *}; step "τ curve: every ${SNAP} steps on ${e%%:*}"
   python3 -m drafttree.cli train-drafter eval --out "$OUT/train" $TARGET_ARG --snapshots --max-num-seqs ${EVAL_ROWS:-48} \
-    --no-cuda-graphs --eval-prompts "${e%%:*}" --eval-num "${e##*:}" --quiet 2>&1 | grep "τ ="
+    --no-cuda-graphs ${CELLS:---methods dflash} --eval-prompts "${e%%:*}" --eval-num "${e##*:}" --quiet 2>&1 | grep "τ ="
 fi
 for d in "$OUT/train/drafter" "$DRAFTER"; do
   for e in $EVAL; do
     step "τ of $d on ${e%%:*}"
     python3 -m drafttree.cli train-drafter eval --out "$OUT/eval" $TARGET_ARG --drafter "$d" \
-      --max-num-seqs ${EVAL_ROWS:-48} --no-cuda-graphs --eval-prompts "${e%%:*}" --eval-num "${e##*:}" --quiet \
+      --max-num-seqs ${EVAL_ROWS:-48} --no-cuda-graphs ${CELLS:---methods dflash} --eval-prompts "${e%%:*}" \
+      --eval-num "${e##*:}" --quiet \
       2>&1 | grep "τ ="
   done
 done

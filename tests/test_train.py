@@ -294,10 +294,13 @@ def test_snapshots_give_a_tau_curve_against_training_tokens(tiny, tmp_path):
     write_prompts(path, tiny["prompts"][:3])
     assert main(["eval", "--out", str(tmp_path), "--target", str(tiny["target_dir"]), "--device", "cpu",
                  "--eval-prompts", str(path), "--eval-num", "3", "--eval-max-tokens", "12", "--snapshots",
+                 "--methods", "dflash,ddtree", "--budgets", "4", "--temperatures", "0,1",
                  "--max-prompt-tokens", "16", "--quiet"]) == 0
     rows = json.loads((tmp_path / "tau_curve.json").read_text())
     assert [r["step"] for r in rows] == [12, 24, 30] and all(r["generated_tokens"] == 36 for r in rows)
-    assert all(r["tau"] >= 1 for r in rows) and (tmp_path / "tau_curve.png").stat().st_size > 0
+    assert all(list(r["cells"]) == ["dflash T=0", "dflash T=1", "ddtree4 T=0", "ddtree4 T=1"] for r in rows)
+    assert all(r["tau"] == pytest.approx(r["cells"]["dflash T=0"], abs=1e-4) for r in rows)
+    assert all(v >= 1 for r in rows for v in r["cells"].values()) and (tmp_path / "tau_curve.png").stat().st_size > 0
     with pytest.raises(ValueError, match="no snapshots"):
         main(["eval", "--out", str(tmp_path / "none"), "--target", str(tiny["target_dir"]), "--device", "cpu",
               "--eval-prompts", str(path), "--eval-num", "1", "--snapshots", "--quiet"])
@@ -315,6 +318,42 @@ def test_tau_is_measured_with_the_chain_in_every_round(tiny, tmp_path):
     res = measure_tau(drafter, tiny["prompts"][:3], tiny["regen"], max_tokens=12)
     assert res["generated_tokens"] == 36 and sum(res["budget_histogram"].values()) > 0
     assert "0" not in res["budget_histogram"], res["budget_histogram"]
+
+
+def test_tau_cells_cover_methods_budgets_and_temperatures(tiny, tmp_path):
+    """`measure_cells`: the DFlash chain and DDTree budgets at T = 0 and T = 1, every round drafting
+    (the chain its whole block, the tree its budget); every output equals plain decoding's (at T = 1 too: each request has a
+    seed); the tree accepts at least the chain at T = 0; bad cells are refused."""
+    from drafttree.train.evaluate import Cell, cells_of, measure_cells
+
+    Trainer(tiny_config(tmp_path / "a", max_steps=40), target=tiny["target"], sequences=tiny["seqs"]).run()
+    cells = cells_of(["dflash", "ddtree"], [2, 6], [0.0, 1.0])
+    assert [c.label for c in cells] == ["dflash T=0", "dflash T=1", "ddtree2 T=0", "ddtree2 T=1",
+                                        "ddtree6 T=0", "ddtree6 T=1"]
+    res = measure_cells(tmp_path / "a" / "drafter", tiny["prompts"][:4], tiny["regen"], cells, max_tokens=16,
+                        compare_plain=True)
+    assert list(res) == [c.label for c in cells]
+    for c in cells:
+        r = res[c.label]
+        assert r["mismatches"] == 0 and r["generated_tokens"] == 64 and r["tau"] >= 1, (c, r)
+        assert (r["method"], r["budget"], r["temperature"]) == (c.method, c.budget, c.temperature)
+        drafted = r["block_size"] - 1 if c.method == "dflash" else c.budget   # the chain: the whole block
+        assert set(r["budget_histogram"]) == {str(drafted)}, r["budget_histogram"]
+    assert res["ddtree6 T=0"]["tau"] >= res["dflash T=0"]["tau"] > 1
+    with pytest.raises(ValueError, match="method"):
+        Cell("eagle")
+    with pytest.raises(ValueError, match="budget"):
+        Cell("dflash", 4)
+    with pytest.raises(ValueError, match="no τ cell"):
+        cells_of(["ddtree"], [], [0.0])
+    with pytest.raises(SystemExit, match="method must be"):
+        main(["eval", "--out", str(tmp_path), "--target", str(tiny["target_dir"]), "--device", "cpu",
+              "--eval-prompts", str(write_prompts(tmp_path / "e.jsonl", tiny["prompts"][:1])), "--eval-num", "1",
+              "--methods", "dflash,medusa", "--quiet"])
+    with pytest.raises(SystemExit, match="temperature must be"):   # before training, not after it
+        main(["train", "--out", str(tmp_path / "t"), "--target", str(tiny["target_dir"]), "--device", "cpu",
+              "--data", str(tiny["root"] / "responses.jsonl"), "--temperatures", "0,-1", "--quiet"])
+    assert not (tmp_path / "t").exists()
 
 
 def test_init_from_target_copies_its_last_layers(tiny, tmp_path):

@@ -21,13 +21,16 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from drafttree.train.code_prompts import code_prompts, stdlib_root
 from drafttree.train.data import (Conversation, Prompt, load_sharegpt_conversations, read_prompts, responses_path,
                                   write_prompts)
 from drafttree.train.parallel import Group, close_group, init_group
 from drafttree.train.regen import RegenConfig
+
+if TYPE_CHECKING:
+    from drafttree.train.evaluate import Cell
 
 STAGES = ("prompts", "regenerate", "train", "eval", "all")
 
@@ -143,9 +146,34 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-num", type=int, default=16, help="held-out prompts to decode (0: skip)")
     g.add_argument("--eval-max-tokens", type=int, default=256)
     g.add_argument("--compare-plain", action="store_true", help="also check outputs equal plain decoding")
+    g.add_argument("--methods", type=_words, default=["dflash"], metavar="M,M",
+                   help="dflash (the chain, budget 1) and/or ddtree (default: dflash)")
+    g.add_argument("--budgets", type=_ints, default=[8, 32, 128], metavar="B,B", help="DDTree budgets (default 8,32,128)")
+    g.add_argument("--temperatures", type=_floats, default=[0.0], metavar="T,T",
+                   help="sampling temperatures (default 0); each request has a seed, so T > 0 is repeatable")
     g.add_argument("--snapshots", action="store_true",
                    help="τ of every drafter under OUT/snapshots instead: OUT/tau_curve.json and .png, τ against "
                         "the tokens trained on")
+
+
+def _words(text: str) -> list[str]:
+    return [w.strip() for w in text.split(",") if w.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(w) for w in _words(text)]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(w) for w in _words(text)]
+
+
+def eval_cells(a: argparse.Namespace) -> list[Cell]:
+    from drafttree.train.evaluate import cells_of
+    try:
+        return cells_of(a.methods, a.budgets, a.temperatures)
+    except ValueError as e:
+        raise SystemExit(f"train-drafter: {e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,7 +291,7 @@ def run_train(a: argparse.Namespace, group: Group | None = None) -> dict[str, An
 
 
 def run_eval(a: argparse.Namespace) -> dict[str, Any] | None:
-    from drafttree.train.evaluate import measure_tau
+    from drafttree.train.evaluate import measure_cells
     from drafttree.train.trainer import write_log
 
     path = a.eval_prompts or a.out / "prompts_heldout.jsonl"
@@ -273,11 +301,14 @@ def run_eval(a: argparse.Namespace) -> dict[str, Any] | None:
     if a.snapshots:
         return run_curve(a, path)
     drafter = a.drafter or a.out / "drafter"
-    result = measure_tau(drafter, read_prompts(path, a.eval_num), regen_config(a), a.eval_max_tokens,
-                         compare_plain=a.compare_plain)
+    cells = eval_cells(a)
+    results = measure_cells(drafter, read_prompts(path, a.eval_num), regen_config(a), cells, a.eval_max_tokens,
+                            compare_plain=a.compare_plain)
+    for label, r in results.items():
+        print(f"τ = {r['tau']:.3f} ({label}: mean accepted length over {r['rounds']} rounds, {r['prompts']} prompts)")
+    # one cell keeps the log's flat form; several go by label, the first also flat
+    result = dict(results[cells[0].label], **({"cells": results} if len(cells) > 1 else {}))
     write_log(a.out, {"eval": result})
-    print(f"τ = {result['tau']:.3f} (mean accepted length over {result['rounds']} rounds, "
-          f"{result['prompts']} prompts, T=0)")
     return result
 
 
@@ -286,11 +317,13 @@ def run_curve(a: argparse.Namespace, path: Path) -> dict[str, Any]:
     from drafttree.train.curves import plot_tau_curve
     from drafttree.train.evaluate import tau_curve
 
-    rows = tau_curve(a.out / "snapshots", read_prompts(path, a.eval_num), regen_config(a), a.eval_max_tokens)
+    rows = tau_curve(a.out / "snapshots", read_prompts(path, a.eval_num), regen_config(a), a.eval_max_tokens,
+                     eval_cells(a))
     (a.out / "tau_curve.json").write_text(json.dumps(rows, indent=1))
     plot_tau_curve(rows, a.out / "tau_curve.png")
     for r in rows:
-        print(f"step {r['step']}: {r['tokens'] / 1e6:.2f} M tokens, τ = {r['tau']:.3f} ({r['rounds']} rounds)")
+        cells = ", ".join(f"{k} {v:.3f}" for k, v in r["cells"].items())
+        print(f"step {r['step']}: {r['tokens'] / 1e6:.2f} M tokens, τ = {r['tau']:.3f} ({cells})")
     return {"tau_curve": rows}
 
 
@@ -298,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if hasattr(a, "methods"):
+        eval_cells(a)   # bad τ cells are refused before a stage runs, not after hours of training
     a.out.mkdir(parents=True, exist_ok=True)
     if a.stage == "prompts":
         run_prompts(a)

@@ -34,15 +34,18 @@ def plot_history(history: list[dict[str, Any]], path: Path) -> Path | None:
 
 
 def plot_tau_curve(rows: list[dict[str, Any]], path: Path) -> Path:
-    """τ against the response tokens trained on (`evaluate.tau_curve` rows) to `path`."""
+    """τ of each cell (`evaluate.tau_curve` rows) against the response tokens trained on, to `path`."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["tokens"] / 1e6 for r in rows], [r["tau"] for r in rows], marker="o")
-    ax.set(xlabel="response tokens trained on (M)", ylabel="τ (DFlash chain, T = 0)",
+    x = [r["tokens"] / 1e6 for r in rows]
+    for label in rows[0]["cells"]:
+        ax.plot(x, [r["cells"][label] for r in rows], marker="o", label=label)
+    ax.set(xlabel="response tokens trained on (M)", ylabel="τ (accepted tokens per round)",
            title="held-out τ against training tokens")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

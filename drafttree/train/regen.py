@@ -42,13 +42,14 @@ def default_rows(device: str | None) -> int:
 
 
 def make_llm(cfg: RegenConfig, draft_model: str | None = None, spec: str | None = None,
-             max_model_len: int | None = None, budget: int | str | None = None, budget_schedule: str | None = None):
+             max_model_len: int | None = None, budget: int | str | None = None, budget_schedule: str | None = None,
+             speculate_sampled: bool | None = None):
     from drafttree.llm import LLM
 
     rows = cfg.max_num_seqs or default_rows(cfg.device)
     # throughput over latency: refill rows in batches of an eighth, not one prefill per finish
     return LLM(model=cfg.target, draft_model=draft_model, spec=spec, budget=budget, budget_schedule=budget_schedule,
-               device=cfg.device, dtype=cfg.dtype,
+               speculate_sampled=speculate_sampled, device=cfg.device, dtype=cfg.dtype,
                max_num_seqs=rows, admit_min=max(1, rows // 8),
                max_model_len=max_model_len or cfg.max_prompt_tokens + cfg.max_tokens + 1,
                kv_cache_memory_gb=cfg.kv_cache_memory_gb, cuda_graphs=cfg.cuda_graphs)

@@ -61,6 +61,7 @@ def measure_cells(drafter_dir: Path, prompts: list[Prompt], cfg: RegenConfig, ce
     """τ of every cell, by label; one engine per method and budget, serving each temperature."""
     run = replace(cfg, max_tokens=max_tokens)
     results: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, list[list[int]]] = {}
     ids: list[list[int]] | None = None
     for method, budget in dict.fromkeys((c.method, c.budget) for c in cells):
         # a fixed budget and no schedule (a drafter config's '16:0' would make rounds over 16+ rows
@@ -73,28 +74,32 @@ def measure_cells(drafter_dir: Path, prompts: list[Prompt], cfg: RegenConfig, ce
             if not ids:
                 raise ValueError("no evaluation prompt fits --max-prompt-tokens")
         for c in (c for c in cells if (c.method, c.budget) == (method, budget)):
-            results[c.label] = _decode(llm, ids, c, max_tokens, cfg.seed)
-        _free(llm)
+            results[c.label], outputs[c.label] = _decode(llm, ids, c, max_tokens, cfg.seed)
+        # the engine (its KV pool: by default a share of the free memory) goes before the next is built
+        llm.shutdown()
+        del llm
+        _release()
     if compare_plain:
         plain = make_llm(run, spec="none")
-        for c in cells:
-            outs = plain.generate(ids, _params(c, max_tokens, cfg.seed, len(ids)))
-            results[c.label]["mismatches"] = sum(a != b.token_ids for a, b in
-                                                 zip(results[c.label].pop("_outputs"), outs))
-        _free(plain)
-    for r in results.values():
-        r.pop("_outputs", None)
+        # the same seeds give the same plain output for every cell at one temperature
+        for t in dict.fromkeys(c.temperature for c in cells):
+            want = [o.token_ids for o in plain.generate(ids, _params(t, max_tokens, cfg.seed, len(ids)))]
+            for c in (c for c in cells if c.temperature == t):
+                results[c.label]["mismatches"] = sum(a != b for a, b in zip(outputs[c.label], want))
+        plain.shutdown()
+        del plain
+        _release()
     return results
 
 
-def _params(cell: Cell, max_tokens: int, seed: int, n: int) -> list[SamplingParams]:
-    return [SamplingParams(temperature=cell.temperature, max_tokens=max_tokens, seed=seed + i) for i in range(n)]
+def _params(temperature: float, max_tokens: int, seed: int, n: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i) for i in range(n)]
 
 
-def _decode(llm, ids: list[list[int]], cell: Cell, max_tokens: int, seed: int) -> dict[str, Any]:
+def _decode(llm, ids: list[list[int]], cell: Cell, max_tokens: int, seed: int) -> tuple[dict[str, Any], list[list[int]]]:
     llm.engine.stats.budget_hist.clear()
     t0 = time.perf_counter()
-    outs = llm.generate(ids, _params(cell, max_tokens, seed, len(ids)))
+    outs = llm.generate(ids, _params(cell.temperature, max_tokens, seed, len(ids)))
     seconds = time.perf_counter() - t0
     lengths = [k for o in outs for k in o.metrics["accept_lengths"]]
     hist: dict[int, int] = {}
@@ -107,13 +112,11 @@ def _decode(llm, ids: list[list[int]], cell: Cell, max_tokens: int, seed: int) -
         "accept_histogram": dict(sorted(hist.items())), "block_size": llm.engine.spec.block_size,
         # engine rounds per budget they ran at (0: plain decode rounds; there should be none)
         "budget_histogram": {str(k): v for k, v in sorted(llm.engine.stats.budget_hist.items())},
-        "max_tokens": max_tokens, "_outputs": [o.token_ids for o in outs],
-    }
+        "max_tokens": max_tokens,
+    }, [o.token_ids for o in outs]
 
 
-def _free(llm) -> None:
-    llm.shutdown()
-    del llm
+def _release() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -561,12 +561,45 @@ def test_regeneration_on_every_gpu_writes_shards_that_training_reads(tiny, tmp_p
     assert sorted(r["i"] for r in recs) == list(range(6))
 
 
+def test_shards_resume_what_one_process_began(tiny, tmp_path):
+    """A regeneration cut short in one file, continued as two shards: each shard asks only what
+    no file of the run holds (a later turn takes its context from the other file), and the files
+    together hold each turn once, as one uninterrupted run does."""
+    from drafttree.train.data import regenerated
+    convs = [Conversation(((1, 2, 3), (4, 5), (6,))), Conversation(((7, 8), (9,))), Conversation(((10,),)),
+             Conversation(((11, 12), (13,), (14, 15)))]
+    rc = RegenConfig(**{**vars(tiny["regen"]), "max_tokens": 5, "max_prompt_tokens": 40})
+    whole = {(r["i"], r["turn"]): r for r in
+             map(json.loads, regenerate(convs, tmp_path / "one" / "responses.jsonl", rc, progress=False)
+                 .read_text().splitlines())}
+    run = tmp_path / "run"
+    first = run / "responses.jsonl"
+    first.parent.mkdir()
+    first.write_text("".join(json.dumps(whole[k]) + "\n" for k in [(0, 0), (1, 0), (3, 0), (3, 1)]))
+    for k in range(2):
+        regenerate(convs, run / f"responses.shard{k}of2.jsonl", rc, progress=False, shard=(k, 2))
+    files = regenerated(run)
+    assert [f.name for f in files] == ["responses.jsonl", "responses.shard0of2.jsonl", "responses.shard1of2.jsonl"]
+    recs = [json.loads(ln) for f in files for ln in f.read_text().splitlines()]
+    keys = [(r["i"], r["turn"]) for r in recs]
+    assert sorted(keys) == sorted(whole) and len(set(keys)) == len(keys)
+    assert all(r == whole[r["i"], r["turn"]] for r in recs)
+    assert {(r["i"], r["turn"]) for r in map(json.loads, files[1].read_text().splitlines())} == {(0, 1), (2, 0), (0, 2)}
+
+
 def test_a_long_turn_ends_its_conversation(tiny, tmp_path):
     convs = [Conversation(((1, 2), tuple(range(1, 12)), (3,)))]   # turn 1 passes the 16-token limit
     path = regenerate(convs, tmp_path / "conv.jsonl", RegenConfig(**{**vars(tiny["regen"]), "max_tokens": 6}),
                       progress=False)
     recs = [json.loads(ln) for ln in path.read_text().splitlines()]
     assert [(r["turn"], bool(r.get("skipped"))) for r in recs] == [(0, False), (1, True)]
+    longer = RegenConfig(**{**vars(tiny["regen"]), "max_tokens": 6, "max_prompt_tokens": 40})
+    regenerate(convs, path, longer, progress=False)    # a higher limit asks the skipped turn and the rest
+    fresh = regenerate(convs, tmp_path / "fresh.jsonl", longer, progress=False)
+    recs = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert [(r["turn"], bool(r.get("skipped"))) for r in recs] == [(0, False), (1, True), (1, False), (2, False)]
+    assert recs[0:1] + recs[2:] == [json.loads(ln) for ln in fresh.read_text().splitlines()]
+    assert [s.response_len for s in read_sequences(path)] == [6, 6, 6]
 
 
 def test_time_limit_fits_the_schedule_to_the_clock(tiny, tmp_path):

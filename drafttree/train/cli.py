@@ -7,7 +7,9 @@ Every stage reads and writes files under --out, so each can be rerun or resumed 
   prompt_sources.json                          (what each source gave)
   responses.jsonl                              (stage `regenerate`, appended as requests finish;
                                                a conversation's turns wave by wave; with --shard
-                                               responses.shardIofN.jsonl, which `train` reads too)
+                                               responses.shardIofN.jsonl, which `train` reads too;
+                                               a rerun under any shard layout asks only what no
+                                               file there holds)
   checkpoints/last.pt, drafter/, train_log.json (stage `train`; `eval` adds τ to the log)
 `all` runs the four in order, skipping what is already done.
 """

@@ -45,6 +45,16 @@ def test_bench_writes_results_and_plots(tmp_path):
             assert set(r["budget_histogram"]) == {fixed}, r
         if r["method"] == "ar":
             assert r["tau_mean"] == 1.0 and r["speedup"] == 1.0
+        # auto rows: what the choice weighed — every allowed budget priced, and at T = 0 (drafted
+        # rounds read) the calibration and expected τ of each speculative one
+        if r["budget"] == "auto":
+            c = r["budget_choice"]
+            assert "0" in c["round_ms"] and min(c["round_ms"].values()) > 0
+            if r["temperature"] == 0:
+                assert c["calibration"] > 0 and set(c["expected_tau"]) == set(c["round_ms"]) - {"0"} != set()
+                assert all(t >= 1.0 for t in c["expected_tau"].values())
+        else:
+            assert "budget_choice" not in r
         # fp32: every greedy speculative output is plain decoding's; sampled runs are not compared
         assert r.get("same_as_ar") == (1.0 if r["temperature"] == 0 else None)
     assert max(r["tau_mean"] for r in res["results"] if r["method"] == "ddtree") > 1.0

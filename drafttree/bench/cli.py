@@ -182,7 +182,22 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
             "graph_fallbacks": eng.runner.graphs.fallbacks if eng.runner.graphs is not None else None,
             # rounds per budget they ran at (0: plain decode rounds), the chosen ones under auto
             "budget_histogram": {str(k): v for k, v in sorted((st.budget_hist - budgets0).items())},
-            "cost_model_s": eng.costs.measure_s if eng.costs is not None else None}, [o.token_ids for o in outs]
+            "cost_model_s": eng.costs.measure_s if eng.costs is not None else None,
+            **({"budget_choice": budget_choice(eng, batch, temperature == 0)} if eng.spec.adaptive else {})
+            }, [o.token_ids for o in outs]
+
+
+def budget_choice(eng, batch: int, greedy: bool) -> dict:
+    """What the per-round choice weighed at the cell's end: each budget's round in milliseconds
+    as priced (the cost table, scaled by the round times observed where rounds are read one by
+    one), the calibration (drafted tokens accepted / predicted) and the calibrated expected τ."""
+    chooser, bucket = eng.chooser, eng.runner.cache_cfg.batch_bucket(batch)
+    allowed = eng.spec.budgets_at(bucket, greedy)
+    cal = chooser.cal[greedy]
+    return {"round_ms": {str(b): 1e3 * chooser.round_seconds(bucket, b, not greedy) for b in allowed},
+            "calibration": cal.ratio,
+            "expected_tau": {str(b): cal.expected(chooser.budgets.index(b)) for b in allowed if b}
+            if cal.pred is not None else None}
 
 
 def _cell_suffix(prompt_set: str, batch: int, many: bool) -> str:
@@ -277,7 +292,16 @@ def finish(results: list[dict], meta: dict, out: Path) -> None:
             where = f"{Path(str(r.get('prompts'))).stem} b{r.get('batch')} " if many else ""
             print(f"{where}{r['method']} auto T={r['temperature']:g}: rounds per chosen budget "
                   f"{r.get('budget_histogram')}")
+            if r.get("budget_choice"):
+                c = r["budget_choice"]
+                tau = c["expected_tau"] or {}
+                print(f"  priced round ms {_fmt(c['round_ms'])}; calibration {c['calibration']:.2f}; "
+                      f"expected τ {_fmt(tau)}")
     print(f"wrote {out / 'results.json'} and {', '.join(files)}")
+
+
+def _fmt(d: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:.3g}" for k, v in d.items()) + "}"
 
 
 def merge(paths: list[str], out: Path) -> int:

@@ -166,25 +166,26 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
     taus = [t for o in outs for t in o.metrics["accept_lengths"]]
     tpot = [(o.metrics["total_s"] - o.metrics["ttft_s"]) / max(len(o.token_ids) - 1, 1) for o in outs]
     after_first = sum(o.metrics["total_s"] - o.metrics["ttft_s"] for o in outs)
-    return {"method": method, "budget": budget, "prompts": prompt_set or a.prompts, "batch": batch,
-            "budget_schedule": eng.spec.budget_schedule,
-            "block_size": eng.spec.block_size, "temperature": temperature, "top_p": a.top_p, "top_k": a.top_k,
-            "output_tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
-            "tpot_ms": 1e3 * sum(tpot) / len(tpot), "tau_mean": sum(taus) / max(len(taus), 1),
-            "ttft_ms": 1e3 * sum(o.metrics["ttft_s"] for o in outs) / len(outs),
-            # tokens after each request's first, over the time they took: TPOT weighted by length
-            "decode_tokens_per_s": sum(len(o.token_ids) - 1 for o in outs) / max(after_first, 1e-9),
-            "tau_histogram": dict(sorted(Counter(taus).items())), "rounds": len(taus),
-            # per round: the wall time outside prefill, and the device time of its phases (CUDA
-            # events; on CPU, host time): the difference is the host's time between rounds
-            "round_ms": 1e3 * (wall - (st.prefill_seconds - prefill0)) / rounds,
-            "round_gpu_ms": 1e3 * (_round_seconds(timer) - gpu0) / rounds,
-            "graph_fallbacks": eng.runner.graphs.fallbacks if eng.runner.graphs is not None else None,
-            # rounds per budget they ran at (0: plain decode rounds), the chosen ones under auto
-            "budget_histogram": {str(k): v for k, v in sorted((st.budget_hist - budgets0).items())},
-            "cost_model_s": eng.costs.measure_s if eng.costs is not None else None,
-            **({"budget_choice": budget_choice(eng, batch, temperature == 0)} if eng.spec.adaptive else {})
-            }, [o.token_ids for o in outs]
+    row = {"method": method, "budget": budget, "prompts": prompt_set or a.prompts, "batch": batch,
+           "budget_schedule": eng.spec.budget_schedule,
+           "block_size": eng.spec.block_size, "temperature": temperature, "top_p": a.top_p, "top_k": a.top_k,
+           "output_tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
+           "tpot_ms": 1e3 * sum(tpot) / len(tpot), "tau_mean": sum(taus) / max(len(taus), 1),
+           "ttft_ms": 1e3 * sum(o.metrics["ttft_s"] for o in outs) / len(outs),
+           # tokens after each request's first, over the time they took: TPOT weighted by length
+           "decode_tokens_per_s": sum(len(o.token_ids) - 1 for o in outs) / max(after_first, 1e-9),
+           "tau_histogram": dict(sorted(Counter(taus).items())), "rounds": len(taus),
+           # per round: the wall time outside prefill, and the device time of its phases (CUDA
+           # events; on CPU, host time): the difference is the host's time between rounds
+           "round_ms": 1e3 * (wall - (st.prefill_seconds - prefill0)) / rounds,
+           "round_gpu_ms": 1e3 * (_round_seconds(timer) - gpu0) / rounds,
+           "graph_fallbacks": eng.runner.graphs.fallbacks if eng.runner.graphs is not None else None,
+           # rounds per budget they ran at (0: plain decode rounds), the chosen ones under auto
+           "budget_histogram": {str(k): v for k, v in sorted((st.budget_hist - budgets0).items())},
+           "cost_model_s": eng.costs.measure_s if eng.costs is not None else None}
+    if eng.spec.adaptive:
+        row["budget_choice"] = budget_choice(eng, batch, temperature == 0)
+    return row, [o.token_ids for o in outs]
 
 
 def budget_choice(eng, batch: int, greedy: bool) -> dict:

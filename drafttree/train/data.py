@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,13 +225,21 @@ def responses_path(out: Path, shard: tuple[int, int] = (0, 1)) -> Path:
     return out / ("responses.jsonl" if n == 1 else f"responses.shard{i}of{n}.jsonl")
 
 
+SHARD_FILE = re.compile(r"responses\.shard(\d+)of(\d+)\.jsonl")
+
+
+def is_responses_file(path: Path) -> bool:
+    """Whether `path` is named as `responses_path` names a regeneration's files."""
+    return path.name == "responses.jsonl" or SHARD_FILE.fullmatch(path.name) is not None
+
+
 def regenerated(out: Path) -> list[Path]:
     """Every sequences file `regenerate` wrote under `out` (`responses_path`), the shards in order;
     responses.jsonl alone when there is nothing yet."""
     shards = {}
     for f in out.glob("responses.shard*of*.jsonl"):
-        i, n = f.name[len("responses.shard"):-len(".jsonl")].split("of")
-        shards[int(n), int(i)] = f
+        if m := SHARD_FILE.fullmatch(f.name):
+            shards[int(m[2]), int(m[1])] = f
     whole = responses_path(out)
     return ([whole] if whole.is_file() or not shards else []) + [shards[k] for k in sorted(shards)]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from drafttree.sampling import SamplingParams
-from drafttree.train.data import Conversation, Prompt, regenerated
+from drafttree.train.data import Conversation, Prompt, is_responses_file, regenerated
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,8 @@ def written_anywhere(out: Path, max_prompt_tokens: int | None = None
     and the shards of any layout beside it; new records go to `out` alone), and the prompts whose
     conversation stopped at a turn over the token limit. A turn skipped under a lower limit than
     `max_prompt_tokens` is not a record: it is asked again."""
-    files = [out]
-    if out.name == "responses.jsonl" or out.name.startswith("responses.shard"):
-        files += [f for f in regenerated(out.parent) if f != out and f.is_file()]
+    files = [out] + ([f for f in regenerated(out.parent) if f != out and f.is_file()]
+                     if is_responses_file(out) else [])
     done: dict[tuple[int, int], dict] = {}
     for f in files:
         for key, rec in written(f).items():

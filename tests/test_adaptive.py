@@ -4,12 +4,13 @@ decode round, included), at T = 0 token for token and at T > 0 with the same see
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
 
 from drafttree import LLM, SamplingParams
-from drafttree.engine.budget import PROBE_FIRST, BudgetChooser
+from drafttree.engine.budget import PROBE_MAX, PROBE_SHARE, BudgetChooser
 from drafttree.phases import Phase, SpecConfig
 from drafttree.runner.cost import CostTable
 from drafttree.spec.acceptance import PRED_SCALE, expected_accept, predictions_at
@@ -74,6 +75,13 @@ def _table() -> CostTable:
     return t
 
 
+def _calibrated(preds: list[float]) -> BudgetChooser:
+    """A chooser whose drafter's predictions (τ at budgets 4, 8, 16, 31) are right on average."""
+    c = _chooser(preds)
+    c.cal[True].observed = c.cal[True].predicted
+    return c
+
+
 def _chooser(preds: list[float]) -> BudgetChooser:
     t = _table()
     c = BudgetChooser(t, t.spec.budgets)
@@ -92,14 +100,63 @@ def test_chooser_takes_the_most_tokens_per_second():
     assert c.choose(1, allowed, 1, 0) == 8
     assert c.choose(1, allowed, 1, 0, cap=4) == 4 and c.choose(1, allowed, 1, 0, cap=0) == 0
     assert c.choose(1, allowed, 1, 0, cap=20) == 8
-    # a drafter the target rarely follows: plain decoding, with a probe at the best budget after
-    # PROBE_FIRST plain rounds, and the interval doubles while plain keeps winning
-    c = _chooser([1.1, 1.15, 1.2, 1.25])
-    picks = [c.choose(1, allowed, 1, 0) for _ in range(3 * PROBE_FIRST)]
-    assert picks[:PROBE_FIRST - 1] == [0] * (PROBE_FIRST - 1) and picks[PROBE_FIRST - 1] == 4
-    assert picks[PROBE_FIRST:] == [0] * (2 * PROBE_FIRST - 1) + [4]
+    # a drafter the target rarely follows: plain decoding, with a probe at the best drafting budget
+    # (4 here) as often as keeps its loss within PROBE_SHARE: 1.5 s for 1.1 tokens that plain
+    # rounds commit in 1.1 * 1.02 s
+    c = _calibrated([1.1, 1.15, 1.2, 1.25])
+    every = math.ceil((1.5 - 1.1 * 1.02) / (PROBE_SHARE * 1.02))
+    assert every == 19
+    picks = [c.choose(1, allowed, 1, 0) for _ in range(3 * every)]
+    assert picks == ([0] * (every - 1) + [4]) * 3
+    # one further below plain is probed less often, one that never pays at most every PROBE_MAX
+    c = _calibrated([1.02, 1.03, 1.04, 1.05])
+    assert [c.choose(1, allowed, 1, 0) for _ in range(23)] == [0] * 22 + [4]   # (1.5 - 1.0404) / 0.0204
+    c = _calibrated([1.0, 1.0, 1.0, 1.0])
+    for width in (5, 9, 17, 32):
+        c.costs.seconds[(Phase.VERIFY, 1, width, False)] *= 10
+    picks = [c.choose(1, allowed, 1, 0) for _ in range(PROBE_MAX)]
+    assert picks == [0] * (PROBE_MAX - 1) + [4]
     # no prediction yet for a sampled row: draft at the largest budget to get one
     assert c.choose(1, allowed, 1, 1) == 31
+
+
+def test_a_probe_weighs_the_rounds_it_was_stale_for():
+    """After a plain stretch the drafter turns right: a probe's observation weighs more than one
+    round's (the filter's gain after n rounds), so drafting wins back within two probes (at one
+    round's weight, five)."""
+    allowed = _table().spec.budgets_at(1)
+    c = _calibrated([1.1, 1.15, 1.2, 1.25])
+    right = [int(p * PRED_SCALE) for p in (2.0, 2.5, 2.8, 3.0)]
+    picks = []
+    while len(picks) < 200 and picks[-2:] != [8, 8]:
+        b = c.choose(1, allowed, 1, 0)
+        picks.append(b)
+        if b:
+            c.observe(True, b, 2 if b == 4 else 3, right)
+    assert picks[-2:] == [8, 8] and sum(b > 0 for b in picks) == 4, picks   # two probes, then 8
+    assert c.cal[True].var < 0.2
+    # consecutive drafting rounds keep one round's weight each
+    c = _chooser([2.0, 2.5, 2.8, 3.0])
+    for _ in range(3):
+        c.choose(1, allowed, 1, 0)
+        c.observe(True, 8, 2, [int(p * PRED_SCALE) for p in (1.0, 1.5, 1.5, 1.5)])
+    assert c.cal[True].pred[1] == pytest.approx(1.5 + 0.9 ** 3 * (2.5 - 1.5), abs=0.01)
+
+
+def test_a_probe_drafts_at_the_budget_the_estimate_ranks_best():
+    """Where a wide verify costs little more than a narrow one (a GPU at batch 1), the probe
+    drafts at the largest budget, not the smallest."""
+    t = _table()
+    for width, s in ((5, 1.0), (9, 1.02), (17, 1.05), (32, 1.1)):
+        t.seconds[(Phase.VERIFY, 1, width, False)] = s
+    c = BudgetChooser(t, t.spec.budgets)
+    preds = [1.1, 1.2, 1.3, 1.5]
+    c.observe(True, 31, 1, [int(p * PRED_SCALE) for p in preds])
+    c.cal[True].observed = c.cal[True].predicted   # calibration 1
+    # budget 31: 1.5 tokens in 1.6 s, which plain rounds commit in 1.53 s: (1.6 - 1.53) / 0.0204
+    # rounds per probe, rounded up
+    picks = [c.choose(1, t.spec.budgets_at(1), 1, 0) for _ in range(8)]
+    assert picks == [0, 0, 0, 31] * 2
 
 
 def test_calibration_follows_observed_acceptance():
@@ -123,7 +180,7 @@ def test_observed_round_times_correct_the_table():
         c.observe_round(1, 16, False, 3 * 2.1)
         c.observe_round(1, 31, False, 3 * 3.0)
         c.observe_round(1, 0, False, 1.0 + 0.3 / 15)   # decode steps as timed
-    assert c.cost_ratio[(1, 8, False)] == pytest.approx(3.0, rel=0.05)
+    assert c.cost_ratio[(1, True, False)] == pytest.approx(3.0, rel=0.05)
     assert c.choose(1, allowed, 1, 0) == 0
     # a machine three times slower than at start-up in every round drafted: the decode step, never
     # observed, is priced by the rounds that were, so drafting at 8 still wins
@@ -135,6 +192,27 @@ def test_observed_round_times_correct_the_table():
     c.costs.seconds[(Phase.VERIFY, 1, 9, True)] = 10.0      # a costly sampled pick at width 9
     assert c.costs.round_seconds(1, 8, sampled=True) == pytest.approx(10.5)
     assert c.costs.round_seconds(1, 4, sampled=True) == pytest.approx(1.5)   # untimed: the greedy entry
+
+
+def test_one_slow_round_does_not_price_its_budget_out():
+    """A host pause makes one round at budget 31 take ten times its cost: the choice stays at 31
+    (drafting rounds share one ratio, and a round moves it by at most a factor of 2 at EMA's
+    weight), and normal rounds bring the ratio back."""
+    t = _table()
+    for width, s in ((5, 1.0), (9, 1.02), (17, 1.05), (32, 1.1)):
+        t.seconds[(Phase.VERIFY, 1, width, False)] = s
+    c = BudgetChooser(t, t.spec.budgets)
+    c.observe(True, 31, 3, [int(p * PRED_SCALE) for p in (2.0, 2.6, 3.0, 3.3)])
+    c.cal[True].observed = c.cal[True].predicted
+    allowed = t.spec.budgets_at(1)
+    assert c.choose(1, allowed, 1, 0) == 31
+    c.observe_round(1, 31, False, 10 * t.round_seconds(1, 31))
+    assert c.cost_ratio[(1, True, False)] == pytest.approx(1.1)
+    for _ in range(20):
+        b = c.choose(1, allowed, 1, 0)
+        assert b == 31
+        c.observe_round(1, b, False, t.round_seconds(1, b))
+    assert c.cost_ratio[(1, True, False)] == pytest.approx(1.0, abs=0.02)
 
 
 def test_fixed_spec_takes_its_largest_budget():
@@ -205,6 +283,31 @@ def test_the_real_chooser_is_lossless_and_reports_its_budgets(zoo):
     assert sum(st.budget_hist.values()) == st.rounds and st.budget_hist.keys() <= {0, 4, 8, 16, 32}
     assert sum(st.method_rounds.values()) == st.rounds
     assert llm.engine.chooser.cal[True].pred is not None   # at least the first round drafted
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_round_times_are_observed_with_and_without_overlap(zoo, overlap):
+    """Every round's seconds reach the chooser (overlapped rounds timed read to read), except an
+    overlapped one whose interval held a prefill: a request that arrived while it ran."""
+    pair = zoo("llama")
+    llm = LLM(model=str(pair.target), draft_model=str(pair.drafter), spec="ddtree", device="cpu",
+              dtype="float32", max_num_seqs=3, max_model_len=128, overlap=overlap)
+    eng, seen = llm.engine, []
+    observe = eng.chooser.observe_round
+    eng.chooser.observe_round = lambda *a: seen.append(a) or observe(*a)
+    prompts = make_prompts(pair.vocab)
+    first = eng.add_request(prompts[0], greedy(30))
+    for _ in range(4):
+        eng.step()
+    rounds = eng.stats.rounds
+    late = eng.add_request(prompts[1], greedy(12))
+    eng.step()   # the late request's prefill, then a round; with overlap the read is the round before
+    assert eng.stats.rounds == rounds + 1
+    while eng.has_unfinished():
+        eng.step()
+    assert first.output_ids == pair.plain(prompts[0], 30) and late.output_ids == pair.plain(prompts[1], 12)
+    assert all(a[3] > 0 for a in seen) and eng.chooser.cost_ratio
+    assert len(seen) == eng.stats.rounds - (1 if overlap else 0)
 
 
 def test_max_budget_caps_the_rounds_a_request_is_in(zoo):

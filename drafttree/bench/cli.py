@@ -190,8 +190,8 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
 
 def budget_choice(eng, batch: int, greedy: bool) -> dict:
     """What the per-round choice weighed at the cell's end: each budget's round in milliseconds
-    as priced (the cost table, scaled by the round times observed where rounds are read one by
-    one), the calibration (drafted tokens accepted / predicted) and the calibrated expected τ."""
+    as priced (the cost table, scaled by the round times observed), the calibration (drafted
+    tokens accepted / predicted) and the calibrated expected τ."""
     chooser, bucket = eng.chooser, eng.runner.cache_cfg.batch_bucket(batch)
     allowed = eng.spec.budgets_at(bucket, greedy)
     cal = chooser.cal[greedy]

@@ -101,6 +101,7 @@ class Engine:
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
         self._inflight: Launched | None = None
         self._last_read = 0.0
+        self._prefill_end = 0.0
         self._outputs = RoundOutputs(cfg.max_num_seqs, self.runner.state.out.shape[1], self.device)
         if cfg.prefill_graphs and not use_graphs:
             raise ValueError("prefill_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
@@ -331,7 +332,8 @@ class Engine:
             return []
         t0 = time.perf_counter()
         firsts = self.runner.prefill([c for _, c in chunks])
-        self.stats.prefill_seconds += time.perf_counter() - t0
+        self._prefill_end = time.perf_counter()
+        self.stats.prefill_seconds += self._prefill_end - t0
         started = sc.prefilled(chunks)
         self.stats.prefix_cache_queries = self.pool.stats.queries
         self.stats.prefix_cache_hits = self.pool.stats.hits
@@ -382,11 +384,14 @@ class Engine:
         rows = launched.read()
         self.runner.timer.collect()
         now = time.perf_counter()
-        if not self.overlap:
+        # an overlapped round's seconds run from the previous read: the device ran it after that
+        # one, while the host read, emitted and launched (overlapped rounds counted once)
+        start = max(launched.t0, self._last_read)
+        if self._prefill_end <= start:    # a prefill inside the interval is not the round's cost
             B = len(launched.seqs)
             self.chooser.observe_round(self.runner.cache_cfg.batch_bucket(B), launched.budget,
-                                       not all(s.params.greedy for s in launched.seqs), now - launched.t0)
-        self.stats.round_seconds += now - max(launched.t0, self._last_read)   # overlapped rounds counted once
+                                       not all(s.params.greedy for s in launched.seqs), now - start)
+        self.stats.round_seconds += now - start
         self._last_read = now
         self.stats.rounds += 1
         budget = launched.budget

@@ -13,9 +13,9 @@ on while the engine decoded plainly; as a local-level filter weighs it (0.22 aft
 as n rounds of the average would (0.81), since one τ is a noisy sample and at that weight its noise
 alone keeps probes coming where drafting loses. While decoding plainly no prediction is fresh, so
 now and then one round drafts (a probe) at the budget the stale estimate ranks best among the
-drafting ones. A probe loses, by that estimate, its round's seconds
-less the plain rounds that would commit its expected tokens; probes come as often as keeps that loss
-within PROBE_SHARE of the plain rounds' time. Where drafting is estimated to lose little (a GPU at
+drafting ones. A probe loses, by that estimate, its round's seconds less those of the plain rounds
+that would commit its expected tokens; probes come as often as keeps that loss within PROBE_SHARE
+of the plain rounds' time. Where drafting is estimated to lose little (a GPU at
 batch 1, where a round at budget 31 costs about 2.3 plain steps and accepts 2-5 tokens) that is
 every few rounds, so a run of short acceptances does not keep the engine plain for long; where it
 loses much (two CPU cores: about four plain steps for 1.5 tokens) every hundred or more.
@@ -135,33 +135,33 @@ class BudgetChooser:
         if not self.adaptive or len(options) == 1:
             return options[-1]
         speculative = options[1:]
-        sampled = sampled_rows > 0
-        tokens, rates = {}, {}
+        tokens, seconds = {}, {}
         for b in options:
             tokens[b] = self.expected_tokens(b, greedy_rows, sampled_rows)
             if tokens[b] is None:
                 return speculative[-1]   # no prediction for this kind of row yet: draft to get one
-            rates[b] = tokens[b] / self.round_seconds(bucket, b, sampled)
-        best = max(options, key=lambda b: (rates[b], -b))
+            seconds[b] = self.round_seconds(bucket, b, sampled_rows > 0)
+        rank = lambda b: (tokens[b] / seconds[b], -b)
+        best = max(options, key=rank)
         if best > 0:
             self.plain_rounds = 0
             return best
         self.plain_rounds += 1
-        probe = max(speculative, key=lambda b: (rates[b], -b))
-        if self.plain_rounds < self.probe_every(bucket, sampled, probe, tokens[probe] / rates[0]):
+        probe = max(speculative, key=rank)
+        if self.plain_rounds < probe_every(tokens[probe], seconds[probe], tokens[0], seconds[0]):
             return 0
         self.plain_rounds = 0
         return probe
-
-    def probe_every(self, bucket: int, sampled: bool, probe: int, plain_seconds: float) -> int:
-        """Plain rounds per probe at `probe`: its estimated loss (its seconds less `plain_seconds`,
-        those of the plain rounds that would commit its expected tokens) over PROBE_SHARE of a
-        plain round."""
-        lost = self.round_seconds(bucket, probe, sampled) - plain_seconds
-        return min(PROBE_MAX, max(1, math.ceil(lost / (PROBE_SHARE * self.round_seconds(bucket, 0, sampled)))))
 
     def observe(self, greedy: bool, budget: int, tau: int, preds: list[int]) -> None:
         """A row's drafting round at `budget` was read: its τ, and the predictions its draft made
         (in 1/PRED_SCALE tokens, at every budget)."""
         p = [x / PRED_SCALE for x in preds]
         self.cal[greedy].observe(tau, p[self.budgets.index(budget)], p, self.rounds)
+
+
+def probe_every(tokens: float, seconds: float, plain_tokens: float, plain_seconds: float) -> int:
+    """Plain rounds per probe that commits `tokens` in `seconds`: its estimated loss (its seconds
+    less those of the plain rounds that would commit its tokens) over PROBE_SHARE of a plain round."""
+    lost = seconds - tokens * plain_seconds / plain_tokens
+    return min(PROBE_MAX, max(1, math.ceil(lost / (PROBE_SHARE * plain_seconds))))

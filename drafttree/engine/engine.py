@@ -385,9 +385,10 @@ class Engine:
         self.runner.timer.collect()
         now = time.perf_counter()
         # an overlapped round's seconds run from the previous read: the device ran it after that
-        # one, while the host read, emitted and launched (overlapped rounds counted once)
+        # one, while the host read, emitted and launched (overlapped rounds counted once); the
+        # choice (an adaptive spec's cost table) learns from them, except across a prefill
         start = max(launched.t0, self._last_read)
-        if self._prefill_end <= start:    # a prefill inside the interval is not the round's cost
+        if self.costs is not None and self._prefill_end <= start:
             B = len(launched.seqs)
             self.chooser.observe_round(self.runner.cache_cfg.batch_bucket(B), launched.budget,
                                        not all(s.params.greedy for s in launched.seqs), now - start)

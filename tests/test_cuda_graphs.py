@@ -1,6 +1,9 @@
 """CUDA graphs: every phase at its own width. The plan part runs on CPU; replay tests need CUDA."""
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -276,6 +279,51 @@ def test_each_sampler_mode_replays_its_own_graphs(pair, fake_cuda_graphs):
         assert llm.generate([[3, 1, 4]], sp)[0].token_ids == want
         assert replayed and set(replayed) == {mode}
     assert gr.fallbacks == 0
+
+
+def test_sampler_modes_capture_only_those_asked(pair, fake_cuda_graphs):
+    """An engine told its requests' sampler mode captures that mode's round graphs alone; a batch
+    in another mode still decodes, eagerly, to the same tokens. Regeneration at one temperature
+    asks for its mode."""
+    from drafttree.sampling import SampleMode
+    from drafttree.train.regen import RegenConfig, make_llm
+    t, d = pair
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
+              max_num_seqs=2, max_model_len=128)
+    llm = LLM(**kw, cuda_graphs=True, sampler_modes=("greedy",))
+    gr = llm.engine.runner.graphs
+    assert {k[2] for k in gr.graphs} == {SampleMode.GREEDY}
+    for T in (0.0, 0.8):
+        sp = SamplingParams(temperature=T, seed=1, max_tokens=12, ignore_eos=True)
+        want = LLM(**kw, cuda_graphs=False).generate([[3, 1, 4]], sp)[0].token_ids
+        before = gr.fallbacks
+        assert llm.generate([[3, 1, 4]], sp)[0].token_ids == want
+        assert (gr.fallbacks > before) == (T > 0)
+    for T, mode in ((0.0, SampleMode.GREEDY), (0.8, SampleMode.SAMPLE)):
+        rc = RegenConfig(target=str(t), device="cpu", dtype="float32", max_num_seqs=2, max_tokens=4,
+                         temperature=T, cuda_graphs=True)
+        import drafttree.train.regen as regen
+        seen = []
+        real = regen.make_llm
+        regen.make_llm = lambda cfg, **k: seen.append(k.get("sampler_modes")) or real(cfg, **k)
+        try:
+            regen.regenerate([[5, 6, 7]], Path(tempfile.mkdtemp()) / "r.jsonl", rc, progress=False)
+        finally:
+            regen.make_llm = real
+        assert seen == [(mode.name.lower(),)]
+        assert {k[2] for k in make_llm(rc, sampler_modes=seen[0]).engine.runner.graphs.graphs} == {mode}
+
+
+def test_sampler_modes_bad_input_fails_fast(pair):
+    """An unknown or empty sampler mode list fails before any weight loads (the model path does
+    not exist); a per-round budget choice needs the greedy and sampled graphs its cost model times."""
+    for modes in (("greedy", "beam"), ()):
+        with pytest.raises(ValueError, match="sampler_modes"):
+            LLM(model="/nonexistent/model", device="cpu", sampler_modes=modes)
+    t, d = pair
+    with pytest.raises(ValueError, match="sampler_modes needs greedy and sample"):
+        LLM(model=str(t), draft_model=str(d), spec="ddtree", budget="auto", device="cpu", dtype="float32",
+            max_num_seqs=2, max_model_len=128, cuda_graphs=True, sampler_modes=("greedy",))
 
 
 def test_collector_paused_while_capturing(pair, fake_cuda_graphs, monkeypatch):

@@ -32,6 +32,9 @@ class EngineConfig:
     page_size: int = 16                 # tokens per KV page (runner.model_runner.DEFAULT_PAGE_SIZE says why)
     enable_prefix_caching: bool = True  # share the KV pages of common prompt prefixes
     cuda_graphs: bool | None = None     # default: on for CUDA
+    sampler_modes: tuple[str, ...] | None = None   # round graphs per sampler mode, of greedy, sample,
+                                        # filtered (None: all); a batch in another mode runs eagerly, so an
+                                        # engine whose requests are known (one temperature) captures one
     prefill_graphs: bool | None = None  # graphed prefill per (rows, length bucket, attention length:
                                         # from position 0, or at an offset over a KV bucket), every shape
                                         # the scheduler can ask for captured at start-up

@@ -22,6 +22,7 @@ from drafttree.engine.startup import StartupTimes
 from drafttree.models.kv_cache import KVLayout
 from drafttree.parallel.comm import explain, smallest
 from drafttree.parallel.group import TensorParallelError, TPGroup
+from drafttree.runner.cuda_graph import GraphRunner, sampler_modes
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.settings import Settings, current, install
@@ -60,6 +61,7 @@ class Engine:
         if cfg.tensor_parallel_size != 1 and (tp is None or tp.world != cfg.tensor_parallel_size):
             raise ValueError("an engine over several ranks starts with drafttree.engine.launch.start_engine "
                              "(LLM and the command line use it)")
+        modes = sampler_modes(cfg.sampler_modes)
         self.tp = tp
         self.dead: str | None = None       # why a tensor-parallel engine stopped (it steps no more)
         self.in_step = False
@@ -84,6 +86,9 @@ class Engine:
         if cfg.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {cfg.max_num_seqs}")
         use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else self.device.type == "cuda"
+        if use_graphs and self.spec.adaptive and not {SampleMode.GREEDY, SampleMode.SAMPLE} <= set(modes):
+            raise ValueError("the per-round budget choice times greedy and sampled rounds at start-up: "
+                             "sampler_modes needs greedy and sample (or a fixed budget)")
         self.max_model_len, pages = self._size_pool(tcfg, drafter, use_graphs)
         cache = CacheConfig(cfg.max_num_seqs, self.max_model_len, self.spec.kv_headroom, cfg.page_size, pages)
         sched = SchedulerConfig(cache, self.spec.max_commit, cfg.prefill_chunk, cfg.max_prefill_tokens, cfg.admit_min)
@@ -106,8 +111,7 @@ class Engine:
         if cfg.prefill_graphs and not use_graphs:
             raise ValueError("prefill_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
         if use_graphs:
-            from drafttree.runner.cuda_graph import GraphRunner
-            self.runner.graphs = GraphRunner(self.runner)
+            self.runner.graphs = GraphRunner(self.runner, modes)
             self.runner.graphs.capture()
             for phase, seconds in self.runner.graphs.capture_seconds.items():
                 self.startup.add(f"graphs {phase}", seconds)

@@ -128,7 +128,7 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, tp:
 
 def describe_plan(cfg: EngineConfig) -> str:
     from drafttree.loader.default_model import resolve_model
-    from drafttree.runner.cuda_graph import format_plan, graph_plan
+    from drafttree.runner.cuda_graph import format_plan, graph_plan, sampler_modes
     from drafttree.runner.prefill_plan import at_offsets
     from drafttree.engine.scheduler import SchedulerConfig
 
@@ -172,4 +172,4 @@ def describe_plan(cfg: EngineConfig) -> str:
                if cfg.prefill_graphs is not False
                else "; prefill runs eagerly\n")
             + f"settings: {settings_of(cfg).describe()}\n")
-    return head + format_plan(plan)
+    return head + format_plan(plan, sampler_modes(cfg.sampler_modes))

@@ -105,18 +105,29 @@ def phase_widths(spec: SpecConfig, phase: Phase, batch: int) -> set[int]:
     return {spec.width(phase, batch)}
 
 
-def format_plan(plan: list[PlanEntry]) -> str:
+def sampler_modes(names: tuple[str, ...] | None) -> tuple[SampleMode, ...]:
+    """The sampler modes whose round graphs are captured (`EngineConfig.sampler_modes`)."""
+    if names is None:
+        return CAPTURED_MODES
+    known = {m.name.lower(): m for m in CAPTURED_MODES}
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise ValueError(f"sampler_modes: {bad or 'none given'}; choose from {', '.join(known)}")
+    return tuple(m for m in CAPTURED_MODES if m.name.lower() in names)
+
+
+def format_plan(plan: list[PlanEntry], modes: tuple[SampleMode, ...] = CAPTURED_MODES) -> str:
     lines = [f"{'phase':<8} {'width':>5}  {'batch sizes':<20} {'kv lengths':<26} {'est. memory':>11}"]
     for e in plan:
         bs = ",".join(map(str, e.batch_sizes))
         kv = ",".join(map(str, e.kv_lengths))
         lines.append(f"{e.phase.value:<8} {e.width:>5}  {bs:<20} {kv:<26} {e.est_bytes / 2**20:>8.1f} MiB")
-    modes = ", ".join(m.name.lower() for m in CAPTURED_MODES)
-    return "\n".join(lines + [f"each batch size is captured once per sampler mode ({modes})"])
+    names = ", ".join(m.name.lower() for m in modes)
+    return "\n".join(lines + [f"each batch size is captured once per sampler mode ({names})"])
 
 
 class GraphRunner:
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, modes: tuple[SampleMode, ...] = CAPTURED_MODES) -> None:
         # The runner owns this (runner.graphs): a strong reference back would make a cycle that
         # only Python's cyclic collector frees, holding the KV cache and graphs after the engine
         # is dropped and freeing them at any moment, inside another engine's capture too.
@@ -124,6 +135,7 @@ class GraphRunner:
         self.spec: SpecConfig = runner.spec
         self.buckets = runner.cache_cfg.batch_buckets
         self.kv_buckets = runner.cache_cfg.kv_buckets
+        self.modes = modes
         # (phase, batch bucket, sampler mode, KV length, budget: the verify's, else 0) -> graph
         self.graphs: dict[tuple[Phase, int, SampleMode, int, int], torch.cuda.CUDAGraph] = {}
         self.trees: dict[tuple[int, SampleMode, int], object] = {}   # draft outputs feeding verify graphs
@@ -178,8 +190,8 @@ class GraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        jobs = [(B, m, L) for L in reversed(self.kv_buckets) for B in reversed(self.buckets) for m in CAPTURED_MODES]
-        log.info("capturing CUDA graphs:\n%s", format_plan(self.plan()))
+        jobs = [(B, m, L) for L in reversed(self.kv_buckets) for B in reversed(self.buckets) for m in self.modes]
+        log.info("capturing CUDA graphs:\n%s", format_plan(self.plan(), self.modes))
         self.pool = torch.cuda.graph_pool_handle()
         snapshot = [t.clone() for t in self._state_tensors()]
         with collector_paused():

@@ -45,7 +45,7 @@ def default_rows(device: str | None) -> int:
 
 def make_llm(cfg: RegenConfig, draft_model: str | None = None, spec: str | None = None,
              max_model_len: int | None = None, budget: int | str | None = None, budget_schedule: str | None = None,
-             speculate_sampled: bool | None = None):
+             speculate_sampled: bool | None = None, sampler_modes: tuple[str, ...] | None = None):
     from drafttree.llm import LLM
 
     rows = cfg.max_num_seqs or default_rows(cfg.device)
@@ -54,7 +54,7 @@ def make_llm(cfg: RegenConfig, draft_model: str | None = None, spec: str | None 
                speculate_sampled=speculate_sampled, device=cfg.device, dtype=cfg.dtype,
                max_num_seqs=rows, admit_min=max(1, rows // 8),
                max_model_len=max_model_len or cfg.max_prompt_tokens + cfg.max_tokens + 1,
-               kv_cache_memory_gb=cfg.kv_cache_memory_gb, cuda_graphs=cfg.cuda_graphs)
+               kv_cache_memory_gb=cfg.kv_cache_memory_gb, cuda_graphs=cfg.cuda_graphs, sampler_modes=sampler_modes)
 
 
 def encode_prompt(llm, prompt: Prompt, chat_template: bool) -> list[int]:
@@ -137,7 +137,8 @@ def regenerate(prompts: list[Prompt], out: Path, cfg: RegenConfig, llm=None,
     left = sum(1 for i in mine if i not in stopped for t in range(turns_of(prompts[i])) if (i, t) not in done)
     if not left:
         return out
-    llm = llm or make_llm(cfg)
+    # every request at cfg.temperature without top-k / top-p: one sampler mode's graphs
+    llm = llm or make_llm(cfg, sampler_modes=("greedy" if cfg.temperature == 0 else "sample",))
     engine = llm.engine
     limit = min(cfg.max_prompt_tokens, engine.max_model_len - 2)
     bar = tqdm(total=left, desc="regenerate", disable=not progress, unit="turn")

@@ -1,9 +1,6 @@
 """CUDA graphs: every phase at its own width. The plan part runs on CPU; replay tests need CUDA."""
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -281,12 +278,12 @@ def test_each_sampler_mode_replays_its_own_graphs(pair, fake_cuda_graphs):
     assert gr.fallbacks == 0
 
 
-def test_sampler_modes_capture_only_those_asked(pair, fake_cuda_graphs):
+def test_sampler_modes_capture_only_those_asked(pair, fake_cuda_graphs, monkeypatch, tmp_path):
     """An engine told its requests' sampler mode captures that mode's round graphs alone; a batch
     in another mode still decodes, eagerly, to the same tokens. Regeneration at one temperature
     asks for its mode."""
+    import drafttree.train.regen as regen
     from drafttree.sampling import SampleMode
-    from drafttree.train.regen import RegenConfig, make_llm
     t, d = pair
     kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
               max_num_seqs=2, max_model_len=128)
@@ -299,19 +296,13 @@ def test_sampler_modes_capture_only_those_asked(pair, fake_cuda_graphs):
         before = gr.fallbacks
         assert llm.generate([[3, 1, 4]], sp)[0].token_ids == want
         assert (gr.fallbacks > before) == (T > 0)
+    built, real = [], regen.make_llm
+    monkeypatch.setattr(regen, "make_llm", lambda cfg, **k: built.append(real(cfg, **k)) or built[-1])
     for T, mode in ((0.0, SampleMode.GREEDY), (0.8, SampleMode.SAMPLE)):
-        rc = RegenConfig(target=str(t), device="cpu", dtype="float32", max_num_seqs=2, max_tokens=4,
-                         temperature=T, cuda_graphs=True)
-        import drafttree.train.regen as regen
-        seen = []
-        real = regen.make_llm
-        regen.make_llm = lambda cfg, **k: seen.append(k.get("sampler_modes")) or real(cfg, **k)
-        try:
-            regen.regenerate([[5, 6, 7]], Path(tempfile.mkdtemp()) / "r.jsonl", rc, progress=False)
-        finally:
-            regen.make_llm = real
-        assert seen == [(mode.name.lower(),)]
-        assert {k[2] for k in make_llm(rc, sampler_modes=seen[0]).engine.runner.graphs.graphs} == {mode}
+        rc = regen.RegenConfig(target=str(t), device="cpu", dtype="float32", max_num_seqs=2, max_tokens=4,
+                               temperature=T, cuda_graphs=True)
+        regen.regenerate([[5, 6, 7]], tmp_path / f"t{T}.jsonl", rc, progress=False)
+        assert {k[2] for k in built[-1].engine.runner.graphs.graphs} == {mode}
 
 
 def test_sampler_modes_bad_input_fails_fast(pair):

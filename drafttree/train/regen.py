@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from drafttree.sampling import SamplingParams
+from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.train.data import Conversation, Prompt, is_responses_file, regenerated
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,11 @@ class RegenConfig:
 def default_rows(device: str | None) -> int:
     from drafttree.config import resolve_device
     return 64 if resolve_device(device).type == "cuda" else 8
+
+
+def params(cfg: RegenConfig, seed: int) -> SamplingParams:
+    """A regeneration request's sampling: the run's temperature, the request's seed."""
+    return SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=seed)
 
 
 def make_llm(cfg: RegenConfig, draft_model: str | None = None, spec: str | None = None,
@@ -137,8 +142,9 @@ def regenerate(prompts: list[Prompt], out: Path, cfg: RegenConfig, llm=None,
     left = sum(1 for i in mine if i not in stopped for t in range(turns_of(prompts[i])) if (i, t) not in done)
     if not left:
         return out
-    # every request at cfg.temperature without top-k / top-p: one sampler mode's graphs
-    llm = llm or make_llm(cfg, sampler_modes=("greedy" if cfg.temperature == 0 else "sample",))
+    # every request is sampled alike (`params` below): its sampler mode's graphs alone
+    mode = SampleMode.of([params(cfg, 0)])
+    llm = llm or make_llm(cfg, sampler_modes=(mode.name.lower(),))
     engine = llm.engine
     limit = min(cfg.max_prompt_tokens, engine.max_model_len - 2)
     bar = tqdm(total=left, desc="regenerate", disable=not progress, unit="turn")
@@ -159,8 +165,7 @@ def regenerate(prompts: list[Prompt], out: Path, cfg: RegenConfig, llm=None,
                     bar.update(turns_of(prompts[i]) - turn)
                     continue
                 seed = cfg.seed + i + turn * len(prompts)   # turn 0 keeps a prompt's seed
-                sp = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=seed)
-                pending[engine.add_request(ids, sp).request_id] = i
+                pending[engine.add_request(ids, params(cfg, seed)).request_id] = i
             f.flush()
             while engine.has_unfinished():
                 if cfg.time_limit is not None and time.perf_counter() - t0 > cfg.time_limit:

@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from drafttree.engine.engine import Engine, EngineConfig
 from drafttree.sampling import SampleMode, SamplingParams
-from drafttree.spec import rounds as R
+from drafttree.spec_decode import rounds as R
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="qwen3-8b")

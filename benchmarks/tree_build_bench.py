@@ -20,7 +20,7 @@ import torch
 from drafttree.bench.graph_timer import graphed_us
 from drafttree.kernels import topk_kernel
 from drafttree.kernels.dispatch import build_tree_fused, top_log_probs
-from drafttree.spec.tree import build_tree
+from drafttree.spec_decode.tree import build_tree
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--budgets", default="32,128,512")

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("drafttree.llm",),
     ("drafttree.engine",),
     ("drafttree.runner", "drafttree.loader"),
-    ("drafttree.spec", "drafttree.sampling"),
+    ("drafttree.spec_decode", "drafttree.sampling"),
     ("drafttree.models",),
     ("drafttree.kernels", "drafttree.parallel"),
     ("drafttree.config", "drafttree.moe_config", "drafttree.phases", "drafttree.settings"),

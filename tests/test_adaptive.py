@@ -13,8 +13,8 @@ from drafttree import LLM, SamplingParams
 from drafttree.engine.budget import PROBE_MAX, PROBE_SHARE, BudgetChooser
 from drafttree.phases import Phase, SpecConfig
 from drafttree.runner.cost import CostTable
-from drafttree.spec.acceptance import PRED_SCALE, expected_accept, predictions_at
-from drafttree.spec.tree import accept, build_tree, chain_tree
+from drafttree.spec_decode.acceptance import PRED_SCALE, expected_accept, predictions_at
+from drafttree.spec_decode.tree import accept, build_tree, chain_tree
 from tests.helpers import greedy, make_prompts
 
 

@@ -427,7 +427,7 @@ def test_budget_schedule_is_lossless_as_the_batch_shrinks(pair, fake_cuda_graphs
     llm = LLM(model=str(t), draft_model=str(d), spec="ddtree", budget=24, budget_schedule="2:6,4:1", device="cpu",
               dtype="float32", max_num_seqs=8, max_model_len=128, cuda_graphs=graphs)
     seen = []
-    from drafttree.spec import rounds
+    from drafttree.spec_decode import rounds
     orig = rounds.build_tree
 
     def spy(logits, root, budget):
@@ -530,7 +530,7 @@ def test_speculation_off_writes_the_drafter_context_prefill_would(pair, device):
     """Decode rounds with speculation off write the drafter's context in a context phase every
     max_commit - 1 steps, not every step; after one more, the drafter's cache holds at every
     position what a prefill of the same tokens writes there (on CUDA: graphed, compiled pieces)."""
-    from drafttree.spec.rounds import context_phase
+    from drafttree.spec_decode.rounds import context_phase
     t, d = pair
     prompt = [3, 1, 4, 1, 5]
     kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=6, device=device, dtype="float32",

@@ -296,7 +296,7 @@ def test_draft_matches_reference_implementation(target, tmp_path, monkeypatch, i
     With a budget below block_size - 1 the drafter's LM head runs on `budget` positions only."""
     from transformers import AutoModelForCausalLM
 
-    from drafttree.spec import rounds
+    from drafttree.spec_decode import rounds
 
     d = make_drafter(tmp_path / "d", target, block_size=5, target_layer_ids=ids)
     edit_config(d, dflash_config={"mask_token_id": mask})

@@ -100,7 +100,7 @@ def test_acceptance_walk_compiles_and_matches_eager(set_settings):
     trees (several budgets and depths), arbitrary trees and chains, with picks that follow a path."""
     import random
 
-    from drafttree.spec.tree import accept, build_tree, chain_tree
+    from drafttree.spec_decode.tree import accept, build_tree, chain_tree
     from tests.tree_reference import path_picks, random_tree
     rng, gen = random.Random(9), torch.Generator().manual_seed(9)
     cases = []
@@ -127,7 +127,7 @@ def test_acceptance_walk_compiles_and_matches_eager(set_settings):
 @needs_cc
 def test_draft_inputs_compile_and_match_eager(set_settings):
     """The drafter's pending context and block inputs, compiled as on CUDA, equal eager's exactly."""
-    from drafttree.spec import rounds
+    from drafttree.spec_decode import rounds
     g = torch.Generator().manual_seed(4)
     start, n = torch.tensor([9, 30, 17]), torch.tensor([1, 4, 2])
     feat = torch.randn(3, 5, 6, generator=g).to(torch.bfloat16)
@@ -148,7 +148,7 @@ def test_draft_inputs_compile_and_match_eager(set_settings):
 def test_pending_append_compiles_and_matches_eager(set_settings):
     """A decode step's feature append, compiled as on CUDA, writes in place what eager writes, into
     the rows given (a slice of the buffer) and nowhere else; a full row overwrites its last entry."""
-    from drafttree.spec import rounds
+    from drafttree.spec_decode import rounds
     g = torch.Generator().manual_seed(5)
     feat0 = torch.randn(4, 5, 6, generator=g).to(torch.bfloat16)
     new = torch.randn(3, 6, generator=g)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from drafttree import LLM, SamplingParams
-from drafttree.spec import rounds
+from drafttree.spec_decode import rounds
 from tests.helpers import MAX_TOKENS, VOCAB, check_lossless, greedy, make_prompts, taus_of
 from tests.tiny import copy_checkpoint, edit_config, edit_tensors
 

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from drafttree.spec.tree import DraftTree, accept, ancestor_mask, build_tree, chain_tree
+from drafttree.spec_decode.tree import DraftTree, accept, ancestor_mask, build_tree, chain_tree
 from tests.tree_reference import (KINDS, NEG_INF, brute_force_scores, check_tree, close, log_probs, make_logits,
                                   path_picks, random_tree)
 

@@ -12,7 +12,7 @@ import torch
 
 from drafttree.kernels import dispatch
 from drafttree.kernels.tree_kernel import available
-from drafttree.spec.tree import DraftTree, build_tree
+from drafttree.spec_decode.tree import DraftTree, build_tree
 from tests.helpers import DEVICE, ON_CPU, TRITON_REASON, interpreted_on_cpu
 from tests.tree_reference import KINDS, brute_force_scores, check_tree, log_probs, make_logits
 
@@ -135,7 +135,7 @@ def test_edge_cases() -> None:
 def test_availability_and_fallback() -> None:
     """The rounds build with the kernel where it runs and the budget is one it wins at, else with
     `build_tree`."""
-    from drafttree.spec.rounds import tree_builder
+    from drafttree.spec_decode.rounds import tree_builder
     assert available(DEVICE, 128) and not available(DEVICE, 129)
     device = torch.device(DEVICE)
     assert tree_builder(device, 128) is not build_tree and tree_builder(device, 129) is build_tree
@@ -247,7 +247,7 @@ def test_topk_kernel_filter_at_its_capacity(extra):
 
 def test_topk_kernel_feeds_the_tree_builders():
     """Both tree builders take their scores from the kernel where it runs, so they still agree."""
-    from drafttree.spec import tree
+    from drafttree.spec_decode import tree
     logits = make_logits(torch.Generator().manual_seed(5), "int", 1, 3, 200).to(DEVICE)
     lp, idx = tree.top_log_probs(logits, 16)
     want_val = torch.sort(logits.float(), dim=-1, descending=True).values[..., :16]

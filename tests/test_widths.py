@@ -13,8 +13,8 @@ from drafttree.phases import Phase, SpecConfig
 from drafttree.runner.cuda_graph import GraphRunner, graph_plan
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
-from drafttree.spec import rounds
-from drafttree.spec.tree import build_tree
+from drafttree.spec_decode import rounds
+from drafttree.spec_decode.tree import build_tree
 
 ROWS = 4                 # batch buckets 1, 2, 4
 MAX_LEN = 64

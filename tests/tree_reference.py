@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from drafttree.spec.tree import DraftTree, ancestor_mask
+from drafttree.spec_decode.tree import DraftTree, ancestor_mask
 
 ATOL = 1e-4
 NEG_INF = float("-inf")

@@ -28,8 +28,8 @@ from drafttree.parallel.group import TPGroup
 from drafttree.phases import Phase
 from drafttree.runner.cuda_graph import GraphRunner
 from drafttree.sampling import SampleMode, SamplingParams
-from drafttree.spec import rounds
-from drafttree.spec.tree import build_tree
+from drafttree.spec_decode import rounds
+from drafttree.spec_decode.tree import build_tree
 
 
 def timed(fn: Callable[[], object], reset: Callable[[], None], device: torch.device, iters: int) -> float:

@@ -1,6 +1,6 @@
 """Choosing each round's budget: the one that maximises expected committed tokens per second.
 
-Expected tokens come from the acceptance model (`spec.acceptance`: the drafter's own prediction
+Expected tokens come from the acceptance model (`spec_decode.acceptance`: the drafter's own prediction
 at every budget, made on the device inside each drafting round and read with its tokens),
 calibrated by the accepted lengths observed; seconds come from the measured cost table
 (`runner.cost`). Budget 0 is a decode round: one token per row, and the drafter's context still
@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 
 from drafttree.runner.cost import CostTable
-from drafttree.spec.acceptance import PRED_SCALE
+from drafttree.spec_decode.acceptance import PRED_SCALE
 
 PROBE_SHARE = 0.02   # of the plain rounds' time, at most, lost to probes (as estimated)
 PROBE_MAX = 256

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from drafttree.engine.sequence import Sequence
-from drafttree.spec.state import RoundState
+from drafttree.spec_decode.state import RoundState
 
 
 @dataclass

@@ -281,12 +281,12 @@ def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
 
 def fused_tree_usable(device: torch.device | str, budget: int) -> bool:
     """Whether the DDTree build should be `build_tree_fused` (Triton on `device`, and budget <=
-    tree_kernel.MAX_FUSED_BUDGET, where it beat `spec.tree.build_tree`)."""
+    tree_kernel.MAX_FUSED_BUDGET, where it beat `spec_decode.tree.build_tree`)."""
     return tree_kernel.available(device, budget)
 
 
 def build_tree_fused(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: int) -> TreeTensors:
-    """`spec.tree.build_tree`'s tree, as its fields, in one kernel after the vocabulary top-K (only
+    """`spec_decode.tree.build_tree`'s tree, as its fields, in one kernel after the vocabulary top-K (only
     where `fused_tree_usable`): draft_logits [R, L, V], root_tokens [R]."""
     R, L, V = draft_logits.shape
     if budget < 1:

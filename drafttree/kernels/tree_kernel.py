@@ -1,4 +1,4 @@
-"""`spec.tree.build_tree` fused into one Triton kernel launch.
+"""`spec_decode.tree.build_tree` fused into one Triton kernel launch.
 
 The vocabulary top-K and the log-softmax normalizer come from `dispatch.top_log_probs`
 (on CUDA, the kernels of `topk_kernel.py`), shared verbatim with `build_tree`; `build`
@@ -38,7 +38,7 @@ MAX_FUSED_BUDGET = 128
 
 
 class TreeTensors(NamedTuple):
-    """The fields of a `spec.tree.DraftTree`, as `build_tree` makes them."""
+    """The fields of a `spec_decode.tree.DraftTree`, as `build_tree` makes them."""
     tokens: torch.Tensor
     parents: torch.Tensor
     depth: torch.Tensor

@@ -18,7 +18,7 @@ import torch
 from drafttree.parallel.comm import from_leader
 from drafttree.phases import Phase, SpecConfig
 from drafttree.sampling import SampleMode
-from drafttree.spec.rounds import context_phase, decode_round, draft_phase, verify_phase
+from drafttree.spec_decode.rounds import context_phase, decode_round, draft_phase, verify_phase
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from drafttree.config import ModelConfig
 from drafttree.phases import Phase, SpecConfig, batch_buckets
 from drafttree.sampling import SampleMode
-from drafttree.spec.rounds import context_phase, decode_round, draft_phase, verify_phase
+from drafttree.spec_decode.rounds import context_phase, decode_round, draft_phase, verify_phase
 
 log = logging.getLogger(__name__)
 

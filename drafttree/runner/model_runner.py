@@ -16,8 +16,8 @@ from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
 from drafttree.runner.phase_timer import PhaseTimer
 from drafttree.runner.prefill_plan import reach
 from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
-from drafttree.spec.rounds import context_phase, decode_round, draft_phase, verify_phase
-from drafttree.spec.state import RoundContext, RoundState
+from drafttree.spec_decode.rounds import context_phase, decode_round, draft_phase, verify_phase
+from drafttree.spec_decode.state import RoundContext, RoundState
 
 
 # Tokens per KV page. 16, as vLLM: a request wastes under one page on average (its last, partly

@@ -73,7 +73,7 @@ class RoundState:
 
 @dataclass(frozen=True)
 class RoundContext:
-    """The models, buffers and sizes the round functions (`spec.rounds`) work on, for rows
+    """The models, buffers and sizes the round functions (`spec_decode.rounds`) work on, for rows
     0..B-1 of the state (their K/V in the pools' pages their block tables name). The runner builds it once; CUDA graphs capture the round functions over
     these very tensors, so none may be replaced afterwards (frozen; they are written in place)."""
     target: DecoderLM

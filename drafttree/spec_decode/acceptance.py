@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from drafttree.spec.tree import DraftTree
+from drafttree.spec_decode.tree import DraftTree
 
 # Predictions travel to the host in the round's integer output buffer, in thousandths of a token.
 PRED_SCALE = 1000

@@ -17,9 +17,9 @@ from drafttree.kernels.fused import fused
 from drafttree.models.kv_cache import attn_meta, page_slots
 from drafttree.phases import Phase
 from drafttree.sampling import SampleMode, pick_tokens
-from drafttree.spec.acceptance import expected_accept, predictions_at
-from drafttree.spec.state import RoundContext
-from drafttree.spec.tree import DraftTree, accept, build_tree, chain_tree
+from drafttree.spec_decode.acceptance import expected_accept, predictions_at
+from drafttree.spec_decode.state import RoundContext
+from drafttree.spec_decode.tree import DraftTree, accept, build_tree, chain_tree
 
 
 def decode_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode) -> None:

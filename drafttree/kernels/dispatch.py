@@ -20,6 +20,8 @@ Triton where `tl.dot` runs (on CUDA, Ampere or newer).
                              for more than one row `gemm` set and dots
                        else: the caller's unfused layers; a weight class whose tiles lost to cuBLAS
                              (no blocks) takes torch_ops.projection
+    int4_linear,       int4 weights kept packed (compressed-tensors pack-quantized, int4_ops)
+    int4_experts       runs: the torch forms (unpack, then matmul)
     fp8_linear         fp8 weight tiles (gemm_kernel)
                        runs: `gemm` set, 16-bit, dots (`tiles_take`);  else: weights widened, cuBLAS
     moe_experts        routed experts as grouped GEMMs over expert-sorted pairs (moe_align, moe_kernel)
@@ -50,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from drafttree.kernels import attn_kernel, filter_kernel, gemm_kernel, gemv_kernel, invariant_attn, moe_kernel
-from drafttree.kernels import norm_kernel, rope_kernel, topk_kernel, torch_ops, tree_kernel
+from drafttree.kernels import int4_ops, norm_kernel, rope_kernel, topk_kernel, torch_ops, tree_kernel
 from drafttree.kernels.attn_kernel import Rope
 from drafttree.kernels.tree_kernel import TreeTensors
 from drafttree.kernels.triton_jit import capability, dots_run_on, interpreting, kernels_run_on, next_pow2
@@ -58,7 +60,7 @@ from drafttree.settings import current
 
 __all__ = ["FEW_ROWS", "MAX_FUSED_TOPK", "Rope", "TreeTensors", "add_rms_norm", "attention", "attention_kernels",
            "build_tree_fused", "few_rows", "filter_thresholds", "fp8_linear", "fp8_runs_on", "fused_tree_usable",
-           "gemv", "invariant", "linear", "moe_experts", "moe_kernels", "norm_gemv", "norm_glu_gemv",
+           "gemv", "int4_experts", "int4_linear", "invariant", "linear", "moe_experts", "moe_kernels", "norm_gemv", "norm_glu_gemv",
            "projection_kernels", "qk_rope_write_kv", "rms_norm", "rope_attention", "rope_in_attention", "tiles_take",
            "top_log_probs", "write_kv"]
 
@@ -264,6 +266,24 @@ def moe_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: to
     """Σ_k w[n, k] · expert_idx[n, k](x[n]) for x [N, D], w and idx [N, k]; gate_up [E, 2I, D],
     down [E, D, I] (only where `moe_kernels`); dropless=False: ids may be E, pairs to skip."""
     return moe_kernel.fused_experts(x, w, idx, gate_up, down, dropless=dropless)
+
+
+# -- int4 weights (compressed-tensors pack-quantized) ----------------------------------------------
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T for an int4 weight W [N, K] kept packed (`int4_ops`: packed [N, K / 8],
+    scale [N, K / G])."""
+    return int4_ops.linear(x, packed, scale, group_size, bias)
+
+
+def int4_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
+                 gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor, group_size: int,
+                 dropless: bool = True) -> torch.Tensor:
+    """`moe_experts` with int4 experts kept packed: gate_up [E, 2I, D / 8], down [E, D, I / 8] and
+    their scales (`int4_ops.experts`); dropless=False: ids may be E, pairs to skip."""
+    return int4_ops.experts(x, w, idx, gate_up, gate_up_scale, down, down_scale, group_size)
 
 
 # -- the draft tree --------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from drafttree.kernels import fp8_block_ops
+
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -21,14 +23,7 @@ def block_size(config: dict[str, Any]) -> tuple[int, int]:
 
 def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """w [N, K] (e4m3) times its block's scale, scale_inv [ceil(N / bn), ceil(K / bk)] -> fp32 [N, K]."""
-    N, K = w.shape
-    bn, bk = block
-    want = (-(-N // bn), -(-K // bk))
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(f"weight_scale_inv of shape {tuple(scale_inv.shape)} for a [{N}, {K}] weight in "
-                         f"{bn} x {bk} blocks; expected {want}")
-    s = scale_inv.float().repeat_interleave(bn, dim=0)[:N].repeat_interleave(bk, dim=1)[:, :K]
-    return w.float() * s
+    return fp8_block_ops.dequantize(w, scale_inv, block)
 
 
 def covering(part: tuple[slice, ...], shape: list[int],

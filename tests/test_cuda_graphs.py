@@ -207,9 +207,8 @@ def fake_cuda_graphs(monkeypatch):
         def wait_stream(self, other) -> None:
             pass
 
-    from drafttree.runner import prefill_graph
-    phase_fns = cuda_graph.GraphRunner._phase_fns
-    forward_fn = prefill_graph.PrefillGraphs.forward_fn
+    from drafttree.runner import capture, prefill_graph
+    real_capture = capture.capture_graph
 
     def record(fn):
         def run():
@@ -218,11 +217,11 @@ def fake_cuda_graphs(monkeypatch):
             fn()
         return run
 
-    def recording_phase_fns(self, B, mode, L):
-        return [(phase, budget, record(fn)) for phase, budget, fn in phase_fns(self, B, mode, L)]
+    def recording_capture(fn, *args, **kwargs):   # the one capture routine, over the fakes below
+        return real_capture(record(fn), *args, **kwargs)
 
-    monkeypatch.setattr(cuda_graph.GraphRunner, "_phase_fns", recording_phase_fns)
-    monkeypatch.setattr(prefill_graph.PrefillGraphs, "forward_fn", lambda self, buf: record(forward_fn(self, buf)))
+    monkeypatch.setattr(cuda_graph, "capture_graph", recording_capture)
+    monkeypatch.setattr(prefill_graph, "capture_graph", recording_capture)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
@@ -247,7 +246,7 @@ def test_graph_runner_logic_on_cpu(pair, fake_cuda_graphs, spec, budget):
     llm = LLM(**kw, cuda_graphs=True)
     gr = llm.engine.runner.graphs
     assert all(g.fn is not None for g in fake_cuda_graphs)
-    assert {k[1] for k in gr.graphs} == {1, 2, 4} and len(gr.kv_buckets) == 1
+    assert {k[1] for k in gr.graphs} == {1, 2, 4} and len(gr.kv_lengths) == 1
     # leave a stale, nearly full cache row 3 behind: the bucket of 4 must park it, not run it on
     llm.generate(prompts + [[i % 50 + 1 for i in range(99)]], sp + [SamplingParams(temperature=0.0, max_tokens=27)])
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
@@ -342,9 +341,10 @@ def test_collector_paused_while_capturing(pair, fake_cuda_graphs, monkeypatch):
 
 
 def test_dropped_engine_frees_its_cache_at_once(pair, fake_cuda_graphs):
-    """The graph runners refer to the model runner weakly: dropping an engine frees its runner
-    and KV cache there and then, not whenever Python's cyclic collector runs (which had freed an
-    earlier engine's graphs inside another engine's capture)."""
+    """Nothing the runner owns refers back to it (its graphs hold the round context, not the
+    runner): dropping an engine frees its runner and KV cache there and then, not whenever
+    Python's cyclic collector runs (which had freed an earlier engine's graphs inside another
+    engine's capture)."""
     import gc
     import weakref
     t, d = pair
@@ -354,6 +354,7 @@ def test_dropped_engine_frees_its_cache_at_once(pair, fake_cuda_graphs):
                   max_num_seqs=2, max_model_len=128, cuda_graphs=True, prefill_graphs=True)
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))
         runner, cache = weakref.ref(llm.engine.runner), weakref.ref(llm.engine.runner.kv.k)
+        fake_cuda_graphs.clear()   # the stand-ins' own list (a real graph is held by the runner alone)
         del llm
         assert runner() is None and cache() is None
     finally:
@@ -538,7 +539,7 @@ def test_speculation_off_writes_the_drafter_context_prefill_would(pair, device):
     off = LLM(**kw, budget_schedule="1:0")
     r = off.engine.runner
     phases, run_round = [], r.run_round
-    r.run_round = lambda B, mode, n, b=None: phases.append(r.round_phases(B, mode, b)) or run_round(B, mode, n, b)
+    r.run_round = lambda B, mode, n, b=None: phases.append(tuple(st.phase for st in r.round_steps(B, mode, b))) or run_round(B, mode, n, b)
     out = off.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].token_ids
     C = off.engine.spec.max_commit
     contexts = sum(Phase.CONTEXT in p for p in phases)
@@ -570,12 +571,12 @@ def test_rounds_move_across_kv_buckets(pair, fake_cuda_graphs):
     want = LLM(**kw, cuda_graphs=False).generate([prompt], sp)[0].token_ids
     llm = LLM(**kw, cuda_graphs=True)
     gr = llm.engine.runner.graphs
-    assert gr.kv_buckets == [1024, 1200 + llm.engine.spec.kv_headroom]
+    assert gr.kv_lengths == [1024, 1200 + llm.engine.spec.kv_headroom]
     replayed = []
     orig = gr.replay
-    gr.replay = lambda b, mode, kv_len, phases, n=0: replayed.append(kv_len) or orig(b, mode, kv_len, phases, n)
+    gr.replay = lambda b, mode, kv_len, steps: replayed.append(kv_len) or orig(b, mode, kv_len, steps)
     assert llm.generate([prompt], sp)[0].token_ids == want
-    assert set(replayed) == set(gr.kv_buckets) and gr.fallbacks == 0
+    assert set(replayed) == set(gr.kv_lengths) and gr.fallbacks == 0
 
 
 @cuda

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from drafttree.engine.engine import Engine
 from drafttree.engine.sequence import Sequence
+from drafttree.engine.text import TextCodec
 from drafttree.sampling import SamplingParams
 
 TEXT = "Héllo wörld! 你好，世界 🙂🙂 def quicksort(arr):\n    return sorted(arr)  # ünïcödé ✓✓ END tail"
@@ -21,10 +21,8 @@ def detok():
         pytest.skip(str(e))
     from transformers import AutoTokenizer
 
-    class Host:   # the two attributes Engine._detokenize reads
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-        eos_ids = {2}
-    return Host()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return TextCodec(tok, {2}, len(tok))
 
 
 def feed(host, params: SamplingParams, ids: list[int], seed: int) -> Sequence:
@@ -37,7 +35,7 @@ def feed(host, params: SamplingParams, ids: list[int], seed: int) -> Sequence:
         i += k
         if i >= len(ids):
             seq.finish("length")
-        Engine._detokenize(host, seq)
+        host.detokenize(seq)
     return seq
 
 

@@ -171,7 +171,7 @@ def test_requests_beyond_the_context_are_refused_or_cut(zoo):
 
 def test_a_request_the_pool_can_never_hold_is_refused():
     cache = CacheConfig(max_num_seqs=2, max_model_len=100, headroom=1, page_size=4, num_pages=5)
-    sched = Scheduler(SchedulerConfig(cache, 1, 64, 256, 1), PagePool(5, 4), runner=None)
+    sched = Scheduler(SchedulerConfig(cache, 1, 64, 256, 1), PagePool(5, 4), rows=None)
     with pytest.raises(ValueError, match="needs 16 KV pages .* the pool has 4"):
         sched.add(Sequence(list(range(10)), SamplingParams(max_tokens=50)))
     sched.add(Sequence(list(range(10)), SamplingParams(max_tokens=4)))

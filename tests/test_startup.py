@@ -209,9 +209,9 @@ def test_warmup_plan_stays_within_the_context_the_pool_and_rows():
 
 
 def test_ready_line_counts_prefill_graphs_from_zero_and_at_offsets():
-    from drafttree.server.boot import _graphs
+    from drafttree.runner.model_runner import ModelRunner
     pg = SimpleNamespace(failed=False, graphs=dict.fromkeys([(1, 16, 0), (1, 16, 1024), (2, 16, 1024)]))
-    engine = SimpleNamespace(runner=SimpleNamespace(graphs=SimpleNamespace(graphs={0: None}), prefill_graphs=pg))
-    assert _graphs(engine) == "1 round graphs, 3 prefill graphs (1 from position 0, 2 at offsets)"
+    runner = SimpleNamespace(graphs=SimpleNamespace(graphs={0: None}), prefill_graphs=pg)
+    assert ModelRunner.describe_graphs(runner) == "1 round graphs, 3 prefill graphs (1 from position 0, 2 at offsets)"
     pg.failed = True
-    assert _graphs(engine) == "1 round graphs, prefill eager"
+    assert ModelRunner.describe_graphs(runner) == "1 round graphs, prefill eager"

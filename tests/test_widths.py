@@ -10,8 +10,9 @@ import torch
 from drafttree.config import ModelConfig
 from drafttree.models.random_shapes import drafter_for, random_model
 from drafttree.phases import Phase, SpecConfig
-from drafttree.runner.cuda_graph import GraphRunner, graph_plan
+from drafttree.runner.cuda_graph import graph_plan
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
+from drafttree.runner.phase_table import bucket_steps, check_widths
 from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.spec_decode import rounds
 from drafttree.spec_decode.tree import build_tree
@@ -78,7 +79,7 @@ def test_every_width_follows_the_spec(target, monkeypatch, case):
     monkeypatch.setattr(rounds, "attn_meta", lambda start, intra, kv_len, *a, **kw:
                         masks.append(intra.shape) or real_meta(start, intra, kv_len, *a, **kw))
     rc, kv_len = runner.round_ctx, runner.round_kv_len(9)
-    graphs = GraphRunner(runner)   # its capture-time width check runs here without a GPU
+    assert s.tree.num_nodes == max(verify.values())   # the tree buffers: the widest verify
     for B, bucket in ((1, 1), (2, 2), (3, 4)):
         masks.clear()
         tree = rounds.draft_phase(rc, B, kv_len)
@@ -87,23 +88,29 @@ def test_every_width_follows_the_spec(target, monkeypatch, case):
         masks.clear()
         rounds.verify_forward(rc, B, kv_len, tree, SampleMode.GREEDY)
         assert masks == [(B, verify[bucket], verify[bucket])]
-        graphs.trees[(bucket, SampleMode.GREEDY, kv_len)] = tree
-        graphs.check_widths(bucket, SampleMode.GREEDY, kv_len)
+        steps = bucket_steps(spec, bucket, SampleMode.GREEDY, drafter=True)
+        assert {st.phase: st.width for st in steps if st.phase is not Phase.VERIFY} == \
+            {Phase.CONTEXT: commit, Phase.DECODE: 1, Phase.DRAFT: draft}
+        assert max(st.width for st in steps if st.phase is Phase.VERIFY) == verify[bucket]
+        check_widths(rc, steps, bucket, runner.cache_cfg.pages_per_row)   # what capture checks
 
 
 def test_a_tree_of_another_width_is_refused(target, monkeypatch):
-    """The builder path checks its output against spec.width, and so do graph capture and the
-    runner's cache."""
+    """The builder path checks its output against spec.width, and so do graph capture (the tree
+    buffers against the widest verify) and the runner's cache."""
     spec = SpecConfig("ddtree", 8, 32)
     runner = make_runner(target, spec)
     rc, kv_len = runner.round_ctx, runner.round_kv_len(9)
-    tree = rounds.draft_phase(rc, 2, kv_len)
-    graphs = GraphRunner(runner)
-    graphs.trees[(1, SampleMode.GREEDY, kv_len)] = tree      # a tree for bucket 2 filed under 1
-    graphs.check_widths(1, SampleMode.GREEDY, kv_len)        # same width: budget 32 at every bucket
-    graphs.trees[(1, SampleMode.GREEDY, kv_len)] = rounds.chain_tree(tree.tokens[:, 1:8], tree.tokens[:, 0])
+    rounds.draft_phase(rc, 2, kv_len)
+    steps = bucket_steps(spec, 1, SampleMode.GREEDY, drafter=True)
+    check_widths(rc, steps, 1, runner.cache_cfg.pages_per_row)
+    narrow = SpecConfig("ddtree", 8, 8)   # tree buffers of another spec's width
+    other = make_runner(target, narrow)
+    monkeypatch.setattr(rc.state, "tree", other.state.tree)
     with pytest.raises(AssertionError, match="draft tree"):
-        graphs.check_widths(1, SampleMode.GREEDY, kv_len)
+        check_widths(rc, steps, 1, runner.cache_cfg.pages_per_row)
+    with pytest.raises(AssertionError, match="tree buffers"):
+        rc.state.store_tree(rounds.make_tree(rc, rounds.draft(rc, 2, kv_len), 2))
     monkeypatch.setattr(rounds, "tree_builder", lambda device, budget: lambda lg, root, n: build_tree(lg, root, n - 1))
     with pytest.raises(AssertionError, match="verify width 33"):
         rounds.draft_phase(rc, 2, kv_len)

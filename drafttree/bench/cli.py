@@ -144,9 +144,7 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
                           seed=0)
     for i in range(0, distinct, batch):
         llm.generate(texts[i:min(i + batch, distinct)], warm)
-    st, timer = eng.stats, eng.runner.timer
-    rounds0, prefill0, gpu0 = st.rounds, st.prefill_seconds, _round_seconds(timer)
-    budgets0 = Counter(st.budget_hist)
+    before = eng.stats
     profiler = cProfile.Profile() if a.host_profile else None
     outs, t0 = [], time.perf_counter()
     if profiler is not None:
@@ -155,13 +153,14 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
         outs += llm.generate(texts[i:i + batch], params[i:i + batch])
         bar.update(len(texts[i:i + batch]))
     wall = time.perf_counter() - t0
+    st = eng.stats
     if profiler is not None:
         profiler.disable()
         cell = _cell_suffix(prompt_set or a.prompts, batch, len(prompt_sets(a)) * len(batches(a)) > 1)
         name = f"host_profile_{method}{'' if budget is None else budget}_T{temperature:g}{cell}.txt"
         with open(Path(a.out) / name, "w") as f:
             pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
-    rounds = max(st.rounds - rounds0, 1)
+    rounds = max(st.rounds - before.rounds, 1)
     n = sum(len(o.token_ids) for o in outs)
     taus = [t for o in outs for t in o.metrics["accept_lengths"]]
     tpot = [(o.metrics["total_s"] - o.metrics["ttft_s"]) / max(len(o.token_ids) - 1, 1) for o in outs]
@@ -177,11 +176,11 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
            "tau_histogram": dict(sorted(Counter(taus).items())), "rounds": len(taus),
            # per round: the wall time outside prefill, and the device time of its phases (CUDA
            # events; on CPU, host time): the difference is the host's time between rounds
-           "round_ms": 1e3 * (wall - (st.prefill_seconds - prefill0)) / rounds,
-           "round_gpu_ms": 1e3 * (_round_seconds(timer) - gpu0) / rounds,
-           "graph_fallbacks": eng.runner.graphs.fallbacks if eng.runner.graphs is not None else None,
+           "round_ms": 1e3 * (wall - (st.prefill_seconds - before.prefill_seconds)) / rounds,
+           "round_gpu_ms": 1e3 * (_round_seconds(st) - _round_seconds(before)) / rounds,
+           "graph_fallbacks": st.graph_fallbacks if eng.setup.cuda_graphs else None,
            # rounds per budget they ran at (0: plain decode rounds), the chosen ones under auto
-           "budget_histogram": {str(k): v for k, v in sorted((st.budget_hist - budgets0).items())},
+           "budget_histogram": {str(k): v for k, v in sorted((st.budget_hist - before.budget_hist).items())},
            "cost_model_s": eng.costs.measure_s if eng.costs is not None else None}
     if eng.spec.adaptive:
         row["budget_choice"] = budget_choice(eng, batch, temperature == 0)
@@ -215,9 +214,9 @@ def _cell(r: dict) -> tuple:
     return r.get("prompts"), r.get("batch"), r["temperature"]
 
 
-def _round_seconds(timer) -> float:
-    """Seconds the runner's timer has counted in round phases (not prefill)."""
-    return sum(timer.totals[p.value] for p in Phase if p is not Phase.PREFILL and p.value in timer.totals)
+def _round_seconds(stats) -> float:
+    """Seconds counted in round phases (not prefill) in an engine's stats snapshot."""
+    return sum(v for p, v in stats.phase_seconds.items() if p != Phase.PREFILL.value)
 
 
 def plot(results: list[dict], out: Path, suffix: str = "") -> list[str]:

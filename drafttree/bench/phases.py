@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from typing import Callable
 
 import torch
@@ -26,7 +24,9 @@ from drafttree.engine.launch import check_launch, run_ranks
 from drafttree.parallel import comm
 from drafttree.parallel.group import TPGroup
 from drafttree.phases import Phase
-from drafttree.runner.cuda_graph import GraphRunner
+from drafttree.runner.capture import capture_graph
+from drafttree.runner.phase_table import bucket_steps, round_steps
+from drafttree.runner.timing import median_seconds
 from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.spec_decode import rounds
 from drafttree.spec_decode.tree import build_tree
@@ -34,40 +34,7 @@ from drafttree.spec_decode.tree import build_tree
 
 def timed(fn: Callable[[], object], reset: Callable[[], None], device: torch.device, iters: int) -> float:
     """Median milliseconds of fn() over `iters` runs, state reset before each (reset not timed)."""
-    for _ in range(3):
-        reset()
-        fn()
-    out = []
-    cuda = device.type == "cuda"
-    for _ in range(iters):
-        reset()
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
-
-
-def capture(fn: Callable[[], None], pool, tp: TPGroup | None = None) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    if tp is not None:   # as GraphRunner.capture: no collective in flight, other threads' CUDA calls allowed
-        torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local" if tp is not None else "global"):
-        fn()
-    return g
+    return 1e3 * median_seconds(fn, reset, device, iters, warmups=3)
 
 
 @torch.inference_mode()
@@ -80,70 +47,68 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
     V = r.target.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     r.prefill_rows([torch.randint(0, V - 2, (prompt_len,), generator=g).tolist() for _ in range(batch)],
-              [SamplingParams(temperature=0.0)] * batch, list(range(batch)))
-    snap = [t.clone() for t in (r.state.start, r.state.bonus, r.state.ctx_n, r.state.ctx_feat)]
+                   [SamplingParams(temperature=0.0)] * batch, list(range(batch)))
+    B, kv_len = batch, r.round_kv_len(prompt_len)   # the attention length the engine's rounds use
+    greedy = SampleMode.GREEDY
+    steps = bucket_steps(spec, B, greedy, r.drafter is not None)
+    by_phase = {st.phase: st for st in steps if st.phase is not Phase.VERIFY or st.budget == spec.budget_at(B)}
+    if Phase.DRAFT in by_phase:   # the prefilled rows with a drafted tree: what every timed run starts from
+        by_phase[Phase.DRAFT].run(rc, B, kv_len, greedy)
+    snap = r.state.snapshot()
 
     def reset() -> None:
-        for t, v in zip((r.state.start, r.state.bonus, r.state.ctx_n, r.state.ctx_feat), snap):
-            t.copy_(v)
+        r.state.restore(snap)
 
-    B, kv_len = batch, r.round_kv_len(prompt_len)   # the attention length the engine's rounds use
     res: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "spec": spec.method, "block_size": spec.block_size, "budget": spec.budget, "batch": B,
                  "prompt_len": prompt_len, "dtype": str(eng.dtype), "kv_len": kv_len,
                  "tensor_parallel_size": eng.world,
-                 "widths": {p.value: spec.width(p) for p in spec.round_phases}, "environment": environment(),
+                 "widths": {st.phase.value: st.width for st in by_phase.values()}, "environment": environment(),
                  "eager_ms": {}, "graph_ms": {}}
     ms = res["eager_ms"]
-    ms["decode"] = timed(lambda: rounds.decode_round(rc, B, kv_len, SampleMode.GREEDY), reset, dev, iters)
+    for phase, st in by_phase.items():   # each step of the phase table, eagerly
+        ms[phase.value] = timed(lambda st=st: st.run(rc, B, kv_len, greedy), reset, dev, iters)
     reset()
     with comm.recording() as ops:   # the decode step's collectives, to time them alone
-        rounds.decode_round(rc, B, kv_len, SampleMode.GREEDY)
+        by_phase[Phase.DECODE].run(rc, B, kv_len, greedy)
     res["decode_collectives"] = _count(ops)
     collectives = comm.replay(ops, tp, dev) if ops else None
     if collectives is not None:
         ms["decode_collectives"] = timed(collectives, lambda: None, dev, iters)
         ms["collectives_share"] = ms["decode_collectives"] / ms["decode"]
-    if spec.speculative:
-        ms["context"] = timed(lambda: rounds.context_phase(rc, B), reset, dev, iters)
+    if spec.speculative:   # the draft and verify phases in their pieces
         box: dict = {}
-        ms["draft"] = timed(lambda: box.update(l=rounds.draft(rc, B, kv_len)), reset, dev, iters)
+        ms["draft_forward"] = timed(lambda: box.update(l=rounds.draft(rc, B, kv_len)), reset, dev, iters)
         ms["tree_build"] = timed(lambda: box.update(t=rounds.make_tree(rc, box["l"], B)), reset, dev, iters)
-        ms["verify"] = timed(lambda: box.update(v=rounds.verify_forward(rc, B, kv_len, box["t"], SampleMode.GREEDY)),
-                             reset, dev, iters)
+        ms["verify_forward"] = timed(lambda: box.update(v=rounds.verify_forward(rc, B, kv_len, box["t"], greedy)),
+                                     reset, dev, iters)
         ms["accept_commit"] = timed(lambda: rounds.accept_commit(rc, B, box["t"], *box["v"]), reset, dev, iters)
-        ms["round"] = timed(lambda: rounds.spec_round(rc, B, kv_len, SampleMode.GREEDY), reset, dev, iters)
+        ms["round"] = timed(lambda: rounds.spec_round(rc, B, kv_len, greedy), reset, dev, iters)
         ms["round_in_decode_steps"] = ms["round"] / ms["decode"]
     if dev.type == "cuda":
         gm = res["graph_ms"]
-        pool = torch.cuda.graph_pool_handle()
-        dg = capture(lambda: rounds.decode_round(rc, B, kv_len, SampleMode.GREEDY), pool, tp)
-        gm["decode"] = timed(dg.replay, reset, dev, iters)
+        r.capture((greedy,), batch_sizes=[B], kv_lengths=[kv_len])
+        reset()
+        graphs = {phase: r.graphs.get(st, B, greedy, kv_len) for phase, st in by_phase.items()}
+        for phase, graph in graphs.items():
+            gm[phase.value] = timed(graph.replay, reset, dev, iters)
         if collectives is not None:
-            cg = capture(collectives, pool, tp)
-            gm["decode_collectives"] = timed(cg.replay, lambda: None, dev, iters)
+            gm["decode_collectives"] = timed(capture_graph(collectives, collectives=tp is not None).replay,
+                                             lambda: None, dev, iters)
             gm["collectives_share"] = gm["decode_collectives"] / gm["decode"]
         if spec.speculative:
-            gr = GraphRunner(r)
-            gr.buckets, gr.kv_buckets = [B], [kv_len]
-            gr.capture()
-            reset()
             n = spec.budget_at(B)
-            d, v = (gr.graphs[(p, B, SampleMode.GREEDY, kv_len, n if p is Phase.VERIFY else 0)]
-                    for p in (Phase.DRAFT, Phase.VERIFY))
-            gm["draft_and_tree"] = timed(d.replay, reset, dev, iters)
-            gm["verify_accept_commit"] = timed(lambda: (d.replay(), v.replay()), reset, dev, iters) \
-                - gm["draft_and_tree"]
-            gm["round"] = timed(lambda: gr.replay(B, SampleMode.GREEDY, kv_len, spec.phases_at(B), n), reset, dev, iters)
+            one_round = round_steps(spec, B, n, context=False)
+            gm["round"] = timed(lambda: r.graphs.replay(B, greedy, kv_len, one_round), reset, dev, iters)
             gm["round_in_decode_steps"] = gm["round"] / gm["decode"]
             lg = torch.randn(1, spec.depth, V, device=dev)
             root = torch.zeros(1, dtype=torch.long, device=dev)
             for nb in budgets_tree:
                 # the builder the engine uses at this budget, and plain torch ops for reference
                 engine_build = rounds.tree_builder(dev, nb)
-                tg = capture(lambda nb=nb, f=engine_build: f(lg, root, nb), pool, tp)
+                tg = capture_graph(lambda nb=nb, f=engine_build: f(lg, root, nb), collectives=tp is not None)
                 gm[f"tree_build_alone_b{nb}"] = timed(tg.replay, lambda: None, dev, iters)
-                tg = capture(lambda nb=nb: build_tree(lg, root, nb), pool, tp)
+                tg = capture_graph(lambda nb=nb: build_tree(lg, root, nb), collectives=tp is not None)
                 gm[f"tree_build_torch_ops_b{nb}"] = timed(tg.replay, lambda: None, dev, iters)
     return res
 

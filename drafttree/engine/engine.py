@@ -1,55 +1,32 @@
-"""The engine: sizes the KV page pool, steps the scheduler's prefill chunks and rounds, emits tokens."""
+"""The engine: steps the scheduler's prefill chunks and rounds, and emits tokens. What it is comes
+from its setup (`plan.resolve`, once); the pool's size from `pool_sizing`, text from `text`, its
+counters from `stats`; the runner captures and times its own graphs."""
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from drafttree.config import parse_dtype, resolve_device
 from drafttree.engine.budget import BudgetChooser
 from drafttree.engine.config import EngineConfig
 from drafttree.engine.inflight import Launched, RoundOutputs
-from drafttree.engine.plan import load_models, resolve_spec, settings_of
 from drafttree.engine.pages import PagePool
+from drafttree.engine.plan import EngineSetup, load_models, resolve
+from drafttree.engine.pool_sizing import size_pool
 from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
 from drafttree.engine.startup import StartupTimes
-from drafttree.models.kv_cache import KVLayout
-from drafttree.parallel.comm import explain, smallest
+from drafttree.engine.stats import EngineStats, Stats
+from drafttree.engine.text import TextCodec, load_tokenizer
+from drafttree.parallel.comm import explain
 from drafttree.parallel.group import TensorParallelError, TPGroup
-from drafttree.runner.cuda_graph import GraphRunner, sampler_modes
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
-from drafttree.settings import Settings, current, install
+from drafttree.settings import current, install
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class EngineStats:
-    requests: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    rounds: int = 0
-    accept_hist: Counter = field(default_factory=Counter)   # τ -> rounds (bounded, unlike a list)
-    round_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    budget_hist: Counter = field(default_factory=Counter)    # chosen budget -> rounds (0: decode)
-    method_rounds: Counter = field(default_factory=Counter)  # decode | dflash | ddtree -> rounds
-    method_rows: Counter = field(default_factory=Counter)    # ... -> request-rounds
-    method_tokens: Counter = field(default_factory=Counter)  # ... -> tokens committed (Σ τ)
-    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0      # of those, found there (not computed again)
-    preemptions: int = 0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+__all__ = ["Engine", "EngineConfig", "EngineStats"]
 
 
 class Engine:
@@ -58,68 +35,45 @@ class Engine:
         this rank's: every rank builds the same engine, and rank 0 steps it while the others
         follow its commands (`engine.launch.follow`)."""
         self.cfg = cfg
-        if cfg.tensor_parallel_size != 1 and (tp is None or tp.world != cfg.tensor_parallel_size):
-            raise ValueError("an engine over several ranks starts with drafttree.engine.launch.start_engine "
-                             "(LLM and the command line use it)")
-        modes = sampler_modes(cfg.sampler_modes)
         self.tp = tp
         self.dead: str | None = None       # why a tensor-parallel engine stopped (it steps no more)
         self.in_step = False
         self.ranks: Any = None   # rank 0's hold on the other ranks (`engine.launch.Ranks`): close() stops them
-        self.settings: Settings = settings_of(cfg)   # DRAFTTREE_* (read once per process), and cfg's choices
+        self.startup = StartupTimes()
+        # every option is checked here, before any weight loads; a GGUF converts once, later starts find it cached
+        with self.startup.stage("convert" if not cfg.random_weights else "setup"):
+            self.setup: EngineSetup = resolve(cfg, tp)
+        setup = self.setup
+        self.settings = setup.settings
         if self.settings != current():
             install(self.settings)   # the kernels read the settings process-wide
-        self.device = tp.device if tp is not None else resolve_device(cfg.device)
-        self.dtype = parse_dtype(cfg.dtype, str(self.device))
-        self.startup = StartupTimes()
-        if not cfg.random_weights:
-            from drafttree.loader.default_model import resolve_model
-            with self.startup.stage("convert"):   # a GGUF converts once; later starts find it cached
-                resolve_model(cfg.model)
+        self.device, self.dtype, self.spec = setup.device, setup.dtype, setup.spec
+        self.model_dir, self.model_cfg = setup.model_dir, setup.target
         with self.startup.stage("load weights"):
-            self.model_dir, target, drafter = load_models(cfg, self.device, self.dtype, tp)
-        tcfg = target.cfg
-        self.spec = resolve_spec(cfg, drafter.cfg if drafter is not None else None)
-        if not self.spec.speculative:
-            drafter = None
-        self.model_cfg = tcfg
-        if cfg.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {cfg.max_num_seqs}")
-        use_graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else self.device.type == "cuda"
-        if use_graphs and self.spec.adaptive and not {SampleMode.GREEDY, SampleMode.SAMPLE} <= set(modes):
-            raise ValueError("the per-round budget choice times greedy and sampled rounds at start-up: "
-                             "sampler_modes needs greedy and sample (or a fixed budget)")
-        self.max_model_len, pages = self._size_pool(tcfg, drafter, use_graphs)
-        cache = CacheConfig(cfg.max_num_seqs, self.max_model_len, self.spec.kv_headroom, cfg.page_size, pages)
+            target, drafter = load_models(setup, tp)
+        size = size_pool(setup, tp)
+        self.max_model_len = size.max_model_len
+        cache = CacheConfig(cfg.max_num_seqs, self.max_model_len, self.spec.kv_headroom, cfg.page_size,
+                            size.num_pages)
         sched = SchedulerConfig(cache, self.spec.max_commit, cfg.prefill_chunk, cfg.max_prefill_tokens, cfg.admit_min)
         with self.startup.stage("kv cache"):
-            self.runner = ModelRunner(target, drafter, self.spec, cache, self.device, self.dtype, cfg.prefill_chunk)
-        self.pool = PagePool(pages, cfg.page_size, cfg.enable_prefix_caching)
+            self.runner = ModelRunner(target, drafter, self.spec, cache, self.device, self.dtype)
+        self.pool = PagePool(size.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.pool, self.runner)
         with self.startup.stage("tokenizer"):
-            self.tokenizer = _load_tokenizer(self.model_dir) if self.model_dir is not None else None
-        self.eos_ids = set(tcfg.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.stats = EngineStats()
+            self.text = TextCodec(load_tokenizer(self.model_dir), set(setup.target.eos_token_ids),
+                                  setup.target.vocab_size, self.model_dir)
+        self.book = Stats(self.pool, self.scheduler, self.runner)
         self.stream_text = False    # a server streaming text sets this
-        self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
+        self.overlap = setup.overlap
         self._inflight: Launched | None = None
         self._last_read = 0.0
         self._prefill_end = 0.0
         self._outputs = RoundOutputs(cfg.max_num_seqs, self.runner.state.out.shape[1], self.device)
-        if cfg.prefill_graphs and not use_graphs:
-            raise ValueError("prefill_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
-        if use_graphs:
-            self.runner.graphs = GraphRunner(self.runner, modes)
-            self.runner.graphs.capture()
-            for phase, seconds in self.runner.graphs.capture_seconds.items():
-                self.startup.add(f"graphs {phase}", seconds)
-        if use_graphs and cfg.prefill_graphs is not False:
-            from drafttree.runner.prefill_graph import PrefillGraphs
-            self.runner.prefill_graphs = PrefillGraphs(self.runner, sched.prefill)   # the scheduler's own rule
-            with self.startup.stage("prefill graphs"):
-                self.runner.prefill_graphs.capture()
+        if setup.cuda_graphs:
+            stages = self.runner.capture(setup.sampler_modes, sched.prefill if setup.prefill_graphs else None)
+            for stage, seconds in stages.items():
+                self.startup.add(stage, seconds)
         self.costs = None
         if self.spec.adaptive:
             from drafttree.runner.cost import measure
@@ -128,64 +82,29 @@ class Engine:
             log.info("%s", self.costs.format())
         self.chooser = BudgetChooser(self.costs, self.spec.budgets, self.spec.adaptive)
 
-    def _size_pool(self, tcfg, drafter, use_graphs: bool) -> tuple[int, int]:
-        """(max_model_len, pages in the pool): the pool takes the KV budget, at most what every
-        row at max_model_len would fill; the context a request may reach follows from it."""
-        cfg, ps = self.cfg, self.cfg.page_size
-        if ps < 1:
-            raise ValueError(f"page_size must be >= 1, got {ps}")
-        # a token's K/V in every pool that holds it: the target's (MLA: its latent only; tensor-parallel:
-        # this rank's KV heads, the pool holding the same pages on every rank) and the drafter's
-        bpt = KVLayout.of(tcfg, self.world, 0 if self.tp is None else self.tp.rank).bytes_per_token(self.dtype)
-        if drafter is not None:
-            bpt += KVLayout.of(drafter.cfg.model).bytes_per_token(self.dtype)
-        budget, source = self._kv_budget(drafter.cfg.model if drafter is not None else None, use_graphs)
-        headroom = self.spec.kv_headroom
-        pages = smallest(budget // (bpt * ps), self.tp)   # rank 0's page ids name a page on every rank
-        fit = (pages - 1) * ps - headroom     # the longest context one request can hold
-        wanted = cfg.max_model_len or tcfg.max_position_embeddings
-        max_len = min(wanted, fit)
-        fix = "raise --kv-cache-memory-gb or --gpu-memory-utilization (in Python: kv_cache_memory_gb, ...)"
-        if max_len < 16:
-            raise ValueError(f"KV cache budget of {budget / 2**30:.3g} GiB ({source}) holds {max(pages, 0)} pages "
-                             f"of {ps} tokens at {bpt} bytes per token: a context of {max(fit, 0)} tokens; {fix}")
-        if fit < wanted:
-            whose = "the requested" if cfg.max_model_len else "the model's"
-            log.warning("max_model_len %d < %s %d: the KV cache budget of %.3g GiB (%s) holds %d pages of %d "
-                        "tokens at %d bytes per token (%d of a request's slots are headroom for a round's "
-                        "writes); %s, or pass --max-model-len %d to ask for less",
-                        max_len, whose, wanted, budget / 2**30, source, pages, ps, bpt, headroom, fix, max_len)
-        per_row = -(-(max_len + headroom) // ps)
-        return max_len, min(pages, 1 + cfg.max_num_seqs * per_row)
+    # -- what the engine holds ---------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.text.tokenizer
 
-    def _kv_budget(self, drafter_cfg, use_graphs: bool) -> tuple[int, str]:
-        cfg = self.cfg
-        if cfg.kv_cache_memory_gb is not None:
-            if cfg.gpu_memory_utilization is not None:
-                raise ValueError("give kv_cache_memory_gb or gpu_memory_utilization, not both")
-            return int(cfg.kv_cache_memory_gb * (1 << 30)), "kv_cache_memory_gb"
-        if self.device.type != "cuda":
-            if cfg.gpu_memory_utilization is not None:
-                raise ValueError("gpu_memory_utilization sizes a CUDA device's KV pool; on "
-                                 f"{self.device.type} give kv_cache_memory_gb")
-            return 1 << 30, "the default on CPU"
-        free, total = torch.cuda.mem_get_info(self.device)
-        if cfg.gpu_memory_utilization is None:
-            return int(free * 0.6), "the default: 60% of the free CUDA memory"
-        util = cfg.gpu_memory_utilization
-        if not 0 < util <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
-        # what the weights (and anything else) took is gone from `free`; the graphs' activations
-        # are captured after the pool is allocated, so they are set aside by the plan's estimate
-        graphs = 0
-        if use_graphs:
-            from drafttree.runner.cuda_graph import graph_plan
-            wanted = cfg.max_model_len or self.model_cfg.max_position_embeddings
-            plan = graph_plan(self.spec, self.model_cfg, drafter_cfg, cfg.max_num_seqs, [wanted], self.world)
-            graphs = max((e.est_bytes for e in plan), default=0)   # the graphs share one memory pool
-        budget = int(util * total) - (total - free) - graphs
-        return max(budget, 0), f"gpu_memory_utilization {util}: of {total / 2**30:.1f} GiB, less what is in use" + \
-            (" and the CUDA graphs' estimate" if graphs else "")
+    @property
+    def eos_ids(self) -> set[int]:
+        return self.text.eos_ids
+
+    @property
+    def stats(self) -> EngineStats:
+        """A snapshot of every counter (`Stats.collect`)."""
+        return self.book.collect()
+
+    def reset_stats(self) -> None:
+        """Zero every counter: the engine's, the prefix cache's, the scheduler's and the runner's."""
+        self.book.reset()
+
+    def attach_ranks(self, ranks: Any) -> None:
+        """Rank 0 of a tensor-parallel engine: `ranks` (`engine.launch.Ranks`) holds the others;
+        every runner command is sent to them over its channel first."""
+        self.ranks = ranks
+        self.runner.send_commands_to(ranks.channel)
 
     @property
     def world(self) -> int:
@@ -231,15 +150,7 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.model_dir} has no tokenizer: pass token ids instead of text")
-            return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {self.model_cfg.vocab_size})")
-        return ids, None
+        return self.text.encode(prompt)
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -260,8 +171,8 @@ class Engine:
         if request_id is not None:
             seq.request_id = request_id
         self.scheduler.add(seq)
-        self.stats.requests += 1
-        self.stats.prompt_tokens += len(ids)
+        self.book.counts.requests += 1
+        self.book.counts.prompt_tokens += len(ids)
         return seq
 
     def abort(self, seq: Sequence) -> None:
@@ -317,7 +228,6 @@ class Engine:
         if launched is not None and not self.overlap:
             out += self._read(launched)
         self._release()
-        self.stats.preemptions = sc.preemptions
         return out
 
     def _drain(self) -> list[tuple[Sequence, list[int]]]:
@@ -337,10 +247,8 @@ class Engine:
         t0 = time.perf_counter()
         firsts = self.runner.prefill([c for _, c in chunks])
         self._prefill_end = time.perf_counter()
-        self.stats.prefill_seconds += self._prefill_end - t0
+        self.book.counts.prefill_seconds += self._prefill_end - t0
         started = sc.prefilled(chunks)
-        self.stats.prefix_cache_queries = self.pool.stats.queries
-        self.stats.prefix_cache_hits = self.pool.stats.hits
         by_seq = dict(zip((seq for seq, c in chunks if c.row >= 0), firsts))
         # a recomputed request's bonus token was emitted before its preemption
         out = [(seq, self._emit(seq, [by_seq[seq]])) for seq in started if not seq.output_ids]
@@ -386,7 +294,7 @@ class Engine:
         """Wait for a launched round's tokens (its one sync) and emit them. A request that finished
         after the launch (EOS or stop in the round before, abort) drops what this round made."""
         rows = launched.read()
-        self.runner.timer.collect()
+        self.runner.collect_phase_times()
         now = time.perf_counter()
         # an overlapped round's seconds run from the previous read: the device ran it after that
         # one, while the host read, emitted and launched (overlapped rounds counted once); the
@@ -396,13 +304,14 @@ class Engine:
             B = len(launched.seqs)
             self.chooser.observe_round(self.runner.cache_cfg.batch_bucket(B), launched.budget,
                                        not all(s.params.greedy for s in launched.seqs), now - start)
-        self.stats.round_seconds += now - start
+        counts = self.book.counts
+        counts.round_seconds += now - start
         self._last_read = now
-        self.stats.rounds += 1
+        counts.rounds += 1
         budget = launched.budget
         method = self.spec.method if budget else "decode"
-        self.stats.budget_hist[budget] += 1
-        self.stats.method_rounds[method] += 1
+        counts.budget_hist[budget] += 1
+        counts.method_rounds[method] += 1
         preds = 1 + self.spec.max_commit   # the predictions' first column in a row
         out, taus = [], []
         for seq, row in zip(launched.seqs, rows):
@@ -416,39 +325,19 @@ class Engine:
                 self.chooser.observe(seq.params.greedy, budget, k, row[preds:])
             out.append((seq, self._emit(seq, row[1:1 + k])))
         if taus:   # the round's counters once, not per request: this loop is host time between rounds
-            self.stats.accept_hist.update(taus)
-            self.stats.method_rows[method] += len(taus)
-            self.stats.method_tokens[method] += sum(taus)
+            counts.accept_hist.update(taus)
+            counts.method_rows[method] += len(taus)
+            counts.method_tokens[method] += sum(taus)
         return out
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> list[int]:
         # the context bounds the output as max_tokens does (finish reason "length")
         kept = seq.append(tokens, self.eos_ids, self.max_model_len - len(seq.prompt_ids))
-        self.stats.generated_tokens += len(kept)
+        self.book.counts.generated_tokens += len(kept)
         # Text is kept current every round only when something reads it mid-generation.
         if self.tokenizer is not None and (self.stream_text or seq.params.stop or seq.finished):
-            self._detokenize(seq)
+            self.text.detokenize(seq)
         return kept
-
-    def _detokenize(self, seq: Sequence) -> None:
-        """Extend seq.text by the new tokens' text: decode a short window ending at the new tokens
-        (not the whole output) and hold back a trailing partial character."""
-        ids = seq.output_ids
-        if ids and ids[-1] in self.eos_ids and not seq.params.ignore_eos:
-            ids = ids[:-1]
-        prefix, read = seq.detok_offsets
-        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
-        after = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
-        if len(after) > len(before) and (not after.endswith("\ufffd") or seq.finished):
-            old = len(seq.text)
-            seq.text += after[len(before):]
-            seq.detok_offsets = (max(read, len(ids) - 4), len(ids))
-            for stop in seq.params.stop:
-                i = seq.text.find(stop, max(0, old - len(stop) + 1))
-                if i >= 0:
-                    seq.text = seq.text[:i]
-                    seq.finish("stop")
-                    seq.finish_reason = "stop"   # a stop string in the last tokens outranks the length limit
 
     def _release(self) -> None:
         """Free the pages (and rows) of the requests that finished."""
@@ -456,9 +345,3 @@ class Engine:
         for seq in [s for s in sc.running + sc.prefilling if s.finished]:
             sc.free(seq)
 
-
-def _load_tokenizer(path: Path):
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))

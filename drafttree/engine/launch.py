@@ -147,7 +147,7 @@ def follow(engine: Engine) -> int:
         except Exception:
             log.exception("rank %d failed running %s", tp.rank, name)
             _stop(f"rank {tp.rank} failed running {name}")
-        runner.timer.collect()
+        runner.collect_phase_times()
 
 
 def _stop(message: str) -> NoReturn:
@@ -169,8 +169,7 @@ class Ranks:
 
     def attach(self) -> None:
         engine = self.engine()
-        engine.runner.channel = self.channel
-        engine.ranks = self
+        engine.attach_ranks(self)
         self.channel.start_heartbeat()
         if self.workers:
             threading.Thread(target=self._watch, name="drafttree-tp-watch", daemon=True).start()

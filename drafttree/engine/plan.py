@@ -1,16 +1,22 @@
-"""Resolve the speculative setup from an EngineConfig, and describe the graph plan, weight-free."""
+"""An engine's setup, resolved once from its EngineConfig before any weight loads (`resolve`):
+the model and drafter configs, the speculation, the settings, the device, and which graphs and
+sampler modes it captures. The engine and `drafttree graphs` both take it from here; every bad
+option is refused here, before the weights."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from drafttree.config import ModelConfig
+from drafttree.config import ModelConfig, parse_dtype, resolve_device
 from drafttree.engine.config import EngineConfig
 from drafttree.kernels import invariant_attn
 from drafttree.models.dflash import DFlashConfig
 from drafttree.parallel.group import TPGroup
 from drafttree.phases import SpecConfig, schedule_for
+from drafttree.runner.phase_table import CAPTURED_MODES
+from drafttree.sampling import SampleMode
 from drafttree.settings import Settings, current
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -81,7 +87,7 @@ def target_config(cfg: EngineConfig) -> ModelConfig:
 
 def settings_of(cfg: EngineConfig) -> Settings:
     """The settings an engine of `cfg` runs under: the process's, with the config's deterministic
-    choice where it makes one (the engine installs it)."""
+    choice where it makes one."""
     s = current()
     return s if cfg.deterministic is None else s.replace(deterministic=cfg.deterministic)
 
@@ -96,56 +102,123 @@ def check_deterministic(tcfg: ModelConfig) -> None:
                          f"{tcfg.head_dim}")
 
 
-def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None):
-    """(model directory or None, target, drafter or None), all checked before anything is kept.
-    Over a tensor-parallel group the target is this rank's shards and the drafter whole."""
+def sampler_modes(names: tuple[str, ...] | None) -> tuple[SampleMode, ...]:
+    """The sampler modes whose round graphs are captured (`EngineConfig.sampler_modes`)."""
+    if names is None:
+        return CAPTURED_MODES
+    known = {m.name.lower(): m for m in CAPTURED_MODES}
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise ValueError(f"sampler_modes: {bad or 'none given'}; choose from {', '.join(known)}")
+    return tuple(m for m in CAPTURED_MODES if m.name.lower() in names)
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What an engine is, resolved from its config once; nothing here is read again elsewhere."""
+    cfg: EngineConfig
+    model_dir: Path | None          # the target's directory; None for random weights
+    target: ModelConfig
+    drafter_dir: Path | None        # the drafter's directory; None for none or a random drafter
+    drafter: DFlashConfig | None    # None when the engine does not speculate
+    spec: SpecConfig
+    settings: Settings
+    device: torch.device
+    dtype: torch.dtype
+    world: int                      # tensor-parallel ranks
+    cuda_graphs: bool
+    prefill_graphs: bool
+    sampler_modes: tuple[SampleMode, ...]   # the round graphs' modes
+    overlap: bool                   # launch each round before reading the previous one's tokens
+
+
+def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
+    """The setup of an engine of `cfg` (over `tp`: this rank's), every option checked, no weights
+    read (a GGUF model is converted once and cached)."""
     from drafttree.loader.default_model import resolve_model
+    from drafttree.models import random_shapes
+
+    if cfg.tensor_parallel_size != 1 and (tp is None or tp.world != cfg.tensor_parallel_size):
+        raise ValueError("an engine over several ranks starts with drafttree.engine.launch.start_engine "
+                         "(LLM and the command line use it)")
+    if cfg.max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {cfg.max_num_seqs}")
+    if cfg.page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {cfg.page_size}")
+    modes = sampler_modes(cfg.sampler_modes)
+    settings = settings_of(cfg)
+    device = tp.device if tp is not None else resolve_device(cfg.device)
+    dtype = parse_dtype(cfg.dtype, str(device))
+    wants_drafter = cfg.spec not in (None, "none")
+    model_dir, drafter_dir, dcfg = None, None, None
+    if cfg.random_weights:
+        tcfg = random_shapes.shape_config(cfg.random_weights)[0]
+        if wants_drafter:
+            dcfg = random_shapes.random_drafter_config(cfg.random_weights, tcfg)
+    else:
+        model_dir = resolve_model(cfg.model)
+        tcfg = ModelConfig.from_dir(model_dir)
+        drafter_dir = resolve_drafter(cfg)
+        if drafter_dir is not None:
+            dcfg = DFlashConfig.from_dir(drafter_dir)
+            dcfg.check_fits(tcfg)
+        elif cfg.random_drafter and wants_drafter:
+            dcfg = random_shapes.drafter_config_for(tcfg, cfg.block_size or 16)
+    if settings.deterministic:
+        check_deterministic(tcfg)
+    if cfg.draft_quantization is not None:
+        from drafttree.models import quant
+        quant.check(cfg.draft_quantization, device)
+    spec = resolve_spec(cfg, dcfg)
+    if not spec.speculative:
+        dcfg, drafter_dir = None, None
+    graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.type == "cuda"
+    if graphs and spec.adaptive and not {SampleMode.GREEDY, SampleMode.SAMPLE} <= set(modes):
+        raise ValueError("the per-round budget choice times greedy and sampled rounds at start-up: "
+                         "sampler_modes needs greedy and sample (or a fixed budget)")
+    if cfg.prefill_graphs and not graphs:
+        raise ValueError("prefill_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
+    overlap = cfg.overlap if cfg.overlap is not None else device.type == "cuda"
+    return EngineSetup(cfg, model_dir, tcfg, drafter_dir, dcfg, spec, settings, device, dtype,
+                       1 if tp is None else tp.world, graphs, graphs and cfg.prefill_graphs is not False, modes,
+                       overlap)
+
+
+def load_models(setup: EngineSetup, tp: TPGroup | None = None):
+    """(target, drafter or None) of the setup, each checked before anything is kept. Over a
+    tensor-parallel group the target is this rank's shards and the drafter whole."""
     from drafttree.loader.drafter import load_drafter
     from drafttree.loader.weights import load_target
     from drafttree.models import quant
-    from drafttree.models.random_shapes import drafter_for, random_drafter, random_target
+    from drafttree.models.random_shapes import drafter_from_config, random_model
 
-    wants_drafter = cfg.spec not in (None, "none")
-    if current().deterministic:
-        check_deterministic(target_config(cfg))
-    if cfg.draft_quantization is not None:
-        quant.check(cfg.draft_quantization, device)   # before any weights load
-    model_dir = None
-    if cfg.random_weights:
-        target = random_target(cfg.random_weights, device, dtype, tp)
-        drafter = random_drafter(cfg.random_weights, target, device, dtype) if wants_drafter else None
+    cfg, device, dtype = setup.cfg, setup.device, setup.dtype
+    if setup.model_dir is None:
+        target = random_model(setup.target, device, dtype, tp)
     else:
-        model_dir = resolve_model(cfg.model)
-        target, _ = load_target(model_dir, dtype, device, tp)
-        dpath = resolve_drafter(cfg)
-        drafter = load_drafter(dpath, target, dtype, device) if dpath is not None else None
-        if drafter is None and cfg.random_drafter and wants_drafter:
-            drafter = drafter_for(target, device, dtype, cfg.block_size or 16)
+        target, _ = load_target(setup.model_dir, dtype, device, tp)
+    drafter = None
+    if setup.drafter_dir is not None:
+        drafter = load_drafter(setup.drafter_dir, target, dtype, device)
+    elif setup.drafter is not None:
+        drafter = drafter_from_config(setup.drafter, target, device, dtype)
     if drafter is not None and cfg.draft_quantization is not None:
         quant.quantize_drafter(drafter, cfg.draft_quantization)
-    return model_dir, target, drafter
+    return target, drafter
 
 
 def describe_plan(cfg: EngineConfig) -> str:
-    from drafttree.loader.default_model import resolve_model
-    from drafttree.runner.cuda_graph import format_plan, graph_plan, sampler_modes
-    from drafttree.runner.prefill_plan import at_offsets
     from drafttree.engine.scheduler import SchedulerConfig
+    from drafttree.runner.cuda_graph import format_plan, graph_plan
+    from drafttree.runner.model_runner import CacheConfig
+    from drafttree.runner.prefill_plan import at_offsets
 
-    target = ModelConfig.from_dir(resolve_model(cfg.model))
     world = cfg.tensor_parallel_size
     if world != 1:
         from drafttree.parallel.shard import check_size
-        check_size(target, world)
-    dpath = resolve_drafter(cfg)
-    dcfg = DFlashConfig.from_dir(dpath) if dpath is not None else None
-    if dcfg is not None:
-        dcfg.check_fits(target)
-    spec = resolve_spec(cfg, dcfg)
-    if cfg.draft_quantization is not None:
-        from drafttree.models.quant import check
-        check(cfg.draft_quantization, "cpu")   # the method's name; the device is checked at start-up
-    from drafttree.runner.model_runner import CacheConfig
+        check_size(target_config(cfg), world)
+    setup = resolve(cfg if world == 1 else _one_rank(cfg))
+    spec, target, dcfg = setup.spec, setup.target, setup.drafter
     cache = CacheConfig(cfg.max_num_seqs, cfg.max_model_len or target.max_position_embeddings, spec.kv_headroom,
                         cfg.page_size)
     plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, cache.kv_buckets, world)
@@ -171,5 +244,11 @@ def describe_plan(cfg: EngineConfig) -> str:
                f"{','.join(map(str, prefill.offset_lengths()))}; captured at start-up\n"
                if cfg.prefill_graphs is not False
                else "; prefill runs eagerly\n")
-            + f"settings: {settings_of(cfg).describe()}\n")
-    return head + format_plan(plan, sampler_modes(cfg.sampler_modes))
+            + f"settings: {setup.settings.describe()}\n")
+    return head + format_plan(plan, setup.sampler_modes)
+
+
+def _one_rank(cfg: EngineConfig) -> EngineConfig:
+    """The config as one rank resolves it (a plan needs no process group: every rank's setup is alike)."""
+    from dataclasses import replace
+    return replace(cfg, tensor_parallel_size=1)

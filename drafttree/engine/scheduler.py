@@ -17,11 +17,21 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 from drafttree.engine.pages import PagePool
 from drafttree.engine.sequence import Sequence, Status
-from drafttree.runner.model_runner import CacheConfig, ModelRunner, PrefillChunk
+from drafttree.runner.model_runner import CacheConfig, PrefillChunk
 from drafttree.runner.prefill_plan import PrefillLimits
+
+
+class RowOps(Protocol):
+    """What the scheduler asks of the runner's round state: rows move to stay packed, and running
+    requests' new pages enter their rows' block tables (`ModelRunner` does both)."""
+
+    def move_row(self, src: int, dst: int) -> None: ...
+
+    def set_pages(self, row: int, first: int, pages: list[int]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -46,8 +56,8 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: PagePool, runner: ModelRunner) -> None:
-        self.cfg, self.pool, self.runner = cfg, pool, runner
+    def __init__(self, cfg: SchedulerConfig, pool: PagePool, rows: RowOps) -> None:
+        self.cfg, self.pool, self.rows = cfg, pool, rows
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []     # running[i].row == i
@@ -89,7 +99,7 @@ class Scheduler:
 
     def _release_row(self, seq: Sequence) -> None:
         last = self.running[-1]
-        self.runner.move_row(last.row, seq.row)   # parks last's old row
+        self.rows.move_row(last.row, seq.row)   # parks last's old row
         self.running[seq.row] = last
         last.row = seq.row
         self.running.pop()
@@ -113,7 +123,7 @@ class Scheduler:
             while seq.row >= 0 and len(seq.pages) < need:
                 got = self.pool.allocate(need - len(seq.pages))
                 if got is not None:
-                    self.runner.set_pages(seq.row, len(seq.pages), got)
+                    self.rows.set_pages(seq.row, len(seq.pages), got)
                     seq.pages += got
                 elif not preempt:
                     return False

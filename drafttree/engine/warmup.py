@@ -13,8 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from drafttree.engine.engine import Engine, EngineStats
-from drafttree.engine.pages import PrefixStats
+from drafttree.engine.engine import Engine
 from drafttree.runner.prefill_plan import PrefillLimits
 from drafttree.sampling import SamplingParams
 
@@ -87,8 +86,7 @@ def warm_up(engine: Engine) -> int:
     reports counts requests only. Returns the number of warm-up requests. The engine must be idle."""
     assert not engine.has_unfinished(), "warm-up needs an idle engine"
     runner, sched = engine.runner, engine.scheduler
-    pg = runner.prefill_graphs
-    graphed = 0 if pg is None or pg.failed or not pg.graphs else max(Pb for _, Pb, _ in pg.graphs)
+    graphed = 0 if runner.prefill_graphs is None else runner.prefill_graphs.widest()
     cc = runner.cache_cfg
     # a warm-up request must fit the pool alone: its prompt, its tokens and a round's writes
     room = engine.pool.usable * cc.page_size - cc.headroom - engine.spec.max_commit - WARMUP_TOKENS
@@ -100,15 +98,9 @@ def warm_up(engine: Engine) -> int:
             engine.add_request([1 + (i + 13 * v) % (vocab - 1) for i in range(n)], replace(b.params))
         while engine.has_unfinished():
             engine.step()
-    fallbacks = (runner.graphs.fallbacks if runner.graphs is not None else 0) + (pg.fallbacks if pg else 0)
+    stats = engine.stats
+    fallbacks = stats.graph_fallbacks + stats.prefill_fallbacks
     if fallbacks:
         log.warning("warm-up: %d rounds or prefills ran eagerly although graphs were captured", fallbacks)
-    engine.stats = EngineStats()
-    engine.pool.stats = PrefixStats()
-    sched.preemptions = 0
-    runner.timer.reset()
-    if runner.graphs is not None:
-        runner.graphs.fallbacks = 0
-    if pg is not None:
-        pg.fallbacks = 0
+    engine.reset_stats()
     return sum(len(b.prompt_lens) for b in batches)

@@ -120,16 +120,18 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp:
 
 
 def random_drafter(shape: str, target: DecoderLM, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:
+    return drafter_from_config(random_drafter_config(shape, target.cfg), target, device, dtype)
+
+
+def random_drafter_config(shape: str, tcfg: ModelConfig) -> DFlashConfig:
+    """The drafter config a random-weight shape comes with (no weights)."""
     d = shape_config(shape)[1]
-    return drafter_for(target, device, dtype, d["block_size"], d["layers"], d["target_layer_ids"],
-                       d["mask_token_id"])
+    return drafter_config_for(tcfg, d["block_size"], d["layers"], d["target_layer_ids"], d["mask_token_id"])
 
 
-def drafter_for(target: DecoderLM, device: torch.device, dtype: torch.dtype, block_size: int = 16,
-                layers: int = 3, layer_ids: tuple[int, ...] | None = None,
-                mask_token_id: int | None = None) -> DFlashDrafter:
-    """An untrained drafter shaped for `target` (timing only)."""
-    tcfg = target.cfg
+def drafter_config_for(tcfg: ModelConfig, block_size: int = 16, layers: int = 3,
+                       layer_ids: tuple[int, ...] | None = None, mask_token_id: int | None = None) -> DFlashConfig:
+    """The config of an untrained drafter shaped for a target of config `tcfg` (timing only)."""
     # a dense Qwen3-style drafter; an MLA target's cache-shaped heads become GQA heads of 128
     dense = {"moe": None, "mla": None, "rope_scaling": None} if tcfg.moe or tcfg.mla else {}
     if tcfg.mla:
@@ -140,8 +142,22 @@ def drafter_for(target: DecoderLM, device: torch.device, dtype: torch.dtype, blo
     cfg = DFlashConfig(mcfg, block_size, tcfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
                        ids, tcfg.num_layers)
     cfg.check_fits(tcfg)
+    return cfg
+
+
+def drafter_from_config(cfg: DFlashConfig, target: DecoderLM, device: torch.device,
+                        dtype: torch.dtype) -> DFlashDrafter:
+    """An untrained drafter of `cfg` for `target`, random weights (timing only)."""
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
     _randomize(drafter, device, dtype, 1)
-    drafter.rotary = Rotary(mcfg).to(device)
+    drafter.rotary = Rotary(cfg.model).to(device)
     return drafter.borrow(target.embed_tokens, target.lm_head).eval().requires_grad_(False)
+
+
+def drafter_for(target: DecoderLM, device: torch.device, dtype: torch.dtype, block_size: int = 16,
+                layers: int = 3, layer_ids: tuple[int, ...] | None = None,
+                mask_token_id: int | None = None) -> DFlashDrafter:
+    """An untrained drafter shaped for `target` (timing only)."""
+    return drafter_from_config(drafter_config_for(target.cfg, block_size, layers, layer_ids, mask_token_id),
+                               target, device, dtype)

@@ -1,24 +1,23 @@
 """The measured cost model: seconds per (phase, batch bucket, width), timed at start-up.
 
-On CUDA each captured graph is replayed a few times between CUDA events; on the CPU (no graphs)
-each (phase, bucket, width) the engine can run is run eagerly a few times. The engine divides
-the tokens a round is expected to commit by these costs to choose its budget
-(`engine.budget`). Rows are parked while timing, and the round state is restored afterwards.
+Every step of the phase table a round can run is timed through `ModelRunner.time_step`: on CUDA
+its captured graph replayed a few times between CUDA events, on the CPU (no graphs) run eagerly
+a few times. The engine divides the tokens a round is expected to commit by these costs to
+choose its budget (`engine.budget`). Rows are parked while timing, and the round state is
+restored afterwards.
 """
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from drafttree.parallel.comm import from_leader
 from drafttree.phases import Phase, SpecConfig
+from drafttree.runner.phase_table import PhaseStep, bucket_steps
 from drafttree.sampling import SampleMode
-from drafttree.spec_decode.rounds import context_phase, decode_round, draft_phase, verify_phase
 
 log = logging.getLogger(__name__)
 
@@ -63,45 +62,40 @@ class CostTable:
         return "\n".join(lines)
 
 
-def entries(spec: SpecConfig, bucket: int) -> list[tuple[Phase, int, int, bool]]:
-    """(phase, width, budget, sampled) of every forward a round over the bucket can run."""
-    out = [(Phase.DECODE, 1, 0, False), (Phase.DECODE, 1, 0, True)]
-    if spec.speculative:
-        out.insert(0, (Phase.CONTEXT, spec.width(Phase.CONTEXT, bucket), 0, False))
-    budgets = [n for n in spec.budgets_at(bucket) if n]
-    if budgets:
-        out.append((Phase.DRAFT, spec.width(Phase.DRAFT, bucket), 0, False))
-        out += [(Phase.VERIFY, spec.width(Phase.VERIFY, bucket, n), n, False) for n in budgets]
-    sampled = [n for n in spec.budgets_at(bucket, greedy=False) if n]
-    out += [(Phase.VERIFY, spec.width(Phase.VERIFY, bucket, n), n, True) for n in sampled]
-    return out
+def entries(spec: SpecConfig, bucket: int, drafter: bool = True) -> list[tuple[PhaseStep, bool]]:
+    """(step, sampled) of every forward a round over the bucket can run, in the order a round
+    runs them (a draft before the verifies that read its tree): the greedy round's steps, then
+    the sampled decode and verifies (a sampled pick costs more where the forward is small)."""
+    greedy = [(st, False) for st in bucket_steps(spec, bucket, SampleMode.GREEDY, drafter and spec.speculative)]
+    sampled = bucket_steps(spec, bucket, SampleMode.SAMPLE, drafter and spec.speculative)
+    if any(st.phase is Phase.VERIFY for st in sampled) and not any(st.phase is Phase.DRAFT for st, _ in greedy):
+        greedy += [(st, False) for st in sampled if st.phase is Phase.DRAFT]
+    return greedy + [(st, True) for st in sampled if st.phase in (Phase.DECODE, Phase.VERIFY)]
 
 
 @torch.inference_mode()
 def measure(runner, reps: int = REPS, time_limit_s: float = TIME_LIMIT_S) -> CostTable:
-    """Time every (phase, bucket, width) of the runner's spec: graph replays when it has graphs,
-    eager forwards otherwise. Leaves the round state as it found it."""
-    spec, buckets = runner.spec, runner.cache_cfg.batch_buckets
+    """Time every (phase, bucket, width) of the runner's spec (`ModelRunner.time_step`: graph
+    replays where captured, eager forwards otherwise). Leaves the round state as it found it."""
+    spec = runner.spec
     table = CostTable(spec)
-    s = runner.state
-    saved = [t.clone() for t in (s.start, s.bonus, s.ctx_n, s.ctx_feat, s.out)]
+    saved = runner.state.snapshot()
     t0 = time.perf_counter()
-    graphs = runner.graphs
-    kv_len = graphs.kv_buckets[0] if graphs is not None else runner.round_kv_len(64)
-    reps = reps if graphs is not None or runner.device.type == "cuda" else min(reps, CPU_REPS)
-    for B in buckets:
-        for phase, width, budget, sampled in entries(spec, B):
-            key = (phase, B, width, sampled)
+    graphed = runner.graphs is not None
+    kv_len = runner.graphs.kv_lengths[0] if graphed else runner.round_kv_len(64)
+    reps = reps if graphed or runner.device.type == "cuda" else min(reps, CPU_REPS)
+    for B in runner.cache_cfg.batch_buckets:
+        for st, sampled in entries(spec, B, runner.drafter is not None):
+            key = (st.phase, B, st.width, sampled)
             # rank 0's clock decides for every tensor-parallel rank: all must time the same forwards
-            late = graphs is None and from_leader(time.perf_counter() - t0 > time_limit_s, runner.target.tp)
-            if late and _estimate(table, key):
-                continue
+            late = not graphed and from_leader(time.perf_counter() - t0 > time_limit_s, runner.target.tp)
             mode = SampleMode.SAMPLE if sampled else SampleMode.GREEDY
-            fn = _graph_fn(graphs, phase, B, kv_len, budget, mode) if graphs is not None else \
-                _eager_fn(runner, phase, B, kv_len, budget, mode)
-            table.seconds[key] = _time(fn, _reset_fn(s, graphs, phase, B, kv_len, mode), runner.device, reps)
-    for t, v in zip((s.start, s.bonus, s.ctx_n, s.ctx_feat, s.out), saved):
-        t.copy_(v)
+            if late and _estimate(table, key):
+                if st.phase is Phase.DRAFT:   # its tree feeds the verifies timed after it
+                    runner.run_step(st, B, mode, kv_len)
+                continue
+            table.seconds[key] = runner.time_step(st, B, mode, kv_len, reps)
+    runner.state.restore(saved)
     table.measure_s = time.perf_counter() - t0
     return table
 
@@ -125,55 +119,3 @@ def _estimate(table: CostTable, key: tuple[Phase, int, int, bool]) -> bool:
         table.seconds[key] = table.seconds[(phase, b0, width, sampled)] * B / b0
     table.estimated.add(key)
     return True
-
-
-def _eager_fn(runner, phase: Phase, B: int, kv_len: int, budget: int, mode: SampleMode) -> Callable[[], None]:
-    rc = runner.round_ctx
-    if phase is Phase.CONTEXT:
-        return lambda: context_phase(rc, B)
-    if phase is Phase.DECODE:
-        return lambda: decode_round(rc, B, kv_len, mode)
-    if phase is Phase.DRAFT:
-        return lambda: draft_phase(rc, B, kv_len)
-    tree = draft_phase(rc, B, kv_len)   # verify times itself only: its tree is drafted once
-    return lambda: verify_phase(rc, B, kv_len, tree, mode, budget)
-
-
-def _reset_fn(s, graphs, phase: Phase, B: int, kv_len: int, mode: SampleMode) -> Callable[[], None]:
-    """Before each timed run: park the rows, and before a verify graph replay the draft graph of
-    the same mode. A verify graph reads the tree its own job's draft graph left in the graph
-    pool; another graph's replay may have reused that memory, and a tree of garbage indexes
-    out of bounds."""
-    if graphs is None or phase is not Phase.VERIFY:
-        return lambda: s.park(0, B)
-    draft = graphs.graphs[(Phase.DRAFT, B, mode, kv_len, 0)]
-
-    def reset() -> None:
-        s.park(0, B)
-        draft.replay()
-    return reset
-
-
-def _graph_fn(graphs, phase: Phase, B: int, kv_len: int, budget: int, mode: SampleMode) -> Callable[[], None]:
-    return graphs.graphs[(phase, B, mode, kv_len, budget)].replay
-
-
-def _time(fn: Callable[[], None], reset: Callable[[], None], device: torch.device, reps: int) -> float:
-    """Median seconds of `reps` runs of fn after one warm-up, each from the reset state."""
-    reset()
-    fn()
-    out = []
-    for _ in range(reps):
-        reset()
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t)
-    return statistics.median(out)

@@ -1,8 +1,10 @@
 """Owns the models, the KV caches and the per-row device state (one `RoundContext`, which the
-round functions and their CUDA graphs take); runs prefill and rounds."""
+round functions and their CUDA graphs take), the CUDA graphs over them and the per-phase timer;
+runs prefill and rounds. Every step of a round comes from the phase table (`phase_table`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,10 +15,14 @@ from drafttree.models.kv_cache import NULL_PAGE, KVLayout, PagedKVCache, attn_me
 from drafttree.parallel.comm import gather_objects
 from drafttree.parallel.commands import CommandChannel, command
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
+from drafttree.runner.cuda_graph import GraphKey, RoundGraphs
+from drafttree.runner.phase_table import PhaseStep, round_steps
 from drafttree.runner.phase_timer import PhaseTimer
-from drafttree.runner.prefill_plan import reach
+from drafttree.runner.prefill_graph import PrefillGraphs
+from drafttree.runner.prefill_plan import PrefillLimits, at_offsets, reach
+from drafttree.runner.timing import median_seconds
 from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
-from drafttree.spec_decode.rounds import context_phase, decode_round, draft_phase, verify_phase
+from drafttree.spec_decode.rounds import prefill_forward
 from drafttree.spec_decode.state import RoundContext, RoundState
 
 
@@ -79,10 +85,18 @@ class CacheConfig:
         return min(-(-needed // 128) * 128, self.max_len)
 
 
+@dataclass
+class RunnerCounters:
+    """What the runner counted since its last reset: seconds per phase (device time on CUDA), and
+    rounds and prefills that ran eagerly although graphs were captured."""
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    graph_fallbacks: int = 0
+    prefill_fallbacks: int = 0
+
+
 class ModelRunner:
     def __init__(self, target: DecoderLM, drafter: DFlashDrafter | None, spec: SpecConfig,
-                 cache: CacheConfig, device: torch.device, dtype: torch.dtype, prefill_chunk: int = 2048) -> None:
-        self.prefill_chunk = prefill_chunk
+                 cache: CacheConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.cache_cfg, self.device, self.dtype = cache, device, dtype
         tc: ModelConfig = target.cfg
         rows, pages, ps = cache.max_num_seqs, cache.num_pages, cache.page_size
@@ -99,19 +113,74 @@ class ModelRunner:
             dkv = PagedKVCache.allocate(KVLayout.of(dc), pages, ps, dtype, device)
             capture_layers = drafter.cfg.target_layer_ids
             feat = len(capture_layers) * tc.hidden_size
-        # pending drafter features: what one context phase writes, at most what a verify commits
+        # pending drafter features: what one context phase writes, at most what a verify commits;
+        # the draft tree: the widest verify of any batch bucket
         state = RoundState.allocate(rows, spec.width(Phase.CONTEXT), feat, dtype, device, cache.pages_per_row,
-                                    len(spec.budgets))
+                                    len(spec.budgets), spec.verify_width_max if spec.speculative else 0)
         self.round_ctx = RoundContext(target, drafter, spec, state, kv, dkv, capture_layers, rows)
         # Host-side bound on any row's pending drafter features (state.ctx_n), kept without a
         # sync: a verify leaves at most max_commit, a decode step adds one, a context phase
         # leaves one (its decode step's). Prefill and parking set 1, within any bound.
         self.ctx_bound = 1
-        self.graphs = None  # set by the engine when CUDA graphs are captured
-        self.prefill_graphs = None   # a PrefillGraphs, when the engine is asked for them
+        self.graphs: RoundGraphs | None = None            # `capture` makes them
+        self.prefill_graphs: PrefillGraphs | None = None
         self.timer = PhaseTimer(torch.device(device))
         # Rank 0 of a tensor-parallel engine: the `command` methods are sent to the other ranks first.
         self.channel: CommandChannel | None = None
+
+    def send_commands_to(self, channel: CommandChannel) -> None:
+        """Rank 0 of a tensor-parallel engine: every `command` method is sent over `channel` to the
+        other ranks before it runs here."""
+        self.channel = channel
+
+    # -- CUDA graphs and counters ---------------------------------------------------------------
+    def capture(self, modes: tuple[SampleMode, ...], prefill: PrefillLimits | None = None,
+                batch_sizes: list[int] | None = None, kv_lengths: list[int] | None = None) -> dict[str, float]:
+        """Capture the round graphs of every batch bucket, KV bucket and sampler mode in `modes`
+        (or the `batch_sizes` and `kv_lengths` given), and with `prefill` the prefill graphs of
+        every shape its limits allow. Returns host seconds per stage ("graphs <phase>", "graphs
+        warm-up", "prefill graphs")."""
+        cc = self.cache_cfg
+        self.graphs = RoundGraphs(self.round_ctx, self.timer, batch_sizes or cc.batch_buckets,
+                                  kv_lengths or cc.kv_buckets, modes, cc.pages_per_row)
+        out = {f"graphs {k}": v for k, v in self.graphs.capture().items()}
+        if prefill is not None:
+            t0 = time.perf_counter()
+            self.prefill_graphs = PrefillGraphs(self.round_ctx, prefill, cc.pages_per_row)
+            self.prefill_graphs.capture()
+            out["prefill graphs"] = time.perf_counter() - t0
+        return out
+
+    def describe_graphs(self) -> str:
+        """What was captured, in a line: round graphs, prefill graphs (from position 0, at offsets)."""
+        if self.graphs is None:
+            return "no CUDA graphs"
+        pg = self.prefill_graphs
+        shapes = [] if pg is None or pg.failed else list(pg.graphs)
+        offsets = at_offsets(shapes)
+        prefill = "prefill eager" if not shapes else \
+            f"{len(shapes)} prefill graphs ({len(shapes) - offsets} from position 0, {offsets} at offsets)"
+        return f"{len(self.graphs.graphs)} round graphs, {prefill}"
+
+    def graph_keys(self) -> set[GraphKey]:
+        """The round graphs captured (empty without graphs)."""
+        return set() if self.graphs is None else self.graphs.keys()
+
+    def counters(self) -> RunnerCounters:
+        self.timer.collect()
+        return RunnerCounters(dict(self.timer.totals), 0 if self.graphs is None else self.graphs.fallbacks,
+                              0 if self.prefill_graphs is None else self.prefill_graphs.fallbacks)
+
+    def collect_phase_times(self) -> None:
+        """Add the phases whose CUDA events have completed to the totals (no sync)."""
+        self.timer.collect()
+
+    def reset_counters(self) -> None:
+        self.timer.reset()
+        if self.graphs is not None:
+            self.graphs.fallbacks = 0
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.fallbacks = 0
 
     # What the rounds work on, read through the one RoundContext (graphs captured over it).
     @property
@@ -217,20 +286,7 @@ class ModelRunner:
         kv_len = min(self.cache_cfg.pages_for(int((start + lens).max())) * self.cache_cfg.page_size,
                      self.cache_cfg.max_len)
         meta = attn_meta(start, causal(n, W, dev), kv_len, block_table=table, page_size=self.cache_cfg.page_size)
-        dkv = (self.dkv.k, self.dkv.v) if self.drafter is not None else None
-        return self.prefill_forward(ids, pos, meta, (self.kv.k, self.kv.v), dkv, lens - 1)
-
-    def prefill_forward(self, ids: torch.Tensor, pos: torch.Tensor, meta, kv, dkv, at: torch.Tensor):
-        """One prefill forward of the target over [n, W] tokens, the drafter's context written
-        from it (when dkv) at the same slots; returns the hidden state and the drafter features
-        at column at[b] of each row. Features past a chunk's end are padding, written where the
-        cache is masked."""
-        hidden, aux = self.target(ids, pos, meta, *kv, self.capture_layers)
-        rows = torch.arange(ids.shape[0], device=ids.device)
-        if dkv is None:
-            return hidden[rows, at], None
-        self.drafter.write_context(aux, pos, *dkv, slots=meta.slots, rows=meta.rows)
-        return hidden[rows, at], aux[rows, at]
+        return prefill_forward(self.round_ctx, ids, pos, meta, lens - 1)
 
     @command
     def set_pages(self, row: int, first: int, pages: list[int]) -> None:
@@ -253,32 +309,24 @@ class ModelRunner:
             raise RuntimeError(f"a round over rows of up to {max_length} committed tokens; the cache holds "
                                f"{self.cache_cfg.max_model_len} per row")
         kv_len = self.round_kv_len(max_length)
-        phases = self.round_phases(B, mode, budget)
-        budget = self.verify_budget(B, phases, budget)
-        if self.graphs is None or not self.graphs.replay(B, mode, kv_len, phases, budget):
-            self.eager_round(B, kv_len, mode, phases, budget)
+        steps = self.round_steps(B, mode, budget)
+        if self.graphs is None or not self.graphs.replay(B, mode, kv_len, steps):
+            self.eager_round(B, kv_len, mode, steps)
         if self.drafter is not None:
+            phases = {st.phase for st in steps}
             self.ctx_bound = (self.spec.max_commit if Phase.VERIFY in phases
                               else 1 if Phase.CONTEXT in phases else self.ctx_bound + 1)
 
-    def round_phases(self, B: int, mode: SampleMode, budget: int | None = None) -> tuple[Phase, ...]:
-        """The phases of the next round over rows 0..B-1 at `budget`: draft and verify, or a
-        decode step, after a context phase when a row's pending drafter features could fill their
-        buffer."""
-        phases = self.spec.phases_at(self.cache_cfg.batch_bucket(B), mode is SampleMode.GREEDY, budget)
-        if phases == (Phase.DECODE,) and self.drafter is not None and self.ctx_bound >= self.spec.max_commit:
-            return (Phase.CONTEXT, Phase.DECODE)
-        return phases
-
-    def verify_budget(self, B: int, phases: tuple[Phase, ...], budget: int | None) -> int:
-        """The budget a round verifies at (0 for a decode round), checked against those its batch
-        bucket may run at."""
-        if Phase.VERIFY not in phases:
-            return 0
+    def round_steps(self, B: int, mode: SampleMode, budget: int | None = None) -> tuple[PhaseStep, ...]:
+        """The steps of the next round over rows 0..B-1 at `budget` (default: the largest the
+        batch bucket may run at in this mode): draft and verify, or a decode step, after a context
+        phase when a row's pending drafter features could fill their buffer. A budget the bucket
+        may not verify at is refused (`SpecConfig.width`)."""
         bucket = self.cache_cfg.batch_bucket(B)
-        b = self.spec.budget_at(bucket) if budget is None else budget
-        self.spec.width(Phase.VERIFY, bucket, b)   # asserts the budget is one of the bucket's
-        return b
+        if budget is None:
+            budget = max(self.spec.budgets_at(bucket, mode is SampleMode.GREEDY))
+        context = self.drafter is not None and self.ctx_bound >= self.spec.max_commit
+        return round_steps(self.spec, bucket, budget, context)
 
     def round_kv_len(self, max_length: int) -> int:
         """Attention length of a round over rows whose committed lengths are <= max_length."""
@@ -286,19 +334,27 @@ class ModelRunner:
         tight = self.graphs is None and self.device.type == "cpu"
         return self.cache_cfg.kv_tight(needed) if tight else self.cache_cfg.kv_bucket(needed)
 
-    def eager_round(self, B: int, kv_len: int, mode: SampleMode, phases: tuple[Phase, ...],
-                    budget: int | None = None) -> None:
-        if Phase.CONTEXT in phases:
-            with self.timer.phase("context"):
-                context_phase(self.round_ctx, B)
-        if Phase.DECODE in phases:
-            with self.timer.phase("decode"):
-                decode_round(self.round_ctx, B, kv_len, mode)
-            return
-        with self.timer.phase("draft"):
-            tree = draft_phase(self.round_ctx, B, kv_len)
-        with self.timer.phase("verify"):
-            verify_phase(self.round_ctx, B, kv_len, tree, mode, budget)
+    def eager_round(self, B: int, kv_len: int, mode: SampleMode, steps: tuple[PhaseStep, ...]) -> None:
+        for st in steps:
+            with self.timer.phase(st.phase.value):
+                st.run(self.round_ctx, B, kv_len, mode)
+
+    def run_step(self, st: PhaseStep, B: int, mode: SampleMode, kv_len: int) -> None:
+        """One step over rows 0..B-1 parked (a batch bucket of B), from its graph where one was
+        captured, else eagerly: what the cost model times."""
+        self.state.park(0, B)
+        g = None if self.graphs is None else self.graphs.get(st, B, mode, kv_len)
+        if g is not None:
+            g.replay()
+        else:
+            st.run(self.round_ctx, B, kv_len, mode)
+
+    @torch.inference_mode()
+    def time_step(self, st: PhaseStep, B: int, mode: SampleMode, kv_len: int, reps: int) -> float:
+        """Median seconds of `run_step` (after one untimed run), rows parked before each run."""
+        g = None if self.graphs is None else self.graphs.get(st, B, mode, kv_len)
+        fn = g.replay if g is not None else lambda: st.run(self.round_ctx, B, kv_len, mode)
+        return median_seconds(fn, lambda: self.state.park(0, B), self.device, reps)
 
     @command
     def move_row(self, src: int, dst: int) -> None:

@@ -23,15 +23,16 @@ up at start-up by `engine.warmup`).
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from drafttree.models.kv_cache import NULL_PAGE, attn_meta, causal
-from drafttree.runner.cuda_graph import collector_paused, warm_up
+from drafttree.runner.capture import capture_graph, collector_paused
 from drafttree.runner.prefill_plan import PrefillLimits, Shape, at_offsets
+from drafttree.spec_decode.rounds import prefill_forward
+from drafttree.spec_decode.state import RoundContext
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +49,19 @@ class PrefillBuffers:
 
 
 class PrefillGraphs:
-    def __init__(self, runner, limits: PrefillLimits) -> None:
-        self.r = weakref.proxy(runner)   # owned by the runner, as GraphRunner
-        self.limits = limits
+    """Prefill graphs over the round context's KV pools (the runner owns them: `ModelRunner.capture`)."""
+
+    def __init__(self, rc: RoundContext, limits: PrefillLimits, pages_per_row: int) -> None:
+        self.rc, self.limits, self.pages_per_row = rc, limits, pages_per_row
         self.graphs: dict[Shape, tuple[torch.cuda.CUDAGraph, PrefillBuffers]] = {}
         self.pool = None
         self.failed = False   # a capture ran out of memory: prefill stays eager from then on
         self.fallbacks = 0    # graphable prefills that ran eagerly (a shape not captured)
         self._warned: set[Shape] = set()
+
+    def widest(self) -> int:
+        """The widest chunk a captured graph takes (0: none captured)."""
+        return 0 if self.failed or not self.graphs else max(Pb for _, Pb, _ in self.graphs)
 
     def shapes(self) -> list[Shape]:
         """What `capture` captures: every shape a forward of the scheduler's can replay."""
@@ -76,7 +82,7 @@ class PrefillGraphs:
                     buf.lens.fill_(shape[1])
                     self.graphs[shape] = (self._capture(self.forward_fn(buf)), buf)
         except torch.cuda.OutOfMemoryError:
-            if self.r.target.tp is not None:
+            if self.rc.target.tp is not None:
                 raise   # the other ranks replay their graphs: an eager forward here would not meet them
             self.failed, self.graphs, self.pool = True, {}, None
             log.warning("out of memory capturing a prefill graph (%d prompts, %d tokens, attention over %d): "
@@ -84,17 +90,15 @@ class PrefillGraphs:
 
     def forward_fn(self, buf: PrefillBuffers) -> Callable[[], None]:
         """The prefill forward over the buffers: what is captured, and what the warm-up runs."""
-        r = self.r
+        rc = self.rc
         n, Pb = buf.ids.shape
         dev = buf.ids.device
         L = buf.kv_len or Pb
 
-        def run() -> None:   # as ModelRunner._prefill_forward, at the shape's L
+        def run() -> None:   # as ModelRunner's eager prefill, at the shape's L
             pos = buf.start[:, None] + torch.arange(Pb, device=dev)
-            meta = attn_meta(buf.start, causal(n, Pb, dev), L, block_table=buf.block_table,
-                             page_size=r.cache_cfg.page_size)
-            dkv = (r.dkv.k, r.dkv.v) if r.drafter is not None else None
-            h, f = r.prefill_forward(buf.ids, pos, meta, (r.kv.k, r.kv.v), dkv, buf.lens - 1)
+            meta = attn_meta(buf.start, causal(n, Pb, dev), L, block_table=buf.block_table, page_size=rc.page_size)
+            h, f = prefill_forward(rc, buf.ids, pos, meta, buf.lens - 1)
             buf.h_last.copy_(h)
             if f is not None:
                 buf.a_last.copy_(f)
@@ -146,22 +150,16 @@ class PrefillGraphs:
         return buf.h_last[:k], None if buf.a_last is None else buf.a_last[:k]
 
     def _buffers(self, n: int, Pb: int, L: int) -> PrefillBuffers:
-        r, dev = self.r, self.r.device
-        feat = r.state.ctx_feat.shape[2]
+        rc = self.rc
+        feat, dtype, dev = rc.state.ctx_feat.shape[2], rc.state.ctx_feat.dtype, rc.state.start.device
         zeros = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
-        table = torch.full((n, r.cache_cfg.pages_per_row), NULL_PAGE, dtype=torch.long, device=dev)
+        table = torch.full((n, self.pages_per_row), NULL_PAGE, dtype=torch.long, device=dev)
         return PrefillBuffers(zeros(n, Pb), zeros(n), zeros(n), table,
-                              torch.zeros(n, r.target.cfg.hidden_size, dtype=r.dtype, device=dev),
-                              torch.zeros(n, feat, dtype=r.dtype, device=dev) if r.drafter is not None else None, L)
+                              torch.zeros(n, rc.target.cfg.hidden_size, dtype=dtype, device=dev),
+                              torch.zeros(n, feat, dtype=dtype, device=dev) if rc.drafter is not None else None, L)
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()   # apart from the rounds' pool
-        warm_up(fn)
-        if self.r.target.tp is not None:   # no collective of the warm-up in flight (as GraphRunner.capture)
-            torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
         # a server's event loop runs in another thread meanwhile: its CUDA calls (none expected) stay allowed
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            fn()
-        return graph
+        return capture_graph(fn, self.pool, collectives=self.rc.target.tp is not None, other_threads=True)

@@ -128,11 +128,4 @@ class Boot:
 
 
 def _graphs(engine: Engine) -> str:
-    r = engine.runner
-    if r.graphs is None:
-        return "no CUDA graphs"
-    pg = r.prefill_graphs
-    offsets = 0 if pg is None else at_offsets(pg.graphs)
-    prefill = "prefill eager" if pg is None or pg.failed else \
-        f"{len(pg.graphs)} prefill graphs ({len(pg.graphs) - offsets} from position 0, {offsets} at offsets)"
-    return f"{len(r.graphs.graphs)} round graphs, {prefill}"
+    return engine.runner.describe_graphs()

@@ -1,8 +1,6 @@
 """Prometheus metrics of one server, kept in their own registry and fed from the engine thread."""
 from __future__ import annotations
 
-import copy
-
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -73,12 +71,10 @@ class ServerMetrics:
                                    registry=r)
         self.free_pages = Gauge("drafttree_kv_free_pages", "KV pages free (cached prefix pages included)", registry=r)
         self._seen = EngineStats()         # engine totals already exported
-        self._seen_fallbacks = 0
-        self._seen_prefill_fallbacks = 0
-        self._seen_phases: dict[str, float] = {}
 
     def sync(self, engine: Engine) -> None:
-        """Export what the engine counted since the last sync. Call on the engine thread only."""
+        """Export what the engine counted since the last sync (`Engine.stats`, a snapshot). Call on
+        the engine thread only."""
         s, seen = engine.stats, self._seen
         self.requests.inc(s.requests - seen.requests)
         self.prompt_tokens.inc(s.prompt_tokens - seen.prompt_tokens)
@@ -102,16 +98,10 @@ class ServerMetrics:
         if new_rounds:
             for _ in range(new_rounds):
                 self.round_duration.observe(spent / new_rounds)
-        graphs = getattr(engine.runner, "graphs", None)
-        fallbacks = int(graphs.fallbacks) if graphs is not None else 0
-        self.fallbacks.inc(max(fallbacks - self._seen_fallbacks, 0))
-        pg = engine.runner.prefill_graphs
-        prefill_fallbacks = int(pg.fallbacks) if pg is not None else 0
-        self.prefill_fallbacks.inc(max(prefill_fallbacks - self._seen_prefill_fallbacks, 0))
-        self._seen_prefill_fallbacks = prefill_fallbacks
-        phases = dict(engine.runner.timer.totals)
-        for name, total in phases.items():
-            self.phase_seconds.labels(phase=name).inc(max(total - self._seen_phases.get(name, 0.0), 0.0))
+        self.fallbacks.inc(max(s.graph_fallbacks - seen.graph_fallbacks, 0))
+        self.prefill_fallbacks.inc(max(s.prefill_fallbacks - seen.prefill_fallbacks, 0))
+        for name, total in s.phase_seconds.items():
+            self.phase_seconds.labels(phase=name).inc(max(total - seen.phase_seconds.get(name, 0.0), 0.0))
         self.running.set(len(engine.running))
         self.waiting.set(len(engine.waiting))
         self.prefix_queries.inc(s.prefix_cache_queries - seen.prefix_cache_queries)
@@ -119,8 +109,7 @@ class ServerMetrics:
         self.prefix_hit_rate.set(s.prefix_cache_hit_rate)
         self.preemptions.inc(s.preemptions - seen.preemptions)
         self.free_pages.set(engine.free_pages)
-        self._seen = copy.deepcopy(s)
-        self._seen_fallbacks, self._seen_phases = fallbacks, phases
+        self._seen = s   # a snapshot already: later steps do not change it
 
     def startup(self, stages: dict[str, float], total: float) -> None:
         for name, seconds in stages.items():

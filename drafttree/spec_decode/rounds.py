@@ -130,8 +130,9 @@ def tree_builder(device: torch.device, budget: int):
 
 
 def draft_phase(rc: RoundContext, B: int, kv_len: int) -> DraftTree:
-    """Draft one block and shape it into the tree (or chain) to verify."""
-    return make_tree(rc, draft(rc, B, kv_len), B)
+    """Draft one block and shape it into the tree (or chain) to verify, kept in the round
+    state's tree buffers (the verify phase reads it there); returns their view."""
+    return rc.state.store_tree(make_tree(rc, draft(rc, B, kv_len), B))
 
 
 def verify_forward(rc: RoundContext, B: int, kv_len: int, tree: DraftTree,
@@ -152,18 +153,32 @@ def accept_commit(rc: RoundContext, B: int, tree: DraftTree, picks: torch.Tensor
     commit(rc, B, acc.path, acc.accept_len, acc.tokens, aux)
 
 
-def verify_phase(rc: RoundContext, B: int, kv_len: int, tree: DraftTree, mode: SampleMode,
-                 budget: int | None = None) -> None:
-    """Verify the draft's tree at `budget` (default: the bucket's largest, the tree's own):
-    its first budget + 1 columns, the best tree of that budget."""
+def verify_phase(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, budget: int | None = None) -> None:
+    """Verify the tree the draft phase left in the round state at `budget` (default: the
+    bucket's largest, the tree's own): its first budget + 1 columns, the best tree of that budget."""
     width = rc.spec.width(Phase.VERIFY, rc.batch_bucket(B), budget)
-    tree = tree.first(width)
+    tree = rc.state.tree_at(B, width)
     assert tree.num_nodes == width, f"a tree of {tree.num_nodes} nodes for verify width {width}"
     accept_commit(rc, B, tree, *verify_forward(rc, B, kv_len, tree, mode))
 
 
 def spec_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, budget: int | None = None) -> None:
-    verify_phase(rc, B, kv_len, draft_phase(rc, B, kv_len), mode, budget)
+    draft_phase(rc, B, kv_len)
+    verify_phase(rc, B, kv_len, mode, budget)
+
+
+def prefill_forward(rc: RoundContext, ids: torch.Tensor, pos: torch.Tensor, meta, at: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One prefill forward of the target over [n, W] tokens at positions `pos`, the drafter's
+    context written from it (with a drafter) at the same slots; returns the hidden state and the
+    drafter features at column at[b] of each row. Features past a chunk's end are padding,
+    written where the cache is masked."""
+    hidden, aux = rc.target(ids, pos, meta, rc.kv.k, rc.kv.v, rc.capture_layers)
+    rows = torch.arange(ids.shape[0], device=ids.device)
+    if rc.drafter is None:
+        return hidden[rows, at], None
+    rc.drafter.write_context(aux, pos, rc.dkv.k, rc.dkv.v, slots=meta.slots, rows=meta.rows)
+    return hidden[rows, at], aux[rows, at]
 
 
 def commit(rc: RoundContext, B: int, path: torch.Tensor, tau: torch.Tensor, tokens: torch.Tensor,

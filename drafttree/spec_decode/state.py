@@ -11,6 +11,7 @@ from drafttree.models.dflash import DFlashDrafter
 from drafttree.models.kv_cache import NULL_PAGE, PagedKVCache
 from drafttree.phases import SpecConfig, batch_bucket
 from drafttree.sampling import SamplingTensors
+from drafttree.spec_decode.tree import DraftTree
 
 
 @dataclass
@@ -32,6 +33,9 @@ class RoundState:
                                  # engine copies it to the host as is)
     block_table: torch.Tensor    # [R, N] long: row b's pages, position j in page block_table[b, j // page_size];
                                  # N = pages of max_model_len + kv_headroom; unused entries: the null page
+    tree: DraftTree | None = None   # [R, T] (visible [R, T, T]): the draft phase's tree, which the verify
+                                 # phase reads (a verify graph replays after any draft that wrote it);
+                                 # T = spec.verify_width_max; None without speculation
 
     @property
     def out_n(self) -> torch.Tensor:      # [R]
@@ -47,13 +51,50 @@ class RoundState:
 
     @classmethod
     def allocate(cls, rows: int, commit: int, feat_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, pages_per_row: int, predictions: int = 0) -> "RoundState":
+                 device: torch.device | str, pages_per_row: int, predictions: int = 0,
+                 tree_width: int = 0) -> "RoundState":
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
+        tree = None
+        if tree_width:
+            T = tree_width
+            flag = lambda *s: torch.zeros(*s, dtype=torch.bool, device=device)  # noqa: E731
+            tree = DraftTree(z(rows, T), z(rows, T), z(rows, T), flag(rows, T), flag(rows, T, T))
         state = cls(z(rows), z(rows), torch.zeros(rows, commit, max(feat_dim, 1), dtype=dtype, device=device),
                     z(rows), SamplingTensors.empty(rows, device), z(rows, 1 + commit + predictions),
-                    z(rows, pages_per_row))
+                    z(rows, pages_per_row), tree)
         state.park(0, rows)
         return state
+
+    def store_tree(self, tree: DraftTree) -> DraftTree:
+        """Keep the draft phase's tree for rows 0..B-1 (B, W: its shape) in the tree buffers;
+        returns the view the verify phase reads (`tree_at`)."""
+        B, W = tree.tokens.shape
+        assert self.tree is not None and W <= self.tree.num_nodes, \
+            f"a tree of {W} nodes for tree buffers of {0 if self.tree is None else self.tree.num_nodes}"
+        _store_tree(self.tree, tree, B, W)
+        return self.tree_at(B, W)
+
+    def tree_at(self, B: int, width: int) -> DraftTree:
+        """The stored tree's first `width` columns for rows 0..B-1 (views: no copy)."""
+        t = self.tree
+        return DraftTree(t.tokens[:B, :width], t.parents[:B, :width], t.depth[:B, :width], t.valid[:B, :width],
+                         t.visible[:B, :width, :width])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer a round writes (K/V aside): what `snapshot` keeps."""
+        out = [self.start, self.bonus, self.ctx_feat, self.ctx_n, self.out, self.block_table]
+        if self.tree is not None:
+            t = self.tree
+            out += [t.tokens, t.parents, t.depth, t.valid, t.visible]
+        return out
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """A copy of the round state, for `restore` (capture and timing run rounds on it)."""
+        return [t.clone() for t in self.tensors()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for t, v in zip(self.tensors(), saved, strict=True):
+            t.copy_(v)
 
     def park(self, b: int, B: int) -> None:
         """Rows b..B-1 hold no request: a harmless state that a round may run on (no host sync).
@@ -66,6 +107,7 @@ class RoundState:
             self.block_table[b:B].fill_(NULL_PAGE)
 
     def copy_row(self, src: int, dst: int) -> None:
+        # the tree is rewritten by every draft phase: nothing in it outlives a round
         for t in (self.start, self.bonus, self.ctx_feat, self.ctx_n, self.out, self.block_table):
             t[dst] = t[src]
         self.sampling.copy_row(src, dst)
@@ -93,3 +135,11 @@ class RoundContext:
     @property
     def page_size(self) -> int:
         return self.kv.page_size
+
+
+def _store_tree(dst: DraftTree, src: DraftTree, B: int, W: int) -> None:
+    dst.tokens[:B, :W] = src.tokens
+    dst.parents[:B, :W] = src.parents
+    dst.depth[:B, :W] = src.depth
+    dst.valid[:B, :W] = src.valid
+    dst.visible[:B, :W, :W] = src.visible

@@ -97,7 +97,7 @@ def _params(temperature: float, max_tokens: int, seed: int, n: int) -> list[Samp
 
 
 def _decode(llm, ids: list[list[int]], cell: Cell, max_tokens: int, seed: int) -> tuple[dict[str, Any], list[list[int]]]:
-    llm.engine.stats.budget_hist.clear()
+    before = llm.engine.stats.budget_hist
     t0 = time.perf_counter()
     outs = llm.generate(ids, _params(cell.temperature, max_tokens, seed, len(ids)))
     seconds = time.perf_counter() - t0
@@ -111,7 +111,7 @@ def _decode(llm, ids: list[list[int]], cell: Cell, max_tokens: int, seed: int) -
         "generated_tokens": sum(len(o.token_ids) for o in outs), "seconds": seconds,
         "accept_histogram": dict(sorted(hist.items())), "block_size": llm.engine.spec.block_size,
         # engine rounds per budget they ran at (0: plain decode rounds; there should be none)
-        "budget_histogram": {str(k): v for k, v in sorted(llm.engine.stats.budget_hist.items())},
+        "budget_histogram": {str(k): v for k, v in sorted((llm.engine.stats.budget_hist - before).items())},
         "max_tokens": max_tokens,
     }, [o.token_ids for o in outs]
 

@@ -1,0 +1,62 @@
+"""Text in and out of an engine: prompts to token ids, and each request's output ids to text,
+incrementally, with its stop strings."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from drafttree.engine.sequence import Sequence
+
+
+def load_tokenizer(path: Path | None):
+    """The model directory's tokenizer (transformers'), or None where it has none."""
+    if path is None or not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                              "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+class TextCodec:
+    """A model's tokenizer (or none: token ids only) and its end-of-sequence ids."""
+
+    def __init__(self, tokenizer, eos_ids: set[int], vocab_size: int, where: Path | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.eos_ids = set(eos_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.vocab_size = vocab_size
+        self.where = where
+
+    def encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        """(token ids, the text or None): text is tokenized as is (no special tokens added); ids
+        are checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.where} has no tokenizer: pass token ids instead of text")
+            return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        return ids, None
+
+    def detokenize(self, seq: Sequence) -> None:
+        """Extend seq.text by the new tokens' text: decode a short window ending at the new tokens
+        (not the whole output) and hold back a trailing partial character; a stop string in it
+        ends the request there."""
+        ids = seq.output_ids
+        if ids and ids[-1] in self.eos_ids and not seq.params.ignore_eos:
+            ids = ids[:-1]
+        prefix, read = seq.detok_offsets
+        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
+        after = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and (not after.endswith("\ufffd") or seq.finished):
+            old = len(seq.text)
+            seq.text += after[len(before):]
+            seq.detok_offsets = (max(read, len(ids) - 4), len(ids))
+            for stop in seq.params.stop:
+                i = seq.text.find(stop, max(0, old - len(stop) + 1))
+                if i >= 0:
+                    seq.text = seq.text[:i]
+                    seq.finish("stop")
+                    seq.finish_reason = "stop"   # a stop string in the last tokens outranks the length limit

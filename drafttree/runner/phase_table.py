@@ -1,0 +1,106 @@
+"""The phase table: every forward a round can run, with its function, its width and the static
+buffers it reads and writes.
+
+The runner's eager rounds, the CUDA graphs (one per step), the cost model and `bench.phases` all
+take their steps from here: a step's function, its width (`SpecConfig.width`) and its buffers are
+written once. A round is a context phase (a drafter's pending features written, when they could
+fill their buffer) and a decode step, or a draft (at the batch bucket's largest budget: its tree
+is stored in the round state) and a verify of that tree's first budget + 1 nodes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from drafttree.phases import Phase, SpecConfig
+from drafttree.sampling import SampleMode
+from drafttree.spec_decode.rounds import context_phase, decode_round, draft_phase, verify_phase
+from drafttree.spec_decode.state import RoundContext
+
+# Unfiltered sampling (top-p 1, the API default) has its own graphs: the filtered ones would give
+# the same tokens but find every row's top-k / top-p threshold each round.
+CAPTURED_MODES = (SampleMode.GREEDY, SampleMode.SAMPLE, SampleMode.FILTERED)
+
+Run = Callable[[RoundContext, int, int, SampleMode, int], object]
+
+# phase -> (function of (round context, rows B, KV length, sampler mode, budget), state buffers it
+# reads or writes beyond the KV pools)
+TABLE: dict[Phase, tuple[Run, tuple[str, ...]]] = {
+    Phase.CONTEXT: (lambda rc, B, L, mode, n: context_phase(rc, B), ("pending features",)),
+    Phase.DECODE: (lambda rc, B, L, mode, n: decode_round(rc, B, L, mode),
+                   ("pending features", "committed tokens", "block table")),
+    Phase.DRAFT: (lambda rc, B, L, mode, n: draft_phase(rc, B, L),
+                  ("pending features", "draft tree", "predictions", "block table")),
+    Phase.VERIFY: (lambda rc, B, L, mode, n: verify_phase(rc, B, L, mode, n),
+                   ("draft tree", "pending features", "committed tokens", "block table")),
+}
+
+
+@dataclass(frozen=True)
+class PhaseStep:
+    phase: Phase
+    budget: int      # the verify's budget; 0 for the other phases
+    width: int       # tokens per request in its forward: spec.width(phase, bucket, budget)
+
+    def run(self, rc: RoundContext, B: int, kv_len: int, mode: SampleMode) -> None:
+        """This step over rows 0..B-1, attending over kv_len cache slots."""
+        TABLE[self.phase][0](rc, B, kv_len, mode, self.budget)
+
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        return TABLE[self.phase][1]
+
+
+def step(spec: SpecConfig, phase: Phase, bucket: int, budget: int = 0) -> PhaseStep:
+    """The step of `phase` over a batch bucket (a verify at `budget`), its width from the spec."""
+    b = budget if phase is Phase.VERIFY else 0
+    return PhaseStep(phase, b, spec.width(phase, bucket, b if phase is Phase.VERIFY else None))
+
+
+def bucket_steps(spec: SpecConfig, bucket: int, mode: SampleMode, drafter: bool) -> tuple[PhaseStep, ...]:
+    """Every step a round over the batch bucket in `mode` may run, in the order a round runs them:
+    the context phase (with a drafter), the decode step, then the draft and a verify per budget
+    the bucket may verify at in this mode."""
+    out = [step(spec, Phase.CONTEXT, bucket)] if drafter else []
+    out.append(step(spec, Phase.DECODE, bucket))
+    budgets = [n for n in spec.budgets_at(bucket, mode is SampleMode.GREEDY) if n]
+    if budgets:
+        out.append(step(spec, Phase.DRAFT, bucket))
+        out += [step(spec, Phase.VERIFY, bucket, n) for n in budgets]
+    return tuple(out)
+
+
+def round_steps(spec: SpecConfig, bucket: int, budget: int, context: bool) -> tuple[PhaseStep, ...]:
+    """The steps of one round over the batch bucket at `budget` (0: a decode step, after a context
+    phase when `context`); the budget must be one the bucket may verify at."""
+    if budget == 0:
+        return ((step(spec, Phase.CONTEXT, bucket),) if context else ()) + (step(spec, Phase.DECODE, bucket),)
+    return step(spec, Phase.DRAFT, bucket), step(spec, Phase.VERIFY, bucket, budget)
+
+
+def buffer_widths(rc: RoundContext, bucket: int, pages_per_row: int) -> dict[str, tuple[int, int]]:
+    """(have, want) per static buffer of the round state, want from the spec: pending drafter
+    features and committed tokens per row, the block table's pages (max_model_len plus the widest
+    round's writes: `pages_per_row`), the draft tree (the widest verify of any bucket) and the
+    acceptance model's predictions (one per budget). Host-known shapes: no sync."""
+    s, spec = rc.state, rc.spec
+    out = {"pending features": (s.ctx_feat.shape[1], spec.width(Phase.CONTEXT, bucket)),
+           "committed tokens": (s.out_tokens.shape[1], spec.max_commit),
+           "block table": (s.block_table.shape[1], pages_per_row),
+           "predictions": (s.out_pred.shape[1], len(spec.budgets))}
+    if spec.speculative:
+        have = s.tree.num_nodes if s.tree is not None else 0
+        out["draft tree"] = (have, spec.verify_width_max)
+    return out
+
+
+def check_widths(rc: RoundContext, steps: tuple[PhaseStep, ...], bucket: int, pages_per_row: int) -> None:
+    """The buffers `steps` read and write have the widths the spec gives, and a verify's tree
+    fits the tree buffer."""
+    widths = buffer_widths(rc, bucket, pages_per_row)
+    used = {name for st in steps for name in st.buffers}
+    bad = {k: v for k, v in widths.items() if k in used and v[0] != v[1]}
+    assert not bad, f"batch bucket {bucket}: buffer widths (have, want) {bad}"
+    tree = widths.get("draft tree", (0, 0))[0]
+    wide = [st.width for st in steps if st.phase is Phase.VERIFY and st.width > tree]
+    assert not wide, f"batch bucket {bucket}: a verify of {max(wide, default=0)} nodes, tree buffers of {tree}"

@@ -67,3 +67,21 @@ def test_a_module_outside_every_layer_is_caught(tmp_path):
                            "pkg/extra.py": ""})
     r = check(str(pkg), "--layers", LAYERS)
     assert r.returncode == 1 and "not in any layer: pkg.extra" in r.stdout, r.stdout
+
+
+def test_imports_between_apart_packages_are_caught(tmp_path):
+    """Entries of one apart group import neither each other nor each other's modules, even in one
+    layer; each may import within itself and below, and a package outside the group may import
+    them all."""
+    pkg = write(tmp_path, {
+        "pkg/__init__.py": "", "pkg/cli.py": "from pkg.a import x\nfrom pkg.b import y\n",
+        "pkg/a/__init__.py": "", "pkg/a/x.py": "from pkg.a import z\nfrom pkg.low import c\n", "pkg/a/z.py": "",
+        "pkg/b/__init__.py": "", "pkg/b/y.py": "def f():\n    from pkg.a.x import g\n",
+        "pkg/low/__init__.py": "", "pkg/low/c.py": "",
+    })
+    layers = "pkg,pkg.cli;pkg.a,pkg.b;pkg.low"
+    assert check(str(pkg), "--layers", layers).returncode == 0    # apart only when told
+    r = check(str(pkg), "--layers", layers, "--apart", "pkg.a,pkg.b")
+    assert r.returncode == 1
+    assert r.stdout.splitlines() == ["import between apart packages: pkg.b.y (pkg.b) imports pkg.a.x (pkg.a) at "
+                                     "pkg/b/y.py:2; pkg.a, pkg.b import none of each other"], r.stdout

@@ -31,7 +31,7 @@ from pathlib import Path
 # server) sit above the engine and may import anything below them; nothing in the engine's stack
 # imports them. `drafttree` alone is the package's __init__ (its names load lazily). The bottom
 # layer imports nothing above it: the config modules, prompt files (the trainer's and the
-# benchmarks').
+# benchmarks'), the tiny random targets (the tests' and the host-side benchmarks').
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("drafttree", "drafttree.cli", "drafttree.__main__"),
     ("drafttree.server", "drafttree.bench", "drafttree.train"),
@@ -41,7 +41,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("drafttree.spec_decode", "drafttree.sampling"),
     ("drafttree.models",),
     ("drafttree.kernels", "drafttree.parallel"),
-    ("drafttree.config", "drafttree.moe_config", "drafttree.phases", "drafttree.settings", "drafttree.prompts"),
+    ("drafttree.config", "drafttree.moe_config", "drafttree.phases", "drafttree.settings", "drafttree.prompts",
+     "drafttree.tiny_target"),
 )
 
 # The side packages are apart: each stands on the engine, none on another.

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from drafttree import LLM, SamplingParams  # noqa: E402
-from tests.tiny import make_target  # noqa: E402
+from drafttree.tiny_target import make_target  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--rows", type=int, default=128)

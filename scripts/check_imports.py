@@ -11,7 +11,12 @@ types only. Dynamic imports (`importlib.import_module`) are not seen.
 A module may import modules of its own layer or of a layer below it (LAYERS, top first). Every
 module must belong to a layer: a new package is placed in the order before it is used.
 
-Usage: python3 scripts/check_imports.py [PACKAGE_DIR] [--layers 'a.x,a.y;a.z;...'] [--edges]
+Some packages are parts of their own (APART: groups of entries, matched as LAYERS' are): a module
+under one entry of a group may not import a module under another entry of the same group, whatever
+their layers. What two of them share moves to a module below both.
+
+Usage: python3 scripts/check_imports.py [PACKAGE_DIR] [--layers 'a.x,a.y;a.z;...'] [--apart 'a.x,a.y;...']
+                                        [--edges]
 Prints one line per problem and exits 1 when there is any; 0 and a summary line otherwise.
 """
 from __future__ import annotations
@@ -24,7 +29,9 @@ from pathlib import Path
 
 # drafttree's layers, top first. Entry points and the side packages (a benchmark, the trainer, the
 # server) sit above the engine and may import anything below them; nothing in the engine's stack
-# imports them. `drafttree` alone is the package's __init__ (its names load lazily).
+# imports them. `drafttree` alone is the package's __init__ (its names load lazily). The bottom
+# layer imports nothing above it: the config modules, prompt files (the trainer's and the
+# benchmarks'), the tiny random targets (the tests' and the host-side benchmarks').
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("drafttree", "drafttree.cli", "drafttree.__main__"),
     ("drafttree.server", "drafttree.bench", "drafttree.train"),
@@ -34,7 +41,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("drafttree.spec_decode", "drafttree.sampling"),
     ("drafttree.models",),
     ("drafttree.kernels", "drafttree.parallel"),
-    ("drafttree.config", "drafttree.moe_config", "drafttree.phases", "drafttree.settings"),
+    ("drafttree.config", "drafttree.moe_config", "drafttree.phases", "drafttree.settings", "drafttree.prompts",
+     "drafttree.tiny_target"),
+)
+
+# The side packages are apart: each stands on the engine, none on another.
+APART: tuple[tuple[str, ...], ...] = (
+    ("drafttree.server", "drafttree.bench", "drafttree.train"),
 )
 
 
@@ -110,16 +123,22 @@ def _known(g: Graph, names: tuple[str, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def layer_of(module: str, layers: tuple[tuple[str, ...], ...], root: str) -> int | None:
-    """Index of the layer whose longest matching entry names the module or a package above it
-    (the root entry names the package's __init__ alone)."""
-    best, best_len = None, -1
-    for i, entries in enumerate(layers):
+def entry_of(module: str, groups: tuple[tuple[str, ...], ...], root: str) -> tuple[int, str] | None:
+    """(group index, entry) of the longest entry that names the module or a package above it (the
+    root entry names the package's __init__ alone); None when no entry does."""
+    best: tuple[int, str] | None = None
+    for i, entries in enumerate(groups):
         for e in entries:
             hit = module == e or (e != root and module.startswith(e + "."))
-            if hit and len(e) > best_len:
-                best, best_len = i, len(e)
+            if hit and (best is None or len(e) > len(best[1])):
+                best = (i, e)
     return best
+
+
+def layer_of(module: str, layers: tuple[tuple[str, ...], ...], root: str) -> int | None:
+    """Index of the layer whose longest matching entry names the module or a package above it."""
+    hit = entry_of(module, layers, root)
+    return hit[0] if hit else None
 
 
 def cycles(g: Graph) -> list[list[str]]:
@@ -185,7 +204,7 @@ def cycle_path(g: Graph, comp: list[str]) -> list[str]:
     return comp
 
 
-def problems(g: Graph, layers: tuple[tuple[str, ...], ...]) -> list[str]:
+def problems(g: Graph, layers: tuple[tuple[str, ...], ...], apart: tuple[tuple[str, ...], ...] = ()) -> list[str]:
     out = []
     rel = lambda m: g.files[m].relative_to(g.base)  # noqa: E731
 
@@ -204,6 +223,10 @@ def problems(g: Graph, layers: tuple[tuple[str, ...], ...]) -> list[str]:
         if la is not None and lb is not None and lb < la:
             out.append(f"upward import: {a} (layer {la}: {', '.join(layers[la])}) imports {b} "
                        f"(layer {lb}: {', '.join(layers[lb])}) at {where(a, b)}")
+        pa, pb = entry_of(a, apart, g.root), entry_of(b, apart, g.root)
+        if pa and pb and pa[0] == pb[0] and pa[1] != pb[1]:
+            out.append(f"import between apart packages: {a} ({pa[1]}) imports {b} ({pb[1]}) at {where(a, b)}; "
+                       f"{', '.join(apart[pa[0]])} import none of each other")
     return out
 
 
@@ -216,21 +239,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("package", nargs="?", default=str(Path(__file__).resolve().parent.parent / "drafttree"))
     p.add_argument("--layers", default=None, help="the layer order, top first: 'a.x,a.y;a.z;...'")
+    p.add_argument("--apart", default=None, help="groups of packages none of which imports another: 'a.x,a.y;...'")
     p.add_argument("--edges", action="store_true", help="also print every import found")
     a = p.parse_args(argv)
     layers = parse_layers(a.layers) if a.layers else LAYERS
+    apart = parse_layers(a.apart) if a.apart is not None else APART
     g = collect(Path(a.package))
     if a.edges:
         for (x, y), line in sorted(g.edges.items()):
             print(f"{x} -> {y}  (line {line})")
-    found = problems(g, layers)
+    found = problems(g, layers, apart)
     for line in found:
         print(line)
     if found:
         print(f"{len(found)} problem(s) in {g.root}'s imports", file=sys.stderr)
         return 1
     print(f"{g.root}: {len(g.files)} modules, {len(g.edges)} imports, no cycles, all imports run down "
-          f"{len(layers)} layers")
+          f"{len(layers)} layers, none between apart packages")
     return 0
 
 

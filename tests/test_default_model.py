@@ -309,7 +309,7 @@ def test_a_text_conversation_is_answered_in_its_chat_template(converted_dir: Pat
 
     from transformers import AutoTokenizer
 
-    from drafttree.train.data import Conversation
+    from drafttree.prompts import Conversation
     from drafttree.train.regen import RegenConfig, regenerate
 
     conv = Conversation(("Name a color.", "And another one?"))

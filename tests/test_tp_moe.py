@@ -29,7 +29,7 @@ from drafttree.parallel.group import TPGroup
 from drafttree.parallel.shard import expert_span, kv_span, q_span, valid_sizes
 from tests.helpers import interpreted_on_cpu, make_prompts, requires_triton
 from tests.moe_tiny import fp8_copy, make_moe_target, paged_logits
-from tests.test_tp import fake_group, mixed, sharded
+from tests.tp_helpers import fake_group, mixed, sharded
 
 FORMS = ("gathered", "all", "sorted")
 

@@ -15,19 +15,16 @@ from safetensors import safe_open
 from drafttree.loader.weights import load_target
 from drafttree.loader.drafter import load_drafter
 from drafttree.models.kv_cache import KVCache, attn_meta
-from drafttree.train.cli import main
-from drafttree.train.data import (
+from drafttree.prompts import (
     Conversation,
-    TrainSequence,
-    closing_loop,
     iter_json_array,
     load_sharegpt_conversations,
     load_sharegpt_prompts,
     read_prompts,
-    read_sequences,
     write_prompts,
-    write_sequences,
 )
+from drafttree.train.cli import main
+from drafttree.train.data import TrainSequence, closing_loop, read_sequences, write_sequences
 from drafttree.train.forward import FeatureExtractor, drafter_train_forward
 from drafttree.train.recipe import (
     IGNORE,
@@ -743,12 +740,12 @@ def test_code_prompts_come_from_public_documented_functions(tmp_path):
 
 
 def test_prompts_stage_mixes_code_into_the_training_prompts(tmp_path, monkeypatch):
-    import drafttree.train.data as data
+    import drafttree.prompts as prompts
     f = tmp_path / "sharegpt.json"
     records = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "a"},
                                   {"from": "human", "value": f"follow-up {i}"}]} for i in range(12)]
     f.write_text(json.dumps(records))
-    monkeypatch.setattr(data, "sharegpt_path", lambda: f)
+    monkeypatch.setattr(prompts, "sharegpt_path", lambda: f)
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "mod.py").write_text(CODE)
     out = tmp_path / "run"

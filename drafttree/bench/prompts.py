@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from drafttree.prompts import Conversation, load_sharegpt_prompts, read_prompts
+
 Prompt = str | list[int]
 
 
@@ -22,8 +24,7 @@ def humaneval(n: int) -> list[str]:
 
 
 def from_jsonl(path: Path, n: int | None) -> list[Prompt]:
-    """The prompts of a JSONL file (`train.data.read_prompts`); conversations are training input."""
-    from drafttree.train.data import Conversation, read_prompts
+    """The prompts of a JSONL file (`drafttree.prompts.read_prompts`); conversations are training input."""
     out = read_prompts(path, n)
     if any(isinstance(p, Conversation) for p in out):
         raise ValueError(f"{path}: holds conversations ('turns'); the bench decodes single prompts "
@@ -38,7 +39,6 @@ def load_prompts(name: str, n: int, random_vocab: int | None = None) -> list[Pro
     if name == "humaneval":
         return humaneval(n)
     if name == "sharegpt-heldout":
-        from drafttree.train.data import load_sharegpt_prompts
         _, heldout = load_sharegpt_prompts(seed=0)
         return heldout[:n]
     path = Path(name)

@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from drafttree.prompts import Conversation, Prompt, load_sharegpt_conversations, read_prompts, write_prompts
 from drafttree.train.code_prompts import code_prompts, stdlib_root
-from drafttree.train.data import (Conversation, Prompt, load_sharegpt_conversations, read_prompts, responses_path,
-                                  write_prompts)
+from drafttree.train.data import responses_path
 from drafttree.train.parallel import Group, close_group, init_group
 from drafttree.train.regen import RegenConfig
 

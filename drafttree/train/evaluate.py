@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from drafttree.prompts import Prompt
 from drafttree.sampling import SamplingParams
-from drafttree.train.data import Prompt
 from drafttree.train.regen import RegenConfig, encode_prompt, make_llm
 
 

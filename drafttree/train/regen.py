@@ -16,8 +16,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from drafttree.prompts import Conversation, Prompt
 from drafttree.sampling import SampleMode, SamplingParams
-from drafttree.train.data import Conversation, Prompt, is_responses_file, regenerated
+from drafttree.train.data import is_responses_file, regenerated
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,14 @@ of the K2.5 / K2.6 configs give (K2.6 keeps K2.5's language model and int4 schem
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from drafttree.cli import main
 from drafttree.config import ModelConfig
 from drafttree.engine.memory_plan import (CONTEXT_GIB, KINDS, NCCL_GIB, Device, GiB, plan_memory, read_config,
                                           weight_format)
@@ -245,6 +247,25 @@ def test_the_drafter_whole_and_in_fp8():
         assert plan.ranks[0].weights["drafter"] == sum(t.numel() * t.element_size() for t in tensors)
         assert plan.ranks[0].kv_bytes_per_token == sum(KVLayout.of(c).bytes_per_token(torch.bfloat16)
                                                        for c in (cfg, drafter.cfg.model))
+
+
+# -- the command ---------------------------------------------------------------------------------------
+
+def test_graphs_prints_the_plan_from_a_config_alone(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    capsys.readouterr()
+    assert main(["graphs", "--model", str(KIMI), "-tp", "8", "--max-num-seqs", "16", "--gpu-memory-utilization",
+                 "0.95"]) == 0
+    out = capsys.readouterr().out
+    cfg, raw = kimi()
+    tokens = plan_memory(cfg, raw, tensor_parallel_size=8, max_num_seqs=16, gpu_memory_utilization=0.95).kv_tokens
+    assert "assumed: an H200" in out and "routed experts int4" in out and f"fits: {tokens:,} KV tokens per GPU" in out
+    raw = copy.deepcopy(raw)
+    del raw["text_config"]["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert main(["graphs", "--model", str(tmp_path), "-tp", "8", "--gpu-memory-gb", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "device: 200.00 GiB, --gpu-memory-gb" in out and "does not fit: the weights alone take 241." in out
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from drafttree.models.dflash import DFlashConfig
 from drafttree.parallel.group import TPGroup
 from drafttree.phases import SpecConfig, schedule_for
 from drafttree.settings import Settings, current
+
+if TYPE_CHECKING:
+    from drafttree.engine.memory_plan import Device
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
@@ -126,7 +130,9 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, tp:
     return model_dir, target, drafter
 
 
-def describe_plan(cfg: EngineConfig) -> str:
+def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
+    """The settings, the CUDA graph plan and the memory plan per GPU (for `device`, a
+    `memory_plan.Device`; None: an assumed H200), from the configs alone."""
     from drafttree.loader.default_model import resolve_model
     from drafttree.runner.cuda_graph import format_plan, graph_plan, sampler_modes
     from drafttree.runner.prefill_plan import at_offsets
@@ -172,4 +178,8 @@ def describe_plan(cfg: EngineConfig) -> str:
                if cfg.prefill_graphs is not False
                else "; prefill runs eagerly\n")
             + f"settings: {settings_of(cfg).describe()}\n")
-    return head + format_plan(plan, sampler_modes(cfg.sampler_modes))
+    text = head + format_plan(plan, sampler_modes(cfg.sampler_modes))
+
+    # -- the memory plan of each GPU (engine/memory_plan.py), from the same configs
+    from drafttree.engine.memory_plan import plan_for
+    return text + "\n" + plan_for(cfg, resolve_model(cfg.model), target, dcfg, spec, device).format()

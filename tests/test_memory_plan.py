@@ -108,8 +108,9 @@ def test_kv_under_one_request_names_the_longest_context():
     plan = plan_memory(cfg, raw, tensor_parallel_size=8, max_num_seqs=16, gpu_memory_utilization=0.9,
                        device=Device.of(90))
     assert 0 < plan.kv_tokens < 262144
-    with pytest.raises(ValueError, match=f"holds {plan.kv_tokens:,} tokens per GPU, under one request's "
-                                         f"max_model_len 262,144.*lower --max-model-len to {plan.kv_tokens - 1:,}"):
+    with pytest.raises(ValueError, match=f"holds {plan.kv_tokens:,} tokens per GPU, under one request at "
+                                         f"max_model_len 262,144 .*the model's length, which the engine would lower.*"
+                                         f"--max-model-len {plan.kv_tokens - 1:,} or less fits"):
         plan.check()
     plan_memory(cfg, raw, tensor_parallel_size=8, max_model_len=plan.kv_tokens - 1, max_num_seqs=16,
                 gpu_memory_utilization=0.9, device=Device.of(90)).check()

@@ -325,6 +325,8 @@ class MemoryPlan:
     kv_headroom: int                 # slots a round writes past a request's committed length
     ranks: tuple[RankMemory, ...]    # distinct shares, rank 0's first
     suggestions: tuple[str, ...] = field(default=())   # other tensor-parallel sizes' weights, when they do not fit
+    max_model_len_given: bool = True   # False: the model's max_position_embeddings, which the engine
+                                       # lowers (with a warning) to what its pool holds
 
     @property
     def pages(self) -> int:
@@ -381,10 +383,12 @@ class MemoryPlan:
                     f"({self.budget_source}), {self.kv_tokens:,} tokens: raise --gpu-memory-utilization, "
                     f"give --kv-cache-memory-gb, or shard over more GPUs (-tp)")
         if self.requests_at_max_len < 1:
-            return (f"the KV cache left holds {self.kv_tokens:,} tokens per GPU, under one request's max_model_len "
-                    f"{self.max_model_len:,} (+ {self.kv_headroom} slots a round writes ahead): lower --max-model-len "
-                    f"to {self.longest_context:,} or less, raise --gpu-memory-utilization, or shard over more GPUs "
-                    f"(-tp)")
+            whose = "" if self.max_model_len_given else \
+                "; that is the model's length, which the engine would lower to what fits, with a warning"
+            return (f"the KV cache left holds {self.kv_tokens:,} tokens per GPU, under one request at max_model_len "
+                    f"{self.max_model_len:,} (+ {self.kv_headroom} slots a round writes ahead){whose}: "
+                    f"--max-model-len {self.longest_context:,} or less fits; or raise --gpu-memory-utilization, or "
+                    f"shard over more GPUs (-tp)")
         return None
 
     def check(self) -> None:
@@ -445,7 +449,9 @@ def plan_memory(target: ModelConfig, raw: dict[str, Any] | None = None, drafter:
     that does not speculate drops the drafter, as the engine does), and the pool's sizes. The KV
     budget follows `Engine._kv_budget`: kv_cache_memory_gb (GiB), or gpu_memory_utilization of the
     device less the weights, the allowance and the graphs' estimate, or 60 % of what the weights
-    leave. `context_gib`: the allowance (default CONTEXT_GIB, and NCCL_GIB over several ranks)."""
+    leave. `context_gib`: the allowance (default CONTEXT_GIB, and NCCL_GIB over several ranks).
+    Start-up can refuse on `check()` before loading, or, where max_model_len was not given, lower
+    the context to `longest_context` as `Engine._size_pool` does."""
     world = tensor_parallel_size
     check_size(target, world)
     if max_num_seqs < 1:
@@ -507,7 +513,7 @@ def plan_memory(target: ModelConfig, raw: dict[str, Any] | None = None, drafter:
     if draft_quantization and drafter is not None:
         stored += "; drafter fp8 (a fp32 scale per row) with an fp8 copy of the LM head rows"
     plan = MemoryPlan(what, world, dtype, device, stored, context, graphs, source, page_size, max_len, max_num_seqs,
-                      spec.kv_headroom, tuple(ranks))
+                      spec.kv_headroom, tuple(ranks), max_model_len_given=max_model_len is not None)
     if plan.weights_fit():
         return plan
     return dataclasses.replace(plan, suggestions=_other_sizes(target, fmt, dtype, world, drafter, draft_quantization,

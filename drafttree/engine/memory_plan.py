@@ -480,8 +480,8 @@ def plan_memory(target: ModelConfig, raw: dict[str, Any] | None = None, drafter:
     context = int(context_gib * GiB)
     graphs = 0
     if cuda_graphs:
-        plan = graph_plan(spec, target, drafter.model if drafter else None, max_num_seqs, [max_len], world)
-        graphs = max((e.est_bytes for e in plan), default=0)
+        entries = graph_plan(spec, target, drafter.model if drafter else None, max_num_seqs, [max_len], world)
+        graphs = max((e.est_bytes for e in entries), default=0)   # the graphs share one pool
     draft_kv = KVLayout.of(drafter.model).bytes_per_token(dtype) if drafter is not None else 0
     shares: dict[tuple, list[int]] = {}
     for rank in range(world):

@@ -147,10 +147,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_graphs(a: argparse.Namespace) -> int:
-    """Print the CUDA graph capture plan from the configs alone (no weights, no GPU); with
-    --costs, start the engine and print the cost model it measured."""
+    """Print the CUDA graph capture plan and the memory plan per GPU from the configs alone (no
+    weights, no GPU); with --costs, start the engine and print the cost model it measured."""
+    from drafttree.engine.memory_plan import Device
     from drafttree.engine.plan import describe_plan
-    print(describe_plan(engine_config(a)))
+    cuda_total = None
+    if a.gpu_memory_gb is None:
+        import torch
+        cuda_total = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
+    print(describe_plan(engine_config(a), Device.of(a.gpu_memory_gb, cuda_total)))
     if a.costs:
         from drafttree.engine.launch import follow, start_engine
         eng = start_engine(engine_config(a))
@@ -188,8 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="larger request bodies are refused (413) before they are read (default 4 MiB)")
-    gr = sub.add_parser("graphs", help="print the CUDA graph capture plan (no GPU needed)")
+    gr = sub.add_parser("graphs", help="print the CUDA graph capture plan and the memory plan per GPU (no GPU "
+                                         "or weights needed: a directory with config.json is enough)")
     add_model_args(gr)
+    gr.add_argument("--gpu-memory-gb", type=float, default=None, metavar="GIB",
+                    help="plan for GPUs of this much memory (GiB; default: this machine's CUDA device, else an "
+                         "H200: 139 GiB, as the output says)")
     gr.add_argument("--costs", action="store_true",
                     help="also load the models, capture the graphs and print the measured cost model")
     sub.add_parser("train-drafter", help="train a DFlash drafter (see drafttree train-drafter --help)")

@@ -74,6 +74,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        if isinstance(d.get("text_config"), dict) and "hidden_size" not in d:
+            d = d["text_config"]   # a multimodal wrapper (Kimi K2.5 / K2.6): its language model
         archs = d.get("architectures") or []
         arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
         if arch is None:

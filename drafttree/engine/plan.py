@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from drafttree.phases import SpecConfig, schedule_for
 from drafttree.runner.phase_table import CAPTURED_MODES
 from drafttree.sampling import SampleMode
 from drafttree.settings import Settings, current
+
+if TYPE_CHECKING:
+    from drafttree.engine.memory_plan import Device
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
@@ -207,7 +211,9 @@ def load_models(setup: EngineSetup, tp: TPGroup | None = None):
     return target, drafter
 
 
-def describe_plan(cfg: EngineConfig) -> str:
+def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
+    """The settings, the CUDA graph plan and the memory plan per GPU (for `device`, a
+    `memory_plan.Device`; None: an assumed H200), from the configs alone."""
     from drafttree.engine.scheduler import SchedulerConfig
     from drafttree.runner.cuda_graph import format_plan, graph_plan
     from drafttree.runner.model_runner import CacheConfig
@@ -245,7 +251,13 @@ def describe_plan(cfg: EngineConfig) -> str:
                if cfg.prefill_graphs is not False
                else "; prefill runs eagerly\n")
             + f"settings: {setup.settings.describe()}\n")
-    return head + format_plan(plan, setup.sampler_modes)
+    text = head + format_plan(plan, setup.sampler_modes)
+
+    # -- the memory plan of each GPU (engine/memory_plan.py), from the same setup
+    if setup.model_dir is None:   # a random shape: no checkpoint config to plan from
+        return text
+    from drafttree.engine.memory_plan import plan_for
+    return text + "\n" + plan_for(cfg, setup.model_dir, target, dcfg, spec, device).format()
 
 
 def _one_rank(cfg: EngineConfig) -> EngineConfig:

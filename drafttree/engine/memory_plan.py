@@ -1,0 +1,544 @@
+"""The memory plan of each GPU, before anything loads: whether the weights fit and how much KV
+cache is left.
+
+Per rank, from the configs alone: the weights by kind in the bytes they take on that rank as the
+checkpoint stores them (int4 packed words and group scales for compressed-tensors
+`pack-quantized` modules, e4m3 and a fp32 scale per block for fp8 checkpoints, the model's dtype
+for the rest and for the modules the quantization_config ignores; routers fp32), sharded as
+`parallel.shard` shards them; the KV bytes per token (`KVLayout`: MLA's latent whole on every
+rank, the drafter's whole); the CUDA graphs' activation pools (`graph_plan`'s estimate, as
+`Engine._kv_budget` sets it aside) and a stated allowance for the CUDA context and workspaces;
+then the pool the engine would size (`Engine._size_pool`: the ranks agree on the fewest pages).
+
+Pure: no CUDA call and no weights. The caller gives the device's total memory
+(`torch.cuda.mem_get_info`'s, `--gpu-memory-gb`'s, or `ASSUMED_DEVICE`, an H200's) and the
+resolved sizes (`plan_memory`), so that the engine can refuse a start-up that cannot fit before
+it reads a byte (`MemoryPlan.check`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from drafttree.config import DTYPES, ModelConfig, parse_dtype
+from drafttree.engine.config import EngineConfig
+from drafttree.models.dflash import DFlashConfig
+from drafttree.models.kv_cache import KVLayout
+from drafttree.parallel.layers import vocab_shard
+from drafttree.parallel.shard import check_size, expert_span, kv_heads_per_rank, q_span, valid_sizes
+from drafttree.phases import SpecConfig
+from drafttree.runner.cuda_graph import graph_plan
+
+GiB = 1 << 30
+KINDS = ("attention", "dense MLP", "shared experts", "routed experts", "embedding + LM head", "router / norms",
+         "drafter")
+# Set aside beside the weights on every GPU: the CUDA context, cuBLAS and Triton workspaces and the
+# allocator's slack; and over a tensor-parallel group NCCL's buffers.
+CONTEXT_GIB = 1.0
+NCCL_GIB = 0.5
+# The engine's KV budget without gpu_memory_utilization or kv_cache_memory_gb: this share of the
+# memory free once the weights are in (`Engine._kv_budget`).
+DEFAULT_FREE_SHARE = 0.6
+
+
+@dataclass(frozen=True)
+class Device:
+    """The memory of one GPU the plan is for, and where the figure comes from."""
+    total_bytes: int
+    source: str
+
+    @classmethod
+    def of(cls, gpu_memory_gb: float | None = None, cuda_total: int | None = None) -> "Device":
+        """--gpu-memory-gb (GiB) if given, else this machine's CUDA device's total (the caller's
+        `torch.cuda.mem_get_info()[1]`), else `ASSUMED_DEVICE`."""
+        if gpu_memory_gb is not None:
+            if not gpu_memory_gb > 0:
+                raise ValueError(f"--gpu-memory-gb must be > 0, got {gpu_memory_gb}")
+            return cls(int(gpu_memory_gb * GiB), "--gpu-memory-gb")
+        if cuda_total is not None:
+            return cls(int(cuda_total), "this machine's CUDA device (torch.cuda.mem_get_info)")
+        return ASSUMED_DEVICE
+
+
+# An H200 is sold as 141 GB; CUDA reports a little under 140 GiB of it, and 139 is planned.
+ASSUMED_DEVICE = Device(139 * GiB, "assumed: an H200 (141 GB, about 139 GiB usable); no CUDA device here, "
+                                   "--gpu-memory-gb plans another")
+
+
+# -- how the checkpoint stores its matrices ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """The quantized matrices of a checkpoint: int4 (compressed-tensors `pack-quantized`, symmetric
+    groups: int32 words of 8 values and a scale per `group_size` inputs) or fp8 (e4m3, a fp32 scale
+    per `block`). Which modules: the Linear modules the targets name and the ignore list does not
+    (int4), every Linear of the layers but the routers (fp8, less `modules_to_not_convert`)."""
+    method: str                         # "int4" | "fp8"
+    group_size: int = 0
+    scale_bytes: int = 2
+    block: tuple[int, int] = (128, 128)
+    targets: tuple[str, ...] = ("Linear",)
+    ignore: tuple[str, ...] = ()
+    prefix: str = ""                    # the checkpoint's names' prefix ('language_model.' in a wrapper)
+
+    def quantizes(self, name: str) -> bool:
+        """Whether the Linear module `name` (HF's name, 'model.layers.3.mlp.experts.7.up_proj') is stored quantized."""
+        full = self.prefix + name
+        if self.method == "fp8":
+            return ".layers." in full and not any(p in full for p in self.ignore)
+        return ("Linear" in self.targets or _matcher(self.targets)(full)) and not _matcher(self.ignore)(full)
+
+    def bytes(self, rows: int, cols: int) -> int:
+        if self.method == "fp8":
+            return rows * cols + -(-rows // self.block[0]) * -(-cols // self.block[1]) * 4
+        return rows * -(-cols // 8) * 4 + rows * -(-cols // self.group_size) * self.scale_bytes
+
+    def describe(self) -> str:
+        if self.method == "fp8":
+            return f"fp8 e4m3 with a fp32 scale per {self.block[0]} x {self.block[1]} block"
+        return (f"int4 (compressed-tensors pack-quantized: int32 words of 8 values, a {8 * self.scale_bytes}-bit "
+                f"scale per {self.group_size} inputs of a row)")
+
+
+@functools.lru_cache(maxsize=16)
+def _matcher(patterns: tuple[str, ...]) -> Callable[[str], bool]:
+    """Whether a module's name matches any of `patterns`, by compressed-tensors' rule: 're:' and a
+    regex matched from the start, else the name itself (here also as the last parts of a longer
+    name: 'lm_head' names 'language_model.lm_head'). One compiled alternation: a plan asks for
+    every expert of every layer."""
+    regex = [p[3:] for p in patterns if p.startswith("re:")]
+    names = tuple(p for p in patterns if not p.startswith("re:"))
+    rx = re.compile("|".join(f"(?:{r})" for r in regex)) if regex else None
+
+    def match(name: str) -> bool:
+        return (rx is not None and rx.match(name) is not None) or any(name == n or name.endswith("." + n)
+                                                                      for n in names)
+    return match
+
+
+def weight_format(raw: dict[str, Any] | None) -> WeightFormat | None:
+    """The quantization a config.json declares (its own, or its text_config's in a multimodal
+    wrapper), None for none; refuses one this plan does not know."""
+    if not raw:
+        return None
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) and "hidden_size" not in raw else None
+    q = (text or {}).get("quantization_config") or raw.get("quantization_config")
+    if not q:
+        return None
+    prefix = "language_model." if text is not None else ""
+    supported = "compressed-tensors pack-quantized int4 (symmetric groups), or fp8 block-scaled"
+    method = q.get("quant_method")
+    if method == "fp8":
+        bn, bk = q.get("weight_block_size") or (128, 128)
+        return WeightFormat("fp8", block=(int(bn), int(bk)), ignore=tuple(q.get("modules_to_not_convert") or ()),
+                            prefix=prefix)
+    groups = list((q.get("config_groups") or {}).values())
+    schemes = {json.dumps(g.get("weights"), sort_keys=True) for g in groups}
+    w = groups[0].get("weights") or {} if groups else {}
+    if method != "compressed-tensors" or q.get("format") != "pack-quantized" or len(schemes) != 1 or not (
+            w.get("num_bits") == 4 and w.get("type") == "int" and w.get("symmetric")
+            and w.get("strategy") == "group" and w.get("group_size")):
+        raise ValueError(f"unsupported quantization_config (quant_method {method!r}, format {q.get('format')!r}, "
+                         f"weights {sorted(schemes)}); the memory plan knows {supported}")
+    scale = DTYPES.get(w.get("scale_dtype") or (text or raw).get("torch_dtype") or (text or raw).get("dtype")
+                       or "bfloat16", torch.bfloat16)
+    return WeightFormat("int4", int(w["group_size"]), _size(scale),
+                        targets=tuple(t for g in groups for t in (g.get("targets") or ["Linear"])),
+                        ignore=tuple(q.get("ignore") or ()), prefix=prefix)
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """A model directory's config.json, as written (`weight_format` reads its quantization)."""
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+# -- what one rank holds --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Part:
+    kind: str
+    shape: tuple[int, ...]
+    names: tuple[str, ...] = ()   # Linear modules of this shape, by checkpoint name: quantization may
+                                  # store them packed; none: one tensor (a norm, a bias, an embedding)
+    fp32: bool = False        # routers
+    fp8_rows: bool = False    # the drafter's fp8 projections: a byte a value, a fp32 scale per row
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _mlp(kind: str, prefixes: list[str], D: int, inter: int) -> list[_Part]:
+    """SwiGLU MLPs' three matrices at `inter` intermediate rows (this rank's), one MLP per prefix."""
+    return [_Part(kind, (inter, D), tuple(p + "gate_proj" for p in prefixes)),
+            _Part(kind, (inter, D), tuple(p + "up_proj" for p in prefixes)),
+            _Part(kind, (D, inter), tuple(p + "down_proj" for p in prefixes))]
+
+
+def _attention(cfg: ModelConfig, p: str, world: int, rank: int) -> list[_Part]:
+    """This rank's attention (`models.layers.Attention`, `models.mla.MLAttention`), by the
+    checkpoint's modules: the heads it holds, MLA's latent path whole."""
+    D, h, a = cfg.hidden_size, q_span(cfg, world, rank)[1], "attention"
+    bias = cfg.attention_bias
+    m = cfg.mla
+    if m is None:
+        hd, kv = cfg.head_dim, kv_heads_per_rank(cfg.num_kv_heads, world, rank)
+        out = [_Part(a, (h * hd, D), (p + "q_proj",)), _Part(a, (kv * hd, D), (p + "k_proj",)),
+               _Part(a, (kv * hd, D), (p + "v_proj",)), _Part(a, (D, h * hd), (p + "o_proj",))]
+        out += [_Part(a, ((h + 2 * kv) * hd,))] if bias else []
+        return out + ([_Part(a, (hd,)), _Part(a, (hd,))] if cfg.qk_norm else [])
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if m.q_lora_rank is None:
+        out = [_Part(a, (h * qk, D), (p + "q_proj",))]
+    else:
+        out = [_Part(a, (m.q_lora_rank, D), (p + "q_a_proj",)), _Part(a, (m.q_lora_rank,)),
+               _Part(a, (h * qk, m.q_lora_rank), (p + "q_b_proj",))] + ([_Part(a, (m.q_lora_rank,))] if bias else [])
+    out += [_Part(a, (m.cache_dim, D), (p + "kv_a_proj_with_mqa",)), _Part(a, (m.kv_lora_rank,)),
+            _Part(a, (h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), (p + "kv_b_proj",)),
+            _Part(a, (D, h * m.v_head_dim), (p + "o_proj",))]
+    if bias:   # kv_a_proj's, and o_proj's on rank 0 alone (row-parallel: added once)
+        out += [_Part(a, (m.cache_dim,))] + ([_Part(a, (D,))] if rank == 0 else [])
+    return out
+
+
+def _layer(cfg: ModelConfig, i: int, world: int, rank: int) -> list[_Part]:
+    p, D, m = f"model.layers.{i}.", cfg.hidden_size, cfg.moe
+    norms = [_Part("router / norms", (D,)), _Part("router / norms", (D,))]
+    out = norms + _attention(cfg, p + "self_attn.", world, rank)
+    if m is None or i not in m.sparse_layers:
+        return out + _mlp("dense MLP", [p + "mlp."], D, cfg.intermediate_size // world)
+    out.append(_Part("router / norms", (m.num_experts, D), fp32=True))
+    if m.scoring == "sigmoid":
+        out.append(_Part("router / norms", (m.num_experts,), fp32=True))
+    first, n = expert_span(m.num_experts, world, rank)
+    out += _mlp("routed experts", [f"{p}mlp.experts.{j}." for j in range(first, first + n)], D, m.intermediate_size)
+    if m.num_shared:
+        out += _mlp("shared experts", [p + "mlp.shared_experts."], D, m.num_shared * m.intermediate_size // world)
+    return out
+
+
+def _target(cfg: ModelConfig, world: int, rank: int) -> list[_Part]:
+    rows, D, e = vocab_shard(cfg.vocab_size, world), cfg.hidden_size, "embedding + LM head"
+    out = [_Part(e, (rows, D))] + ([] if cfg.tie_word_embeddings else [_Part(e, (rows, D), ("lm_head",))])
+    for i in range(cfg.num_layers):
+        out += _layer(cfg, i, world, rank)
+    return out + [_Part("router / norms", (D,))]
+
+
+def _drafter(d: DFlashConfig, quantization: str | None, head_rows: int) -> list[_Part]:
+    """The DFlash drafter, whole on every rank: fc, its layers (`DecoderLayer`), norms; with
+    `draft_quantization` fp8 its projections become e4m3 with a fp32 scale per row
+    (`models.quant`), and it keeps an e4m3 copy of this rank's LM head rows."""
+    m, k = d.model, "drafter"
+    D, hd, H, kv, inter = m.hidden_size, m.head_dim, m.num_heads, m.num_kv_heads, m.intermediate_size
+    fp8 = quantization == "fp8"
+
+    def proj(rows: int, cols: int) -> _Part:
+        return _Part(k, (rows, cols), fp8_rows=fp8)
+    out = [proj(D, len(d.target_layer_ids) * D), _Part(k, (D,)), _Part(k, (D,))]
+    for _ in range(m.num_layers):
+        out += [_Part(k, (D,)), _Part(k, (D,)), proj((H + 2 * kv) * hd, D), proj(D, H * hd), proj(2 * inter, D),
+                proj(D, inter)]
+        out += ([_Part(k, ((H + 2 * kv) * hd,))] if m.attention_bias else []) + \
+            ([_Part(k, (hd,)), _Part(k, (hd,))] if m.qk_norm else [])
+    return out + ([proj(head_rows, D)] if fp8 else [])
+
+
+def _bytes(part: _Part, fmt: WeightFormat | None, dtype_bytes: int) -> int:
+    numel = 1
+    for s in part.shape:
+        numel *= s
+    if part.fp8_rows:
+        return numel + part.shape[0] * 4
+    plain = numel * (4 if part.fp32 else dtype_bytes)
+    if not part.names:
+        return plain
+    packed = sum(fmt.quantizes(n) for n in part.names) if fmt is not None else 0
+    return packed * fmt.bytes(*part.shape) + (len(part.names) - packed) * plain if packed else len(part.names) * plain
+
+
+def rank_weights(cfg: ModelConfig, fmt: WeightFormat | None, dtype: torch.dtype, world: int = 1, rank: int = 0,
+                 drafter: DFlashConfig | None = None, draft_quantization: str | None = None) -> dict[str, int]:
+    """Bytes by kind (`KINDS`) that rank `rank` of `world` holds."""
+    out = dict.fromkeys(KINDS, 0)
+    b = _size(dtype)
+    parts = _target(cfg, world, rank)
+    if drafter is not None:
+        parts += _drafter(drafter, draft_quantization, vocab_shard(cfg.vocab_size, world))
+    for part in parts:
+        out[part.kind] += _bytes(part, fmt, b)
+    return out
+
+
+def quantized_kinds(cfg: ModelConfig, fmt: WeightFormat) -> list[str]:
+    """The kinds of which `fmt` stores some module quantized (rank 0 of one: every module)."""
+    return [k for k in KINDS if any(p.kind == k and any(map(fmt.quantizes, p.names)) for p in _target(cfg, 1, 0))]
+
+
+# -- the plan ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's share (or several ranks' alike)."""
+    ranks: tuple[int, ...]
+    weights: dict[str, int]          # bytes by kind
+    kv_bytes_per_token: int          # the target's and the drafter's caches
+    target_kv_bytes_per_token: int
+    kv_budget: int                   # bytes its KV pool may take
+    pages: int                       # pages its budget holds (the null page among them)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def label(self) -> str:
+        r = self.ranks
+        if len(r) == 1:
+            return f"rank {r[0]}"
+        if r == tuple(range(r[0], r[-1] + 1)):
+            return f"ranks {r[0]}-{r[-1]}"
+        return "ranks " + ",".join(map(str, r))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    model: str                       # what was planned, in words
+    world: int
+    dtype: torch.dtype
+    device: Device
+    weight_format: str               # how the weights are stored, in words
+    context_bytes: int               # the allowance beside the weights
+    graph_bytes: int                 # the CUDA graphs' activation pools (estimate)
+    budget_source: str
+    page_size: int
+    max_model_len: int
+    max_num_seqs: int
+    kv_headroom: int                 # slots a round writes past a request's committed length
+    ranks: tuple[RankMemory, ...]    # distinct shares, rank 0's first
+    suggestions: tuple[str, ...] = field(default=())   # other tensor-parallel sizes' weights, when they do not fit
+    max_model_len_given: bool = True   # False: the model's max_position_embeddings, which the engine
+                                       # lowers (with a warning) to what its pool holds
+
+    @property
+    def pages(self) -> int:
+        """Pages every rank's pool holds: the fewest (the ranks name pages by rank 0's ids)."""
+        return min(r.pages for r in self.ranks)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the KV pool holds on each GPU (the null page left out)."""
+        return max(self.pages - 1, 0) * self.page_size
+
+    @property
+    def request_pages(self) -> int:
+        """Pages one request at max_model_len holds, with a round's headroom."""
+        return -(-(self.max_model_len + self.kv_headroom) // self.page_size)
+
+    @property
+    def requests_at_max_len(self) -> int:
+        return max(self.pages - 1, 0) // self.request_pages
+
+    @property
+    def longest_context(self) -> int:
+        """The longest context one request can reach in the pool."""
+        return max(self.kv_tokens - self.kv_headroom, 0)
+
+    def weights_fit(self) -> bool:
+        return all(r.weight_bytes + self.context_bytes <= self.device.total_bytes for r in self.ranks)
+
+    def overcommitted(self) -> bool:
+        """Whether weights, allowance, graphs and the KV pool together exceed the device (a
+        kv_cache_memory_gb larger than what is left)."""
+        return any(r.weight_bytes + self.context_bytes + self.graph_bytes + r.kv_budget > self.device.total_bytes
+                   for r in self.ranks)
+
+    def fits(self) -> bool:
+        return self.weights_fit() and not self.overcommitted() and self.requests_at_max_len >= 1
+
+    def problem(self) -> str | None:
+        """What does not fit and what to change; None when one request at max_model_len fits."""
+        gib = self.device.total_bytes / GiB
+        if not self.weights_fit():
+            r = max(self.ranks, key=lambda r: r.weight_bytes)
+            tail = ("; " + "; ".join(self.suggestions)) if self.suggestions else ""
+            return (f"the weights alone take {r.weight_bytes / GiB:.2f} GiB per GPU ({r.label}; routed experts "
+                    f"{r.weights['routed experts'] / GiB:.2f} GiB) and the CUDA context "
+                    f"{self.context_bytes / GiB:.2f} GiB, more than the device's {gib:.2f} GiB: shard over more GPUs "
+                    f"(-tp), use a quantized checkpoint (int4 or fp8 routed experts), or plan for a larger device "
+                    f"(--gpu-memory-gb){tail}")
+        if self.overcommitted():
+            return (f"the KV pool ({self.budget_source}) does not fit beside the weights on a {gib:.2f} GiB device: "
+                    f"lower --kv-cache-memory-gb, or give --gpu-memory-utilization instead")
+        if self.longest_context < 16:   # the engine's floor (`Engine._size_pool`)
+            return (f"the KV cache gets {min(r.kv_budget for r in self.ranks) / GiB:.2f} GiB per GPU "
+                    f"({self.budget_source}), {self.kv_tokens:,} tokens: raise --gpu-memory-utilization, "
+                    f"give --kv-cache-memory-gb, or shard over more GPUs (-tp)")
+        if self.requests_at_max_len < 1:
+            whose = "" if self.max_model_len_given else \
+                "; that is the model's length, which the engine would lower to what fits, with a warning"
+            return (f"the KV cache left holds {self.kv_tokens:,} tokens per GPU, under one request at max_model_len "
+                    f"{self.max_model_len:,} (+ {self.kv_headroom} slots a round writes ahead){whose}: "
+                    f"--max-model-len {self.longest_context:,} or less fits; or raise --gpu-memory-utilization, or "
+                    f"shard over more GPUs (-tp)")
+        return None
+
+    def check(self) -> None:
+        """Refuse a plan whose weights do not fit or whose KV cache cannot hold one request at
+        max_model_len: ValueError with the table and what to change."""
+        if self.problem() is not None:
+            raise ValueError(self.format())   # its last line: what does not fit, and what to change
+
+    def format(self) -> str:
+        """The plan as a table: GiB per kind and per rank, the KV tokens, the verdict."""
+        label_w, col_w = 30, 16
+
+        def row(label: str, cells: list[str], note: str = "") -> str:
+            return f"  {label:<{label_w}}" + "".join(f"{c:>{col_w}}" for c in cells) + (f"   {note}" if note else "")
+
+        def gib(n: int) -> str:
+            return f"{n / GiB:.2f} GiB"
+
+        rs = self.ranks
+        lines = [f"memory per GPU: {self.model}, tensor_parallel_size {self.world}, "
+                 f"{str(self.dtype).removeprefix('torch.')}",
+                 f"  device: {gib(self.device.total_bytes)}, {self.device.source}",
+                 f"  weights as stored: {self.weight_format}",
+                 row("", [r.label for r in rs])]
+        lines += [row(k, [gib(r.weights[k]) if r.weights[k] else "-" for r in rs]) for k in KINDS]
+        lines += [row("weights", [gib(r.weight_bytes) for r in rs]),
+                  row("CUDA context, workspaces", [gib(self.context_bytes)] * len(rs), "allowance"),
+                  row("CUDA graph pools", [gib(self.graph_bytes) if self.graph_bytes else "-"] * len(rs),
+                      "estimate (graph_plan)" if self.graph_bytes else "no CUDA graphs"),
+                  row("KV budget", [gib(r.kv_budget) for r in rs], self.budget_source),
+                  row("KV bytes per token", [f"{r.kv_bytes_per_token:,}" for r in rs],
+                      "target + drafter" if any(r.kv_bytes_per_token != r.target_kv_bytes_per_token for r in rs)
+                      else ""),
+                  row("KV tokens", [f"{max(r.pages - 1, 0) * self.page_size:,}" for r in rs],
+                      f"pages of {self.page_size}" + (f"; every rank's pool holds the fewest: {self.kv_tokens:,}"
+                                                      if len(rs) > 1 else ""))]
+        need = self.max_num_seqs * self.request_pages * self.page_size
+        bad = self.problem()
+        if bad is not None:
+            lines.append(f"does not fit: {bad}")
+        else:
+            all_fit = self.requests_at_max_len >= self.max_num_seqs
+            lines.append(f"fits: {self.kv_tokens:,} KV tokens per GPU; max_num_seqs {self.max_num_seqs} requests at "
+                         f"max_model_len {self.max_model_len:,} need {need:,}: "
+                         + ("all fit (the pool takes only the pages they need)" if all_fit else
+                            f"{self.requests_at_max_len} fit at full length (the rest wait for pages or run shorter)"))
+        return "\n".join(lines)
+
+
+def plan_memory(target: ModelConfig, raw: dict[str, Any] | None = None, drafter: DFlashConfig | None = None, *,
+                spec: SpecConfig | None = None, tensor_parallel_size: int = 1, max_model_len: int | None = None,
+                max_num_seqs: int = 256, page_size: int = 16, dtype: torch.dtype = torch.bfloat16,
+                device: Device = ASSUMED_DEVICE, gpu_memory_utilization: float | None = None,
+                kv_cache_memory_gb: float | None = None, draft_quantization: str | None = None,
+                cuda_graphs: bool = True, context_gib: float | None = None) -> MemoryPlan:
+    """The plan of every rank, from the engine's resolved sizes: the target's config (and its
+    config.json as written, `raw`, for the quantization), the drafter's with its `spec` (a spec
+    that does not speculate drops the drafter, as the engine does), and the pool's sizes. The KV
+    budget follows `Engine._kv_budget`: kv_cache_memory_gb (GiB), or gpu_memory_utilization of the
+    device less the weights, the allowance and the graphs' estimate, or 60 % of what the weights
+    leave. `context_gib`: the allowance (default CONTEXT_GIB, and NCCL_GIB over several ranks).
+    Start-up can refuse on `check()` before loading, or, where max_model_len was not given, lower
+    the context to `longest_context` as `Engine._size_pool` does."""
+    world = tensor_parallel_size
+    check_size(target, world)
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if gpu_memory_utilization is not None and kv_cache_memory_gb is not None:
+        raise ValueError("give kv_cache_memory_gb or gpu_memory_utilization, not both")
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if draft_quantization not in (None, "fp8"):
+        raise ValueError(f"unknown draft quantization {draft_quantization!r}; choose one of ['fp8']")
+    if drafter is not None and spec is None:
+        raise ValueError("a drafter's memory plan needs its spec (engine.plan.resolve_spec)")
+    spec = spec or SpecConfig()
+    if spec.speculative and drafter is None:
+        raise ValueError(f"spec {spec.method!r} needs a drafter")
+    drafter = drafter if spec.speculative else None
+    if drafter is not None:
+        drafter.check_fits(target)
+    max_len = max_model_len or target.max_position_embeddings
+    fmt = weight_format(raw)
+    total = device.total_bytes
+    if context_gib is None:
+        context_gib = CONTEXT_GIB + (NCCL_GIB if world > 1 else 0.0)
+    context = int(context_gib * GiB)
+    graphs = 0
+    if cuda_graphs:
+        entries = graph_plan(spec, target, drafter.model if drafter else None, max_num_seqs, [max_len], world)
+        graphs = max((e.est_bytes for e in entries), default=0)   # the graphs share one pool
+    draft_kv = KVLayout.of(drafter.model).bytes_per_token(dtype) if drafter is not None else 0
+    shares: dict[tuple, list[int]] = {}
+    for rank in range(world):
+        w = rank_weights(target, fmt, dtype, world, rank, drafter, draft_quantization)
+        kv = KVLayout.of(target, world, rank).bytes_per_token(dtype)
+        shares.setdefault((tuple(w.items()), kv), []).append(rank)
+    if kv_cache_memory_gb is not None:
+        source = f"kv_cache_memory_gb {kv_cache_memory_gb}"
+    elif gpu_memory_utilization is not None:
+        source = f"gpu_memory_utilization {gpu_memory_utilization} of the device, less the above"
+    else:
+        source = f"the default: {DEFAULT_FREE_SHARE:.0%} of what the weights and the context leave"
+    ranks = []
+    for (w, kv), members in shares.items():
+        used = sum(n for _, n in w) + context
+        if kv_cache_memory_gb is not None:
+            budget = int(kv_cache_memory_gb * GiB)
+        elif gpu_memory_utilization is not None:
+            budget = max(int(gpu_memory_utilization * total) - used - graphs, 0)
+        else:
+            budget = max(int(DEFAULT_FREE_SHARE * (total - used)), 0)
+        bpt = kv + draft_kv
+        ranks.append(RankMemory(tuple(members), dict(w), bpt, kv, budget, budget // (bpt * page_size)))
+    what = f"{target.arch}, {target.num_layers} layers" + (f", drafter {drafter.model.num_layers} layers"
+                                                            if drafter is not None else "")
+    stored = f"{', '.join(quantized_kinds(target, fmt)) or 'nothing'} {fmt.describe()}; the rest " \
+        if fmt is not None else "all "
+    stored += f"{str(dtype).removeprefix('torch.')}" + ("; routers fp32" if target.moe is not None else "")
+    if draft_quantization and drafter is not None:
+        stored += "; drafter fp8 (a fp32 scale per row) with an fp8 copy of the LM head rows"
+    plan = MemoryPlan(what, world, dtype, device, stored, context, graphs, source, page_size, max_len, max_num_seqs,
+                      spec.kv_headroom, tuple(ranks), max_model_len_given=max_model_len is not None)
+    if plan.weights_fit():
+        return plan
+    return dataclasses.replace(plan, suggestions=_other_sizes(target, fmt, dtype, world, drafter, draft_quantization,
+                                                               total - context))
+
+
+def _other_sizes(cfg: ModelConfig, fmt: WeightFormat | None, dtype: torch.dtype, world: int,
+                 drafter: DFlashConfig | None, draft_quantization: str | None, room: int) -> tuple[str, ...]:
+    """The smallest larger tensor-parallel size whose rank 0 holds its weights in `room`, if any."""
+    for n in valid_sizes(cfg):
+        if n <= world:
+            continue
+        held = sum(rank_weights(cfg, fmt, dtype, n, 0, drafter, draft_quantization).values())
+        if held <= room:
+            return (f"at -tp {n} the weights take {held / GiB:.2f} GiB per GPU",)
+    return ("no tensor-parallel size this model takes holds them",)
+
+
+def plan_for(cfg: EngineConfig, model_dir: str | Path, target: ModelConfig, drafter: DFlashConfig | None,
+             spec: SpecConfig, device: Device | None = None) -> MemoryPlan:
+    """`plan_memory` with an EngineConfig's sizes, for a CUDA device (dtype auto: bf16), weight-free:
+    `model_dir` needs its config.json only."""
+    return plan_memory(target, read_config(model_dir), drafter, spec=spec,
+                       tensor_parallel_size=cfg.tensor_parallel_size, max_model_len=cfg.max_model_len,
+                       max_num_seqs=cfg.max_num_seqs, page_size=cfg.page_size, dtype=parse_dtype(cfg.dtype, "cuda"),
+                       device=device or ASSUMED_DEVICE, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                       kv_cache_memory_gb=cfg.kv_cache_memory_gb, draft_quantization=cfg.draft_quantization,
+                       cuda_graphs=cfg.cuda_graphs is not False)

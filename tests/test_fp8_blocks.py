@@ -9,12 +9,18 @@ filled with NaN, so an output element a kernel leaves unwritten shows.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from drafttree.kernels import dispatch, fp8_block_kernel, fp8_block_moe, fp8_block_ops, moe_kernel
 from drafttree.kernels.torch_ops import silu_mul
+from tests import compile_fp8_blocks
 from tests.helpers import DEVICE, ON_CPU, TRITON_REASON, gpu, interpreted_on_cpu
 
 pytest.importorskip("triton", reason=TRITON_REASON)
@@ -337,3 +343,19 @@ def test_dispatch_takes_the_kernels_where_they_run(set_settings, monkeypatch):
     lin = (lin[0].to(dt),) + lin[1:]
     ex = (ex[0].to(dt),) + ex[1:]
     assert torch.is_grad_enabled() and taken() == ["fp8_block_ops.linear", "fp8_block_ops.experts"]
+
+
+# -- compiled for Hopper --------------------------------------------------------------------------
+
+
+def test_kernels_compile_for_hopper():
+    """Every block class of both kernels compiles for sm_90 at DeepSeek's shapes, within its
+    shared memory and without spills (`tests/compile_fp8_blocks.py`: the GPU compiler on the CPU,
+    in a process of its own, as this one's Triton runs interpreted)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "tests.compile_fp8_blocks"], cwd=Path(__file__).parent.parent,
+                         env=env, capture_output=True, text=True, timeout=600)
+    if run.returncode == 3:
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("ok ") == len(list(compile_fp8_blocks.variants()))

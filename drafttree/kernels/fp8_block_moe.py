@@ -25,18 +25,24 @@ tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 Block = tuple[int, int]
 
 
+# By the mean pairs per expert hit, the first class it fits: (most, blocks). Not tuned on a GPU
+# yet (`benchmarks/fp8_block_bench.py --sweep` times candidates). Compiled for sm_90
+# (`tests/compile_fp8_blocks.py`) each takes at most 210 registers a thread, no spills: the
+# widest tiles step 64 inputs at a time (128 took all 255 registers for gate/up).
+TILE_BLOCKS: list[tuple[float, Blocks]] = [
+    (16, Blocks(16, 32, 64, 128, 4, 4)),
+    (32, Blocks(32, 64, 64, 128, 8, 3)),
+    (128, Blocks(64, 64, 64, 128, 8, 3)),
+    (float("inf"), Blocks(128, 64, 128, 64, 8, 3)),
+]
+
+
 def blocks_for(pairs: int, num_experts: int) -> Blocks:
-    """Tiles sized to the mean pairs per expert hit, as `moe_kernel.blocks_for`; a prefill whose
-    experts get many pairs each takes wider tiles of slots. Not tuned on a GPU yet
-    (`benchmarks/fp8_block_bench.py --sweep` times candidates)."""
+    """Tiles sized to the mean pairs per expert hit, as `moe_kernel.blocks_for` (`TILE_BLOCKS`): 16
+    slots while most experts get a few pairs (decode, draft, verify), wider tiles where a prefill
+    fills them."""
     per_expert = pairs / min(num_experts, pairs)
-    if per_expert <= 16:
-        return Blocks(16, 32, 64, 128, 4, 4)
-    if per_expert <= 32:
-        return Blocks(32, 64, 64, 128, 4, 3)
-    if per_expert <= 128:
-        return Blocks(64, 64, 64, 128, 8, 3)
-    return Blocks(128, 64, 128, 128, 8, 3)
+    return next(b for most, b in TILE_BLOCKS if per_expert <= most)
 
 
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, tiles_ptr, h_ptr, P, E: tl.constexpr, TOPK: tl.constexpr,

@@ -3,9 +3,10 @@ against their torch forms (`kernels/fp8_block_ops.py`), and `dispatch`'s choice 
 
 Without CUDA the kernels run under Triton's interpreter at tiny shapes, in fp32 and fp16 (the
 interpreter converts e4m3, but does not emulate bf16 dots); a GPU also runs bf16 at DeepSeek-V3 /
-Kimi K2 shapes and the grouped kernels in a CUDA graph. Every weight's blocks get scales 2^-6 to
-2^6 apart, so a product that takes another block's scale is far off; every `torch.empty` is
-filled with NaN, so an output element a kernel leaves unwritten shows.
+Kimi K2 shapes and the grouped kernels in a CUDA graph. A sm_90 compile of every block class runs
+on the CPU too. Each weight block is scaled by its own power of two (2^-6 to 2^6; experts 2^-3 to
+2^3), so a product that takes another block's scale is far off; every `torch.empty` is filled
+with NaN, so an output element a kernel leaves unwritten shows.
 """
 from __future__ import annotations
 

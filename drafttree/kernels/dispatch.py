@@ -22,8 +22,16 @@ Triton where `tl.dot` runs (on CUDA, Ampere or newer).
                              (no blocks) takes torch_ops.projection
     int4_linear,       int4 weights kept packed (compressed-tensors pack-quantized, int4_ops)
     int4_experts       runs: the torch forms (unpack, then matmul)
-    fp8_block_linear,  e4m3 weights with a scale per 128 x 128 block, kept as stored (fp8_block_ops)
-    fp8_block_experts  runs: the torch forms (widened, then matmul)
+    fp8_block_linear   e4m3 weights with a scale per 128 x 128 block, kept as stored (fp8_block_ops),
+                       weight-only: e4m3 tiles widened in registers, each block's partial dot scaled
+                       in fp32 (fp8_block_kernel), any row count
+                       runs where `fp8_block_kernels`: 16-bit, no autograd, dots, e4m3 conversion
+                             (`fp8_runs_on`: compute capability 8.9 or newer), block width a
+                             multiple of 16
+                       else: the torch forms (widened to x's dtype, then matmul)
+    fp8_block_experts  the same for routed experts: `moe_experts`' grouped GEMMs over fp8 blocks
+                       (moe_align, fp8_block_moe)
+                       runs where `moe_kernels` and `fp8_block_kernels`;  else: the torch forms
     fp8_linear         fp8 weight tiles (gemm_kernel)
                        runs: `gemm` set, 16-bit, dots (`tiles_take`);  else: weights widened, cuBLAS
     moe_experts        routed experts as grouped GEMMs over expert-sorted pairs (moe_align, moe_kernel)
@@ -54,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from drafttree.kernels import attn_kernel, filter_kernel, gemm_kernel, gemv_kernel, invariant_attn, moe_kernel
+from drafttree.kernels import fp8_block_kernel, fp8_block_moe
 from drafttree.kernels import fp8_block_ops, int4_ops, norm_kernel, rope_kernel, topk_kernel, torch_ops, tree_kernel
 from drafttree.kernels.attn_kernel import Rope
 from drafttree.kernels.tree_kernel import TreeTensors
@@ -61,7 +70,7 @@ from drafttree.kernels.triton_jit import capability, dots_run_on, interpreting, 
 from drafttree.settings import current
 
 __all__ = ["FEW_ROWS", "MAX_FUSED_TOPK", "Rope", "TreeTensors", "add_rms_norm", "attention", "attention_kernels",
-           "build_tree_fused", "few_rows", "filter_thresholds", "fp8_block_experts", "fp8_block_linear", "fp8_linear", "fp8_runs_on", "fused_tree_usable",
+           "build_tree_fused", "few_rows", "filter_thresholds", "fp8_block_experts", "fp8_block_kernels", "fp8_block_linear", "fp8_linear", "fp8_runs_on", "fused_tree_usable",
            "gemv", "int4_experts", "int4_linear", "invariant", "linear", "moe_experts", "moe_kernels", "norm_gemv", "norm_glu_gemv",
            "projection_kernels", "qk_rope_write_kv", "rms_norm", "rope_attention", "rope_in_attention", "tiles_take",
            "top_log_probs", "write_kv"]
@@ -291,17 +300,32 @@ def int4_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: t
 # -- fp8 weights in blocks (DeepSeek-V3 / Kimi K2 checkpoints) ------------------------------------
 
 
+def fp8_block_kernels(x: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether products of x with fp8 weights in `block`s take the kernels (`fp8_block_kernel`,
+    `fp8_block_moe`): 16-bit, no autograd, dots and e4m3 conversion on x's device, and a block
+    width the kernels' input steps divide (a multiple of 16)."""
+    return (_runs_16bit(x) and dots_run_on(x.device) and fp8_runs_on(x.device)
+            and block[1] % fp8_block_kernel.MIN_BK == 0)
+
+
 def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T for an e4m3 weight W [N, K] with one scale per block (`fp8_block_ops`)."""
+    """x [..., K] @ W.T for an e4m3 weight W [N, K] with one scale per block (`fp8_block_ops`):
+    the kernel where `fp8_block_kernels`, else the torch form."""
+    if fp8_block_kernels(x, block):
+        return fp8_block_kernel.linear(x, w, scale_inv, block, bias)
     return fp8_block_ops.linear(x, w, scale_inv, block, bias)
 
 
 def fp8_block_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
                       gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
                       block: tuple[int, int], dropless: bool = True) -> torch.Tensor:
-    """`moe_experts` with e4m3 experts in scaled blocks (`fp8_block_ops.experts`); dropless=False:
-    ids may be E, pairs to skip."""
+    """`moe_experts` with e4m3 experts in scaled blocks: the grouped GEMMs (`fp8_block_moe`) where
+    `moe_kernels` and `fp8_block_kernels`, else the torch form (`fp8_block_ops.experts`);
+    dropless=False: ids may be E, pairs to skip."""
+    if moe_kernels(x) and fp8_block_kernels(x, block):
+        return fp8_block_moe.fused_experts(x, w, idx, gate_up, gate_up_scale, down, down_scale, block,
+                                           dropless=dropless)
     return fp8_block_ops.experts(x, w, idx, gate_up, gate_up_scale, down, down_scale, block)
 
 

@@ -26,6 +26,20 @@ def check_layout(w: torch.Tensor, scale_inv: torch.Tensor, block: Block) -> None
                          f"{bn} x {bk} blocks; expected {want}")
 
 
+def quantize(w: torch.Tensor, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (e4m3 [..., N, K], scale_inv fp32 [..., ceil(N / bn), ceil(K / bk)]): each
+    block divided by its largest magnitude over e4m3's largest value (an all-zero block: scale 1)."""
+    *lead, N, K = w.shape
+    bn, bk = block
+    rows, cols = -(-N // bn), -(-K // bk)
+    padded = F.pad(w.float(), (0, cols * bk - K, 0, rows * bn - N))
+    blocks = padded.view(*lead, rows, bn, cols, bk)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, torch.ones_like(amax))
+    q = (blocks / scale[..., :, None, :, None]).to(torch.float8_e4m3fn)
+    return q.view(*lead, rows * bn, cols * bk)[..., :N, :K].contiguous(), scale
+
+
 def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: Block,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """w [..., N, K] (e4m3) times its block's scale -> [..., N, K] in `dtype` (computed in fp32)."""

@@ -1,9 +1,10 @@
 """DeepSeek-V3's fp8 checkpoints: e4m3 weights with one fp32 scale per 128 x 128 block
-(`<name>.weight_scale_inv`, the multiplier that dequantizes). They are dequantized at load, to the
-model's dtype: the weights then take the memory of bf16 (fp8 matmuls on the blocks come later)."""
+(`<name>.weight_scale_inv`, the multiplier that dequantizes; `quantization_config.weight_block_size`
+gives the block). The loader keeps them so on the device (`models.quant_linear.Fp8BlockLinear`,
+`models.quant_experts.Fp8BlockExperts`); a slice whose edges miss the blocks, and a weight the model
+uses as a matrix (MLA's kv_b_proj), are read by the blocks that cover them and dequantized here.
+"""
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -12,13 +13,12 @@ from drafttree.kernels import fp8_block_ops
 SCALE_SUFFIX = "_scale_inv"
 
 
-def block_size(config: dict[str, Any]) -> tuple[int, int]:
-    """The quantization_config's weight_block_size ([128, 128] unless it says otherwise)."""
-    q = config.get("quantization_config") or {}
-    if q and q.get("quant_method", "fp8") != "fp8":
-        raise ValueError(f"unsupported quantization {q.get('quant_method')!r} (supported: fp8 block-scaled)")
-    bn, bk = q.get("weight_block_size") or (128, 128)
-    return int(bn), int(bk)
+def check_grid(name: str, shape: list[int], scale_shape: list[int], block: tuple[int, int]) -> None:
+    """Refuse a `weight_scale_inv` whose grid is not the blocks of its [N, K] weight (shapes only)."""
+    want = [-(-n // b) for n, b in zip(shape, block)]
+    if list(scale_shape) != want or len(shape) != 2:
+        raise ValueError(f"{name}_scale_inv of shape {list(scale_shape)} for a {list(shape)} weight in "
+                         f"{block[0]} x {block[1]} blocks; expected {want}")
 
 
 def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -10,9 +10,14 @@ from safetensors import safe_open
 from torch import nn
 
 from drafttree.config import ModelConfig
+from drafttree.loader import quantization
 from drafttree.loader.lazy_tensors import CheckpointTensors
 from drafttree.loader.moe_weights import attention_tensors, layer_tensors, mlp_tensors
+from drafttree.loader.packed import Weight, dense
+from drafttree.loader.quantization import Quantization
+from drafttree.loader.stored import install
 from drafttree.models.moe_decoder import SparseDecoderLM, build_rotary, fp32_parameters
+from drafttree.models.quant_linear import stored_dtypes
 from drafttree.parallel import shard
 from drafttree.parallel.group import TPGroup
 
@@ -77,24 +82,37 @@ def layer_state_dict(src: StateDict, p: str, take: Callable[[str], torch.Tensor]
     return out
 
 
-def check_state(module: nn.Module, state: StateDict) -> dict[str, nn.Parameter]:
-    """The module's parameters, once `state` is known to hold each of them at its shape."""
-    expected = dict(module.named_parameters(remove_duplicate=True))
+def check_state(module: nn.Module, state: StateDict) -> dict[str, torch.Tensor]:
+    """The module's parameters and buffers, once `state` is known to hold each of them at its shape
+    (and the buffers kept as stored at their dtype)."""
+    expected: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=True))
+    expected.update(persistent_buffers(module))
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    kept = stored_dtypes(module)
     for name, param in expected.items():
         t = state[name]
         if tuple(t.shape) != tuple(param.shape):
             raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, the config implies {tuple(param.shape)}")
+        if name in kept and t.dtype != kept[name]:
+            raise ValueError(f"tensor {name!r} is {t.dtype}, where {kept[name]} was announced")
     return expected
 
 
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state dict holds (the stored weights of `models.quant_linear`'s modules)."""
+    return {f"{path}.{n}" if path else n: b for path, m in module.named_modules()
+            for n, b in m.named_buffers(recurse=False) if n not in m._non_persistent_buffers_set}
+
+
 def load_into(module: nn.Module, state: StateDict, dtype: torch.dtype, device: str | torch.device) -> None:
-    """Copy `state` into a module built on the meta device; shapes must match exactly."""
+    """Copy `state` into a module built on the meta device; shapes must match exactly. Weights kept
+    as stored (int4 words, e4m3, their scales) keep their dtypes; the rest takes `dtype`."""
     expected = check_state(module, state)
-    fixed = {n: state[n].to(device=device, dtype=dtype) for n in expected}
-    module.load_state_dict(fixed, strict=False, assign=True)   # buffers: the caller rebuilds them
+    kept = stored_dtypes(module)
+    fixed = {n: state[n].to(device=device, dtype=kept.get(n, dtype)) for n in expected}
+    module.load_state_dict(fixed, strict=False, assign=True)   # non-persistent buffers: the caller rebuilds them
 
 
 def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device, tp: TPGroup | None = None):
@@ -105,10 +123,14 @@ def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device
     from drafttree.models.layers import Rotary
 
     cfg = ModelConfig.from_dir(path)
+    quant = quantization.from_dir(path)   # before any weight: an unsupported form is refused here
     if tp is not None:
         shard.check_size(cfg, tp.world)
     if cfg.sparse:
-        return load_sparse_target(Path(path), cfg, dtype, device, tp), cfg
+        return load_sparse_target(Path(path), cfg, dtype, device, tp, quant), cfg
+    if quant is not None:
+        raise ValueError(f"quantized checkpoints ({quant.describe()}) load for the MoE and MLA targets "
+                         f"(Qwen3-MoE, DeepSeek-V3 / Kimi K2); this one is a dense {cfg.arch} model")
     select = None if tp is None else shard.selector(cfg, tp.rank, tp.world)
     state = target_state_dict(read_safetensors(path, select), cfg.num_layers, cfg.tie_word_embeddings)
     if tp is not None:
@@ -125,13 +147,14 @@ def load_target(path: str | Path, dtype: torch.dtype, device: str | torch.device
 
 
 def load_sparse_target(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-                       tp: TPGroup | None = None) -> SparseDecoderLM:
+                       tp: TPGroup | None = None, quant: Quantization | None = None) -> SparseDecoderLM:
     """A Qwen3-MoE or DeepSeek-V3 checkpoint, read and placed one layer at a time (its experts
-    stacked then), so that host memory holds about one layer beyond what is read; fp8 weights come
-    dequantized; routers keep fp32. Every name and shape is checked first, with nothing read. Over
-    `tp`, this rank's slices and experts only."""
+    stacked then), so that host memory holds about one layer beyond what is read. Weights stored
+    quantized (`quant`: int4 packed, fp8 blocks) stay so on the device, in the modules that take
+    them (`loader.stored`); routers keep fp32. Every name and shape is checked first, with nothing
+    read. Over `tp`, this rank's slices and experts only."""
     world, rank = (tp.world, tp.rank) if tp is not None else (1, 0)
-    src = CheckpointTensors(path, None if tp is None else shard.selector(cfg, rank, world))
+    src = CheckpointTensors(path, None if tp is None else shard.selector(cfg, rank, world), quant, world)
     experts = None
     if cfg.moe is not None:
         first, n = shard.expert_span(cfg.moe.num_experts, world, rank)
@@ -146,7 +169,7 @@ def load_sparse_target(path: Path, cfg: ModelConfig, dtype: torch.dtype, device:
         if tp is not None:
             take = _vocab_padded(take, cfg.vocab_size, world)
         for i, layer in enumerate(model.layers):
-            state = layer_tensors(view, cfg, i, take, experts)
+            state = install(layer, layer_tensors(view, cfg, i, take, experts))
             if view is not src:
                 check_state(layer, state)
                 continue
@@ -155,25 +178,26 @@ def load_sparse_target(path: Path, cfg: ModelConfig, dtype: torch.dtype, device:
                 layer.get_parameter(name).data = state[name].to(device=device, dtype=torch.float32)
         for module, name in top:
             if view is src:
-                load_into(module, {"weight": take(name)}, dtype, device)
+                load_into(module, {"weight": dense(take(name))}, dtype, device)
             else:
-                check_state(module, {"weight": take(name)})
+                check_state(module, {"weight": dense(take(name))})
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = build_rotary(cfg).to(device)
     return model.eval().requires_grad_(False)
 
 
-def _vocab_padded(take: Callable[[str], torch.Tensor], vocab: int, world: int) -> Callable[[str], torch.Tensor]:
+def _vocab_padded(take: Callable[[str], Weight], vocab: int, world: int) -> Callable[[str], Weight]:
     """`take`, the vocabulary shards (embedding, LM head) padded to ceil(V / N) rows."""
-    def padded(name: str) -> torch.Tensor:
-        t = take(name)
-        return shard.pad_vocab(t, vocab, world) if name in ("embed_tokens.weight", "lm_head.weight") else t
+    def padded(name: str) -> Weight:
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return shard.pad_vocab(dense(take(name)), vocab, world)
+        return take(name)
     return padded
 
 
-def _taker(src) -> Callable[[str], torch.Tensor]:
-    def take(name: str) -> torch.Tensor:
+def _taker(src) -> Callable[[str], Weight]:
+    def take(name: str) -> Weight:
         if name not in src:
             raise ValueError(f"checkpoint is missing tensor {name!r}"
                              + (" (tie_word_embeddings is false)" if name == "lm_head.weight" else ""))

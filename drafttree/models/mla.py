@@ -20,6 +20,10 @@ Over a tensor-parallel group each rank holds H/N heads (`parallel.shard`): their
 (q_proj) and kv_b_proj, their columns of o_proj (row-parallel, one all-reduce). The latent path
 (q_a_proj, kv_a_proj_with_mqa, their norms) is whole, so every rank writes the same latent into
 its own whole copy of the cache, which all its heads read.
+
+From a quantized checkpoint the projections applied as such (q_a_proj, q_b_proj or q_proj,
+kv_a_proj_with_mqa, o_proj) may hold their weights as stored (`models.quant_linear`); kv_b_proj,
+which the absorbed form splits into the matrices W_UK and W_UV, is widened at load.
 """
 from __future__ import annotations
 

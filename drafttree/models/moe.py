@@ -138,15 +138,16 @@ class Experts(nn.Module):
         go in groups, each group three batched products (not a few kernels per expert: in a
         graphed verify the launches, not the FLOPs, were the cost); a group's intermediates hold
         at most ALL_EXPERTS_ELEMENTS values."""
-        E, two_i, D = self.gate_up.shape
+        E = self.gate_up.shape[0]
         N = x.shape[0]
         combine = torch.zeros(N, E + 1, dtype=x.dtype, device=x.device)   # column E: other ranks' pairs
         combine = combine.scatter_add_(1, idx, w.to(x.dtype))[:, :E]
         out = torch.zeros_like(x)
-        step = max(1, ALL_EXPERTS_ELEMENTS // (N * max(two_i, D)))
+        step = self.group(N)
         for a in range(0, E, step):
-            h = torch.matmul(x, self.gate_up[a:a + step].transpose(1, 2))              # [e, N, 2I]
-            y = torch.matmul(silu_mul(h), self.down[a:a + step].transpose(1, 2))     # [e, N, D]
+            gate_up, down = self.weights(a, min(a + step, E), x.dtype)
+            h = torch.matmul(x, gate_up.transpose(1, 2))              # [e, N, 2I]
+            y = torch.matmul(silu_mul(h), down.transpose(1, 2))     # [e, N, D]
             # the combine-weighted sum over the group's experts, one batched product per row
             out += torch.bmm(y.permute(1, 2, 0), combine[:, a:a + step, None])[..., 0]
         return out
@@ -167,11 +168,24 @@ class Experts(nn.Module):
         start = 0
         for e, n in enumerate(counts):
             if n:
-                ys[start:start + n] = F.linear(silu_mul(F.linear(xs[start:start + n], self.gate_up[e])), self.down[e])
+                ys[start:start + n] = self.expert(e, xs[start:start + n])
                 start += n
         y = torch.empty_like(ys)
         y[order] = ys
         return (y.view(N, k, -1) * w[..., None].to(y.dtype)).sum(dim=1)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e (a local id) over the rows x [n, D] -> [n, D] (`sorted`)."""
+        return F.linear(silu_mul(F.linear(x, self.gate_up[e])), self.down[e])
+
+    def group(self, rows: int) -> int:
+        """Experts per group of `all_experts`: their intermediates within ALL_EXPERTS_ELEMENTS."""
+        _, two_i, D = self.gate_up.shape
+        return max(1, ALL_EXPERTS_ELEMENTS // (rows * max(two_i, D)))
+
+    def weights(self, a: int, b: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts a..b-1's gate_up [e, 2I, D] and down [e, D, I] (`all_experts`)."""
+        return self.gate_up[a:b], self.down[a:b]
 
 
 class SparseMoE(nn.Module):

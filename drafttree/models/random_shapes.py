@@ -1,7 +1,11 @@
 """Model shapes for timing-only runs with random weights (no checkpoint needs to exist).
 
 They sit beside the models so that the engine can build them (`EngineConfig.random_weights`)
-without importing the benchmark or training packages."""
+without importing the benchmark or training packages. A shape is 'name', 'name@N' (its first N
+layers) and, for the MoE shapes, ':int4' or ':fp8' after either ('kimi-k2:int4', 'kimi-k2@3:int4')
+for routed experts kept as a quantized checkpoint stores them (`models.quant_experts`): int4 in
+groups of 32 as Kimi K2.6's, or e4m3 in 128 x 128 blocks as DeepSeek-V3's; drawn as such, never
+as 16-bit weights first, so that a rank's shards of Kimi K2 at full depth build within its memory."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +18,9 @@ from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
 from drafttree.models.layers import Rotary
+from drafttree.models.moe import SparseMoE
 from drafttree.models.moe_decoder import build_rotary, build_target, fp32_parameters
+from drafttree.models.quant_experts import Fp8BlockExperts, Int4Experts, StoredExperts
 from drafttree.parallel.group import TPGroup
 from drafttree.parallel.shard import kv_heads_per_rank, q_span
 
@@ -58,13 +64,34 @@ SHAPES: dict[str, tuple[ModelConfig, dict]] = {
 }
 
 
+# routed experts as stored: (the experts' class, its layout)
+EXPERT_FORMS: dict[str, tuple[type[StoredExperts], dict]] = {
+    "int4": (Int4Experts, dict(group_size=32, scale_dtype=torch.bfloat16)),   # Kimi K2.6's
+    "fp8": (Fp8BlockExperts, dict(block=(128, 128), scale_dtype=torch.float32)),   # DeepSeek-V3's
+}
+
+
+def parse_shape(shape: str) -> tuple[str, str, str | None]:
+    """(name, layers ('' for all), experts' stored form or None) of 'name[:form][@N]' or 'name@N:form'."""
+    head, _, layers = shape.partition("@")
+    name, _, form = head.partition(":")
+    if ":" in layers:
+        layers, _, form = layers.partition(":")
+    if form and form not in EXPERT_FORMS:
+        raise ValueError(f"{shape}: unknown experts' form {form!r}; choose one of {sorted(EXPERT_FORMS)}")
+    return name, layers, form or None
+
+
 def shape_config(shape: str) -> tuple[ModelConfig, dict]:
     """A shape's (target config, drafter dict); 'name@N' keeps only the first N layers (a big model's
     per-layer timing on one GPU), the drafter then reading default target layers."""
-    name, _, layers = shape.partition("@")
+    name, layers, form = parse_shape(shape)
     if name not in SHAPES:
-        raise ValueError(f"unknown random shape {name!r}; choose one of {sorted(SHAPES)} (name@layers to cut)")
+        raise ValueError(f"unknown random shape {name!r}; choose one of {sorted(SHAPES)} (name@layers to cut, "
+                         f"name:{'|'.join(EXPERT_FORMS)} for stored experts)")
     cfg, d = SHAPES[name]
+    if form and cfg.moe is None:
+        raise ValueError(f"{shape}: {name} has no routed experts to store as {form}")
     if not layers:
         return cfg, d
     n = int(layers)
@@ -88,8 +115,9 @@ def _randomize(m: nn.Module, device: torch.device, dtype: torch.dtype, seed: int
     each from a seed of its name, so that the tensors a tensor-parallel rank holds whole (a router,
     MLA's latent projections, a KV head that ranks share) are the same on every rank. Drawn in
     `dtype` (the meta module takes it before any memory is allocated): a model that fits in bf16
-    must not be made in fp32 first."""
-    m.to(dtype)
+    must not be made in fp32 first. Buffers (stored experts' included) are left to their owners."""
+    for p in m.parameters():
+        p.data = p.data.to(dtype)
     m.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -103,20 +131,49 @@ def _randomize(m: nn.Module, device: torch.device, dtype: torch.dtype, seed: int
 
 
 def random_target(shape: str, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None) -> DecoderLM:
-    return random_model(shape_config(shape)[0], device, dtype, tp)
+    return random_model(shape_config(shape)[0], device, dtype, tp, parse_shape(shape)[2])
 
 
-def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None) -> DecoderLM:
-    """A target of any shape with random weights (over `tp`, this rank's shards only, as random)."""
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None,
+                 experts: str | None = None) -> DecoderLM:
+    """A target of any shape with random weights (over `tp`, this rank's shards only, as random);
+    `experts` 'int4' or 'fp8': the routed experts stored so (`EXPERT_FORMS`)."""
     with torch.device("meta"):
         model = build_target(cfg, tp)
+        if experts is not None:
+            cls, layout = EXPERT_FORMS[experts]
+            for layer in model.layers:
+                if isinstance(layer.mlp, SparseMoE):
+                    layer.mlp.experts = cls(cfg.hidden_size, cfg.moe, tp, **layout)
     _randomize(model, device, dtype, 0, by_name=tp is not None)
+    g = torch.Generator(device=device).manual_seed(2)
+    for m in model.modules():
+        if isinstance(m, StoredExperts):
+            _fill_stored(m, g)
     for name in fp32_parameters(model):
         model.get_parameter(name).data = model.get_parameter(name).data.float()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = build_rotary(cfg).to(device)
     return model.eval().requires_grad_(False)
+
+
+INT4_STD = 4.6   # of a nibble uniform over [-8, 7]
+
+
+@torch.no_grad()
+def _fill_stored(ex: StoredExperts, g: torch.Generator) -> None:
+    """Weights of about N(0, 0.02): int4 words of uniform nibbles at scale 0.02 / INT4_STD, or e4m3
+    values of N(0, 1) at scale 0.02 (drawn one expert at a time, in bf16)."""
+    for t in (ex.gate_up, ex.down):
+        if isinstance(ex, Int4Experts):
+            t.random_(-2**31, 2**31, generator=g)
+        else:
+            for e in range(t.shape[0]):
+                t[e].copy_(torch.randn(t.shape[1:], generator=g, device=t.device, dtype=torch.bfloat16))
+    scale = 0.02 / INT4_STD if isinstance(ex, Int4Experts) else 0.02
+    ex.gate_up_scale.fill_(scale)
+    ex.down_scale.fill_(scale)
 
 
 def random_drafter(shape: str, target: DecoderLM, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:

@@ -26,7 +26,11 @@ MoE blocks go expert-parallel:
 One all-reduce sums a block's routed and shared parts over the ranks. Dense layers of a sparse
 model (mlp_only_layers, first_k_dense_replace) shard as a dense model's.
 Slices are read from the checkpoint as such (safetensors' `get_slice`; other ranks' experts are
-never read): a rank never holds more.
+never read): a rank never holds more. A weight stored quantized is sliced as stored
+(`loader.packed.part_of`): experts whole; output rows cut packed (or e4m3) rows and scale rows
+alike; input columns (o_proj, down_proj) must fall on int4 groups (a multiple of the group size
+and of 8: a rank that would cut one is refused, naming the tensor and the size), while an fp8
+slice off its blocks' edges is read by the covering blocks and widened, that tensor alone.
 """
 from __future__ import annotations
 

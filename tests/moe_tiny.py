@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafttree.models.kv_cache import PagedKVCache, attn_meta, causal
+from drafttree.models.kv_cache import KVCache, PagedKVCache, attn_meta, causal
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32,
         "beta_slow": 1}
@@ -122,6 +122,20 @@ def paged_logits(model, cfg, kv: PagedKVCache | None = None) -> torch.Tensor:
     with torch.no_grad():
         for a, b in [(0, 7), (7, 8), (8, 13), (13, 37)]:
             meta = attn_meta(torch.full((B,), a), causal(B, b - a, "cpu"), 40, block_table=table, page_size=ps)
+            h, _ = model(ids[:, a:b], torch.arange(a, b)[None].expand(B, b - a), meta, kv.k, kv.v)
+            out.append(model.logits(h))
+    return torch.cat(out, dim=1)
+
+
+def our_logits(model, cfg, ids: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
+    """Logits of ids [B, T], fed through the cache in chunks [a, b)."""
+    B = ids.shape[0]
+    kv = KVCache.allocate(cfg.num_layers, B, 64, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu",
+                          cfg.v_cache_dim)
+    out = []
+    with torch.no_grad():
+        for a, b in chunks:
+            meta = attn_meta(torch.full((B,), a), causal(B, b - a, "cpu"), 64)
             h, _ = model(ids[:, a:b], torch.arange(a, b)[None].expand(B, b - a), meta, kv.k, kv.v)
             out.append(model.logits(h))
     return torch.cat(out, dim=1)

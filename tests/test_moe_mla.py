@@ -13,10 +13,10 @@ from drafttree.config import ModelConfig
 from drafttree.loader import fp8_blocks
 from drafttree.loader.weights import load_target
 from drafttree.models import mla, moe
-from drafttree.models.kv_cache import KVCache, KVLayout, PagedKVCache, attn_meta, causal
+from drafttree.models.kv_cache import KVLayout, PagedKVCache, attn_meta, causal
 from drafttree.models.random_shapes import shape_config
 from tests.helpers import check_lossless, greedy, make_prompts, taus_of
-from tests.moe_tiny import SHAPES, fp8_copy, make_moe_target
+from tests.moe_tiny import SHAPES, fp8_copy, make_moe_target, our_logits
 from tests.tiny import copy_checkpoint, edit_config, edit_tensors
 
 SHAPE_NAMES = sorted(SHAPES)
@@ -33,20 +33,6 @@ def tiny(request, tmp_path_factory):
 def hf_model(path):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def our_logits(model, cfg, ids: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
-    """Logits of ids [B, T], fed through the cache in chunks [a, b)."""
-    B = ids.shape[0]
-    kv = KVCache.allocate(cfg.num_layers, B, 64, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu",
-                          cfg.v_cache_dim)
-    out = []
-    with torch.no_grad():
-        for a, b in chunks:
-            meta = attn_meta(torch.full((B,), a), causal(B, b - a, "cpu"), 64)
-            h, _ = model(ids[:, a:b], torch.arange(a, b)[None].expand(B, b - a), meta, kv.k, kv.v)
-            out.append(model.logits(h))
-    return torch.cat(out, dim=1)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -30,9 +30,8 @@ from drafttree.models.quant_experts import Fp8BlockExperts, Int4Experts
 from drafttree.models.quant_linear import Fp8BlockLinear, Int4Linear
 from drafttree.models.random_shapes import parse_shape, random_model, random_target, shape_config
 from tests.helpers import Pair, check_lossless, greedy, make_prompts
-from tests.moe_tiny import fp8_copy, make_moe_target, paged_logits
-from tests.test_moe_mla import our_logits
-from tests.test_tp import fake_group, mixed, sharded
+from tests.moe_tiny import fp8_copy, make_moe_target, our_logits, paged_logits
+from tests.tp_helpers import fake_group, mixed, sharded
 from tests.tiny import copy_checkpoint, edit_config, make_drafter
 
 VOCAB = 11

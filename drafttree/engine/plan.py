@@ -194,11 +194,11 @@ def load_models(setup: EngineSetup, tp: TPGroup | None = None):
     from drafttree.loader.drafter import load_drafter
     from drafttree.loader.weights import load_target
     from drafttree.models import quant
-    from drafttree.models.random_shapes import drafter_from_config, random_model
+    from drafttree.models.random_shapes import drafter_from_config, random_target
 
     cfg, device, dtype = setup.cfg, setup.device, setup.dtype
     if setup.model_dir is None:
-        target = random_model(setup.target, device, dtype, tp)
+        target = random_target(cfg.random_weights, device, dtype, tp)
     else:
         target, _ = load_target(setup.model_dir, dtype, device, tp)
     drafter = None

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 from drafttree.engine.engine import Engine
 from drafttree.engine.warmup import warm_up
-from drafttree.runner.prefill_plan import at_offsets
 from drafttree.server.metrics import ServerMetrics
 from drafttree.server.serving import OpenAIServing
 from drafttree.server.worker import EngineWorker

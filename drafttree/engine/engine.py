@@ -1,12 +1,14 @@
 """The engine: sizes the KV page pool, steps the scheduler's prefill chunks and rounds, emits tokens."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,9 +27,10 @@ from drafttree.parallel.group import TensorParallelError, TPGroup
 from drafttree.runner.cuda_graph import GraphRunner, sampler_modes
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
-from drafttree.settings import Settings, current, install
+from drafttree.settings import Settings, scope
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -52,11 +55,27 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+def _in_own_settings(method: Callable[..., T]) -> Callable[..., T]:
+    """An engine method run in a scope of the engine's settings."""
+    @functools.wraps(method)
+    def run(self: Engine, *args: Any, **kwargs: Any) -> T:
+        with scope(self.settings):
+            return method(self, *args, **kwargs)
+    return run
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, tp: TPGroup | None = None) -> None:
         """One engine; over a tensor-parallel group `tp` (given by `engine.launch.start_engine`),
         this rank's: every rank builds the same engine, and rank 0 steps it while the others
-        follow its commands (`engine.launch.follow`)."""
+        follow its commands (`engine.launch.follow`). Its settings (`drafttree.settings`: the
+        process's, with cfg's choices) are in force while it runs model code: here, in `step`
+        and in `agree`; other engines in the process keep theirs."""
+        self.settings: Settings = settings_of(cfg)
+        with scope(self.settings):
+            self._start(cfg, tp)
+
+    def _start(self, cfg: EngineConfig, tp: TPGroup | None) -> None:
         self.cfg = cfg
         if cfg.tensor_parallel_size != 1 and (tp is None or tp.world != cfg.tensor_parallel_size):
             raise ValueError("an engine over several ranks starts with drafttree.engine.launch.start_engine "
@@ -66,9 +85,6 @@ class Engine:
         self.dead: str | None = None       # why a tensor-parallel engine stopped (it steps no more)
         self.in_step = False
         self.ranks: Any = None   # rank 0's hold on the other ranks (`engine.launch.Ranks`): close() stops them
-        self.settings: Settings = settings_of(cfg)   # DRAFTTREE_* (read once per process), and cfg's choices
-        if self.settings != current():
-            install(self.settings)   # the kernels read the settings process-wide
         self.device = tp.device if tp is not None else resolve_device(cfg.device)
         self.dtype = parse_dtype(cfg.dtype, str(self.device))
         self.startup = StartupTimes()
@@ -209,6 +225,7 @@ class Engine:
             ranks.close(failed=self.dead is not None)   # a failed group takes no farewell
             self.dead = self.dead or "the engine was shut down"
 
+    @_in_own_settings
     def agree(self) -> bool:
         """Whether every tensor-parallel rank holds the same round state as rank 0 (a check: the
         ranks decide alike by construction, without exchanging their decisions)."""
@@ -277,6 +294,7 @@ class Engine:
         return bool(sc.waiting or sc.prefilling or sc.running)
 
     # -- the loop ----------------------------------------------------------------------------
+    @_in_own_settings
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """This step's prefill chunks, then one round for every running request. Returns the new
         tokens: with `overlap`, those of the round launched by the previous step (this step's

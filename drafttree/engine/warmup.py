@@ -17,6 +17,7 @@ from drafttree.engine.engine import Engine, EngineStats
 from drafttree.engine.pages import PrefixStats
 from drafttree.runner.prefill_plan import PrefillLimits
 from drafttree.sampling import SamplingParams
+from drafttree.settings import scope
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,11 @@ def warm_up(engine: Engine) -> int:
     """Run the warm-up requests to the end, then clear the engine's counters so that what it
     reports counts requests only. Returns the number of warm-up requests. The engine must be idle."""
     assert not engine.has_unfinished(), "warm-up needs an idle engine"
+    with scope(engine.settings):   # what it compiles and loads, it does for the engine's kernels
+        return _warm_up(engine)
+
+
+def _warm_up(engine: Engine) -> int:
     runner, sched = engine.runner, engine.scheduler
     pg = runner.prefill_graphs
     graphed = 0 if pg is None or pg.failed or not pg.graphs else max(Pb for _, Pb, _ in pg.graphs)

@@ -6,86 +6,23 @@ import json
 import logging
 import sys
 
+from drafttree.engine.cli_args import add_engine_args, config_from_args, serving_fields
 from drafttree.engine.engine import Engine, EngineConfig
 from drafttree.parallel.group import TensorParallelError, torchrun_launch
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--draft-model", default=None, help="DFlash drafter directory (default: the shipped drafter for the default model)")
-    g.add_argument("--spec", choices=["none", "dflash", "ddtree"], default=None,
-                   help="speculative method (default: ddtree when a drafter is available)")
-    g.add_argument("--block-size", type=int, default=None, help="draft width (default: the drafter's)")
-    g.add_argument("--budget", default="auto",
-                   help="'auto' (the default): every round chooses the budget (DDTree nodes up to the drafter "
-                        "config's ddtree_default_budget, else 32; the DFlash chain; or 0, a plain decode step) "
-                        "that maximises expected tokens/s from the measured cost of each and the drafter's "
-                        "predicted acceptance; N >= 1: DDTree verifies N + 1 tokens every round (DFlash: drafts every "
-                        "round)")
-    g.add_argument("--budget-schedule", default=None,
-                   help="DDTree budget by batch bucket under load, e.g. '8:16,32:4' (batch:budget; caps with "
-                        "--budget auto); budget 0 decodes plainly from that batch size on ('16:0', DFlash too); "
-                        "default with a fixed budget: the drafter config's ddtree_default_budget_schedule, if any "
-                        "('none' clears it)")
-    g.add_argument("--speculate-sampled", action=argparse.BooleanOptionalAction, default=None,
-                   help="whether rounds with a request at temperature > 0 speculate (else they decode plainly; "
-                        "greedy rounds still speculate); default: the drafter config's "
-                        "ddtree_default_speculate_sampled, else on")
-    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
-    g.add_argument("--draft-quantization", choices=["fp8"], default=None,
-                   help="the drafter's weights and its copy of the LM head as fp8 e4m3, a scale per row: the "
-                        "output is unchanged, the acceptance may move; pays for large drafters only (CUDA "
-                        "compute capability 8.9+, or CPU)")
-    g.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
-    g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
-                   help="requests running at once (the KV page pool bounds how many contexts fit)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length per request")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=None,
-                   help="KV page pool size (default: 1 GiB on CPU, 60%% of the free memory on CUDA)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="CUDA: the share of the device's memory to use; the KV page pool gets what the weights "
-                        "and CUDA graphs leave of it")
-    g.add_argument("--page-size", type=int, default=EngineConfig.page_size, help="tokens per KV page")
-    g.add_argument("--no-prefix-caching", action="store_true",
-                   help="compute every prompt in full (default: requests share the KV pages of common prefixes)")
-    g.add_argument("--no-cuda-graphs", action="store_true", help="run every phase eagerly")
-    g.add_argument("--no-prefill-graphs", action="store_true",
-                   help="run prefill eagerly (default with CUDA graphs: graphed per (rows, length bucket, "
-                        "attention length), from position 0 and at offsets (prefix-cache hits, continuing "
-                        "chunks), every shape the scheduler can ask for captured at start-up)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="shard the target over N ranks, one GPU each (gloo processes on the CPU): started here, "
-                        "or under torchrun (--nproc-per-node, --nnodes) its processes; a size the model "
-                        "cannot split (heads, MLP rows, experts) is refused, naming what it must divide")
-    g.add_argument("--distributed-timeout", type=float, default=EngineConfig.distributed_timeout_s, metavar="S",
-                   help="tensor parallel: a collective waiting longer than S seconds for a rank stops the engine")
-    g.add_argument("--deterministic", action="store_true", default=None,
-                   help="a token's logits the same bits whatever the phase, width and batch that computes it: "
-                        "speculative decoding then reproduces plain decoding bit for bit on the GPU, and a "
-                        "served answer can be reproduced (dense targets; costs speed, see docs/performance.md)")
-    g.add_argument("--no-overlap", action="store_true",
-                   help="read each round's tokens before launching the next (default on CUDA: the next round "
-                        "is launched first, so the host's work between rounds overlaps the device's)")
+    """The engine's flags: one per EngineConfig field the serving commands take (`engine.cli_args`)."""
+    add_engine_args(p.add_argument_group("engine"), serving_fields())
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
+    cfg = config_from_args(a)
     run = torchrun_launch()
-    if run is not None and a.tensor_parallel_size == 1:
+    if run is not None and cfg.tensor_parallel_size == 1:
         print(f"drafttree: warning: torchrun started {run.world} processes and each runs an engine of its own; "
               f"--tensor-parallel-size {run.world} shards one engine over them", file=sys.stderr)
-    return EngineConfig(model=a.model, draft_model=a.draft_model, spec=a.spec, block_size=a.block_size,
-                        budget=a.budget, budget_schedule=a.budget_schedule,
-                        speculate_sampled=a.speculate_sampled, dtype=a.dtype,
-                        draft_quantization=a.draft_quantization, device=a.device,
-                        max_num_seqs=a.max_num_seqs,
-                        max_model_len=a.max_model_len, kv_cache_memory_gb=a.kv_cache_memory_gb,
-                        gpu_memory_utilization=a.gpu_memory_utilization, page_size=a.page_size,
-                        enable_prefix_caching=not a.no_prefix_caching,
-                        cuda_graphs=False if a.no_cuda_graphs else None,
-                        prefill_graphs=False if a.no_prefill_graphs else None,
-                        overlap=False if a.no_overlap else None, tensor_parallel_size=a.tensor_parallel_size,
-                        distributed_timeout_s=a.distributed_timeout, deterministic=a.deterministic)
+    return cfg
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -174,23 +111,39 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench":
         from drafttree.bench.cli import main as bench_main
         return bench_main(argv[1:])
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.cmd == "serve" else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return {"generate": cmd_generate, "serve": cmd_serve, "graphs": cmd_graphs}[a.cmd](a)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"drafttree: error: {e}", file=sys.stderr)
+        return 2
+    except TensorParallelError as e:
+        print(f"drafttree: error: {e}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """generate, serve and graphs (train-drafter and bench parse their own arguments)."""
     p = argparse.ArgumentParser(prog="drafttree", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate a completion for one prompt, streamed")
     g.add_argument("prompt")
     add_model_args(g)
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=256, help="output tokens at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass (1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
+    g.add_argument("--seed", type=int, default=None, help="the sampler's seed (default: a random one)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_model_args(s)
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: --model as given, or the default model's)")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="larger request bodies are refused (413) before they are read (default 4 MiB)")
     gr = sub.add_parser("graphs", help="print the CUDA graph capture plan and the memory plan per GPU (no GPU "
@@ -203,17 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also load the models, capture the graphs and print the measured cost model")
     sub.add_parser("train-drafter", help="train a DFlash drafter (see drafttree train-drafter --help)")
     sub.add_parser("bench", help="AR vs DFlash vs DDTree benchmark (see drafttree bench --help)")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if a.cmd == "serve" else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return {"generate": cmd_generate, "serve": cmd_serve, "graphs": cmd_graphs}[a.cmd](a)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"drafttree: error: {e}", file=sys.stderr)
-        return 2
-    except TensorParallelError as e:
-        print(f"drafttree: error: {e}", file=sys.stderr)
-        return 1
+    return p
 
 
 if __name__ == "__main__":

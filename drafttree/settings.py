@@ -1,10 +1,15 @@
-"""The process-wide settings an operator may change without touching the code: which kernel
-families run, the block shapes of the fused projections, torch.compile, and the cache directory.
+"""The settings an operator may change without touching the code: which kernel families run, the
+block shapes of the fused projections, torch.compile, and the cache directory.
 
-Each field has one DRAFTTREE_* environment variable. They are read once per process: the first
-`current()` (an engine's start asks for it) parses the environment with `Settings.from_env()`, and
-kernels read the installed object, never the environment. `install()` replaces it; `using()` does
-so for a block of code (tests, benchmarks).
+Each field has one DRAFTTREE_* environment variable. The process default is read once: the first
+`current()` outside any scope parses the environment with `Settings.from_env()`; `install()`
+replaces it. Kernels read `current()`, never the environment: the settings of this thread's
+innermost scope (`scope(settings)`, or `using(**changes)` over the current ones), else the
+process default. A scope holds in its own thread only: another thread, a new one included, sees
+the process default until it enters a scope of its own. Each engine runs its model code
+(construction, steps, warm-up, a follower rank's commands, the server's engine thread) in a scope
+of its own settings, so two engines with different settings in one process keep theirs. CUDA
+graphs keep the kernels chosen at their capture.
 
     DRAFTTREE_ATTN_KERNEL=0   attention, rope and the KV write by the torch ops
     DRAFTTREE_GEMV=0          every projection by the torch ops (cuBLAS)
@@ -22,6 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -143,11 +149,20 @@ def _shown(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-_current: Settings | None = None
+_current: Settings | None = None   # the process default (None: not read from the environment yet)
+# This thread's innermost scope. A thread-local rather than a ContextVar: torch.compile traces a
+# thread-local's attributes (and guards on them), and a forward it traces reads the settings.
+_scoped = threading.local()
 
 
 def current() -> Settings:
-    """The settings in force: those installed, else the environment's, read now and kept."""
+    """The settings in force: this thread's innermost scope's, else the process default."""
+    inner = getattr(_scoped, "settings", None)
+    return inner if inner is not None else process_default()
+
+
+def process_default() -> Settings:
+    """The settings outside any scope: those installed, else the environment's, read now and kept."""
     global _current
     if _current is None:
         _current = Settings.from_env()
@@ -155,18 +170,24 @@ def current() -> Settings:
 
 
 def install(settings: Settings) -> Settings:
-    """Make `settings` the process's; returns the ones they replace."""
+    """Make `settings` the process default; returns the one it replaces. Active scopes keep theirs."""
     global _current
-    before = current()
+    before = process_default()
     _current = settings
     return before
 
 
 @contextlib.contextmanager
-def using(**changes: Any) -> Iterator[Settings]:
-    """The current settings with `changes` for the block, e.g. `with using(attn_kernel=False):`."""
-    before = install(current().replace(**changes))
+def scope(settings: Settings) -> Iterator[Settings]:
+    """`settings` in force for the block, in this thread only."""
+    outer = getattr(_scoped, "settings", None)
+    _scoped.settings = settings
     try:
-        yield current()
+        yield settings
     finally:
-        install(before)
+        _scoped.settings = outer
+
+
+def using(**changes: Any) -> contextlib.AbstractContextManager[Settings]:
+    """The current settings with `changes` for the block, e.g. `with using(attn_kernel=False):`."""
+    return scope(current().replace(**changes))

@@ -93,3 +93,124 @@ def test_serve_passes_the_request_size_limit(monkeypatch):
     assert main(["serve", "--port", "9", "--max-request-bytes", "1000"]) == 0
     assert main(["serve"]) == 0
     assert [(p, lim.max_request_bytes) for p, lim in seen] == [(9, 1000), (8000, 4 << 20)]
+
+
+def _engine_actions(parser) -> dict[str, object]:
+    """The actions of `parser` that set an EngineConfig field, by field name."""
+    from dataclasses import fields
+
+    from drafttree.engine.config import EngineConfig
+    names = {f.name for f in fields(EngineConfig)}
+    return {a.dest: a for a in parser._actions if a.dest in names}
+
+
+def _generate_parser():
+    from drafttree.cli import build_parser
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd")
+    return sub.choices["generate"]
+
+
+def test_every_engine_field_has_a_flag_with_help():
+    """`drafttree generate` has a flag for every EngineConfig field but the timing-only ones in
+    NOT_SERVED (the benchmarks take those), and every engine flag of every command says what it does."""
+    from dataclasses import fields
+
+    from drafttree.bench import cli as bench_cli, phases
+    from drafttree.engine.cli_args import NOT_SERVED
+    from drafttree.engine.config import EngineConfig
+    everything = {f.name for f in fields(EngineConfig)}
+    generate = _engine_actions(_generate_parser())
+    assert NOT_SERVED == ("random_weights", "random_drafter")
+    assert set(generate) == everything - set(NOT_SERVED)
+    parsers = {"generate": generate, "bench": _engine_actions(bench_cli.build_parser()),
+               "phases": _engine_actions(phases.build_parser())}
+    assert set(NOT_SERVED) <= set(parsers["bench"]) & set(parsers["phases"])
+    for command, actions in parsers.items():
+        for name, action in actions.items():
+            meaning = action.help.rsplit(" (default: ", 1)[0]
+            assert meaning.strip() and "(default: " in action.help, (command, name, action.help)
+
+
+def test_every_flag_spelling_still_parses_and_reaches_its_field():
+    """The spellings the README, the tests and older command lines use, and a field of each kind:
+    ints, floats, choices, the budget, a tuple, switches both ways; a flag not given keeps
+    EngineConfig's default."""
+    from dataclasses import replace
+
+    from drafttree.cli import engine_config
+    from drafttree.engine.config import EngineConfig
+    p = _generate_parser()
+    assert engine_config(p.parse_args(["hi"])) == EngineConfig()
+    argv = ["hi", "--model", "m", "--draft-model", "d", "--spec", "ddtree", "--block-size", "8", "--budget", "16",
+            "--budget-schedule", "8:4", "--no-speculate-sampled", "--dtype", "bf16", "--draft-quantization", "fp8",
+            "--device", "cpu", "--max-num-seqs", "4", "--max-model-len", "128", "--kv-cache-memory-gb", "0.5",
+            "--gpu-memory-utilization", "0.8", "--page-size", "32", "--no-prefix-caching", "--no-cuda-graphs",
+            "--sampler-modes", "greedy,filtered", "--no-prefill-graphs", "--max-prefill-tokens", "512",
+            "--prefill-chunk", "64", "--admit-min", "2", "--no-overlap", "-tp", "2", "--distributed-timeout", "9.5",
+            "--deterministic"]
+    want = EngineConfig(model="m", draft_model="d", spec="ddtree", block_size=8, budget=16, budget_schedule="8:4",
+                        speculate_sampled=False, dtype="bf16", draft_quantization="fp8", device="cpu", max_num_seqs=4,
+                        max_model_len=128, kv_cache_memory_gb=0.5, gpu_memory_utilization=0.8, page_size=32,
+                        enable_prefix_caching=False, cuda_graphs=False, sampler_modes=("greedy", "filtered"),
+                        prefill_graphs=False, max_prefill_tokens=512, prefill_chunk=64, admit_min=2, overlap=False,
+                        tensor_parallel_size=2, distributed_timeout_s=9.5, deterministic=True)
+    assert engine_config(p.parse_args(argv)) == want
+    on = ["hi", "--budget", "auto", "--speculate-sampled", "--cuda-graphs", "--prefill-graphs", "--overlap",
+          "--prefix-caching", "--tensor-parallel-size", "3", "--no-deterministic"]
+    assert engine_config(p.parse_args(on)) == replace(EngineConfig(), budget="auto", speculate_sampled=True,
+                                                      cuda_graphs=True, prefill_graphs=True, overlap=True,
+                                                      tensor_parallel_size=3, deterministic=False)
+
+
+def test_train_drafters_engine_flags():
+    """`drafttree train-drafter` takes the engine's switches from the same fields, in its older
+    spelling too (--kv-cache-gb)."""
+    from drafttree.train.cli import build_parser, regen_config
+    a = build_parser().parse_args(["regenerate", "--out", "o", "--no-cuda-graphs", "--kv-cache-gb", "3"])
+    rc = regen_config(a)
+    assert (rc.cuda_graphs, rc.kv_cache_memory_gb) == (False, 3.0)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--budget", "0"], "argument --budget: expected 'auto' or a budget >= 1"),
+    (["--budget", "many"], "argument --budget: expected 'auto' or a number of tree nodes, got 'many'"),
+    (["--sampler-modes", "greedy,fast"], "argument --sampler-modes: ['fast']: choose from greedy, sample, filtered"),
+    (["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
+    (["--max-num-seqs", "2.5"], "argument --max-num-seqs: expected int, got '2.5'"),
+    (["--spec", "medusa"], "argument --spec: invalid choice: 'medusa'"),
+])
+def test_a_bad_engine_flag_is_refused_naming_it(capsys, argv, says):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hi", *argv])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_flags_choices_are_the_codes():
+    """The choices EngineConfig's metadata lists are the names the code takes."""
+    from drafttree.config import DTYPES
+    from drafttree.engine import config
+    from drafttree.models.quant import METHODS
+    from drafttree.runner.cuda_graph import CAPTURED_MODES
+    assert set(config.DTYPE_NAMES) == set(DTYPES) | {"auto"}
+    assert config.DRAFT_QUANTIZATIONS == METHODS
+    assert config.SAMPLER_MODE_NAMES == tuple(m.name.lower() for m in CAPTURED_MODES)
+
+
+def test_the_benchmarks_defaults_and_fixed_fields():
+    """The benchmarks' own defaults (a budget of 32 and 2048 tokens for the phases; speculation at
+    T > 0 for bench) and the fields each run sets over the flags."""
+    from drafttree.bench import cli as bench_cli, phases
+    from drafttree.engine.cli_args import config_from_args
+    from drafttree.engine.config import EngineConfig
+    a = phases.build_parser().parse_args(["--random-weights", "qwen3-8b", "--random-drafter", "--deterministic"])
+    assert config_from_args(a, max_num_seqs=1, cuda_graphs=False) == EngineConfig(
+        spec="ddtree", budget=32, max_model_len=2048, max_num_seqs=1, cuda_graphs=False, random_weights="qwen3-8b",
+        random_drafter=True, deterministic=True)
+    b = bench_cli.build_parser().parse_args(["--no-cuda-graphs", "-tp", "2", "--prefill-chunk", "256"])
+    assert config_from_args(b, spec="ddtree", budget=8, max_num_seqs=4) == EngineConfig(
+        spec="ddtree", budget=8, max_num_seqs=4, speculate_sampled=True, max_model_len=2048, cuda_graphs=False,
+        tensor_parallel_size=2, prefill_chunk=256)
+    with pytest.raises(SystemExit):
+        phases.main(["--budget", "auto"])
+    with pytest.raises(SystemExit):   # each run sets its method: no --spec here
+        bench_cli.build_parser().parse_args(["--spec", "none"])

@@ -1,17 +1,21 @@
 """The settings object (`drafttree.settings`): the DRAFTTREE_* variables parsed once, bad values
-refused by name, shown by `drafttree graphs` and recorded in bench results."""
+refused by name, shown by `drafttree graphs` and recorded in bench results; scopes per thread, and
+each engine's own settings in force wherever it runs model code."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
 import re
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from drafttree import settings
-from drafttree.settings import Settings, current, install, using
+from drafttree.settings import Settings, current, install, process_default, scope, using
 
 
 def test_defaults_and_every_variable(tmp_path):
@@ -97,3 +101,152 @@ def test_graph_plan_and_bench_results_show_the_settings(zoo, set_settings):
     assert "deterministic=on" in describe_plan(EngineConfig(model=str(zoo("qwen3").target), deterministic=True))
     env = environment()
     assert env["settings"] == current().as_dict() and env["kernels"]["few_row_projections"] is False
+
+
+def test_a_scope_holds_in_its_own_thread_only(monkeypatch):
+    """Two threads in scopes of their own each see theirs; a new thread starts outside any scope
+    (the process default), and install() inside a scope changes the default, not the scope."""
+    monkeypatch.setattr(settings, "_current", Settings())
+    base = current()
+    mine, theirs = Settings(gemm=False), Settings(pdl=False)
+    both_in, seen = threading.Barrier(2), {}
+
+    def other() -> None:
+        seen["fresh"] = current()
+        with scope(theirs):
+            both_in.wait()
+            seen["scoped"] = current()
+            both_in.wait()
+    t = threading.Thread(target=other)
+    with scope(mine):
+        t.start()
+        both_in.wait()
+        assert current() is mine
+        both_in.wait()
+        t.join()
+        later = Settings(attn_kernel=False)
+        assert install(later) is base and current() is mine and process_default() is later
+    assert seen["scoped"] is theirs and seen["fresh"] is base and current() is later
+
+
+def test_a_traced_forward_reads_the_scope_and_is_guarded_on_it():
+    """torch.compile traces a read of the settings in one graph (a forward it traces reads them),
+    and the graph traced under one scope is not reused under another."""
+    import torch
+
+    def forward(x):
+        return x * 2 if current().gemm else x * 3
+    torch._dynamo.reset()
+    traced = torch.compile(forward, backend="eager", fullgraph=True)
+    x = torch.ones(2)
+    with scope(Settings(gemm=True)):
+        assert torch.equal(traced(x), x * 2)
+    with scope(Settings(gemm=False)):
+        assert torch.equal(traced(x), x * 3)
+
+
+def _engine(target, **kw):
+    from drafttree.engine.engine import Engine, EngineConfig
+    return Engine(EngineConfig(model=str(target), spec="none", device="cpu", dtype="float32", max_num_seqs=2,
+                               max_model_len=32, kv_cache_memory_gb=0.01, **kw))
+
+
+def test_two_engines_keep_their_own_settings(zoo, monkeypatch):
+    """One deterministic engine and one not, in one process: every forward of each (its
+    construction, its warm-up, its steps taken in turn with the other's) runs under its own
+    settings, and the process default is what it was. (One process-wide object, installed by each
+    engine's start, gave the first engine the second's.)"""
+    from drafttree.engine import engine as engine_module
+    from drafttree.engine.warmup import warm_up
+    from drafttree.kernels import dispatch
+    from drafttree.sampling import SamplingParams
+
+    monkeypatch.setattr(settings, "_current", Settings())
+    before = process_default()
+    seen: list[bool] = []
+    invariant, runner = dispatch.invariant, engine_module.ModelRunner
+
+    def spy(x):   # every projection and attention asks it: the switch the kernels read
+        seen.append(current().deterministic)
+        return invariant(x)
+
+    def built(*args, **kwargs):
+        seen.append(current().deterministic)
+        return runner(*args, **kwargs)
+    monkeypatch.setattr(dispatch, "invariant", spy)
+    monkeypatch.setattr(engine_module, "ModelRunner", built)
+    target = zoo("qwen3").target
+    engines = {}
+    for flag in (True, False):
+        engines[flag] = _engine(target, deterministic=flag)
+        assert seen == [flag] and engines[flag].settings.deterministic is flag
+        seen.clear()
+    warm_up(engines[True])
+    assert seen and set(seen) == {True}
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs = {flag: eng.add_request([1, 2, 3], params) for flag, eng in engines.items()}
+    steps = 0
+    while any(e.has_unfinished() for e in engines.values()):
+        for flag, eng in engines.items():
+            seen.clear()
+            eng.step()
+            assert set(seen) <= {flag}
+            steps += bool(seen)
+    assert steps >= 8   # every step of each ran a forward
+    # on the CPU without Triton the mode changes no kernel: both decode alike
+    assert outs[True].output_ids == outs[False].output_ids and len(outs[True].output_ids) == 5
+    assert process_default() is before and current() is before
+
+
+def test_a_follower_and_the_engine_thread_run_under_the_engines_settings(monkeypatch):
+    """A tensor-parallel follower's commands and the server's engine thread (each with a
+    stand-in engine) run under the engine's settings, whatever their thread's scope."""
+    from drafttree.engine import launch
+    from drafttree.parallel.commands import SHUTDOWN
+    from drafttree.server.worker import EngineWorker
+
+    monkeypatch.setattr(settings, "_current", Settings())
+    own = Settings(attn_kernel=False, deterministic=True)
+    seen: list[Settings] = []
+
+    class Runner:
+        timer = SimpleNamespace(collect=lambda: None)
+
+        def probe(self) -> None:
+            seen.append(current())
+
+    class Channel:
+        def __init__(self, tp) -> None:
+            self.commands = iter([("probe", (), {}), ("probe", (), {}), (SHUTDOWN, (), {})])
+
+        def receive(self):
+            return next(self.commands)
+    monkeypatch.setattr(launch, "CommandChannel", Channel)
+    monkeypatch.setattr(launch, "COMMANDS", {"probe"})
+    monkeypatch.setattr(launch, "close_group", lambda: None)
+    follower = SimpleNamespace(tp=SimpleNamespace(leader=False, rank=1), runner=Runner(), settings=own)
+    with using(gemm=False):
+        assert launch.follow(follower) == 0
+        assert current() == Settings(gemm=False)
+    assert seen == [own, own]
+
+    seen.clear()
+
+    class Stepping:
+        settings, failure, running, waiting = own, None, [], []
+        left = 2
+
+        def has_unfinished(self) -> bool:
+            return self.left > 0
+
+        def step(self) -> list:
+            self.left -= 1
+            seen.append(current())
+            return []
+    worker = EngineWorker(Stepping())
+    worker.start()
+    deadline = time.monotonic() + 10
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.stop()
+    assert seen == [own, own] and current() == Settings()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import json
 import platform
 import pstats
@@ -22,58 +23,50 @@ from tqdm import tqdm
 
 from drafttree.bench.environment import environment
 from drafttree.bench.prompts import load_prompts
+from drafttree.engine.cli_args import add_engine_args, config_from_args, field_names
+from drafttree.engine.plan import settings_of
 from drafttree.llm import LLM
 from drafttree.parallel.group import torchrun_launch
 from drafttree.phases import Phase, schedule_for
 from drafttree.sampling import SamplingParams
-from drafttree.settings import current, install
+from drafttree.settings import scope
+
+
+# Every engine field but those each run sets (the method, its budget, the rows for --batch).
+ENGINE_FIELDS = tuple(field_names(exclude=("spec", "budget", "max_num_seqs")))
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="drafttree bench", description=__doc__)
-    p.add_argument("--model", default=None)
-    p.add_argument("--draft-model", default=None, help="default: the shipped drafter of the default model")
-    p.add_argument("--random-weights", default=None, help="timing only: a shape from drafttree.models.random_shapes")
-    p.add_argument("--random-drafter", action="store_true", help="timing only: a random drafter for --model")
+    add_engine_args(p.add_argument_group("engines (one per method and budget)"), ENGINE_FIELDS,
+                    defaults={"speculate_sampled": True, "max_model_len": 2048},
+                    notes={"budget_schedule": "DFlash takes it when all its entries are batch:0",
+                           "speculate_sampled": "on by default here: each method is measured as itself, whatever "
+                                                "the drafter config's ddtree_default_speculate_sampled says",
+                           "deterministic": "with it, same_as_ar is 1.00 at T = 0 on the GPU too",
+                           "tensor_parallel_size": "every engine of the run starts its own ranks"})
     p.add_argument("--prompts", default="humaneval",
                    help="humaneval | sharegpt-heldout | FILE.jsonl, or several, comma-separated (one engine runs them all)")
-    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts taken from each set")
     p.add_argument("--waves", type=int, default=0,
                    help="at each batch size B, decode at least this many full batches (N x B requests, the "
                         "prompts reused in order): cells at large batch sizes then run long enough to rank")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--methods", default="ar,dflash,ddtree")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--methods", default="ar,dflash,ddtree",
+                   help="what to run, comma-separated: ar (plain decoding), dflash, ddtree")
     p.add_argument("--budgets", default="auto,8,16,32,64,128",
                    help="DDTree budgets to run, each fixed for every round, and 'auto' (each round chooses; "
                         "DFlash then runs auto too): e.g. auto,4,8,16,32,64")
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--budget-schedule", default=None,
-                   help="DDTree budget by batch bucket (see drafttree generate); DFlash takes it when all its "
-                        "entries are batch:0")
-    p.add_argument("--speculate-sampled", action=argparse.BooleanOptionalAction, default=True,
-                   help="speculate at T > 0 too (the default here: each method is measured as itself, "
-                        "whatever the drafter config's ddtree_default_speculate_sampled says)")
-    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--temperatures", default="0,1", help="sampling temperatures, comma-separated: each a run")
     p.add_argument("--top-p", type=float, default=1.0, help="of every sampled request (1: off)")
     p.add_argument("--top-k", type=int, default=0, help="of every sampled request (0: off)")
     p.add_argument("--batch", default="1",
                    help="concurrent requests, or several sizes comma-separated (e.g. 1,4,16,64): each method's "
                         "engine is started once, at the largest, and runs every size")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--draft-quantization", default=None, help="fp8: the drafter's weights as e4m3")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--no-prefill-graphs", action="store_true", help="eager prefill")
-    p.add_argument("--no-overlap", action="store_true", help="read each round before launching the next")
-    p.add_argument("--deterministic", action="store_true", default=None,
-                   help="every engine in deterministic mode (same_as_ar is then 1.00 at T = 0 on the GPU too)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="shard the target over N ranks, one GPU each; every engine of the run starts its own")
     p.add_argument("--host-profile", action="store_true",
                    help="write each run's host-side profile (cProfile, top 40 by own time) into --out; "
                         "the profiler slows the host, so its tok/s are not comparable")
-    p.add_argument("--out", default="bench_out")
+    p.add_argument("--out", default="bench_out", help="directory for results.json, the plots and profiles")
     p.add_argument("--from-results", nargs="+", default=None, metavar="JSON",
                    help="run nothing: merge these results.json files (e.g. one per GPU) into --out")
     return p
@@ -114,15 +107,9 @@ def make_llm(a, method: str, budget: int | str | None) -> LLM:
     """One engine per (method, budget): every temperature of the run shares it (and its graphs)."""
     # DFlash's chain in every round: a fixed budget (its value is not used)
     engine_budget = 1 if method == "dflash" and budget is None else budget
-    return LLM(model=a.model, draft_model=a.draft_model, spec="none" if method == "ar" else method,
-               budget=engine_budget, block_size=a.block_size,
-               budget_schedule=schedule_for(method, a.budget_schedule), speculate_sampled=a.speculate_sampled,
-               dtype=a.dtype, device=a.device, max_num_seqs=max(batches(a)),
-               max_model_len=a.max_model_len, cuda_graphs=False if a.no_cuda_graphs else None,
-               prefill_graphs=False if a.no_prefill_graphs else None,
-               overlap=False if a.no_overlap else None, random_weights=a.random_weights,
-               random_drafter=a.random_drafter, draft_quantization=a.draft_quantization,
-               tensor_parallel_size=a.tensor_parallel_size, deterministic=a.deterministic)
+    cfg = config_from_args(a, spec="none" if method == "ar" else method, budget=engine_budget,
+                           budget_schedule=schedule_for(method, a.budget_schedule), max_num_seqs=max(batches(a)))
+    return LLM(**dataclasses.asdict(cfg))
 
 
 def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, temperature: float,
@@ -300,6 +287,12 @@ def finish(results: list[dict], meta: dict, out: Path) -> None:
     print(f"wrote {out / 'results.json'} and {', '.join(files)}")
 
 
+def _environment(a: argparse.Namespace) -> dict:
+    """`environment()` under the settings every engine of the run has (its deterministic choice)."""
+    with scope(settings_of(config_from_args(a))):
+        return environment()
+
+
 def _fmt(d: dict) -> str:
     return "{" + ", ".join(f"{k}: {v:.3g}" for k, v in d.items()) + "}"
 
@@ -330,8 +323,6 @@ def main(argv: list[str] | None = None) -> int:
         vocab = shape_config(a.random_weights)[0].vocab_size
     sizes = batches(a)
     sets = {ps: load_prompts(ps, a.num_prompts, random_vocab=vocab) for ps in prompt_sets(a)}
-    if a.deterministic:   # in force before the environment is recorded (the engines would install it)
-        install(current().replace(deterministic=True))
     temps = [float(T) for T in a.temperatures.split(",")]
     plan = runs(a)
     meta = {"date": time.strftime("%Y-%m-%d"),
@@ -341,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompts": a.prompts, "num_prompts": {ps: len(p) for ps, p in sets.items()}, "max_tokens": a.max_tokens,
             "batch": sizes, "waves": a.waves,
             "tensor_parallel_size": a.tensor_parallel_size,
-            "environment": environment()}
+            "environment": _environment(a)}
     results, outputs = [], {}
     total = len(plan) * len(temps) * sum(cell_requests(a, len(p), b) for p in sets.values() for b in sizes)
     with tqdm(total=total, desc="bench", unit="req") as bar:

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from drafttree.bench.environment import environment
+from drafttree.engine.cli_args import add_engine_args, config_from_args
 from drafttree.engine.engine import Engine, EngineConfig
 from drafttree.engine.launch import check_launch, run_ranks
 from drafttree.parallel import comm
@@ -28,6 +29,7 @@ from drafttree.runner.capture import capture_graph
 from drafttree.runner.phase_table import bucket_steps, round_steps
 from drafttree.runner.timing import median_seconds
 from drafttree.sampling import SampleMode, SamplingParams
+from drafttree.settings import scope
 from drafttree.spec_decode import rounds
 from drafttree.spec_decode.tree import build_tree
 
@@ -42,6 +44,12 @@ def bench(cfg: EngineConfig, batch: int, prompt_len: int, iters: int, budgets_tr
           tp: TPGroup | None = None) -> dict:
     """The timings, on this rank (every rank of `tp` runs this same code, in the same order)."""
     eng = Engine(cfg, tp)
+    with scope(eng.settings):   # the phases are called here, not through the engine's own entry points
+        return _timings(eng, batch, prompt_len, iters, budgets_tree, tp)
+
+
+def _timings(eng: Engine, batch: int, prompt_len: int, iters: int, budgets_tree: list[int],
+             tp: TPGroup | None) -> dict:
     r, dev, spec = eng.runner, eng.device, eng.spec
     rc = r.round_ctx   # what the round functions take
     V = r.target.cfg.vocab_size
@@ -121,47 +129,51 @@ def _count(ops: list[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, int
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", default=None)
-    p.add_argument("--draft-model", default=None)
-    p.add_argument("--random-weights", default=None)
+# The engine fields a phase timing depends on; the rest (graphs, scheduling, overlap) do not reach
+# the phases timed here, which run one by one and capture graphs of their own.
+ENGINE_FIELDS = ("model", "draft_model", "random_weights", "random_drafter", "spec", "block_size", "budget", "dtype",
+                 "draft_quantization", "device", "max_model_len", "kv_cache_memory_gb", "gpu_memory_utilization",
+                 "page_size", "deterministic", "tensor_parallel_size", "distributed_timeout_s")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m drafttree.bench.phases", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p.add_argument_group("engine"), ENGINE_FIELDS,
+                    defaults={"spec": "ddtree", "budget": 32, "max_model_len": 2048},
+                    notes={"budget": "here a fixed budget (auto is refused: the phases are timed at one)"})
     p.add_argument("--num-layers", type=int, default=None, help="with --random-weights: keep the first N layers")
-    p.add_argument("--random-drafter", action="store_true", help="an untrained drafter for --model")
-    p.add_argument("--spec", default="ddtree")
-    p.add_argument("--budget", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--draft-quantization", default=None, help="fp8: the drafter's weights as e4m3")
-    p.add_argument("--device", default=None)
-    p.add_argument("--tree-budgets", default="32,128,512")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="shard the target over N ranks (one GPU each; gloo processes on the CPU)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--batch", type=int, default=1, help="requests in the round timed")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of each request before the round")
+    p.add_argument("--iters", type=int, default=30, help="timed runs of each phase (the median is reported)")
+    p.add_argument("--tree-budgets", default="32,128,512",
+                   help="CUDA: budgets at which the tree build alone is timed, comma-separated (empty: none)")
+    p.add_argument("--out", default=None, help="also write the results (JSON) to this file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.num_layers is not None:
         if not a.random_weights:
             p.error("--num-layers needs --random-weights")
         a.random_weights = f"{a.random_weights}@{a.num_layers}"
-    cfg = EngineConfig(model=a.model, draft_model=a.draft_model, spec=a.spec, block_size=a.block_size,
-                       budget=a.budget, dtype=a.dtype, device=a.device, max_num_seqs=max(a.batch, 1),
-                       max_model_len=a.max_model_len, cuda_graphs=False, random_weights=a.random_weights,
-                       random_drafter=a.random_drafter, draft_quantization=a.draft_quantization,
-                       kv_cache_memory_gb=None, tensor_parallel_size=a.tensor_parallel_size)
+    if a.batch < 1:
+        p.error(f"--batch must be >= 1, got {a.batch}")
+    if a.budget == "auto":
+        p.error("--budget: the phases are timed at a fixed budget (auto chooses one per round)")
+    cfg = config_from_args(a, max_num_seqs=a.batch, cuda_graphs=False)
     args = (cfg, a.batch, a.prompt_len, a.iters, [int(x) for x in a.tree_budgets.split(",") if x])
     check_launch(cfg)
-    if a.tensor_parallel_size == 1:
+    if cfg.tensor_parallel_size == 1:
         res = bench(*args)
     else:
-        res = run_ranks(_bench_rank, a.tensor_parallel_size, a.device, cfg.distributed_timeout_s, *args)
+        res = run_ranks(_bench_rank, cfg.tensor_parallel_size, cfg.device, cfg.distributed_timeout_s, *args)
         if res is None:   # a torchrun rank other than 0: rank 0 reports
             return 0
-    res["model"] = a.random_weights or a.model or "default"
-    res["draft_quantization"] = a.draft_quantization
+    res["model"] = cfg.random_weights or cfg.model or "default"
+    res["draft_quantization"] = cfg.draft_quantization
     print(json.dumps(res, indent=1))
     if a.out:
         with open(a.out, "w") as f:

@@ -3,15 +3,17 @@ from its setup (`plan.resolve`, once); the pool's size from `pool_sizing`, text 
 counters from `stats`; the runner captures and times its own graphs."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from drafttree.engine.budget import BudgetChooser
 from drafttree.engine.config import EngineConfig
 from drafttree.engine.inflight import Launched, RoundOutputs
 from drafttree.engine.pages import PagePool
-from drafttree.engine.plan import EngineSetup, load_models, resolve
+from drafttree.engine.plan import EngineSetup, load_models, resolve, settings_of
 from drafttree.engine.pool_sizing import size_pool
 from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
@@ -22,18 +24,35 @@ from drafttree.parallel.comm import explain
 from drafttree.parallel.group import TensorParallelError, TPGroup
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
-from drafttree.settings import current, install
+from drafttree.settings import Settings, scope
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 __all__ = ["Engine", "EngineConfig", "EngineStats"]
+
+
+def _in_own_settings(method: Callable[..., T]) -> Callable[..., T]:
+    """An engine method run in a scope of the engine's settings."""
+    @functools.wraps(method)
+    def run(self: Engine, *args: Any, **kwargs: Any) -> T:
+        with scope(self.settings):
+            return method(self, *args, **kwargs)
+    return run
 
 
 class Engine:
     def __init__(self, cfg: EngineConfig, tp: TPGroup | None = None) -> None:
         """One engine; over a tensor-parallel group `tp` (given by `engine.launch.start_engine`),
         this rank's: every rank builds the same engine, and rank 0 steps it while the others
-        follow its commands (`engine.launch.follow`)."""
+        follow its commands (`engine.launch.follow`). Its settings (`drafttree.settings`: the
+        process's, with cfg's choices) are in force while it runs model code: here, in `step`
+        and in `agree`; other engines in the process keep theirs."""
+        self.settings: Settings = settings_of(cfg)
+        with scope(self.settings):
+            self._start(cfg, tp)
+
+    def _start(self, cfg: EngineConfig, tp: TPGroup | None) -> None:
         self.cfg = cfg
         self.tp = tp
         self.dead: str | None = None       # why a tensor-parallel engine stopped (it steps no more)
@@ -44,9 +63,6 @@ class Engine:
         with self.startup.stage("convert" if not cfg.random_weights else "setup"):
             self.setup: EngineSetup = resolve(cfg, tp)
         setup = self.setup
-        self.settings = setup.settings
-        if self.settings != current():
-            install(self.settings)   # the kernels read the settings process-wide
         self.device, self.dtype, self.spec = setup.device, setup.dtype, setup.spec
         self.model_dir, self.model_cfg = setup.model_dir, setup.target
         with self.startup.stage("load weights"):
@@ -128,6 +144,7 @@ class Engine:
             ranks.close(failed=self.dead is not None)   # a failed group takes no farewell
             self.dead = self.dead or "the engine was shut down"
 
+    @_in_own_settings
     def agree(self) -> bool:
         """Whether every tensor-parallel rank holds the same round state as rank 0 (a check: the
         ranks decide alike by construction, without exchanging their decisions)."""
@@ -188,6 +205,7 @@ class Engine:
         return bool(sc.waiting or sc.prefilling or sc.running)
 
     # -- the loop ----------------------------------------------------------------------------
+    @_in_own_settings
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """This step's prefill chunks, then one round for every running request. Returns the new
         tokens: with `overlap`, those of the round launched by the previous step (this step's

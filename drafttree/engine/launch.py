@@ -39,6 +39,7 @@ from drafttree.engine.plan import target_config
 from drafttree.parallel.commands import COMMANDS, NOOP, SHUTDOWN, CommandChannel
 from drafttree.parallel.group import Launch, TPGroup, close_group, free_port, init_group, torchrun_launch
 from drafttree.parallel.shard import check_size
+from drafttree.settings import scope
 
 log = logging.getLogger(__name__)
 GRACE_S = 10.0   # after a rank is lost, how long a step stuck in a collective may take to fail
@@ -129,6 +130,11 @@ def follow(engine: Engine) -> int:
     behind may never complete, and tearing down its process group could wait on it."""
     tp = engine.tp
     assert tp is not None and not tp.leader, "rank 0 steps its engine; the other ranks follow it"
+    with scope(engine.settings):   # the commands run model code, as rank 0's steps do
+        return _follow(engine, tp)
+
+
+def _follow(engine: Engine, tp: TPGroup) -> int:
     channel, runner = CommandChannel(tp), engine.runner
     while True:
         try:

@@ -90,8 +90,8 @@ def target_config(cfg: EngineConfig) -> ModelConfig:
 
 
 def settings_of(cfg: EngineConfig) -> Settings:
-    """The settings an engine of `cfg` runs under: the process's, with the config's deterministic
-    choice where it makes one."""
+    """The settings an engine of `cfg` runs under: those in force, with the config's deterministic
+    choice where it makes one (the engine's scope, `settings.scope`)."""
     s = current()
     return s if cfg.deterministic is None else s.replace(deterministic=cfg.deterministic)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from drafttree.engine.engine import Engine
 from drafttree.runner.prefill_plan import PrefillLimits
 from drafttree.sampling import SamplingParams
+from drafttree.settings import scope
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,11 @@ def warm_up(engine: Engine) -> int:
     """Run the warm-up requests to the end, then clear the engine's counters so that what it
     reports counts requests only. Returns the number of warm-up requests. The engine must be idle."""
     assert not engine.has_unfinished(), "warm-up needs an idle engine"
+    with scope(engine.settings):   # what it compiles and loads, it does for the engine's kernels
+        return _warm_up(engine)
+
+
+def _warm_up(engine: Engine) -> int:
     runner, sched = engine.runner, engine.scheduler
     graphed = 0 if runner.prefill_graphs is None else runner.prefill_graphs.widest()
     cc = runner.cache_cfg

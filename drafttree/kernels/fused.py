@@ -7,6 +7,13 @@ few Triton kernels; it is applied only to CUDA tensors, so CPU runs (tests, CI) 
 A piece whose compilation fails on a platform runs as torch ops from then on, with one warning.
 `settings.compile` (DRAFTTREE_COMPILE) "0" turns it off; "cpu" compiles on CPU too (for tests of
 the wrapper itself).
+
+Each call reads `settings.compile` in force (`drafttree.settings.current()`, the calling engine's),
+so engines with different choices in one process each get theirs. What is kept across calls is
+not a settings choice: a piece's compiled form (the pieces are torch ops alone and read no
+settings, so one compiled form serves every engine that compiles), a failed compilation (a fact
+of the platform), and Inductor's cache directory, which Inductor reads from the process's
+environment: it is set once, from the settings in force at the first compilation.
 """
 from __future__ import annotations
 

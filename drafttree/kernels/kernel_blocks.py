@@ -21,7 +21,7 @@ from drafttree.settings import current, env_name
 
 Table = dict[str, list[tuple[int, Any]]]
 ONE_ROW, FEW_ROWS = 4, 8   # fields of gemv_kernel.Blocks, gemm_kernel.Blocks
-_APPLIED: dict[tuple[str, bool], Table] = {}
+_APPLIED: dict[tuple[str, bool], Table] = {}   # by sweep file: engines with different files get each their own
 
 
 def lookup(table: Table, kind: str, numel: int) -> Any:

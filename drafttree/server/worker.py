@@ -18,6 +18,7 @@ from drafttree.engine.sequence import Sequence
 from drafttree.parallel.group import TensorParallelError
 from drafttree.sampling import SamplingParams
 from drafttree.server.metrics import ServerMetrics
+from drafttree.settings import scope
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,10 @@ class EngineWorker:
 
     # -- engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        with scope(self.engine.settings):   # a new thread starts outside any scope (`drafttree.settings`)
+            self._loop()
+
+    def _loop(self) -> None:
         eng = self.engine
         while True:
             cmds = [] if eng.has_unfinished() else self._wait()

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from drafttree.engine.cli_args import add_engine_args
 from drafttree.prompts import Conversation, Prompt, load_sharegpt_conversations, read_prompts, write_prompts
 from drafttree.train.code_prompts import code_prompts, stdlib_root
 from drafttree.train.data import responses_path
@@ -77,8 +78,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer (templated) prompts")
     g.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                    help="feed text prompts without the target's chat template")
-    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache budget")
+    add_engine_args(g, ("cuda_graphs", "kv_cache_memory_gb"))
 
 
 def _regen_args(p: argparse.ArgumentParser) -> None:
@@ -197,7 +197,7 @@ def regen_config(a: argparse.Namespace) -> RegenConfig:
     return RegenConfig(target=a.target, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
                        max_prompt_tokens=a.max_prompt_tokens, max_tokens=getattr(a, "max_tokens", 512),
                        temperature=getattr(a, "temperature", 0.0), seed=a.seed, chat_template=a.chat_template,
-                       cuda_graphs=a.cuda_graphs, kv_cache_memory_gb=a.kv_cache_gb,
+                       cuda_graphs=a.cuda_graphs, kv_cache_memory_gb=a.kv_cache_memory_gb,
                        time_limit=getattr(a, "regen_time_limit", None))
 
 

@@ -32,7 +32,7 @@ def variants():
         yield (f"tiles rows {rows} {dt}", int4_kernel._gemm_kernel, ("M", "N", "nib"), linear_types(dt),
                dict(K=D, G=G, HAS_B=1, SCALE_DT=int(dt == "bf16"), BM=b.bm, BN=b.bn, BKW=b.bkw, STAGES=b.stages,
                     PDL=1), {"num_warps": b.warps, "num_stages": b.stages})
-    for pairs in (8, 2048 * 8):
+    for pairs in (8, 2048 * 8, 8192 * 8):   # a decode's, and prefill chunks' (64 and 128 slots a tile)
         b = int4_moe_kernel.blocks_for(pairs * E // 384, E)
         common = dict(E=E, D=D, I=I, G=G, SCALE_DT=1, BM=b.bm, BKW=b.bkw, STAGES=b.stages, PDL=1)
         options = {"num_warps": b.warps, "num_stages": b.stages}

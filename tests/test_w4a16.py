@@ -143,7 +143,8 @@ SMALL_MOE = int4_moe_kernel.Blocks(16, 16, 16, 16, 4, 2)
 EXPERTS = [pytest.param(1, 4, 6, 64, 32, 32, None, False, id="decode"),
            pytest.param(6, 2, 7, 128, 64, 32, SMALL_MOE, True, id="6rows-dropped-small-blocks"),
            pytest.param(9, 3, 5, 128, 128, 128, int4_moe_kernel.Blocks(32, 16, 32, 16, 4, 2), False, id="bm32-g128"),
-           pytest.param(12, 2, 3, 64, 32, 8, int4_moe_kernel.Blocks(64, 16, 16, 16, 4, 2), True, id="bm64-g8-dropped")]
+           pytest.param(12, 2, 3, 64, 32, 8, int4_moe_kernel.Blocks(64, 16, 16, 16, 4, 2), True, id="bm64-g8-dropped"),
+           pytest.param(20, 1, 2, 64, 32, 32, int4_moe_kernel.Blocks(128, 16, 32, 16, 4, 2), False, id="bm128-top1")]
 
 
 @pytest.mark.parametrize("dtype,scale_dtype", [(torch.float32, torch.bfloat16), (torch.float16, torch.float16)],
@@ -281,7 +282,7 @@ def kimi_routing(M: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("M", ROWS + [8192])   # 8192 rows: 128 slots a tile
 def test_grouped_experts_at_kimi_shapes(kimi_experts, M):
     gu, gus, dn, dns = kimi_experts
     w, idx = kimi_routing(M, seed=M)

@@ -56,14 +56,18 @@ class GemvBlocks(NamedTuple):
     stages: int
 
 
-# (most token rows, blocks), fewest first; more rows than the last take the last. 64 weight rows
-# a program are one warpgroup MMA on Hopper (fewer would replicate the dequantization across
-# warps); a prefill chunk takes 128 x 128 tiles.
+# (most token rows, blocks), fewest first; more rows than the last take the last. Chosen by the
+# instructions a weight (per token row, for wide tiles) of the sm_90 build's loop, weighed against
+# the programs a 7168-row output spreads over 132 SMs: 64 weight rows a program are one warpgroup
+# MMA on Hopper (fewer would repeat the unpacking across warps) and keep a decode's 7168 outputs on
+# 112 programs; a prefill chunk takes 128 x 256 tiles, whose unpacking then costs about what
+# their MMAs do. Not timed on a GPU yet.
 BLOCKS: list[tuple[int, Blocks]] = [
     (16, Blocks(16, 64, 64, 4, 3)),
     (32, Blocks(32, 64, 64, 4, 3)),
     (64, Blocks(64, 64, 32, 4, 3)),
-    (1 << 62, Blocks(128, 128, 16, 8, 3)),
+    (256, Blocks(128, 128, 16, 8, 3)),
+    (1 << 62, Blocks(128, 256, 16, 8, 3)),
 ]
 GEMV = GemvBlocks(16, 128, 4, 3)
 # Deterministic mode (`settings.deterministic`): every row count takes these tiles, never the GEMV,

@@ -37,16 +37,20 @@ class Blocks(NamedTuple):
 
 def blocks_for(pairs: int, num_experts: int) -> Blocks:
     """Tiles sized to the mean pairs per expert hit, as `moe_kernel.blocks_for`: 16 slots while most
-    experts get a few pairs (decode, draft, verify), more where a prefill chunk fills them. 64
-    weight rows a program are one warpgroup MMA on Hopper: fewer rows than 16 per warp would have
-    warps repeat each other's unpacking. Chosen by instruction counts of the sm_90 build (4.2 to 5
-    a weight at 16 slots), not timed on a GPU yet (`benchmarks/w4a16_bench.py --sweep`)."""
+    experts get a few pairs (decode, draft, verify: Kimi K2's DDTree verify of 33 rows, or 16 of
+    them, puts one to eleven pairs on each of a rank's experts), more where a prefill chunk fills
+    them. 64 weight rows a program are one warpgroup MMA on Hopper: fewer than 16 a warp would
+    have warps repeat each other's unpacking. Chosen by the instructions a weight of the sm_90
+    build's loops (4.1 to 4.2 at 16 slots), not timed on a GPU yet (`benchmarks/w4a16_bench.py
+    --sweep`)."""
     per_expert = pairs / min(num_experts, pairs)
     if per_expert <= 16:
-        return Blocks(16, 64, 64, 64, 4, 3)
+        return Blocks(16, 64, 128, 64, 4, 3)
     if per_expert <= 32:
-        return Blocks(32, 64, 64, 32, 4, 3)
-    return Blocks(64, 64, 64, 32, 4, 3)
+        return Blocks(32, 64, 128, 32, 4, 3)
+    if per_expert <= 64:
+        return Blocks(64, 64, 128, 32, 4, 3)
+    return Blocks(128, 128, 256, 16, 8, 3)
 
 
 def _gate_up_kernel(x_ptr, p_ptr, s_ptr, pairs_ptr, tiles_ptr, h_ptr, P, nib, E: tl.constexpr,

@@ -10,7 +10,8 @@ Per row: µs per call, the int4 floor (the bytes of the packed words and scales 
 the whole weight, or the experts its routing hits, over --hbm-bytes-per-s) and each time's ratio
 to it. One row (decode) also times the tiles in the GEMV's place. A configuration that fails is
 reported as its error and the rest still run. --sweep times candidate blocks per row and keeps
-the fastest; --out writes every row as JSON.
+the fastest (each candidate compiles anew: sweep a few rows at a time, e.g. --only experts --rows
+33 --sweep); --out writes every row as JSON.
 
     python benchmarks/w4a16_bench.py [--rows 1,8,33,528,2048] [--only dense,experts]
         [--hbm-bytes-per-s 4.8e12] [--sweep] [--out w4a16.json]                         (CUDA)

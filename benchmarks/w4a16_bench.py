@@ -8,7 +8,8 @@ together larger than L2, so that the weights come from HBM, as in a forward.
 
 Per row: µs per call, the int4 floor (the bytes of the packed words and scales the call must read:
 the whole weight, or the experts its routing hits, over --hbm-bytes-per-s) and each time's ratio
-to it. One row (decode) also times the tiles in the GEMV's place. A configuration that fails is
+to it. One row (decode) also times the tiles in the GEMV's place; the experts also time the blocks
+this rank's pairs alone would choose, where those differ from the code's (sized by all N·k). A configuration that fails is
 reported as its error and the rest still run. --sweep times candidate blocks per row and keeps
 the fastest (each candidate compiles anew: sweep a few rows at a time, e.g. --only experts --rows
 33 --sweep); --out writes every row as JSON.
@@ -195,6 +196,12 @@ def bench_experts(rows: list[int], args: argparse.Namespace) -> list[dict]:
         def kernel(ly, b=None):
             return int4_moe_kernel.fused_experts(x, w, idx, *ly, GROUP, b, dropless=False)
         attempt(row, "kernel_us", lambda: cycled(kernel, layers))
+        # The code sizes tiles by all N·k pairs (it cannot count this rank's without a read-back):
+        # the tiles this rank's pairs alone would take, where they differ.
+        local = int4_moe_kernel.blocks_for(max(1, row["local_pairs"]), E_LOCAL)
+        if local != int4_moe_kernel.blocks_for(M * TOPK, E_LOCAL):
+            row["local_blocks"] = list(local)
+            attempt(row, "local_blocks_us", lambda: cycled(lambda ly: kernel(ly, local), layers))
         # each pair's expert unpacked: transients of about 12 bytes a weight, per pair
         if M * TOPK * 3 * I * D * 12 <= args.torch_max_gb * 1e9:
             attempt(row, "torch_us", lambda: cycled(lambda ly: int4_ops.experts(x, w, idx, *ly, GROUP), layers))
@@ -238,6 +245,8 @@ def print_row(row: dict, keys: list[str], hit: bool = False) -> None:
     cells = [us(keys[0]), f"{ratio:7.2f}" if ratio else f"{'-':>7s}"] + [us(k) for k in keys[1:]]
     err = f"{row['err']:.1e}" if row.get("err") is not None else "-"
     sweep = f"  sweep {row['sweep_us']:.1f} µs {row['sweep_blocks']}" if "sweep_us" in row else ""
+    if row.get("local_blocks_us"):
+        sweep += f"  this rank's pairs' blocks {tuple(row['local_blocks'])}: {row['local_blocks_us']:.1f} µs"
     print(lead + " ".join(cells) + f"  {err:8s}  {tuple(row['blocks'])}{sweep}", flush=True)
     for key, e in row.get("errors", {}).items():
         print(f"      {key}: {e}")

@@ -20,8 +20,16 @@ Triton where `tl.dot` runs (on CUDA, Ampere or newer).
                              for more than one row `gemm` set and dots
                        else: the caller's unfused layers; a weight class whose tiles lost to cuBLAS
                              (no blocks) takes torch_ops.projection
-    int4_linear,       int4 weights kept packed (compressed-tensors pack-quantized, int4_ops)
-    int4_experts       runs: the torch forms (unpack, then matmul)
+    int4_linear        int4 weights kept packed (compressed-tensors pack-quantized, int4_ops), W4A16
+                       runs: `tiles_take`: int4_kernel (one row the GEMV, more the tensor-core tiles),
+                             unpacked in registers; deterministic mode: the tiles at fixed blocks
+                       else: the torch form (the weight unpacked, then matmul)
+    int4_experts       grouped W4A16 GEMMs over expert-sorted pairs (moe_align, int4_moe_kernel)
+                       runs where `moe_kernels`; any row count
+                       else: the torch forms: each pair's expert unpacked (CPU, or few pairs), every
+                             expert unpacked once over every row (CUDA, more pairs)
+                       both: group sizes `int4_kernel.check_group` takes (powers of two from 8 that
+                             divide the inputs), else a ValueError on every path
     fp8_block_linear   e4m3 weights with a scale per 128 x 128 block, kept as stored (fp8_block_ops),
                        weight-only: e4m3 tiles widened in registers, each block's partial dot scaled
                        in fp32 (fp8_block_kernel), any row count
@@ -64,16 +72,18 @@ import torch.nn.functional as F
 from drafttree.kernels import attn_kernel, filter_kernel, gemm_kernel, gemv_kernel, invariant_attn, moe_kernel
 from drafttree.kernels import fp8_block_kernel, fp8_block_moe
 from drafttree.kernels import fp8_block_ops, int4_ops, norm_kernel, rope_kernel, topk_kernel, torch_ops, tree_kernel
+from drafttree.kernels import int4_kernel, int4_moe_kernel
 from drafttree.kernels.attn_kernel import Rope
 from drafttree.kernels.tree_kernel import TreeTensors
 from drafttree.kernels.triton_jit import capability, dots_run_on, interpreting, kernels_run_on, next_pow2
 from drafttree.settings import current
 
 __all__ = ["FEW_ROWS", "MAX_FUSED_TOPK", "Rope", "TreeTensors", "add_rms_norm", "attention", "attention_kernels",
-           "build_tree_fused", "few_rows", "filter_thresholds", "fp8_block_experts", "fp8_block_kernels", "fp8_block_linear", "fp8_linear", "fp8_runs_on", "fused_tree_usable",
-           "gemv", "int4_experts", "int4_linear", "invariant", "linear", "moe_experts", "moe_kernels", "norm_gemv", "norm_glu_gemv",
-           "projection_kernels", "qk_rope_write_kv", "rms_norm", "rope_attention", "rope_in_attention", "tiles_take",
-           "top_log_probs", "write_kv"]
+           "build_tree_fused", "few_rows", "filter_thresholds", "fp8_block_experts", "fp8_block_kernels",
+           "fp8_block_linear", "fp8_linear", "fp8_runs_on", "fused_tree_usable", "gemv", "int4_experts",
+           "int4_linear", "invariant", "linear", "moe_experts", "moe_kernels", "norm_gemv", "norm_glu_gemv",
+           "projection_kernels", "qk_rope_write_kv", "rms_norm", "rope_attention", "rope_in_attention",
+           "tiles_take", "top_log_probs", "write_kv"]
 
 
 def invariant(x: torch.Tensor) -> bool:
@@ -284,16 +294,35 @@ def moe_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: to
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T for an int4 weight W [N, K] kept packed (`int4_ops`: packed [N, K / 8],
-    scale [N, K / G])."""
+    """x [..., K] @ W.T + bias for an int4 weight W [N, K] kept packed (`int4_ops`: packed [N, K / 8],
+    scale [N, K / G]): the W4A16 kernels where `tiles_take`, fixed tiles in deterministic mode,
+    else the torch form."""
+    int4_kernel.check_group(group_size, x.shape[-1])
+    if invariant(x):
+        return int4_kernel.linear(x, packed, scale, group_size, bias, blocks=int4_kernel.INVARIANT_BLOCKS)
+    if tiles_take(x):
+        return int4_kernel.linear(x, packed, scale, group_size, bias)
     return int4_ops.linear(x, packed, scale, group_size, bias)
+
+
+# (token, k) pairs up to which the torch forms unpack each pair's expert on CUDA (a transient of
+# that many experts); more unpack every expert once (`int4_ops.experts_all`). CPU keeps the first.
+INT4_GATHER_MAX_PAIRS = 16
 
 
 def int4_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
                  gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor, group_size: int,
                  dropless: bool = True) -> torch.Tensor:
     """`moe_experts` with int4 experts kept packed: gate_up [E, 2I, D / 8], down [E, D, I / 8] and
-    their scales (`int4_ops.experts`); dropless=False: ids may be E, pairs to skip."""
+    their scales: the grouped W4A16 GEMMs where `moe_kernels`, else the torch forms (`int4_ops`);
+    dropless=False: ids may be E, pairs to skip."""
+    int4_kernel.check_group(group_size, x.shape[-1])
+    int4_kernel.check_group(group_size, down.shape[-1] * int4_ops.PACK)
+    if moe_kernels(x):
+        return int4_moe_kernel.fused_experts(x, w, idx, gate_up, gate_up_scale, down, down_scale, group_size,
+                                             dropless=dropless)
+    if x.is_cuda and idx.numel() > INT4_GATHER_MAX_PAIRS:
+        return int4_ops.experts_all(x, w, idx, gate_up, gate_up_scale, down, down_scale, group_size)
     return int4_ops.experts(x, w, idx, gate_up, gate_up_scale, down, down_scale, group_size)
 
 

@@ -90,3 +90,31 @@ def experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.
     y = torch.matmul(dn, silu_mul(h)[..., None])[..., 0]                               # [N, k, D]
     wk = torch.where(mine, w, torch.zeros_like(w)).to(y.dtype)
     return (y * wk[..., None]).sum(dim=1)
+
+
+# Unpacked expert weights `experts_all` holds at a time (2^27 values: 256 MiB in bf16, about six
+# times that in the unpacking's transients).
+ALL_EXPERTS_VALUES = 1 << 27
+
+
+def experts_all(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
+                gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """`experts` as every expert over every row, scaled by its combine weight (zero where it was
+    not picked, and for id E): each expert unpacked once, in groups holding at most
+    ALL_EXPERTS_VALUES values, where `experts` unpacks one per pair. E / k times the FLOPs of the
+    picked experts: the torch form for many rows (a GPU's verify or prefill chunk). Static shapes,
+    no host sync."""
+    E, two_i, _ = gate_up.shape
+    N, D = x.shape
+    combine = torch.zeros(N, E + 1, dtype=x.dtype, device=x.device)   # column E: other ranks' pairs
+    combine = combine.scatter_add_(1, idx, w.to(x.dtype))[:, :E]
+    out = torch.zeros_like(x)
+    step = max(1, ALL_EXPERTS_VALUES // (3 * (two_i // 2) * D))
+    for a in range(0, E, step):
+        gu = dequantize(gate_up[a:a + step], gate_up_scale[a:a + step], group_size, x.dtype)   # [e, 2I, D]
+        dn = dequantize(down[a:a + step], down_scale[a:a + step], group_size, x.dtype)         # [e, D, I]
+        h = torch.matmul(x, gu.transpose(1, 2))                                                 # [e, N, 2I]
+        y = torch.matmul(silu_mul(h), dn.transpose(1, 2))                                       # [e, N, D]
+        out += torch.bmm(y.permute(1, 2, 0), combine[:, a:a + step, None])[..., 0]
+    return out

@@ -68,7 +68,9 @@ class DecoderLayer(nn.Module):
 def vocab_ends(cfg: ModelConfig, tp: TPGroup | None) -> tuple[nn.Module, nn.Module]:
     """(embedding, LM head): whole, or over `tp` this rank's vocabulary rows; tied where the model ties them."""
     V, D = cfg.vocab_size, cfg.hidden_size
-    embed = nn.Embedding(V, D) if tp is None else VocabParallelEmbedding(V, D, tp)
+    # given its weight, nn.Embedding draws no random one (on the meta device that draw alone
+    # imports torch's compiler, about a second on a small CPU)
+    embed = nn.Embedding(V, D, _weight=torch.empty(V, D)) if tp is None else VocabParallelEmbedding(V, D, tp)
     head = LMHead(D, V) if tp is None else VocabParallelHead(V, D, tp)
     if cfg.tie_word_embeddings:
         head.weight = embed.weight

@@ -44,7 +44,9 @@ class LMHead(nn.Linear):
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    # on the CPU even inside a meta-device block (a model built to be loaded): meta arithmetic
+    # alone imports torch's compiler, about a second on a small CPU; the loader rebuilds the tables
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     rs = cfg.rope_scaling
     if rs and rs.get("rope_type") == "llama3":
         factor = rs["factor"]

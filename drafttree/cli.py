@@ -1,7 +1,8 @@
-"""Command line: drafttree generate | serve | graphs | train-drafter | bench."""
+"""Command line: drafttree generate | serve | graphs | cache | train-drafter | bench."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -10,10 +11,18 @@ from drafttree.engine.cli_args import add_engine_args, config_from_args, serving
 from drafttree.engine.engine import Engine, EngineConfig
 from drafttree.parallel.group import TensorParallelError, torchrun_launch
 
+# What `generate` captures, unless its flags say otherwise: its one request is a batch of one,
+# in one sampler mode, of a known length, and prefills once (eagerly: a graph would not repay
+# its capture). Graphs the run cannot use would cost start-up time and nothing else.
+GENERATE_DEFAULTS = {"max_num_seqs": 1}
+GENERATE_TEXTS = {"sampler_modes": "the one mode the sampling flags give",
+                  "prefill_graphs": "off: one prompt prefills once",
+                  "max_graph_len": "the prompt's tokens and --max-tokens"}
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+
+def add_model_args(p: argparse.ArgumentParser, defaults: dict | None = None, texts: dict | None = None) -> None:
     """The engine's flags: one per EngineConfig field the serving commands take (`engine.cli_args`)."""
-    add_engine_args(p.add_argument_group("engine"), serving_fields())
+    add_engine_args(p.add_argument_group("engine"), serving_fields(), defaults=defaults, default_texts=texts)
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -28,7 +37,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 def cmd_generate(a: argparse.Namespace) -> int:
     from drafttree.engine.launch import follow, start_engine
 
-    eng = start_engine(engine_config(a))
+    eng = start_engine(generate_config(engine_config(a), a))
     if not eng.leader:   # a torchrun rank other than 0
         return follow(eng)
     try:
@@ -37,16 +46,58 @@ def cmd_generate(a: argparse.Namespace) -> int:
         eng.shutdown()
 
 
-def _generate(a: argparse.Namespace, eng: Engine) -> int:
-    from drafttree.loader.chat_template import apply_chat_template, has_chat_template
+def _params(a: argparse.Namespace):
     from drafttree.sampling import SamplingParams
+    return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                          max_tokens=a.max_tokens)
 
-    prompt = a.prompt
-    tok = eng.tokenizer
+
+def _prompt(a: argparse.Namespace, tok) -> str:
+    """The prompt as the engine gets it: in the chat template, unless --raw or none."""
+    from drafttree.loader.chat_template import apply_chat_template, has_chat_template
     if not a.raw and has_chat_template(tok):
-        prompt = apply_chat_template(tok, [{"role": "user", "content": prompt}])
-    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
-                            max_tokens=a.max_tokens)
+        return apply_chat_template(tok, [{"role": "user", "content": a.prompt}])
+    return a.prompt
+
+
+def generate_config(cfg: EngineConfig, a: argparse.Namespace) -> EngineConfig:
+    """`generate`'s engine: graphs for its request's sampler mode and, with CUDA graphs, its
+    length only (counted with the model's tokenizer, then handed to the engine); no prefill
+    graphs. A flag given says otherwise."""
+    from drafttree.config import resolve_device
+    from drafttree.sampling import SampleMode
+
+    changes: dict = {}
+    if cfg.sampler_modes is None:
+        changes["sampler_modes"] = (SampleMode.of([_params(a)]).name.lower(),)
+    if cfg.prefill_graphs is None:
+        changes["prefill_graphs"] = False
+    graphed = cfg.cuda_graphs is not False and resolve_device(cfg.device).type == "cuda"
+    if cfg.max_graph_len is None and graphed:
+        n = _prompt_tokens(cfg, a)
+        if n is not None:
+            changes["max_graph_len"] = n + a.max_tokens
+    return dataclasses.replace(cfg, **changes)
+
+
+def _prompt_tokens(cfg: EngineConfig, a: argparse.Namespace) -> int | None:
+    """The prompt's tokens (None without a tokenizer); the tokenizer goes on to the engine."""
+    from drafttree.engine.startup import hand_tokenizer
+    from drafttree.engine.text import load_tokenizer
+    from drafttree.loader.default_model import resolve_model
+
+    path = resolve_model(cfg.model)
+    tok = load_tokenizer(path)
+    if tok is None:
+        return None
+    hand_tokenizer(path, tok)
+    return len(tok.encode(_prompt(a, tok), add_special_tokens=False))
+
+
+def _generate(a: argparse.Namespace, eng: Engine) -> int:
+    tok = eng.tokenizer
+    prompt = _prompt(a, tok)
+    params = _params(a)
     eng.stream_text = not a.json
     seq = eng.add_request(prompt, params)
     shown = 0
@@ -103,6 +154,46 @@ def cmd_graphs(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache(a: argparse.Namespace) -> int:
+    """Show or clear what drafttree keeps between runs."""
+    import os
+
+    from drafttree.engine import caches
+    from drafttree.kernels import compile_cache
+    from drafttree.settings import current
+
+    root = current().cache
+    if a.action == "info":
+        if a.parts:
+            raise ValueError("drafttree cache info takes no parts (drafttree cache clear [PART ...] does)")
+        parts = caches.info(root)
+        print(f"drafttree cache at {root} (DRAFTTREE_CACHE moves it)")
+        for part in parts:
+            print("  " + part.format())
+        print(f"  total     {sum(p.files for p in parts):>7} files {sum(p.bytes for p in parts) / 2**20:>10.1f} MiB")
+        print(f"this platform's compiled kernels: {compile_cache.compiled_dir(root=root)}")
+        for env in (compile_cache.TRITON_ENV, compile_cache.INDUCTOR_ENV):
+            if env in os.environ:
+                print(f"  {env}={os.environ[env]} is set: that compiler keeps its own there")
+        return 0
+    parts = caches.PARTS if not a.parts or "all" in a.parts else tuple(a.parts)
+    for part in caches.clear(parts, root):
+        print(f"cleared {part.name}: {part.files} files, {part.bytes / 2**20:.1f} MiB ({part.path})")
+    return 0
+
+
+def _report_startup() -> None:
+    """Start-up lines (`engine.startup`) on stderr as they come, whatever the root logger's level."""
+    logger = logging.getLogger("drafttree.engine.startup")
+    if not any(getattr(h, "drafttree_startup", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("drafttree: %(message)s"))
+        handler.drafttree_startup = True   # type: ignore[attr-defined]
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "train-drafter":
@@ -114,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.cmd == "serve" else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if a.cmd in ("generate", "graphs"):
+        _report_startup()
     try:
-        return {"generate": cmd_generate, "serve": cmd_serve, "graphs": cmd_graphs}[a.cmd](a)
+        return {"generate": cmd_generate, "serve": cmd_serve, "graphs": cmd_graphs, "cache": cmd_cache}[a.cmd](a)
     except (ValueError, FileNotFoundError) as e:
         print(f"drafttree: error: {e}", file=sys.stderr)
         return 2
@@ -130,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate a completion for one prompt, streamed")
     g.add_argument("prompt")
-    add_model_args(g)
+    add_model_args(g, GENERATE_DEFAULTS, GENERATE_TEXTS)
     g.add_argument("--max-tokens", type=int, default=256, help="output tokens at most")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass (1: off)")
@@ -154,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "H200: 139 GiB, as the output says)")
     gr.add_argument("--costs", action="store_true",
                     help="also load the models, capture the graphs and print the measured cost model")
+    c = sub.add_parser("cache", help="show or clear what drafttree keeps between runs: converted models, compiled "
+                                     "kernels, measured cost tables (under DRAFTTREE_CACHE, default ~/.cache/drafttree)")
+    c.add_argument("action", choices=("info", "clear"))
+    c.add_argument("parts", nargs="*", metavar="PART",
+                   help="clear: models, compiled, costs or all (default: all)")
     sub.add_parser("train-drafter", help="train a DFlash drafter (see drafttree train-drafter --help)")
     sub.add_parser("bench", help="AR vs DFlash vs DDTree benchmark (see drafttree bench --help)")
     return p

@@ -41,6 +41,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """The tests' engines keep their measured cost tables in a cache directory of the session's,
+    not the user's (each tiny model is new, so each would leave a file behind, and a table kept
+    from an earlier session would stand in for the measurement a test exercises). Converted
+    models and compiled kernels are linked from the user's cache: a conversion or a compile takes
+    a while and depends on nothing a test changes."""
+    from drafttree import settings
+
+    user = settings.Settings.from_env().cache
+    root = tmp_path_factory.mktemp("drafttree-cache")
+    for part in ("models", "compiled"):
+        (user / part).mkdir(parents=True, exist_ok=True)
+        (root / part).symlink_to(user / part, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DRAFTTREE_CACHE", str(root))
+        mp.setattr(settings, "_current", None)   # read again, with the variable above
+        yield root
+
+
 @pytest.fixture
 def set_settings(monkeypatch):
     """set_settings(attn_kernel=False, ...): the settings in force (`drafttree.settings`, what the

@@ -57,6 +57,10 @@ def test_bench_writes_results_and_plots(tmp_path):
             assert "budget_choice" not in r
         # fp32: every greedy speculative output is plain decoding's; sampled runs are not compared
         assert r.get("same_as_ar") == (1.0 if r["temperature"] == 0 else None)
+        # the engine's start-up, stage by stage, in the record
+        st = r["startup"]
+        assert {"load weights", "tokenizer"} <= set(st["stages"]) and st["total_s"] >= st["stages"]["load weights"]
+        assert ("cost model" in st["stages"]) == (r["budget"] == "auto")
     assert max(r["tau_mean"] for r in res["results"] if r["method"] == "ddtree") > 1.0
     env = res["meta"]["environment"]   # what the figures depend on besides the command
     assert env["torch"] and set(env["kernels"]) == {"attention", "one_token_projections", "few_row_projections",

@@ -254,15 +254,17 @@ def test_graph_runner_logic_on_cpu(pair, fake_cuda_graphs, spec, budget):
 
 
 def test_each_sampler_mode_replays_its_own_graphs(pair, fake_cuda_graphs):
-    """Greedy, unfiltered sampled and top-p batches replay graphs captured in their own mode
-    (an unfiltered batch in the top-p graph would find thresholds for nothing)."""
+    """Greedy, unfiltered sampled and top-p batches replay decode and verify graphs captured in
+    their own mode (an unfiltered batch in the top-p graph would find thresholds for nothing);
+    the drafter's graphs, which pick no token, are one for every mode."""
     from drafttree.sampling import SampleMode
     t, d = pair
     kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
               max_num_seqs=2, max_model_len=128)
     llm = LLM(**kw, cuda_graphs=True)
     gr = llm.engine.runner.graphs
-    assert {k[2] for k in gr.graphs} == set(SampleMode)
+    assert {k[2] for k in gr.graphs} == set(SampleMode) | {None}
+    assert {k[0] for k in gr.graphs if k[2] is None} == {Phase.CONTEXT, Phase.DRAFT}
     replayed = []
     for key, g in gr.graphs.items():
         g.replay = lambda mode=key[2], run=g.replay: replayed.append(mode) or run()
@@ -273,7 +275,7 @@ def test_each_sampler_mode_replays_its_own_graphs(pair, fake_cuda_graphs):
         want = LLM(**kw, cuda_graphs=False).generate([[3, 1, 4]], sp)[0].token_ids
         replayed.clear()
         assert llm.generate([[3, 1, 4]], sp)[0].token_ids == want
-        assert replayed and set(replayed) == {mode}
+        assert replayed and set(replayed) - {None} == {mode}
     assert gr.fallbacks == 0
 
 
@@ -288,7 +290,7 @@ def test_sampler_modes_capture_only_those_asked(pair, fake_cuda_graphs, monkeypa
               max_num_seqs=2, max_model_len=128)
     llm = LLM(**kw, cuda_graphs=True, sampler_modes=("greedy",))
     gr = llm.engine.runner.graphs
-    assert {k[2] for k in gr.graphs} == {SampleMode.GREEDY}
+    assert {k[2] for k in gr.graphs} - {None} == {SampleMode.GREEDY}
     for T in (0.0, 0.8):
         sp = SamplingParams(temperature=T, seed=1, max_tokens=12, ignore_eos=True)
         want = LLM(**kw, cuda_graphs=False).generate([[3, 1, 4]], sp)[0].token_ids
@@ -301,19 +303,31 @@ def test_sampler_modes_capture_only_those_asked(pair, fake_cuda_graphs, monkeypa
         rc = regen.RegenConfig(target=str(t), device="cpu", dtype="float32", max_num_seqs=2, max_tokens=4,
                                temperature=T, cuda_graphs=True)
         regen.regenerate([[5, 6, 7]], tmp_path / f"t{T}.jsonl", rc, progress=False)
-        assert {k[2] for k in built[-1].engine.runner.graphs.graphs} == {mode}
+        assert {k[2] for k in built[-1].engine.runner.graphs.graphs} - {None} == {mode}
 
 
 def test_sampler_modes_bad_input_fails_fast(pair):
     """An unknown or empty sampler mode list fails before any weight loads (the model path does
-    not exist); a per-round budget choice needs the greedy and sampled graphs its cost model times."""
+    not exist)."""
     for modes in (("greedy", "beam"), ()):
         with pytest.raises(ValueError, match="sampler_modes"):
             LLM(model="/nonexistent/model", device="cpu", sampler_modes=modes)
+
+
+def test_per_round_choice_with_one_mode_times_that_mode(pair, fake_cuda_graphs):
+    """An engine told its requests are greedy captures and times greedy rounds only: the cost
+    model replays its graphs, and prices a sampled round (which runs eagerly, to the same
+    tokens) from the greedy entries."""
     t, d = pair
-    with pytest.raises(ValueError, match="sampler_modes needs greedy and sample"):
-        LLM(model=str(t), draft_model=str(d), spec="ddtree", budget="auto", device="cpu", dtype="float32",
-            max_num_seqs=2, max_model_len=128, cuda_graphs=True, sampler_modes=("greedy",))
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget="auto", device="cpu", dtype="float32",
+              max_num_seqs=2, max_model_len=128)
+    llm = LLM(**kw, cuda_graphs=True, sampler_modes=("greedy",))
+    costs = llm.engine.costs
+    assert costs.seconds and not any(sampled for _, _, _, sampled in costs.seconds)
+    assert costs.round_seconds(1, 4, sampled=True) == costs.round_seconds(1, 4)
+    sp = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
+    want = LLM(**kw, cuda_graphs=False).generate([[3, 1, 4]], sp)[0].token_ids
+    assert llm.generate([[3, 1, 4]], sp)[0].token_ids == want
 
 
 def test_collector_paused_while_capturing(pair, fake_cuda_graphs, monkeypatch):
@@ -577,6 +591,29 @@ def test_rounds_move_across_kv_buckets(pair, fake_cuda_graphs):
     gr.replay = lambda b, mode, kv_len, steps: replayed.append(kv_len) or orig(b, mode, kv_len, steps)
     assert llm.generate([prompt], sp)[0].token_ids == want
     assert set(replayed) == set(gr.kv_lengths) and gr.fallbacks == 0
+
+
+def test_shared_graphs_and_graphs_up_to_max_graph_len(pair, fake_cuda_graphs):
+    """The drafter's context write is one graph per batch bucket (it writes K/V, attends over nothing),
+    its draft one per (batch bucket, KV bucket) (it picks no token), decode and verify one per
+    sampler mode as well. With max_graph_len only the KV buckets it reaches are captured: a
+    request past them runs those rounds eagerly, counted, to the same tokens."""
+    t, d = pair
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=6, device="cpu", dtype="float32",
+              max_num_seqs=2, max_model_len=1100, prefill_graphs=False)
+    gr = LLM(**kw, cuda_graphs=True).engine.runner.graphs
+    assert len(gr.kv_lengths) == 2 and len(gr.set_seconds) == 2 * 3 * 2
+    count = {p: sum(k.phase is p for k in gr.graphs) for p in (Phase.CONTEXT, Phase.DRAFT, Phase.DECODE, Phase.VERIFY)}
+    assert count == {Phase.CONTEXT: 2, Phase.DRAFT: 2 * 2, Phase.DECODE: 2 * 3 * 2, Phase.VERIFY: 2 * 3 * 2}
+    assert {k.kv_len for k in gr.graphs if k.phase is Phase.CONTEXT} == {0}
+    capped = LLM(**kw, cuda_graphs=True, max_graph_len=100)
+    gr = capped.engine.runner.graphs
+    assert gr.kv_lengths == [1024] and {k.kv_len for k in gr.graphs} == {0, 1024}
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[3, 4], [(5 * j) % 57 + 1 for j in range(1010)]]
+    want = LLM(**kw, cuda_graphs=False).generate(prompts, sp)
+    assert [o.token_ids for o in capped.generate(prompts, sp)] == [o.token_ids for o in want]
+    assert gr.fallbacks > 0
 
 
 @cuda

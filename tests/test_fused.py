@@ -213,14 +213,18 @@ def test_sampler_compiles_and_matches_eager(set_settings):
 
 
 def test_compiled_pieces_are_cached_with_the_converted_models(set_settings, monkeypatch, tmp_path):
-    """Inductor's cache goes under settings.cache unless TORCHINDUCTOR_CACHE_DIR names one, and is
-    set before the first piece compiles."""
-    from drafttree.kernels import fused as fused_mod
+    """Inductor's cache, and Triton's beside it, go under settings.cache in this platform's
+    directory unless TORCHINDUCTOR_CACHE_DIR (TRITON_CACHE_DIR) names one, and are set before the
+    first piece compiles."""
+    from drafttree.kernels import compile_cache, fused as fused_mod
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     set_settings(cache=tmp_path)
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR")) or fn)
     fused_mod._compile(lambda x: x)
-    assert seen == [str(tmp_path / "inductor")]
+    base = compile_cache.compiled_dir()
+    assert base.parent == tmp_path / "compiled" and (base / "platform.json").is_file()
+    assert seen == [str(base / "inductor")] and os.environ["TRITON_CACHE_DIR"] == str(base / "triton")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert fused_mod.persist_compile_cache() == str(tmp_path / "mine")

@@ -40,22 +40,23 @@ def flags_of(name: str) -> tuple[str, ...]:
 
 
 def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, names: Iterable[str],
-                    defaults: Mapping[str, Any] | None = None, notes: Mapping[str, str] | None = None) -> None:
+                    defaults: Mapping[str, Any] | None = None, notes: Mapping[str, str] | None = None,
+                    default_texts: Mapping[str, str] | None = None) -> None:
     """Add the flags of EngineConfig's fields `names` to `parser` (or an argument group), each
     parsed into the attribute of the field's name; `defaults` replaces EngineConfig's default of
     a field on this command (its help then shows it), `notes` adds to a field's help what it
-    means on this command."""
+    means on this command, `default_texts` says in words what an unset field means on it."""
     names = list(names)
-    defaults, notes = dict(defaults or {}), dict(notes or {})
+    defaults, notes, texts = dict(defaults or {}), dict(notes or {}), dict(default_texts or {})
     _check_known(names)
-    stray = (set(defaults) | set(notes)) - set(names)
+    stray = (set(defaults) | set(notes) | set(texts)) - set(names)
     if stray:
         raise ValueError(f"defaults or notes for fields without a flag here: {sorted(stray)}")
     for name in names:
         f = _field(name)
         default = defaults.get(name, _default(f))
         kw: dict[str, Any] = {"dest": f.name, "default": default,
-                              "help": _help(f, default, name in defaults, notes.get(name))}
+                              "help": _help(f, default, name in defaults, notes.get(name), texts.get(name))}
         parse = _parser_of(f)
         if parse is None:
             kw["action"] = argparse.BooleanOptionalAction
@@ -107,16 +108,18 @@ def _parser_of(f: Field) -> Callable[[str], Any] | None:
     return _SCALARS[parts[0]]
 
 
-def _help(f: Field, default: Any, overridden: bool, note: str | None) -> str:
-    """The metadata's help, the command's note and the default: the command's own value, else
-    the field's default in words (`default_text`) or, for a set value, the value (a switch's as
-    on/off)."""
+def _help(f: Field, default: Any, overridden: bool, note: str | None, default_text: str | None = None) -> str:
+    """The metadata's help, the command's note and the default: the command's own words for it,
+    its own value, else the field's default in words (`default_text`) or, for a set value, the
+    value (a switch's as on/off)."""
     text = f.metadata.get("help", "").strip()
     if not text:
         raise ValueError(f"EngineConfig.{f.name} has no help text in its metadata")
     if note:
         text += f"; {note}"
-    if not overridden and "default_text" in f.metadata:
+    if default_text is not None:
+        shown = default_text
+    elif not overridden and "default_text" in f.metadata:
         shown = f.metadata["default_text"]
     elif isinstance(default, bool):
         shown = "on" if default else "off"

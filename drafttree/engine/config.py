@@ -94,6 +94,10 @@ class EngineConfig:
         None, "the sampler modes whose round graphs are captured, of greedy, sample, filtered; a batch in "
               "another mode runs eagerly, so an engine whose requests are known (one temperature) captures one",
         "all", type=sampler_modes_arg, metavar="MODE,...")
+    max_graph_len: int | None = _opt(
+        None, "round graphs for requests of up to N tokens (prompt and output): the KV-length buckets past the one "
+              "that holds them are not captured, and a round attending over more runs eagerly (counted as a "
+              "graph fallback)", "max_model_len: every bucket", metavar="N")
     prefill_graphs: bool | None = _opt(
         None, "graphed prefill per (rows, length bucket, attention length): from position 0, or at an offset "
               "over a KV bucket (prefix-cache hits, continuing chunks), every shape the scheduler can ask for "

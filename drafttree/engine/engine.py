@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from drafttree.engine import prepare
 from drafttree.engine.budget import BudgetChooser
 from drafttree.engine.config import EngineConfig
 from drafttree.engine.inflight import Launched, RoundOutputs
@@ -17,7 +18,7 @@ from drafttree.engine.plan import EngineSetup, load_models, resolve, settings_of
 from drafttree.engine.pool_sizing import size_pool
 from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
-from drafttree.engine.startup import StartupTimes
+from drafttree.engine.startup import Background, StartupTimes, tokenizer_for
 from drafttree.engine.stats import EngineStats, Stats
 from drafttree.engine.text import TextCodec, load_tokenizer
 from drafttree.parallel.comm import explain
@@ -65,6 +66,8 @@ class Engine:
         setup = self.setup
         self.device, self.dtype, self.spec = setup.device, setup.dtype, setup.spec
         self.model_dir, self.model_cfg = setup.model_dir, setup.target
+        compiled = prepare.compile_caches(setup)
+        tokenizer = Background(lambda: tokenizer_for(self.model_dir, load_tokenizer))   # alongside the weights
         with self.startup.stage("load weights"):
             target, drafter = load_models(setup, tp)
         size = size_pool(setup, tp)
@@ -77,8 +80,9 @@ class Engine:
         self.pool = PagePool(size.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.pool, self.runner)
         with self.startup.stage("tokenizer"):
-            self.text = TextCodec(load_tokenizer(self.model_dir), set(setup.target.eos_token_ids),
+            self.text = TextCodec(tokenizer.result(), set(setup.target.eos_token_ids),
                                   setup.target.vocab_size, self.model_dir)
+            self.startup.note("tokenizer", f"loaded in {tokenizer.seconds:.2f} s, alongside the weights")
         self.book = Stats(self.pool, self.scheduler, self.runner)
         self.stream_text = False    # a server streaming text sets this
         self.overlap = setup.overlap
@@ -87,14 +91,10 @@ class Engine:
         self._prefill_end = 0.0
         self._outputs = RoundOutputs(cfg.max_num_seqs, self.runner.state.out.shape[1], self.device)
         if setup.cuda_graphs:
-            stages = self.runner.capture(setup.sampler_modes, sched.prefill if setup.prefill_graphs else None)
-            for stage, seconds in stages.items():
-                self.startup.add(stage, seconds)
-        self.costs = None
-        if self.spec.adaptive:
-            from drafttree.runner.cost import measure
-            with self.startup.stage("cost model"):
-                self.costs = measure(self.runner)
+            prepare.capture_graphs(setup, self.runner, sched.prefill if setup.prefill_graphs else None,
+                                   self.startup, compiled)
+        self.costs = prepare.cost_model(setup, self.runner, tp, self.startup) if self.spec.adaptive else None
+        if self.costs is not None:
             log.info("%s", self.costs.format())
         self.chooser = BudgetChooser(self.costs, self.spec.budgets, self.spec.adaptive)
 

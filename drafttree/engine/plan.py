@@ -22,6 +22,7 @@ from drafttree.settings import Settings, current
 
 if TYPE_CHECKING:
     from drafttree.engine.memory_plan import Device
+    from drafttree.runner.model_runner import CacheConfig
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
@@ -177,15 +178,23 @@ def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
     if not spec.speculative:
         dcfg, drafter_dir = None, None
     graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.type == "cuda"
-    if graphs and spec.adaptive and not {SampleMode.GREEDY, SampleMode.SAMPLE} <= set(modes):
-        raise ValueError("the per-round budget choice times greedy and sampled rounds at start-up: "
-                         "sampler_modes needs greedy and sample (or a fixed budget)")
+    if cfg.max_graph_len is not None and cfg.max_graph_len < 1:
+        raise ValueError(f"max_graph_len must be >= 1 (tokens of prompt and output), got {cfg.max_graph_len}")
     if cfg.prefill_graphs and not graphs:
         raise ValueError("prefill_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
     overlap = cfg.overlap if cfg.overlap is not None else device.type == "cuda"
     return EngineSetup(cfg, model_dir, tcfg, drafter_dir, dcfg, spec, settings, device, dtype,
                        1 if tp is None else tp.world, graphs, graphs and cfg.prefill_graphs is not False, modes,
                        overlap)
+
+
+def graph_kv_lengths(cache: CacheConfig, max_graph_len: int | None) -> list[int]:
+    """The KV buckets whose round graphs an engine captures: every one, or with `max_graph_len`
+    those up to the one a request of that many tokens (and a round's writes) attends over."""
+    if max_graph_len is None:
+        return list(cache.kv_buckets)
+    last = cache.kv_bucket(max_graph_len + cache.headroom)
+    return [n for n in cache.kv_buckets if n <= last]
 
 
 def load_models(setup: EngineSetup, tp: TPGroup | None = None):
@@ -227,7 +236,8 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
     spec, target, dcfg = setup.spec, setup.target, setup.drafter
     cache = CacheConfig(cfg.max_num_seqs, cfg.max_model_len or target.max_position_embeddings, spec.kv_headroom,
                         cfg.page_size)
-    plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, cache.kv_buckets, world)
+    plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs,
+                      graph_kv_lengths(cache, cfg.max_graph_len), world)
     prefill = SchedulerConfig(cache, spec.max_commit, cfg.prefill_chunk, cfg.max_prefill_tokens,
                               cfg.admit_min).prefill   # the engine's own rule
     shapes = prefill.shapes()

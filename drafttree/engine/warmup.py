@@ -11,6 +11,7 @@ engine is built. On CPU there is nothing to compile: one short request."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from drafttree.engine.engine import Engine
@@ -82,15 +83,16 @@ def warmup_batches(cuda: bool, limits: PrefillLimits, graphed_len: int, page_siz
     return out
 
 
-def warm_up(engine: Engine) -> int:
+def warm_up(engine: Engine, progress: Callable[[str], None] | None = None) -> int:
     """Run the warm-up requests to the end, then clear the engine's counters so that what it
-    reports counts requests only. Returns the number of warm-up requests. The engine must be idle."""
+    reports counts requests only. Returns the number of warm-up requests. The engine must be idle.
+    `progress(text)` hears of each batch as it starts."""
     assert not engine.has_unfinished(), "warm-up needs an idle engine"
     with scope(engine.settings):   # what it compiles and loads, it does for the engine's kernels
-        return _warm_up(engine)
+        return _warm_up(engine, progress)
 
 
-def _warm_up(engine: Engine) -> int:
+def _warm_up(engine: Engine, progress: Callable[[str], None] | None) -> int:
     runner, sched = engine.runner, engine.scheduler
     graphed = 0 if runner.prefill_graphs is None else runner.prefill_graphs.widest()
     cc = runner.cache_cfg
@@ -99,7 +101,9 @@ def _warm_up(engine: Engine) -> int:
     batches = warmup_batches(engine.device.type == "cuda", sched.cfg.prefill, graphed, cc.page_size,
                              engine.pool.prefix_caching, room)
     vocab = engine.model_cfg.vocab_size
-    for b in batches:
+    for i, b in enumerate(batches):
+        if progress is not None:
+            progress(f"batch {i + 1}/{len(batches)}: prompts of {', '.join(map(str, b.prompt_lens))} tokens")
         for n, v in zip(b.prompt_lens, b.variants):
             engine.add_request([1 + (i + 13 * v) % (vocab - 1) for i in range(n)], replace(b.params))
         while engine.has_unfinished():

@@ -13,17 +13,18 @@ so engines with different choices in one process each get theirs. What is kept a
 not a settings choice: a piece's compiled form (the pieces are torch ops alone and read no
 settings, so one compiled form serves every engine that compiles), a failed compilation (a fact
 of the platform), and Inductor's cache directory, which Inductor reads from the process's
-environment: it is set once, from the settings in force at the first compilation.
+environment: it is set once, from the settings in force at the first compilation (the engine sets
+it, and Triton's, before it loads: `kernels.compile_cache`).
 """
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Callable, TypeVar
 
 import torch
 
+from drafttree.kernels import compile_cache
 from drafttree.settings import current
 
 F = TypeVar("F", bound=Callable)
@@ -57,11 +58,12 @@ RECOMPILE_LIMIT = 64
 
 
 def persist_compile_cache() -> str:
-    """Where Inductor keeps what it compiles: TORCHINDUCTOR_CACHE_DIR if set, else `inductor`
-    under drafttree's cache (settings.cache). Inductor's own default is under /tmp, which a
-    reboot empties, and a server compiles its pieces for every graph shape it captures at
-    start-up; kept with the converted models, a restarted machine finds them."""
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(current().cache / "inductor"))
+    """Where Inductor keeps what it compiles: TORCHINDUCTOR_CACHE_DIR if set, else this platform's
+    directory under drafttree's cache (`compile_cache.install`, which places Triton's beside it).
+    Inductor's own default is under /tmp, which a reboot empties, and a server compiles its
+    pieces for every graph shape it captures at start-up; kept with the converted models, a
+    restarted machine finds them."""
+    return compile_cache.install()["inductor"]
 
 
 def _compile(fn: Callable) -> Callable:

@@ -5,12 +5,21 @@ its captured graph replayed a few times between CUDA events, on the CPU (no grap
 a few times. The engine divides the tokens a round is expected to commit by these costs to
 choose its budget (`engine.budget`). Rows are parked while timing, and the round state is
 restored afterwards.
+
+Its budget: measuring delays the first token by at most BUDGET_S (5 s) past the first entry
+(one decode or context forward at batch 1, run three times: what nothing can be predicted
+from). An entry is timed only when its predicted seconds (from the nearest timed entry, in
+proportion to tokens) end within the budget; from the first that would not, every entry left is
+scaled from the timed ones instead. A table measured once is kept on disk and read back by later
+starts of the same engine on the same machine (`engine.caches`: then nothing is timed).
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,7 +32,10 @@ log = logging.getLogger(__name__)
 
 REPS = 3             # timed runs per entry (after one warm-up); the median is kept
 CPU_REPS = 2         # eager forwards of a large model take a while on a few cores
-TIME_LIMIT_S = 5.0   # CPU: entries past this are estimated from those timed
+BUDGET_S = 5.0       # seconds of timing at most, past the first entry (see above)
+FORMAT = 1           # of `CostTable.to_dict`; a table kept in another is measured again
+
+Key = tuple[Phase, int, int, bool]
 
 
 @dataclass
@@ -31,14 +43,16 @@ class CostTable:
     """Seconds of one forward per (phase, batch bucket, width, sampled), for the round state at
     its smallest KV length (the ratio between entries is what the choice uses). Sampled: the
     target's pick with seeded noise over every row of the forward, which costs more than an
-    argmax where the forward is small (decode and verify; greedy timings stand for the rest)."""
+    argmax where the forward is small (decode and verify; greedy timings stand for the rest).
+    An entry not in the table takes the other pick's."""
     spec: SpecConfig
-    seconds: dict[tuple[Phase, int, int, bool], float] = field(default_factory=dict)
-    estimated: set[tuple[Phase, int, int, bool]] = field(default_factory=set)   # scaled, not timed
+    seconds: dict[Key, float] = field(default_factory=dict)
+    estimated: set[Key] = field(default_factory=set)   # scaled, not timed
     measure_s: float = 0.0
+    source: str = "measured"   # or where it was read from
 
     def get(self, phase: Phase, bucket: int, width: int, sampled: bool = False) -> float:
-        return self.seconds.get((phase, bucket, width, sampled)) or self.seconds[(phase, bucket, width, False)]
+        return self.seconds.get((phase, bucket, width, sampled)) or self.seconds[(phase, bucket, width, not sampled)]
 
     def round_seconds(self, bucket: int, budget: int, sampled: bool = False) -> float:
         """A round over a batch bucket at `budget`: draft + verify, or for 0 a decode step plus
@@ -53,7 +67,8 @@ class CostTable:
         return draft + self.get(Phase.VERIFY, bucket, self.spec.width(Phase.VERIFY, bucket, budget), sampled)
 
     def format(self) -> str:
-        lines = [f"cost model ({self.measure_s:.2f} s to measure; ms per forward, * = scaled in proportion "
+        how = f"{self.measure_s:.2f} s to measure" + ("" if self.source == "measured" else f", read from {self.source}")
+        lines = [f"cost model ({how}; ms per forward, * = scaled in proportion "
                  f"to tokens from a timed entry):", f"{'phase':<8} {'bucket':>6} {'width':>6} {'pick':>7} {'ms':>9}"]
         for k, s in sorted(self.seconds.items(), key=lambda kv: (kv[0][1], kv[0][0].value, kv[0][2], kv[0][3])):
             p, b, w, sampled = k
@@ -61,8 +76,37 @@ class CostTable:
             lines.append(f"{p.value:<8} {b:>6} {w:>6} {'sampled' if sampled else 'greedy':>7} {1e3 * s:>9.3f}{mark}")
         return "\n".join(lines)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The entries, JSON-ready (the spec is the reader's: it is part of the table's key)."""
+        return {"format": FORMAT, "measure_s": self.measure_s,
+                "entries": [[p.value, b, w, m, s, (p, b, w, m) in self.estimated]
+                            for (p, b, w, m), s in self.seconds.items()]}
 
-def entries(spec: SpecConfig, bucket: int, drafter: bool = True) -> list[tuple[PhaseStep, bool]]:
+    @classmethod
+    def from_dict(cls, spec: SpecConfig, data: dict[str, Any], source: str) -> "CostTable":
+        """The table `to_dict` wrote, for `spec`; ValueError if it is not one."""
+        if data.get("format") != FORMAT:
+            raise ValueError(f"cost table format {data.get('format')!r}, expected {FORMAT}")
+        t = cls(spec, measure_s=float(data["measure_s"]), source=source)
+        for p, b, w, m, s, est in data["entries"]:
+            key = (Phase(p), int(b), int(w), bool(m))
+            t.seconds[key] = float(s)
+            if est:
+                t.estimated.add(key)
+        return t
+
+    def covers(self, buckets: list[int], drafter: bool = True) -> bool:
+        """Whether every entry a round over these buckets prices is here."""
+        try:
+            for B in buckets:
+                for st, sampled in entries(self.spec, B, drafter):
+                    self.get(st.phase, B, st.width, sampled)
+        except KeyError:
+            return False
+        return True
+
+
+def entries(spec: SpecConfig, bucket: int, drafter: bool = True, sampled_too: bool = True) -> list[tuple[PhaseStep, bool]]:
     """(step, sampled) of every forward a round over the bucket can run, in the order a round
     runs them (a draft before the verifies that read its tree): the greedy round's steps, then
     the sampled decode and verifies (a sampled pick costs more where the forward is small)."""
@@ -70,52 +114,73 @@ def entries(spec: SpecConfig, bucket: int, drafter: bool = True) -> list[tuple[P
     sampled = bucket_steps(spec, bucket, SampleMode.SAMPLE, drafter and spec.speculative)
     if any(st.phase is Phase.VERIFY for st in sampled) and not any(st.phase is Phase.DRAFT for st, _ in greedy):
         greedy += [(st, False) for st in sampled if st.phase is Phase.DRAFT]
+    if not sampled_too:
+        return greedy
     return greedy + [(st, True) for st in sampled if st.phase in (Phase.DECODE, Phase.VERIFY)]
 
 
+def timing_modes(modes: tuple[SampleMode, ...]) -> dict[bool, SampleMode | None]:
+    """The sampler mode each pick is timed in (greedy: GREEDY; sampled: SAMPLE, else FILTERED),
+    None for a pick the engine runs no graphs of: its entries take the other pick's."""
+    return {False: SampleMode.GREEDY if SampleMode.GREEDY in modes else None,
+            True: next((m for m in (SampleMode.SAMPLE, SampleMode.FILTERED) if m in modes), None)}
+
+
 @torch.inference_mode()
-def measure(runner, reps: int = REPS, time_limit_s: float = TIME_LIMIT_S) -> CostTable:
-    """Time every (phase, bucket, width) of the runner's spec (`ModelRunner.time_step`: graph
-    replays where captured, eager forwards otherwise). Leaves the round state as it found it."""
+def measure(runner, reps: int = REPS, budget_s: float = BUDGET_S,
+            modes: tuple[SampleMode, ...] = (SampleMode.GREEDY, SampleMode.SAMPLE),
+            progress: Callable[[str], None] | None = None) -> CostTable:
+    """Time every (phase, bucket, width) of the runner's spec in the picks of `modes`
+    (`ModelRunner.time_step`: graph replays where captured, eager forwards otherwise) within
+    `budget_s`, scaling the rest. Leaves the round state as it found it."""
     spec = runner.spec
     table = CostTable(spec)
     saved = runner.state.snapshot()
-    t0 = time.perf_counter()
     graphed = runner.graphs is not None
     kv_len = runner.graphs.kv_lengths[0] if graphed else runner.round_kv_len(64)
     reps = reps if graphed or runner.device.type == "cuda" else min(reps, CPU_REPS)
-    for B in runner.cache_cfg.batch_buckets:
-        for st, sampled in entries(spec, B, runner.drafter is not None):
-            key = (st.phase, B, st.width, sampled)
+    pick = timing_modes(modes)
+    if pick[False] is None and pick[True] is None:
+        pick = {False: SampleMode.GREEDY, True: None}
+    # the drafter's steps run alike in every mode (their graphs are shared): timed in either
+    any_mode = pick[False] or pick[True]
+    drafter = runner.drafter is not None
+    todo = [(B, st, sampled, pick[sampled] or any_mode) for B in runner.cache_cfg.batch_buckets
+            for st, sampled in entries(spec, B, drafter)
+            if pick[sampled] is not None or st.phase in (Phase.CONTEXT, Phase.DRAFT)]
+    t0 = start = time.perf_counter()
+    late = False
+    for i, (B, st, sampled, mode) in enumerate(todo):
+        key = (st.phase, B, st.width, sampled)
+        if not late and table.seconds:
+            ahead = _scaled(table, key)
             # rank 0's clock decides for every tensor-parallel rank: all must time the same forwards
-            late = not graphed and from_leader(time.perf_counter() - t0 > time_limit_s, runner.target.tp)
-            mode = SampleMode.SAMPLE if sampled else SampleMode.GREEDY
-            if late and _estimate(table, key):
-                if st.phase is Phase.DRAFT:   # its tree feeds the verifies timed after it
-                    runner.run_step(st, B, mode, kv_len)
-                continue
-            table.seconds[key] = runner.time_step(st, B, mode, kv_len, reps)
+            late = from_leader(time.perf_counter() - start + (reps + 1) * ahead > budget_s, runner.target.tp)
+        if late:
+            table.seconds[key] = _scaled(table, key)
+            table.estimated.add(key)
+            continue
+        if progress is not None:
+            progress(f"{i + 1}/{len(todo)} entries, batch {B} {st.phase.value} x{st.width}"
+                     f"{' sampled' if sampled else ''}")
+        table.seconds[key] = runner.time_step(st, B, mode, kv_len, reps)
+        if not table.estimated and len(table.seconds) == 1:
+            start = time.perf_counter()   # the budget counts from the first entry's end
     runner.state.restore(saved)
     table.measure_s = time.perf_counter() - t0
     return table
 
 
-def _estimate(table: CostTable, key: tuple[Phase, int, int, bool]) -> bool:
-    """Fill an entry past the time limit from a timed one, in proportion to the tokens of the
-    forward (the CPU is compute-bound): the nearest width of the phase and pick in this bucket,
-    else the same width in the largest smaller bucket. False when there is none to scale from."""
+def _scaled(table: CostTable, key: Key) -> float:
+    """An entry's seconds from the nearest timed one, in proportion to tokens (the CPU is
+    compute-bound; on a GPU this overestimates larger forwards, so a budget running out there
+    errs on the side of timing less): of the same phase and pick if any, in the same bucket if
+    any, else of the nearest size."""
     phase, B, width, sampled = key
-    timed = [(b, w) for (p, b, w, m) in table.seconds
-             if p is phase and m == sampled and (p, b, w, m) not in table.estimated]
-    here = [w for b, w in timed if b == B]
-    if here:
-        w0 = min(here, key=lambda w: abs(w - width))
-        table.seconds[key] = table.seconds[(phase, B, w0, sampled)] * width / w0
-    else:
-        below = [b for b, w in timed if b < B and w == width]
-        if not below:
-            return False
-        b0 = max(below)
-        table.seconds[key] = table.seconds[(phase, b0, width, sampled)] * B / b0
-    table.estimated.add(key)
-    return True
+    timed = [k for k in table.seconds if k not in table.estimated]
+
+    def rank(k: Key) -> tuple:
+        p, b, w, m = k
+        return (p is not phase, m != sampled, b != B, abs(b * w - B * width))
+    p0, b0, w0, m0 = min(timed, key=rank)
+    return table.seconds[(p0, b0, w0, m0)] * (B * width) / (b0 * w0)

@@ -6,15 +6,20 @@ graph reads and writes have those widths. Graphs read and write the round contex
 buffers (state, KV caches, the draft tree), so a replay needs no input copies and a verify graph
 may replay after any draft graph of its batch bucket. Rows between the real batch size and the
 bucket are parked first (`RoundState.park`).
+
+A step whose forward does not depend on the sampler mode or the attention length is captured once
+for all of them: the drafter's context write once per batch bucket (it writes K/V and attends
+over nothing), the draft once per (batch bucket, KV bucket) (the drafter picks no token).
 """
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from tqdm import tqdm
 
 from drafttree.config import ModelConfig
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
@@ -29,14 +34,29 @@ log = logging.getLogger(__name__)
 
 class GraphKey(NamedTuple):
     phase: Phase
-    batch: int           # batch bucket
-    mode: SampleMode
-    kv_len: int          # KV bucket
-    budget: int          # the verify's; 0 for other phases
+    batch: int                 # batch bucket
+    mode: SampleMode | None    # None: the same graph for every mode (context, draft)
+    kv_len: int                # KV bucket; 0: the same graph at every length (context)
+    budget: int                # the verify's; 0 for other phases
+
+
+MODELESS = (Phase.CONTEXT, Phase.DRAFT)   # no token picked: one graph serves every sampler mode
+LENGTHLESS = (Phase.CONTEXT,)             # writes K/V, attends over nothing: one graph for every KV bucket
 
 
 def key_of(st: PhaseStep, bucket: int, mode: SampleMode, kv_len: int) -> GraphKey:
-    return GraphKey(st.phase, bucket, mode, kv_len, st.budget)
+    return GraphKey(st.phase, bucket, None if st.phase in MODELESS else mode,
+                    0 if st.phase in LENGTHLESS else kv_len, st.budget)
+
+
+class GraphSet(NamedTuple):
+    """The graphs of one (batch bucket, sampler mode, KV bucket), captured together."""
+    batch: int
+    mode: SampleMode
+    kv_len: int
+
+    def describe(self) -> str:
+        return f"batch {self.batch}, kv {self.kv_len}, {self.mode.name.lower()}"
 
 
 @dataclass(frozen=True)
@@ -84,10 +104,11 @@ def format_plan(plan: list[PlanEntry], modes: tuple[SampleMode, ...] = CAPTURED_
     lines = [f"{'phase':<8} {'width':>5}  {'batch sizes':<20} {'kv lengths':<26} {'est. memory':>11}"]
     for e in plan:
         bs = ",".join(map(str, e.batch_sizes))
-        kv = ",".join(map(str, e.kv_lengths))
+        kv = "any" if e.phase in LENGTHLESS else ",".join(map(str, e.kv_lengths))
         lines.append(f"{e.phase.value:<8} {e.width:>5}  {bs:<20} {kv:<26} {e.est_bytes / 2**20:>8.1f} MiB")
     names = ", ".join(m.name.lower() for m in modes)
-    return "\n".join(lines + [f"each batch size is captured once per sampler mode ({names})"])
+    return "\n".join(lines + [f"decode and verify are captured once per sampler mode ({names}); the drafter's "
+                              f"context and draft once for every mode, the context once for every kv length"])
 
 
 class RoundGraphs:
@@ -104,6 +125,7 @@ class RoundGraphs:
         self.fallbacks = 0
         self._warned: set[tuple] = set()
         self.capture_seconds: dict[str, float] = {}   # host seconds per phase's captures, and their warm-up
+        self.set_seconds: dict[GraphSet, float] = {}  # host seconds per graph set
 
     def keys(self) -> set[GraphKey]:
         return set(self.graphs)
@@ -111,26 +133,45 @@ class RoundGraphs:
     def steps(self, bucket: int, mode: SampleMode) -> tuple[PhaseStep, ...]:
         return bucket_steps(self.rc.spec, bucket, mode, self.rc.drafter is not None)
 
+    def sets(self) -> list[GraphSet]:
+        """What `capture` captures, in its order: the largest first (later, smaller graphs reuse
+        the pool's memory)."""
+        return [GraphSet(B, m, L) for L in reversed(self.kv_lengths) for B in reversed(self.batch_sizes)
+                for m in self.modes]
+
     @torch.inference_mode()
-    def capture(self) -> dict[str, float]:
-        """Capture every step of every (bucket, mode, KV length); leaves the round state as it found
-        it. Returns host seconds per phase (and the warm-ups')."""
+    def capture(self, progress: Callable[[str], None] | None = None) -> dict[str, float]:
+        """Capture every step of every (bucket, mode, KV length), a graph shared by several of
+        them once; leaves the round state as it found it. Returns host seconds per phase (and
+        the warm-ups'); `set_seconds` keeps those of each graph set. `progress(text)` hears of
+        each set as it starts."""
         rc = self.rc
-        jobs = [(B, m, L) for L in reversed(self.kv_lengths) for B in reversed(self.batch_sizes) for m in self.modes]
+        jobs = self.sets()
         self.pool = torch.cuda.graph_pool_handle()
         saved = rc.state.snapshot()
         tp = rc.target.tp is not None
         with collector_paused():
-            for B, mode, L in tqdm(jobs, desc="capturing CUDA graphs", unit="graph set"):
+            for i, job in enumerate(jobs):
+                if progress is not None:
+                    progress(f"graph set {i + 1}/{len(jobs)} ({job.describe()}), {len(self.graphs)} graphs")
+                t0 = time.perf_counter()
+                B, mode, L = job
                 steps = self.steps(B, mode)
                 check_widths(rc, steps, B, self.pages_per_row)
                 for st in steps:
+                    key = key_of(st, B, mode, L)
+                    if key in self.graphs:
+                        continue
                     g = capture_graph(lambda st=st, B=B, L=L, mode=mode: st.run(rc, B, L, mode), self.pool,
                                       collectives=tp, reset=lambda B=B: rc.state.park(0, B),
                                       seconds=self.capture_seconds, label=st.phase.value)
-                    self.graphs[key_of(st, B, mode, L)] = g
+                    self.graphs[key] = g
+                self.set_seconds[job] = time.perf_counter() - t0
         rc.state.restore(saved)
         torch.cuda.synchronize()
+        slow = sorted(self.set_seconds.items(), key=lambda kv: -kv[1])[:3]
+        log.info("captured %d round graphs in %d sets (%.2f s); slowest sets: %s", len(self.graphs), len(jobs),
+                 sum(self.set_seconds.values()), ", ".join(f"{k.describe()} {v:.2f} s" for k, v in slow))
         return dict(self.capture_seconds)
 
     def get(self, st: PhaseStep, bucket: int, mode: SampleMode, kv_len: int) -> torch.cuda.CUDAGraph | None:

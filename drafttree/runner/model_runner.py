@@ -4,6 +4,7 @@ runs prefill and rounds. Every step of a round comes from the phase table (`phas
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,7 @@ from drafttree.parallel.comm import gather_objects
 from drafttree.parallel.commands import CommandChannel, command
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
 from drafttree.runner.cuda_graph import GraphKey, RoundGraphs
-from drafttree.runner.phase_table import PhaseStep, round_steps
+from drafttree.runner.phase_table import PhaseStep, bucket_steps, round_steps
 from drafttree.runner.phase_timer import PhaseTimer
 from drafttree.runner.prefill_graph import PrefillGraphs
 from drafttree.runner.prefill_plan import PrefillLimits, at_offsets, reach
@@ -135,21 +136,43 @@ class ModelRunner:
 
     # -- CUDA graphs and counters ---------------------------------------------------------------
     def capture(self, modes: tuple[SampleMode, ...], prefill: PrefillLimits | None = None,
-                batch_sizes: list[int] | None = None, kv_lengths: list[int] | None = None) -> dict[str, float]:
+                batch_sizes: list[int] | None = None, kv_lengths: list[int] | None = None,
+                progress: Callable[[str], None] | None = None) -> dict[str, float]:
         """Capture the round graphs of every batch bucket, KV bucket and sampler mode in `modes`
         (or the `batch_sizes` and `kv_lengths` given), and with `prefill` the prefill graphs of
         every shape its limits allow. Returns host seconds per stage ("graphs <phase>", "graphs
-        warm-up", "prefill graphs")."""
+        warm-up", "prefill graphs"); `progress(text)` hears of each graph set."""
         cc = self.cache_cfg
         self.graphs = RoundGraphs(self.round_ctx, self.timer, batch_sizes or cc.batch_buckets,
                                   kv_lengths or cc.kv_buckets, modes, cc.pages_per_row)
-        out = {f"graphs {k}": v for k, v in self.graphs.capture().items()}
+        out = {f"graphs {k}": v for k, v in self.graphs.capture(progress).items()}
         if prefill is not None:
             t0 = time.perf_counter()
+            if progress is not None:
+                progress("prefill graphs")
             self.prefill_graphs = PrefillGraphs(self.round_ctx, prefill, cc.pages_per_row)
             self.prefill_graphs.capture()
             out["prefill graphs"] = time.perf_counter() - t0
         return out
+
+    @torch.inference_mode()
+    def warm_kernels(self, modes: tuple[SampleMode, ...], batch_sizes: list[int], kv_len: int) -> int:
+        """Run every step of a round once, eagerly, at each of `batch_sizes` in each of `modes`
+        over rows parked at KV length `kv_len`: what compiles (Triton's kernels, the compiled
+        pieces, at one row and at several: torch.compile specializes on 1) does so here, or is
+        read from its cache, before any capture. Leaves the round state as it found it; returns
+        the steps run."""
+        saved, n = self.state.snapshot(), 0
+        for B in batch_sizes:
+            for mode in modes:
+                for st in bucket_steps(self.spec, B, mode, self.drafter is not None):
+                    self.state.park(0, B)
+                    st.run(self.round_ctx, B, kv_len, mode)
+                    n += 1
+        self.state.restore(saved)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return n
 
     def describe_graphs(self) -> str:
         """What was captured, in a line: round graphs, prefill graphs (from position 0, at offsets)."""

@@ -82,7 +82,8 @@ class Boot:
                 return
             self.stage = "warming up"
             with engine.startup.stage("warm-up"):
-                warm_up(engine)   # tensor-parallel: rank 0's steps, which the other ranks follow
+                # tensor-parallel: rank 0's steps, which the other ranks follow
+                warm_up(engine, engine.startup.progress)
             worker = EngineWorker(engine, self.metrics, lambda _: self._failed())
             serving = OpenAIServing(worker, self.model_name)
             self.seconds = time.perf_counter() - t0

@@ -1,0 +1,77 @@
+"""The start-up stages after the weights: compiling (or reading from cache) the kernels, capturing
+the CUDA graphs the engine can use, and the cost model (read from the cache where it was measured
+before). Each reports to the engine's `StartupTimes` as it goes."""
+from __future__ import annotations
+
+import logging
+
+from drafttree.engine import caches
+from drafttree.engine.plan import EngineSetup, graph_kv_lengths
+from drafttree.engine.startup import StartupTimes
+from drafttree.kernels import compile_cache
+from drafttree.parallel.group import TPGroup
+from drafttree.runner.cost import BUDGET_S, CostTable, measure
+from drafttree.runner.model_runner import ModelRunner
+from drafttree.runner.prefill_plan import PrefillLimits
+
+log = logging.getLogger(__name__)
+
+
+def compile_caches(setup: EngineSetup) -> dict[str, str]:
+    """Point Triton and Inductor at this platform's directories under drafttree's cache, before
+    anything compiles (on CUDA; the CPU compiles nothing unless asked)."""
+    if setup.device.type != "cuda" and setup.settings.compile != "cpu":
+        return {}
+    return compile_cache.install(setup.device)
+
+
+def _compiled(dirs: dict[str, str]) -> int:
+    return sum(compile_cache.entries(d) for d in dirs.values())
+
+
+def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimits | None,
+                   startup: StartupTimes, dirs: dict[str, str]) -> None:
+    """Compile what a round runs (stage "kernels"), then capture the round graphs the setup asks
+    for (a stage per phase, and their warm-ups) and the prefill graphs."""
+    cache = runner.cache_cfg
+    kv_lengths = graph_kv_lengths(cache, setup.cfg.max_graph_len)
+    before = _compiled(dirs)
+    with startup.stage("kernels"):
+        startup.progress("one eager round of each step")
+        n = runner.warm_kernels(setup.sampler_modes, cache.batch_buckets[:2], kv_lengths[0])
+        startup.note("kernels", f"{n} steps run, {_compiled(dirs) - before} files compiled into the cache")
+    before = _compiled(dirs)
+    with startup.running("graphs"):
+        stages = runner.capture(setup.sampler_modes, prefill, cache.batch_buckets, kv_lengths, startup.progress)
+    graphs, compiled = runner.graphs, _compiled(dirs) - before
+    startup.parts["graph sets"] = {k.describe(): v for k, v in graphs.set_seconds.items()}
+    startup.note("graphs warm-up", f"{len(graphs.graphs)} round graphs in {len(graphs.set_seconds)} sets"
+                                   + (f", {compiled} files compiled" if compiled else ""))
+    for stage, seconds in stages.items():
+        startup.add(stage, seconds)
+
+
+def cost_model(setup: EngineSetup, runner: ModelRunner, tp: TPGroup | None, startup: StartupTimes) -> CostTable:
+    """The cost table: read from the cache where this engine on this machine measured it before,
+    else measured (within `runner.cost.BUDGET_S`) and kept for later starts."""
+    buckets = runner.cache_cfg.batch_buckets
+    graphed = runner.graphs is not None
+    kv_len = runner.graphs.kv_lengths[0] if graphed else runner.round_kv_len(64)
+    key = caches.cost_key(setup, buckets, kv_len, graphed)
+    drafter = runner.drafter is not None
+    with startup.stage("cost model"):
+        table = caches.load_costs(setup, key, buckets, drafter, tp)
+        if table is None:
+            table = measure(runner, modes=setup.sampler_modes, progress=startup.progress)
+            estimated = len(table.estimated)
+            note = f"measured {len(table.seconds) - estimated} entries" + \
+                (f", {estimated} scaled from them: its {BUDGET_S:g} s budget ran out" if estimated else "")
+            if tp is None or tp.leader:
+                try:
+                    caches.save_costs(table, key)
+                except OSError as e:
+                    log.warning("the cost table is not kept for later starts: %s", e)
+        else:
+            note = "read from the cache"
+        startup.note("cost model", note)
+    return table

@@ -1,0 +1,107 @@
+"""Where compiled kernels are kept between runs, and what they depend on.
+
+Triton's kernels (the hand-written ones and Inductor's) and Inductor's compiled graphs live under
+drafttree's cache (settings.cache, DRAFTTREE_CACHE), in `compiled/<platform key>/triton` and
+`.../inductor`. Both compilers key their entries by source and options already; the directory's
+key adds what they may not see: the GPU, the driver, the torch, Triton and CUDA versions and
+drafttree's release, so that a machine whose driver or libraries changed starts from an empty
+directory instead of one it may misread. TRITON_CACHE_DIR or TORCHINDUCTOR_CACHE_DIR set in the
+environment win (an operator's own cache).
+
+`platform()` is also part of every measured cost table's key (`engine.caches`)."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform as host
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from drafttree.settings import current
+
+TRITON_ENV = "TRITON_CACHE_DIR"
+INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+COMPILED = "compiled"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _nvidia_driver() -> str | None:
+    """The kernel driver's version line (Linux), without initialising CUDA."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return None
+    return text.splitlines()[0].strip() if text else None
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return host.processor() or host.machine()
+
+
+def platform(device: torch.device | str | None = None) -> dict[str, Any]:
+    """What compiled kernels and measured timings depend on besides the code: the device (a GPU's
+    name and capability; the CPU's model and torch's thread count), the driver, torch, Triton,
+    CUDA and drafttree's release."""
+    dev = torch.device(device) if device is not None else \
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out: dict[str, Any] = {"torch": torch.__version__, "triton": _version("triton"), "cuda": torch.version.cuda,
+                           "drafttree": _version("drafttree")}
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        out["device"] = torch.cuda.get_device_name(index)
+        out["capability"] = list(torch.cuda.get_device_capability(index))
+        out["driver"] = _nvidia_driver() or str(torch._C._cuda_getDriverVersion())
+    else:
+        out["device"] = f"cpu: {_cpu_name()}"
+        out["threads"] = torch.get_num_threads()
+    return out
+
+
+def digest(value: Any, n: int = 16) -> str:
+    """A short stable hash of a JSON-able value."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:n]
+
+
+def compiled_dir(device: torch.device | str | None = None, root: Path | None = None) -> Path:
+    """The directory of this platform's compiled kernels (under settings.cache unless `root`)."""
+    return (root or current().cache) / COMPILED / digest(platform(device))
+
+
+def install(device: torch.device | str | None = None) -> dict[str, str]:
+    """Point Triton and Inductor at this platform's directories (unless the environment names
+    their own), before anything compiles; returns the two directories in force."""
+    base = compiled_dir(device)
+    triton_dir = os.environ.setdefault(TRITON_ENV, str(base / "triton"))
+    inductor_dir = os.environ.setdefault(INDUCTOR_ENV, str(base / "inductor"))
+    if not (base / "platform.json").is_file() and (triton_dir.startswith(str(base))
+                                                  or inductor_dir.startswith(str(base))):
+        base.mkdir(parents=True, exist_ok=True)
+        (base / "platform.json").write_text(json.dumps(platform(device), indent=1))
+    return {"triton": triton_dir, "inductor": inductor_dir}
+
+
+def entries(path: str | Path) -> int:
+    """Files under a cache directory (0 if it does not exist): how much a stage compiled."""
+    n = 0
+    for _, _, files in os.walk(path):
+        n += len(files)
+    return n

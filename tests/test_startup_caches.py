@@ -1,0 +1,242 @@
+"""Start-up: the stage report and its progress lines, the cost table kept between runs (a hit
+measures nothing, any change of what it depends on misses), the cost model's budget, what
+`generate` captures, the KV buckets up to max_graph_len, `drafttree cache` and the compiled
+kernels' directory. CPU only, tiny models (the graphs shared between modes and KV buckets:
+tests/test_cuda_graphs.py, over its fake graphs)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from drafttree import LLM, SamplingParams
+from drafttree.engine import caches, prepare
+from drafttree.engine.plan import graph_kv_lengths
+from drafttree.engine.startup import Background, StartupTimes, hand_tokenizer, tokenizer_for
+from drafttree.kernels import compile_cache
+from drafttree.phases import Phase
+from drafttree.runner import cost
+from drafttree.runner.model_runner import CacheConfig
+from tests.tiny import make_drafter, make_target, write_tokenizer
+
+VOCAB = 61
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("startup")
+    t = make_target(root / "t", "qwen3", vocab=VOCAB, layers=2, scale=3.0)
+    write_tokenizer(t, VOCAB)
+    return t, make_drafter(root / "d", t, block_size=4, target_layer_ids=[0, 1])
+
+
+def _kw(pair, **kw):
+    t, d = pair
+    return {**dict(model=str(t), draft_model=str(d), spec="ddtree", device="cpu", dtype="float32", max_num_seqs=1,
+                   max_model_len=64), **kw}
+
+
+# -- the report ----------------------------------------------------------------------------------
+def test_stage_lines_and_progress_lines_while_a_stage_runs():
+    lines: list[str] = []
+    st = StartupTimes(every_s=0.05, emit=lines.append)
+    with st.stage("load weights"):
+        st.progress("layer 3 of 30")
+        time.sleep(0.3)
+    with st.running("graphs"):
+        time.sleep(0.15)
+    st.add("graphs decode", 0.5, note="12 graphs")
+    progress = [x for x in lines if "so far" in x]
+    assert len(progress) >= 3 and all(x.startswith("start-up: load weights: layer 3 of 30, ") for x in progress[:3])
+    assert any(x.startswith("start-up: graphs: ") for x in progress)
+    done = [x for x in lines if "so far" not in x]
+    assert done[0].startswith("start-up: load weights") and done[0].endswith(" s")
+    assert done[1] == f"start-up: {'graphs decode':<22} {0.5:8.2f} s  (12 graphs)"
+    assert list(st.stages) == ["load weights", "graphs decode"] and st.stages["load weights"] >= 0.3
+    rec = st.record()
+    assert rec["notes"] == {"graphs decode": "12 graphs"} and rec["total_s"] == pytest.approx(st.total, abs=1e-3)
+    time.sleep(0.2)   # the progress thread ends with the last running stage
+    assert not any(t.name == "drafttree-startup-progress" for t in threading.enumerate())
+    n = len(lines)
+    time.sleep(0.15)
+    assert len(lines) == n
+
+
+def test_background_work_returns_or_raises_where_it_is_waited_for():
+    assert Background(lambda: 7).result() == 7
+    bad = Background(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        bad.result()
+
+
+def test_a_handed_tokenizer_is_taken_once(tmp_path):
+    loads = []
+    hand_tokenizer(tmp_path, "counted")
+    assert tokenizer_for(tmp_path, loads.append) == "counted" and not loads
+    tokenizer_for(tmp_path, loads.append)
+    assert loads == [tmp_path]
+
+
+# -- the cost table kept between runs ------------------------------------------------------------
+def _measures(monkeypatch) -> list[int]:
+    """Counts the cost model's measurements."""
+    seen: list[int] = []
+    real = prepare.measure
+    monkeypatch.setattr(prepare, "measure", lambda *a, **k: seen.append(1) or real(*a, **k))
+    return seen
+
+
+def test_a_kept_cost_table_is_read_back_and_any_change_measures_again(pair, set_settings, monkeypatch, tmp_path):
+    set_settings(cache=tmp_path)
+    measured = _measures(monkeypatch)
+    first = LLM(**_kw(pair)).engine
+    assert measured == [1] and first.startup.notes["cost model"].startswith("measured")
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1
+    again = LLM(**_kw(pair)).engine   # the same engine on the same machine: nothing timed
+    assert measured == [1] and again.startup.notes["cost model"] == "read from the cache"
+    assert again.costs.seconds == first.costs.seconds and again.costs.estimated == first.costs.estimated
+    assert "read from the cache" in again.costs.format()
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    assert LLM(**_kw(pair)).generate([[3, 4, 5]], sp)[0].token_ids == \
+        LLM(**_kw(pair, spec="none", draft_model=None)).generate([[3, 4, 5]], sp)[0].token_ids
+
+    def misses(**kw) -> None:
+        n = len(measured)
+        LLM(**_kw(pair, **kw))
+        assert len(measured) == n + 1, kw
+
+    misses(max_num_seqs=2)                      # another batch bucket to time
+    misses(budget_schedule="1:4")               # another spec
+    misses(sampler_modes=("greedy",))           # another pick timed
+    set_settings(cache=tmp_path, attn_kernel=False)
+    misses()                                    # other settings
+    set_settings(cache=tmp_path, attn_kernel=True)
+    t, d = pair
+    weights = t / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    try:
+        misses()                                # the target's weights changed
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    (d / "config.json").write_text((d / "config.json").read_text() + "\n")
+    misses()                                    # the drafter's config changed
+    real = compile_cache.platform
+    monkeypatch.setattr(compile_cache, "platform", lambda device=None: {**real(device), "device": "another"})
+    misses()                                    # another machine (GPU, driver, torch, Triton)
+    monkeypatch.setattr(compile_cache, "platform", real)
+    monkeypatch.setattr(caches, "source_digest", lambda: "another drafttree")
+    misses()                                    # another drafttree
+
+
+def test_a_damaged_cost_table_is_measured_again(pair, set_settings, monkeypatch, tmp_path):
+    set_settings(cache=tmp_path)
+    measured = _measures(monkeypatch)
+    LLM(**_kw(pair))
+    (path,) = (tmp_path / "costs").glob("*.json")
+    path.write_text("{not json")
+    assert LLM(**_kw(pair)).engine.startup.notes["cost model"].startswith("measured") and len(measured) == 2
+
+
+def test_the_cost_model_keeps_to_its_budget(pair, set_settings, tmp_path):
+    """Past its budget the cost model times nothing more: every entry left is scaled from the
+    timed ones, and the table still prices every round."""
+    set_settings(cache=tmp_path)
+    runner = LLM(**_kw(pair, max_num_seqs=4)).engine.runner
+    buckets = runner.cache_cfg.batch_buckets
+    full = cost.measure(runner, budget_s=60.0)
+    assert not full.estimated and full.covers(buckets)
+    none_left = cost.measure(runner, budget_s=0.0)
+    assert len(none_left.seconds) - len(none_left.estimated) == 1 and none_left.covers(buckets)
+    assert set(none_left.seconds) == set(full.seconds)
+    calls = []
+    slow = 0.02   # seconds per token of a forward, run reps + 1 times
+
+    def time_step(st, B, mode, kv_len, reps):
+        calls.append((st.phase, B))
+        time.sleep(slow * B * st.width * (reps + 1))
+        return slow * B * st.width
+    runner.time_step = time_step
+    t0 = time.perf_counter()
+    table = cost.measure(runner, budget_s=1.0)
+    first = slow * 4 * 3   # the context write of 4 tokens at batch 1, three runs
+    assert time.perf_counter() - t0 < first + 1.0 + 0.5
+    assert table.estimated and len(calls) < len(table.seconds) and table.covers(buckets)
+    decode = table.get(Phase.DECODE, 4, 1)
+    assert decode == pytest.approx(slow * 4, rel=0.01)   # scaled from batch 1 (or 2) in proportion to tokens
+
+
+# -- what a run captures -------------------------------------------------------------------------
+def _generate_args(*argv: str) -> tuple:
+    from drafttree.cli import build_parser, engine_config
+    a = build_parser().parse_args(["generate", "Hello", *argv])
+    return a, engine_config(a)
+
+
+def test_generate_captures_what_its_one_request_can_use(pair, monkeypatch):
+    from drafttree import config as config_mod
+    from drafttree.cli import generate_config
+    t, _ = pair
+    a, cfg = _generate_args("--model", str(t), "--device", "cpu")
+    got = generate_config(cfg, a)
+    assert (got.max_num_seqs, got.sampler_modes, got.prefill_graphs, got.max_graph_len) == (1, ("greedy",), False, None)
+    for flags, mode in ((("--temperature", "0.7"), "sample"), (("--temperature", "0.7", "--top-p", "0.9"), "filtered")):
+        a, cfg = _generate_args("--model", str(t), "--device", "cpu", *flags)
+        assert generate_config(cfg, a).sampler_modes == (mode,)
+    # flags given win
+    a, cfg = _generate_args("--model", str(t), "--device", "cpu", "--max-num-seqs", "4", "--sampler-modes",
+                            "greedy,sample", "--prefill-graphs")
+    got = generate_config(cfg, a)
+    assert (got.max_num_seqs, got.sampler_modes, got.prefill_graphs) == (4, ("greedy", "sample"), True)
+    # with CUDA graphs, the KV buckets its prompt and --max-tokens reach; the tokenizer that
+    # counted the prompt goes on to the engine
+    monkeypatch.setattr(config_mod, "resolve_device", lambda device=None: torch.device("cuda"))
+    a, cfg = _generate_args("--model", str(t), "--max-tokens", "20")
+    assert generate_config(cfg, a).max_graph_len == len("Hello") + 20
+    loads = []
+    assert tokenizer_for(t, loads.append) is not None and not loads
+    a, cfg = _generate_args("--model", str(t), "--max-graph-len", "99")
+    assert generate_config(cfg, a).max_graph_len == 99
+
+
+def test_graph_kv_lengths_up_to_max_graph_len():
+    c = CacheConfig(1, 8192, 9)
+    assert c.kv_buckets == [1024, 4096, 8201]
+    assert graph_kv_lengths(c, None) == c.kv_buckets and graph_kv_lengths(c, 10**6) == c.kv_buckets
+    assert graph_kv_lengths(c, 100) == [1024] and graph_kv_lengths(c, 1015) == [1024]
+    assert graph_kv_lengths(c, 1016) == [1024, 4096]
+
+
+# -- drafttree cache -----------------------------------------------------------------------------
+def test_cache_command_shows_and_clears_each_part(set_settings, tmp_path, capsys):
+    from drafttree.cli import main
+    set_settings(cache=tmp_path)
+    for part, n in (("models", 2), ("compiled", 3), ("costs", 1)):
+        (tmp_path / part / "x").mkdir(parents=True)
+        for i in range(n):
+            (tmp_path / part / "x" / f"f{i}").write_bytes(b"0" * 1024)
+    assert main(["cache", "info"]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path) in out and "total           6 files" in out
+    assert all(f"{p:<9} {n:>7} files" in out for p, n in (("models", 2), ("compiled", 3), ("costs", 1)))
+    assert main(["cache", "clear", "costs", "compiled"]) == 0
+    assert "cleared costs: 1 files" in capsys.readouterr().out
+    assert not (tmp_path / "costs").exists() and not (tmp_path / "compiled").exists() and (tmp_path / "models").exists()
+    assert main(["cache", "clear", "weights"]) == 2
+    assert "unknown cache part ['weights']: choose from models, compiled, costs" in capsys.readouterr().err
+    assert main(["cache", "info", "costs"]) == 2
+    assert main(["cache", "clear"]) == 0 and not (tmp_path / "models").exists()
+
+
+def test_compiled_kernels_go_under_the_cache_in_a_directory_of_the_platform(set_settings, monkeypatch, tmp_path):
+    set_settings(cache=tmp_path)
+    monkeypatch.delenv(compile_cache.TRITON_ENV, raising=False)
+    monkeypatch.setenv(compile_cache.INDUCTOR_ENV, str(tmp_path / "mine"))
+    dirs = compile_cache.install("cpu")
+    base = compile_cache.compiled_dir("cpu")
+    assert dirs == {"triton": str(base / "triton"), "inductor": str(tmp_path / "mine")}
+    info = compile_cache.platform("cpu")
+    assert info["device"].startswith("cpu: ") and info["threads"] == torch.get_num_threads() and info["torch"]

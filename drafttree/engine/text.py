@@ -2,9 +2,16 @@
 incrementally, with its stop strings."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from drafttree.engine.sequence import Sequence
+
+
+# tokenizer_config.json classes that are tokenizer.json as is: AutoTokenizer resolves them to the
+# class loaded directly below, after importing its model-config machinery (1.45 s against 0.69 s on
+# two CPU cores, transformers 5.25)
+PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def load_tokenizer(path: Path | None):
@@ -12,8 +19,18 @@ def load_tokenizer(path: Path | None):
     if path is None or not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
                                                               "tokenizer.model")):
         return None
+    if (path / "tokenizer.json").is_file() and _tokenizer_class(path) in PLAIN_FAST:
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def _tokenizer_class(path: Path) -> str | None:
+    try:
+        return json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 class TextCodec:

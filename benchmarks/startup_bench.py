@@ -80,7 +80,8 @@ def follow(proc: subprocess.Popen, t0: float, until=None, timeout: float = 1800.
         end = time.perf_counter()
     times.append(end)
     gaps = [b - a for a, b in zip(times, times[1:])]
-    return {"seconds": end - t0, "longest_silence_s": max(gaps), "first_output_s": times[1] - t0 if len(times) > 2 else None,
+    return {"seconds": end - t0, "longest_silence_s": max(gaps),
+            "first_output_s": times[1] - t0 if len(times) > 2 else None,
             "stdout": chunks["stdout"].decode(errors="replace"), "stderr": chunks["stderr"].decode(errors="replace"),
             "rc": proc.returncode}
 
@@ -222,7 +223,8 @@ def main() -> int:
                           f"{r['longest_silence_s']:5.2f} s  cpu {r['cpu_s']:6.1f} s  load {load:4.1f}  rc {r['rc']}  "
                           f"{tps}", flush=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-            "host": platform.node(), "cpus": os.cpu_count(), "device": a.device, "trees": {k: str(v) for k, v in trees.items()},
+            "host": platform.node(), "cpus": os.cpu_count(), "device": a.device,
+            "trees": {k: str(v) for k, v in trees.items()},
             "prompt": a.prompt, "max_tokens": a.max_tokens, "env": EXTRA_ENV, "loadavg_end": os.getloadavg()}
     Path(a.out).write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     print(f"\n{'kind':<8} {'config':<8} {'tree':<8} {'phase':<5} {'runs':>4} {'median s':>9} {'min s':>7} "
@@ -231,7 +233,8 @@ def main() -> int:
         for cfg in configs:
             for name in trees:
                 for phase in ("cold", "warm"):
-                    rs = [r for r in runs if (r["kind"], r["config"], r["tree"], r["phase"]) == (kind, cfg, name, phase)]
+                    rs = [r for r in runs
+                          if (r["kind"], r["config"], r["tree"], r["phase"]) == (kind, cfg, name, phase)]
                     if not rs:
                         continue
                     secs = [r["seconds"] for r in rs]

@@ -247,8 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "H200: 139 GiB, as the output says)")
     gr.add_argument("--costs", action="store_true",
                     help="also load the models, capture the graphs and print the measured cost model")
-    c = sub.add_parser("cache", help="show or clear what drafttree keeps between runs: converted models, compiled "
-                                     "kernels, measured cost tables (under DRAFTTREE_CACHE, default ~/.cache/drafttree)")
+    c = sub.add_parser("cache", help="show or clear what drafttree keeps between runs: converted models, "
+                                     "compiled kernels, measured cost tables (under DRAFTTREE_CACHE, default "
+                                     "~/.cache/drafttree)")
     c.add_argument("action", choices=("info", "clear"))
     c.add_argument("parts", nargs="*", metavar="PART",
                    help="clear: models, compiled, costs or all (default: all)")

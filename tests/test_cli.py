@@ -145,21 +145,21 @@ def test_every_flag_spelling_still_parses_and_reaches_its_field():
             "--budget-schedule", "8:4", "--no-speculate-sampled", "--dtype", "bf16", "--draft-quantization", "fp8",
             "--device", "cpu", "--max-num-seqs", "4", "--max-model-len", "128", "--kv-cache-memory-gb", "0.5",
             "--gpu-memory-utilization", "0.8", "--page-size", "32", "--no-prefix-caching", "--no-cuda-graphs",
-            "--sampler-modes", "greedy,filtered", "--max-graph-len", "300", "--no-prefill-graphs", "--max-prefill-tokens", "512",
-            "--prefill-chunk", "64", "--admit-min", "2", "--no-overlap", "-tp", "2", "--distributed-timeout", "9.5",
-            "--deterministic"]
+            "--sampler-modes", "greedy,filtered", "--max-graph-len", "300", "--no-prefill-graphs",
+            "--max-prefill-tokens", "512", "--prefill-chunk", "64", "--admit-min", "2", "--no-overlap", "-tp", "2",
+            "--distributed-timeout", "9.5", "--deterministic"]
     want = EngineConfig(model="m", draft_model="d", spec="ddtree", block_size=8, budget=16, budget_schedule="8:4",
                         speculate_sampled=False, dtype="bf16", draft_quantization="fp8", device="cpu", max_num_seqs=4,
                         max_model_len=128, kv_cache_memory_gb=0.5, gpu_memory_utilization=0.8, page_size=32,
                         enable_prefix_caching=False, cuda_graphs=False, sampler_modes=("greedy", "filtered"),
-                        max_graph_len=300, prefill_graphs=False, max_prefill_tokens=512, prefill_chunk=64, admit_min=2, overlap=False,
-                        tensor_parallel_size=2, distributed_timeout_s=9.5, deterministic=True)
+                        max_graph_len=300, prefill_graphs=False, max_prefill_tokens=512, prefill_chunk=64, admit_min=2,
+                        overlap=False, tensor_parallel_size=2, distributed_timeout_s=9.5, deterministic=True)
     assert engine_config(p.parse_args(argv)) == want
     on = ["hi", "--budget", "auto", "--speculate-sampled", "--cuda-graphs", "--prefill-graphs", "--overlap",
           "--prefix-caching", "--tensor-parallel-size", "3", "--no-deterministic"]
-    assert engine_config(p.parse_args(on)) == replace(EngineConfig(max_num_seqs=1), budget="auto", speculate_sampled=True,
-                                                      cuda_graphs=True, prefill_graphs=True, overlap=True,
-                                                      tensor_parallel_size=3, deterministic=False)
+    assert engine_config(p.parse_args(on)) == replace(EngineConfig(max_num_seqs=1), budget="auto",
+                                                      speculate_sampled=True, cuda_graphs=True, prefill_graphs=True,
+                                                      overlap=True, tensor_parallel_size=3, deterministic=False)
 
 
 def test_train_drafters_engine_flags():

@@ -106,7 +106,7 @@ class CostTable:
         return True
 
 
-def entries(spec: SpecConfig, bucket: int, drafter: bool = True, sampled_too: bool = True) -> list[tuple[PhaseStep, bool]]:
+def entries(spec: SpecConfig, bucket: int, drafter: bool = True) -> list[tuple[PhaseStep, bool]]:
     """(step, sampled) of every forward a round over the bucket can run, in the order a round
     runs them (a draft before the verifies that read its tree): the greedy round's steps, then
     the sampled decode and verifies (a sampled pick costs more where the forward is small)."""
@@ -114,8 +114,6 @@ def entries(spec: SpecConfig, bucket: int, drafter: bool = True, sampled_too: bo
     sampled = bucket_steps(spec, bucket, SampleMode.SAMPLE, drafter and spec.speculative)
     if any(st.phase is Phase.VERIFY for st in sampled) and not any(st.phase is Phase.DRAFT for st, _ in greedy):
         greedy += [(st, False) for st in sampled if st.phase is Phase.DRAFT]
-    if not sampled_too:
-        return greedy
     return greedy + [(st, True) for st in sampled if st.phase in (Phase.DECODE, Phase.VERIFY)]
 
 

@@ -17,17 +17,24 @@ DRAFT_QUANTIZATIONS = ("fp8",)                                                  
 SAMPLER_MODE_NAMES = ("greedy", "sample", "filtered")                             # sampling.SampleMode
 
 
+def parse_budget(value: int | str | None) -> int | None:
+    """None for 'auto' (and None, the default), else the fixed budget (>= 1: plain decoding is
+    spec 'none', and an explicit 0 must not quietly become something else)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"budget must be 'auto' or a number of tree nodes, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"budget must be >= 1 or 'auto' (spec 'none' decodes plainly), got {n}")
+    return n
+
+
 def budget_arg(text: str) -> int | str:
     """A command line's budget: 'auto', or a fixed budget >= 1 as an int."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"expected 'auto' or a number of tree nodes, got {text!r}") from None
-    if n < 1:
-        raise ValueError(f"expected 'auto' or a budget >= 1 (spec none decodes plainly), got {n}")
-    return n
+    n = parse_budget(text)
+    return "auto" if n is None else n
 
 
 def sampler_modes_arg(text: str) -> tuple[str, ...]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from drafttree.config import ModelConfig, parse_dtype, resolve_device
-from drafttree.engine.config import EngineConfig
+from drafttree.engine.config import EngineConfig, parse_budget
 from drafttree.kernels import invariant_attn
 from drafttree.models.dflash import DFlashConfig
 from drafttree.parallel.group import TPGroup
@@ -64,20 +64,6 @@ def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
         True if adaptive else drafter.default_sampled
     return SpecConfig(method, bs, budget, SpecConfig.parse_schedule(schedule, budget), sampled is not False,
                       adaptive)
-
-
-def parse_budget(value: int | str | None) -> int | None:
-    """None for 'auto' (and None, the default), else the fixed budget (>= 1: plain decoding is
-    spec 'none', and an explicit 0 must not quietly become something else)."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-        return None
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"budget must be 'auto' or a number of tree nodes, got {value!r}") from None
-    if n < 1:
-        raise ValueError(f"budget must be >= 1 or 'auto' (spec 'none' decodes plainly), got {n}")
-    return n
 
 
 def target_config(cfg: EngineConfig) -> ModelConfig:

@@ -18,10 +18,7 @@ it reads a byte (`MemoryPlan.check`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +27,8 @@ import torch
 
 from drafttree.config import DTYPES, ModelConfig, parse_dtype
 from drafttree.engine.config import EngineConfig
+from drafttree.loader import quantization
+from drafttree.loader.quantization import FP8, Quantization
 from drafttree.models.dflash import DFlashConfig
 from drafttree.models.kv_cache import KVLayout
 from drafttree.parallel.layers import vocab_shard
@@ -77,82 +76,70 @@ ASSUMED_DEVICE = Device(139 * GiB, "assumed: an H200 (141 GB, about 139 GiB usab
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """The quantized matrices of a checkpoint: int4 (compressed-tensors `pack-quantized`, symmetric
-    groups: int32 words of 8 values and a scale per `group_size` inputs) or fp8 (e4m3, a fp32 scale
-    per `block`). Which modules: the Linear modules the targets name and the ignore list does not
-    (int4), every Linear of the layers but the routers (fp8, less `modules_to_not_convert`)."""
-    method: str                         # "int4" | "fp8"
-    group_size: int = 0
+    """How a checkpoint stores its matrices, as the loader reads its `quantization_config`
+    (`loader.quantization`): int4 (compressed-tensors `pack-quantized`: int32 words of 8 values and
+    a scale per `group_size` inputs) for the Linear modules its config groups cover, or fp8 (e4m3,
+    a fp32 scale per `block`) for every Linear of the layers but the routers, less
+    `modules_to_not_convert` (the checkpoint's own tensors say which; the config cannot)."""
+    quant: Quantization
     scale_bytes: int = 2
-    block: tuple[int, int] = (128, 128)
-    targets: tuple[str, ...] = ("Linear",)
-    ignore: tuple[str, ...] = ()
     prefix: str = ""                    # the checkpoint's names' prefix ('language_model.' in a wrapper)
+    not_converted: tuple[str, ...] = ()   # fp8: modules_to_not_convert
+
+    @property
+    def method(self) -> str:
+        return self.quant.method
+
+    @property
+    def group_size(self) -> int:
+        """int4: the (first) config group's size; 0 for fp8."""
+        return self.quant.groups[0].group_size if self.quant.groups else 0
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.quant.block
+
+    def group_of(self, name: str) -> int | None:
+        """int4: the group size the Linear module `name` (HF's name, 'model.layers.3.mlp.experts.7.up_proj')
+        is stored in, None where it stays 16-bit; fp8: its block's rows (any int), or None."""
+        full = self.prefix + name
+        if self.method == FP8:
+            return self.block[0] if ".layers." in full and not any(p in full for p in self.not_converted) else None
+        return self.quant.group_size(full)
 
     def quantizes(self, name: str) -> bool:
-        """Whether the Linear module `name` (HF's name, 'model.layers.3.mlp.experts.7.up_proj') is stored quantized."""
-        full = self.prefix + name
-        if self.method == "fp8":
-            return ".layers." in full and not any(p in full for p in self.ignore)
-        return ("Linear" in self.targets or _matcher(self.targets)(full)) and not _matcher(self.ignore)(full)
+        return self.group_of(name) is not None
 
-    def bytes(self, rows: int, cols: int) -> int:
-        if self.method == "fp8":
+    def bytes(self, name: str, rows: int, cols: int) -> int:
+        """Bytes of the quantized module `name` of shape [rows, cols], as stored."""
+        if self.method == FP8:
             return rows * cols + -(-rows // self.block[0]) * -(-cols // self.block[1]) * 4
-        return rows * -(-cols // 8) * 4 + rows * -(-cols // self.group_size) * self.scale_bytes
+        return rows * -(-cols // 8) * 4 + rows * -(-cols // self.group_of(name)) * self.scale_bytes
 
     def describe(self) -> str:
-        if self.method == "fp8":
+        if self.method == FP8:
             return f"fp8 e4m3 with a fp32 scale per {self.block[0]} x {self.block[1]} block"
         return (f"int4 (compressed-tensors pack-quantized: int32 words of 8 values, a {8 * self.scale_bytes}-bit "
                 f"scale per {self.group_size} inputs of a row)")
 
 
-@functools.lru_cache(maxsize=16)
-def _matcher(patterns: tuple[str, ...]) -> Callable[[str], bool]:
-    """Whether a module's name matches any of `patterns`, by compressed-tensors' rule: 're:' and a
-    regex matched from the start, else the name itself (here also as the last parts of a longer
-    name: 'lm_head' names 'language_model.lm_head'). One compiled alternation: a plan asks for
-    every expert of every layer."""
-    regex = [p[3:] for p in patterns if p.startswith("re:")]
-    names = tuple(p for p in patterns if not p.startswith("re:"))
-    rx = re.compile("|".join(f"(?:{r})" for r in regex)) if regex else None
-
-    def match(name: str) -> bool:
-        return (rx is not None and rx.match(name) is not None) or any(name == n or name.endswith("." + n)
-                                                                      for n in names)
-    return match
-
-
 def weight_format(raw: dict[str, Any] | None) -> WeightFormat | None:
     """The quantization a config.json declares (its own, or its text_config's in a multimodal
-    wrapper), None for none; refuses one this plan does not know."""
+    wrapper), None for none; refuses, as the loader does, a form drafttree does not load."""
     if not raw:
         return None
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) and "hidden_size" not in raw else None
     q = (text or {}).get("quantization_config") or raw.get("quantization_config")
     if not q:
         return None
+    quant = quantization.parse({"quantization_config": q})
     prefix = "language_model." if text is not None else ""
-    supported = "compressed-tensors pack-quantized int4 (symmetric groups), or fp8 block-scaled"
-    method = q.get("quant_method")
-    if method == "fp8":
-        bn, bk = q.get("weight_block_size") or (128, 128)
-        return WeightFormat("fp8", block=(int(bn), int(bk)), ignore=tuple(q.get("modules_to_not_convert") or ()),
-                            prefix=prefix)
-    groups = list((q.get("config_groups") or {}).values())
-    schemes = {json.dumps(g.get("weights"), sort_keys=True) for g in groups}
-    w = groups[0].get("weights") or {} if groups else {}
-    if method != "compressed-tensors" or q.get("format") != "pack-quantized" or len(schemes) != 1 or not (
-            w.get("num_bits") == 4 and w.get("type") == "int" and w.get("symmetric")
-            and w.get("strategy") == "group" and w.get("group_size")):
-        raise ValueError(f"unsupported quantization_config (quant_method {method!r}, format {q.get('format')!r}, "
-                         f"weights {sorted(schemes)}); the memory plan knows {supported}")
+    if quant.method == FP8:
+        return WeightFormat(quant, prefix=prefix, not_converted=tuple(q.get("modules_to_not_convert") or ()))
+    w = next(iter((q.get("config_groups") or {}).values()), {}).get("weights") or {}
     scale = DTYPES.get(w.get("scale_dtype") or (text or raw).get("torch_dtype") or (text or raw).get("dtype")
                        or "bfloat16", torch.bfloat16)
-    return WeightFormat("int4", int(w["group_size"]), _size(scale),
-                        targets=tuple(t for g in groups for t in (g.get("targets") or ["Linear"])),
-                        ignore=tuple(q.get("ignore") or ()), prefix=prefix)
+    return WeightFormat(quant, _size(scale), prefix)
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -261,8 +248,9 @@ def _bytes(part: _Part, fmt: WeightFormat | None, dtype_bytes: int) -> int:
     plain = numel * (4 if part.fp32 else dtype_bytes)
     if not part.names:
         return plain
-    packed = sum(fmt.quantizes(n) for n in part.names) if fmt is not None else 0
-    return packed * fmt.bytes(*part.shape) + (len(part.names) - packed) * plain if packed else len(part.names) * plain
+    if fmt is None:
+        return len(part.names) * plain
+    return sum(fmt.bytes(n, *part.shape) if fmt.quantizes(n) else plain for n in part.names)
 
 
 def rank_weights(cfg: ModelConfig, fmt: WeightFormat | None, dtype: torch.dtype, world: int = 1, rank: int = 0,

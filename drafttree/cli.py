@@ -58,11 +58,13 @@ def _generate(a: argparse.Namespace, eng: Engine) -> int:
             shown = len(seq.text)
     t = seq.timings()
     n = len(seq.output_ids)
+    stats = eng.stats
     summary = {"text": seq.text if tok is not None else None, "token_ids": seq.output_ids,
                "finish_reason": seq.finish_reason, "prompt_tokens": len(seq.prompt_ids),
                "completion_tokens": n, "spec": eng.spec.method, "block_size": eng.spec.block_size,
                "budget": "auto" if eng.spec.adaptive else eng.spec.budget,
-               "budget_histogram": dict(sorted(eng.stats.budget_hist.items())), "rounds": seq.stats.rounds,
+               "budget_histogram": dict(sorted(stats.budget_hist.items())), "plain_rounds": dict(stats.plain_rounds),
+               "rounds": seq.stats.rounds,
                "mean_accept_length": round(seq.stats.mean_accept_length, 3),
                "accept_histogram": seq.stats.histogram, **{k: round(v, 4) for k, v in t.items()}}
     if a.json:

@@ -494,8 +494,10 @@ def test_sampled_rounds_decode_plainly_when_asked(pair, fake_cuda_graphs, spec, 
 
 
 def test_speculate_sampled_resolution(pair, tmp_path):
-    """The flag, else the drafter config's ddtree_default_speculate_sampled, else on; the plan
-    then captures decode graphs for the sampled modes at every batch size."""
+    """The flag, else on: what the user sets wins, and a drafter config's
+    ddtree_default_speculate_sampled is not applied (auto chooses per round, an explicit budget
+    drafts every round); the plan then captures decode graphs for the sampled modes at every
+    batch size."""
     import json
     import shutil
 
@@ -513,17 +515,36 @@ def test_speculate_sampled_resolution(pair, tmp_path):
     shutil.copytree(d, off)
     cfg = json.loads((off / "config.json").read_text())
     (off / "config.json").write_text(json.dumps({**cfg, "ddtree_default_speculate_sampled": False}))
-    for path, flag, want in ((d, None, True), (off, None, False), (off, True, True), (d, False, False)):
-        ec = EngineConfig(model=str(t), draft_model=str(path), spec="ddtree", budget=32, speculate_sampled=flag)
-        assert resolve_spec(ec, DFlashConfig.from_dir(path)).sampled is want, (path, flag)
-    # auto chooses per round, sampled rounds too, unless the flag says otherwise
-    for flag, want in ((None, True), (False, False)):
-        ec = EngineConfig(model=str(t), draft_model=str(off), spec="ddtree", speculate_sampled=flag)
-        assert resolve_spec(ec, DFlashConfig.from_dir(off)).sampled is want, flag
-    assert "speculate_sampled=off" in describe_plan(EngineConfig(model=str(t), draft_model=str(off), budget=32))
+    for budget in (32, None):
+        for path, flag, want in ((d, None, True), (off, None, True), (off, True, True), (d, False, False)):
+            ec = EngineConfig(model=str(t), draft_model=str(path), spec="ddtree", budget=budget, speculate_sampled=flag)
+            assert resolve_spec(ec, DFlashConfig.from_dir(path)).sampled is want, (budget, path, flag)
+    assert "speculate_sampled=on" in describe_plan(EngineConfig(model=str(t), draft_model=str(off), budget=32))
     (off / "config.json").write_text(json.dumps({**cfg, "ddtree_default_speculate_sampled": "no"}))
     with pytest.raises(ValueError, match="ddtree_default_speculate_sampled must be true or false"):
         DFlashConfig.from_dir(off)
+
+
+def test_plain_rounds_say_why(pair):
+    """An explicit budget drafts every round, sampled ones too; plain rounds are counted by their
+    reason (a schedule, speculate_sampled off, a request's max_budget)."""
+    t, d = pair
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=4, device="cpu", dtype="float32",
+              max_num_seqs=2, max_model_len=128)
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True)
+    llm = LLM(**kw)
+    llm.generate([[3, 1, 4], [1, 5, 9]], sampled)
+    st = llm.engine.stats
+    assert set(st.budget_hist) == {4} and not st.plain_rounds
+    llm = LLM(**kw, speculate_sampled=False)
+    llm.generate([[3, 1, 4]], sampled)
+    assert dict(llm.engine.stats.plain_rounds) == {"speculate_sampled off": llm.engine.stats.rounds}
+    llm = LLM(**kw, budget_schedule="2:0")
+    llm.generate([[3, 1, 4], [1, 5, 9]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert set(llm.engine.stats.plain_rounds) == {"budget schedule"}
+    llm = LLM(**kw)
+    llm.generate([[3, 1, 4]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, max_budget=0))
+    assert dict(llm.engine.stats.plain_rounds) == {"max_budget": llm.engine.stats.rounds}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])

@@ -168,6 +168,8 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
            "graph_fallbacks": st.graph_fallbacks if eng.setup.cuda_graphs else None,
            # rounds per budget they ran at (0: plain decode rounds), the chosen ones under auto
            "budget_histogram": {str(k): v for k, v in sorted((st.budget_hist - before.budget_hist).items())},
+           # why rounds of a speculative engine decoded plainly (schedule, speculate_sampled off, max_budget, cost model)
+           "plain_rounds": dict(st.plain_rounds - before.plain_rounds),
            "cost_model_s": eng.costs.measure_s if eng.costs is not None else None}
     if eng.spec.adaptive:
         row["budget_choice"] = budget_choice(eng, batch, temperature == 0)

@@ -305,8 +305,22 @@ class Engine:
         bucket = self.runner.cache_cfg.batch_bucket(B)
         greedy = sum(s.params.greedy for s in running)
         caps = [s.params.max_budget for s in running if s.params.max_budget is not None]
+        cap = min(caps, default=None)
         allowed = self.spec.budgets_at(bucket, mode is SampleMode.GREEDY)
-        return self.chooser.choose(bucket, allowed, greedy, B - greedy, min(caps, default=None))
+        budget = self.chooser.choose(bucket, allowed, greedy, B - greedy, cap)
+        if budget == 0 and self.spec.speculative:
+            self.book.counts.plain_rounds[self._plain_reason(bucket, allowed, cap)] += 1
+        return budget
+
+    def _plain_reason(self, bucket: int, allowed: tuple[int, ...], cap: int | None) -> str:
+        """Why a round of a speculative engine decodes plainly (`EngineStats.plain_rounds`)."""
+        if self.spec.budgets_at(bucket) == (0,):
+            return "budget schedule"      # speculation off from this batch size on
+        if allowed == (0,):
+            return "speculate_sampled off"
+        if cap is not None and all(b > cap for b in allowed[1:]):
+            return "max_budget"           # a request's cap
+        return "cost model"               # auto: a plain round was worth more
 
     def _read(self, launched: Launched) -> list[tuple[Sequence, list[int]]]:
         """Wait for a launched round's tokens (its one sync) and emit them. A request that finished

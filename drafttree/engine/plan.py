@@ -4,6 +4,7 @@ sampler modes it captures. The engine and `drafttree graphs` both take it from h
 option is refused here, before the weights."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,13 +16,15 @@ from drafttree.engine.config import EngineConfig, parse_budget
 from drafttree.kernels import invariant_attn
 from drafttree.models.dflash import DFlashConfig
 from drafttree.parallel.group import TPGroup
-from drafttree.phases import SpecConfig, schedule_for
+from drafttree.phases import SpecConfig
 from drafttree.runner.phase_table import CAPTURED_MODES
 from drafttree.sampling import SampleMode
 from drafttree.settings import Settings, current
 
 if TYPE_CHECKING:
     from drafttree.engine.memory_plan import Device
+
+log = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
@@ -56,14 +59,28 @@ def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
     adaptive = parse_budget(cfg.budget) is None
     default = drafter.default_budget or DEFAULT_BUDGET
     budget = (default if adaptive else parse_budget(cfg.budget)) if method == "ddtree" else 0
-    # The drafter config's schedule and sampled-round choice were measured stand-ins for the
-    # choice that `auto` makes every round; an explicit one still applies (as caps when auto).
-    schedule = cfg.budget_schedule if cfg.budget_schedule is not None else \
-        None if adaptive else schedule_for(method, drafter.default_schedule)
-    sampled = cfg.speculate_sampled if cfg.speculate_sampled is not None else \
-        True if adaptive else drafter.default_sampled
+    # What the user sets wins: an explicit budget drafts every round, at every temperature and
+    # batch size, unless the user also limits it (a schedule, --no-speculate-sampled); `auto`
+    # chooses per round, up to the drafter config's ddtree_default_budget. A drafter config's
+    # ddtree_default_budget_schedule / _speculate_sampled are not applied (`check_defaults`).
+    schedule = cfg.budget_schedule
+    sampled = cfg.speculate_sampled
     return SpecConfig(method, bs, budget, SpecConfig.parse_schedule(schedule, budget), sampled is not False,
                       adaptive)
+
+
+def check_defaults(drafter: DFlashConfig, where: Path | None) -> None:
+    """Say, once per drafter directory, that its config's schedule and sampled-round defaults are
+    not applied (they were measured stand-ins for the per-round choice that `auto` now makes)."""
+    keys = [k for k, v in (("ddtree_default_budget_schedule", drafter.default_schedule),
+                           ("ddtree_default_speculate_sampled", drafter.default_sampled)) if v is not None]
+    if keys and where not in _WARNED:
+        _WARNED.add(where)
+        log.warning("%s: %s not applied: --budget auto chooses each round's budget, an explicit --budget drafts "
+                    "every round (--budget-schedule and --no-speculate-sampled limit it)", where, ", ".join(keys))
+
+
+_WARNED: set[Path | None] = set()
 
 
 def target_config(cfg: EngineConfig) -> ModelConfig:
@@ -152,6 +169,7 @@ def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
         if drafter_dir is not None:
             dcfg = DFlashConfig.from_dir(drafter_dir)
             dcfg.check_fits(tcfg)
+            check_defaults(dcfg, drafter_dir)
         elif cfg.random_drafter and wants_drafter:
             dcfg = random_shapes.drafter_config_for(tcfg, cfg.block_size or 16)
     if settings.deterministic:

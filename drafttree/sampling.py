@@ -15,6 +15,7 @@ import torch
 
 from drafttree.kernels import dispatch
 from drafttree.kernels.fused import fused
+from drafttree.structured.params import StructuredOutputs
 
 _M32 = 0xFFFFFFFF
 
@@ -33,10 +34,18 @@ class SamplingParams:
     # cap; 0: never speculated). Rows share a round's width, so a round verifies at most the
     # smallest cap among its requests: a request at 0 makes the rounds it is in decode plainly.
     max_budget: int | None = None
+    # The output's form (a JSON schema, any JSON object, a regex, a choice, a grammar): every
+    # token is picked among those the grammar allows, and the output ends where it may end.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.structured_outputs, dict):   # dataclasses.asdict's copy of one
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be used with structured_outputs: the grammar decides where the "
+                             "output ends")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -15,6 +15,7 @@ SPECS = ("none", "dflash", "ddtree")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")   # config.DTYPES, and auto
 DRAFT_QUANTIZATIONS = ("fp8",)                                                    # models.quant.METHODS
 SAMPLER_MODE_NAMES = ("greedy", "sample", "filtered")                             # sampling.SampleMode
+TOOL_CALL_PARSERS = ("hermes", "kimi_k2", "llama3_json")                          # server.tool_parsers
 
 
 def parse_budget(value: int | str | None) -> int | None:
@@ -127,6 +128,9 @@ class EngineConfig:
               "reproduced (dense targets; costs speed, see docs/performance.md). It is this engine's "
               "settings.deterministic, in force while the engine runs (other engines in the process keep theirs)",
         "the process's settings, DRAFTTREE_DETERMINISTIC")
+    tool_call_parser: str | None = _opt(
+        None, "the format of tool calls in chat replies (the server parses them and forces required calls in it)",
+        "the one the model's chat template writes; hermes where it names none", choices=TOOL_CALL_PARSERS)
     random_weights: str | None = _opt(None, "timing only: random weights of a shape in "
                                             "drafttree.models.random_shapes (NAME@N: its first N layers)",
                                       "none", metavar="SHAPE", timing_only=True)

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from drafttree.engine.budget import BudgetChooser
 from drafttree.engine.config import EngineConfig
+from drafttree.engine.constrained import Constrained
 from drafttree.engine.inflight import Launched, RoundOutputs
 from drafttree.engine.pages import PagePool
 from drafttree.engine.plan import EngineSetup, load_models, resolve, settings_of
@@ -80,6 +81,7 @@ class Engine:
             self.text = TextCodec(load_tokenizer(self.model_dir), set(setup.target.eos_token_ids),
                                   setup.target.vocab_size, self.model_dir)
         self.book = Stats(self.pool, self.scheduler, self.runner)
+        self.constrained = Constrained(self.runner, self.text.tokenizer, setup.target.vocab_size, self.text.eos_ids)
         self.stream_text = False    # a server streaming text sets this
         self.overlap = setup.overlap
         self._inflight: Launched | None = None
@@ -187,6 +189,7 @@ class Engine:
         seq = Sequence(ids, params, prompt=text)
         if request_id is not None:
             seq.request_id = request_id
+        self.constrained.attach(seq)
         self.scheduler.add(seq)
         self.book.counts.requests += 1
         self.book.counts.prompt_tokens += len(ids)
@@ -242,8 +245,9 @@ class Engine:
         launched = self._launch() if sc.running else None   # (sizes its attention by prev's pending commits)
         if prev is not None:
             out += self._read(prev)
-        self._inflight = launched if self.overlap else None
-        if launched is not None and not self.overlap:
+        keep = self.overlap and not (launched is not None and launched.constrained)
+        self._inflight = launched if keep else None
+        if launched is not None and not keep:
             out += self._read(launched)
         self._release()
         return out
@@ -263,6 +267,7 @@ class Engine:
         if not chunks:
             return []
         t0 = time.perf_counter()
+        self.constrained.first_masks(chunks)
         firsts = self.runner.prefill([c for _, c in chunks])
         self._prefill_end = time.perf_counter()
         self.book.counts.prefill_seconds += self._prefill_end - t0
@@ -287,7 +292,7 @@ class Engine:
         the cache (whose rows hold max_model_len + kv_headroom slots)."""
         c = self._pending()
         return all(len(s.output_ids) + c < s.params.max_tokens and s.length + c <= self.max_model_len
-                   for s in self.scheduler.running)
+                   and s.grammar is None for s in self.scheduler.running)
 
     def _launch(self) -> Launched:
         """Launch one round over the running requests (no host sync)."""
@@ -296,7 +301,11 @@ class Engine:
         self.scheduler.check_reserved(self._pending())
         mode = SampleMode.of([s.params for s in running])
         budget = self._choose_budget(running, mode)
-        self.runner.run_round(len(running), mode, max(s.length for s in running) + self._pending(), budget)
+        max_length = max(s.length for s in running) + self._pending()
+        if any(s.grammar is not None for s in running):   # structured output: masked picks, host-built trees
+            self.constrained.launch(running, mode, max_length, budget)
+            return self._outputs.launch(self.runner.state, list(running), t0, budget, constrained=True)
+        self.runner.run_round(len(running), mode, max_length, budget)
         return self._outputs.launch(self.runner.state, list(running), t0, budget)
 
     def _choose_budget(self, running: list[Sequence], mode: SampleMode) -> int:
@@ -332,7 +341,7 @@ class Engine:
         # one, while the host read, emitted and launched (overlapped rounds counted once); the
         # choice (an adaptive spec's cost table) learns from them, except across a prefill
         start = max(launched.t0, self._last_read)
-        if self.costs is not None and self._prefill_end <= start:
+        if self.costs is not None and self._prefill_end <= start and not launched.constrained:
             B = len(launched.seqs)
             self.chooser.observe_round(self.runner.cache_cfg.batch_bucket(B), launched.budget,
                                        not all(s.params.greedy for s in launched.seqs), now - start)
@@ -353,7 +362,7 @@ class Engine:
             taus.append(k)
             seq.stats.rounds += 1
             seq.stats.accept_lengths.append(k)
-            if budget:
+            if budget and not launched.constrained:   # a constrained round leaves no predictions
                 self.chooser.observe(seq.params.greedy, budget, k, row[preds:])
             out.append((seq, self._emit(seq, row[1:1 + k])))
         if taus:   # the round's counters once, not per request: this loop is host time between rounds
@@ -365,6 +374,7 @@ class Engine:
     def _emit(self, seq: Sequence, tokens: list[int]) -> list[int]:
         # the context bounds the output as max_tokens does (finish reason "length")
         kept = seq.append(tokens, self.eos_ids, self.max_model_len - len(seq.prompt_ids))
+        self.constrained.advance(seq, kept)
         self.book.counts.generated_tokens += len(kept)
         # Text is kept current every round only when something reads it mid-generation.
         if self.tokenizer is not None and (self.stream_text or seq.params.stop or seq.finished):

@@ -6,6 +6,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from drafttree.sampling import SamplingParams
 
@@ -56,6 +57,7 @@ class Sequence:
     page_keys: list[bytes] = field(default_factory=list)   # chained hashes of its full pages, as computed
     preemptions: int = 0
     detok_offsets: tuple[int, int] = (0, 0)   # output ids [prefix, read): window already in text
+    grammar: Any = None       # structured output: the grammar's matcher over the output so far
 
     def __post_init__(self) -> None:
         if self.seed < 0:

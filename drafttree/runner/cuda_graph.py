@@ -33,10 +33,11 @@ class GraphKey(NamedTuple):
     mode: SampleMode
     kv_len: int          # KV bucket
     budget: int          # the verify's; 0 for other phases
+    constrained: bool = False   # a constrained round's step (structured output)
 
 
 def key_of(st: PhaseStep, bucket: int, mode: SampleMode, kv_len: int) -> GraphKey:
-    return GraphKey(st.phase, bucket, mode, kv_len, st.budget)
+    return GraphKey(st.phase, bucket, mode, kv_len, st.budget, st.constrained)
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ class RoundGraphs:
         return set(self.graphs)
 
     def steps(self, bucket: int, mode: SampleMode) -> tuple[PhaseStep, ...]:
-        return bucket_steps(self.rc.spec, bucket, mode, self.rc.drafter is not None)
+        rc = self.rc
+        return bucket_steps(rc.spec, bucket, mode, rc.drafter is not None, rc.state.grammar is not None)
 
     @torch.inference_mode()
     def capture(self) -> dict[str, float]:

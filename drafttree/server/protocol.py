@@ -1,6 +1,7 @@
 """OpenAI request models, error bodies and the mapping from a request to SamplingParams."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -8,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from drafttree.sampling import SamplingParams
+from drafttree.structured.params import StructuredOutputs
 
 Temperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
 TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
@@ -38,6 +40,31 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool | None = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParam(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+
+
 class OpenAIRequest(BaseModel):
     """Fields common to both endpoints; unknown fields are accepted and ignored."""
     model_config = ConfigDict(extra="allow")
@@ -58,6 +85,44 @@ class OpenAIRequest(BaseModel):
     # drafttree's extension: at most this many draft nodes verified per round for this request
     # (0: never speculated); see SamplingParams.max_budget
     max_budget: StrictInt | None = None
+    # the output's form: OpenAI's response_format, vLLM's structured_outputs (and its older guided_*)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParam | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+
+    def structured(self) -> StructuredOutputs | None:
+        """The constraint the request asks for (one form at most), or None."""
+        forms: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            forms.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise OpenAIError("response_format of type json_schema needs json_schema.schema",
+                                  param="response_format")
+            forms.append(("response_format", {"json": rf.json_schema.schema_, "name": rf.json_schema.name or ""}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            forms.append(("structured_outputs", {k: v for k, v in (("json", so.json_), ("json_object", so.json_object),
+                                                                  ("regex", so.regex), ("choice", so.choice),
+                                                                  ("grammar", so.grammar)) if v is not None}))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                forms.append((name, {kind: getattr(self, name)}))
+        if not forms:
+            return None
+        if len(forms) > 1:
+            raise OpenAIError(f"give one form of structured output, not {' and '.join(n for n, _ in forms)}",
+                              param=forms[1][0])
+        name, kw = forms[0]
+        try:
+            return StructuredOutputs(**kw)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=name) from e
 
     @property
     def include_usage(self) -> bool:
@@ -75,14 +140,14 @@ class OpenAIRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, structured: StructuredOutputs | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else float(self.temperature),
                 top_p=1.0 if self.top_p is None else float(self.top_p),
                 top_k=self.top_k or 0, seed=self.seed, max_tokens=max_tokens, stop=self.stop_list(),
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
-                max_budget=self.max_budget)
+                max_budget=self.max_budget, structured_outputs=structured)
         except ValueError as e:
             raise OpenAIError(str(e)) from e
 
@@ -92,25 +157,81 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: StrictStr | None = None
 
-    def template_dict(self) -> dict[str, str]:
+    def template_dict(self) -> dict[str, Any]:
         if isinstance(self.content, list):
             text = "".join(p.text for p in self.content)
         else:
             text = self.content or ""
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # templates read the arguments as a mapping (OpenAI sends JSON text)
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        return out
+
+
+def _arguments(args: str | dict[str, Any]) -> Any:
+    if isinstance(args, dict):
+        return args
+    try:
+        return json.loads(args)
+    except ValueError:
+        return args
+
+
+class FunctionDef(BaseModel):
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage]
     max_completion_tokens: PositiveInt | None = None
     logprobs: StrictBool | None = False
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     def check(self) -> None:
         self.check_common()
@@ -118,6 +239,12 @@ class ChatCompletionRequest(OpenAIRequest):
             raise OpenAIError("messages must not be empty", param="messages")
         if self.logprobs:
             raise OpenAIError("logprobs are not supported", param="logprobs")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise OpenAIError("tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools or []}:
+            raise OpenAIError(f"tool_choice names the function {choice.function.name!r}, which is not among the "
+                              f"tools", param="tool_choice")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -151,6 +151,9 @@ def run(cfg: EngineConfig, o: Options) -> dict:
     rank = build(cfg, o)
     setup, r = rank.setup, rank.runner
     built_s = time.perf_counter() - t0
+    m = rank.memory["measured"]
+    log.info("built rank %d of %d in %.1f s: weights %s, KV pool %s (%d pages)", o.rank, setup.world, built_s,
+             _size(m["weights"]), _size(m["kv_pool"]), m["pool_pages"])
     with scope(setup.settings):
         batches, kv_len, graphed = measure(rank, o)
     dev = r.device
@@ -203,7 +206,12 @@ def measure(rank: Rank, o: Options) -> tuple[list[dict], int, bool]:
                   kv_lengths=[kv_len])
         log.info("captured the round's graphs in %.1f s", time.perf_counter() - t0)
     prefilled = r.state.snapshot()
-    return [Batch(rank, o, B, kv_len, prefilled).measure() for B in o.batches], kv_len, graphed
+    out = []
+    for B in o.batches:
+        t0 = time.perf_counter()
+        out.append(Batch(rank, o, B, kv_len, prefilled).measure())
+        log.info("batch %d measured in %.1f s", B, time.perf_counter() - t0)
+    return out, kv_len, graphed
 
 
 class Batch:
@@ -366,8 +374,9 @@ def format_report(res: dict) -> str:
             s = b["skewed"]
             lines.append(f"  skewed routing (skew {s['skew']}): decode {s['decode']['ms']:.3f} ms; rounds in decode "
                          "steps " + ", ".join(f"{n}: {v['round_in_decode_steps']:.2f} "
-                                              f"({v['experts']['per_layer_mean']:.1f} experts/layer, busiest tenth "
-                                              f"{v['experts']['busiest_tenth_share']:.2f} of picks)"
+                                              f"({v['experts']['per_layer_mean']:.1f} experts/layer; the busiest "
+                                              f"tenth of experts took {v['experts']['busiest_tenth_share']:.2f} "
+                                              f"of the picks, {v['experts']['picks']} a layer)"
                                               for n, v in s["budgets"].items()))
     return "\n".join(lines)
 

@@ -122,7 +122,8 @@ class ExpertCount:
     every_rank: list[int]
     tokens: int
     top_k: int
-    busiest_share: float   # share of the picks on the busiest tenth of all experts (uniform: about 0.1)
+    busiest_share: float   # share of the picks (all layers) on the busiest tenth of all experts: near 0.1
+                           # under uniform routing once picks far outnumber experts, higher under skew
 
     @property
     def mean(self) -> float:
@@ -141,7 +142,7 @@ class ExpertCount:
                 "per_layer_max": max(self.local, default=0), "held_per_layer": held,
                 "uniform_expected": round(uniform, 2),
                 "every_rank_per_layer_mean": round(sum(self.every_rank) / max(len(self.every_rank), 1), 2),
-                "total_touched": self.total_touched, "tokens": self.tokens,
+                "total_touched": self.total_touched, "tokens": self.tokens, "picks": self.tokens * self.top_k,
                 "busiest_tenth_share": round(self.busiest_share, 3)}
 
 

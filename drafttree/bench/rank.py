@@ -447,8 +447,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def config_of(a: argparse.Namespace) -> tuple[EngineConfig, Options]:
     """The engine config and the options of parsed flags; every bad value refused here."""
-    if not a.random_weights and not a.model:
-        raise ValueError("give --random-weights SHAPE (e.g. kimi-k2:int4) or --model DIR")
     if a.num_layers is not None:
         if not a.random_weights:
             raise ValueError("--num-layers needs --random-weights")

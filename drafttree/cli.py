@@ -130,7 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     """generate, serve and graphs (train-drafter and bench parse their own arguments)."""
     p = argparse.ArgumentParser(prog="drafttree", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate a completion for one prompt, streamed")
+    plan = ("Memory per GPU for these flags (weights by kind, KV bytes per token, KV tokens that fit): drafttree "
+            "graphs with the same model flags, no GPU needed; the engine logs it at start-up and refuses weights that "
+            "cannot fit.")
+    g = sub.add_parser("generate", help="generate a completion for one prompt, streamed", description=plan)
     g.add_argument("prompt")
     add_model_args(g)
     g.add_argument("--max-tokens", type=int, default=256, help="output tokens at most")
@@ -140,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="the sampler's seed (default: a random one)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", description=plan)
     add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000)

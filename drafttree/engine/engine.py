@@ -13,6 +13,7 @@ from drafttree.engine.budget import BudgetChooser
 from drafttree.engine.config import EngineConfig
 from drafttree.engine.constrained import Constrained
 from drafttree.engine.inflight import Launched, RoundOutputs
+from drafttree.engine.memory_plan import startup_plan
 from drafttree.engine.pages import PagePool
 from drafttree.engine.plan import EngineSetup, load_models, resolve, settings_of
 from drafttree.engine.pool_sizing import size_pool
@@ -64,6 +65,9 @@ class Engine:
         with self.startup.stage("convert" if not cfg.random_weights else "setup"):
             self.setup: EngineSetup = resolve(cfg, tp)
         setup = self.setup
+        self.memory_plan = startup_plan(setup)   # CUDA: weights that cannot fit are refused before any loads
+        if self.memory_plan is not None and self.leader:
+            log.info("%s", self.memory_plan.format())
         self.device, self.dtype, self.spec = setup.device, setup.dtype, setup.spec
         self.model_dir, self.model_cfg = setup.model_dir, setup.target
         with self.startup.stage("load weights"):

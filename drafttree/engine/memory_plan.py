@@ -13,15 +13,18 @@ then the pool the engine would size (`Engine._size_pool`: the ranks agree on the
 Pure: no CUDA call and no weights. The caller gives the device's total memory
 (`torch.cuda.mem_get_info`'s, `--gpu-memory-gb`'s, or `ASSUMED_DEVICE`, an H200's) and the
 resolved sizes (`plan_memory`), so that the engine can refuse a start-up that cannot fit before
-it reads a byte (`MemoryPlan.check`).
+it reads a byte (`MemoryPlan.check`). The engine's own plan comes from its resolved setup
+(`plan_for_setup`; random-weight shapes plan their experts in the form they draw them in):
+on CUDA it is logged at start-up, and weights that cannot fit are refused there (`startup_plan`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +39,11 @@ from drafttree.parallel.shard import check_size, expert_span, kv_heads_per_rank,
 from drafttree.phases import SpecConfig
 from drafttree.runner.cuda_graph import graph_plan
 
+if TYPE_CHECKING:
+    from drafttree.engine.plan import EngineSetup
+
+log = logging.getLogger(__name__)
+
 GiB = 1 << 30
 KINDS = ("attention", "dense MLP", "shared experts", "routed experts", "embedding + LM head", "router / norms",
          "drafter")
@@ -44,8 +52,9 @@ KINDS = ("attention", "dense MLP", "shared experts", "routed experts", "embeddin
 CONTEXT_GIB = 1.0
 NCCL_GIB = 0.5
 # The engine's KV budget without gpu_memory_utilization or kv_cache_memory_gb: this share of the
-# memory free once the weights are in (`Engine._kv_budget`).
+# memory free once the weights are in (`pool_sizing.kv_budget`); on the CPU a fixed size.
 DEFAULT_FREE_SHARE = 0.6
+CPU_KV_GIB = 1.0
 
 
 @dataclass(frozen=True)
@@ -327,6 +336,17 @@ class MemoryPlan:
         return max(self.pages - 1, 0) * self.page_size
 
     @property
+    def pool_pages(self) -> int:
+        """Pages the engine allocates (`pool_sizing.size_pool`): what the budget holds, at most what
+        max_num_seqs requests at the context it reaches need (the null page included)."""
+        reach = min(self.max_model_len, self.longest_context) + self.kv_headroom
+        return max(min(self.pages, 1 + self.max_num_seqs * -(-reach // self.page_size)), 0)
+
+    def pool_bytes(self, rank: RankMemory) -> int:
+        """Bytes of a rank's KV pools (the target's and the drafter's) at `pool_pages`."""
+        return self.pool_pages * self.page_size * rank.kv_bytes_per_token
+
+    @property
     def request_pages(self) -> int:
         """Pages one request at max_model_len holds, with a round's headroom."""
         return -(-(self.max_model_len + self.kv_headroom) // self.page_size)
@@ -412,7 +432,9 @@ class MemoryPlan:
                       else ""),
                   row("KV tokens", [f"{max(r.pages - 1, 0) * self.page_size:,}" for r in rs],
                       f"pages of {self.page_size}" + (f"; every rank's pool holds the fewest: {self.kv_tokens:,}"
-                                                      if len(rs) > 1 else ""))]
+                                                      if len(rs) > 1 else "")),
+                  row("KV pool allocated", [gib(self.pool_bytes(r)) for r in rs],
+                      f"{self.pool_pages:,} pages: the budget's, at most what max_num_seqs requests need")]
         need = self.max_num_seqs * self.request_pages * self.page_size
         bad = self.problem()
         if bad is not None:
@@ -530,3 +552,77 @@ def plan_for(cfg: EngineConfig, model_dir: str | Path, target: ModelConfig, draf
                        device=device or ASSUMED_DEVICE, gpu_memory_utilization=cfg.gpu_memory_utilization,
                        kv_cache_memory_gb=cfg.kv_cache_memory_gb, draft_quantization=cfg.draft_quantization,
                        cuda_graphs=cfg.cuda_graphs is not False)
+
+
+# -- the engine's plan, from its resolved setup -----------------------------------------------------
+
+# the modules a random shape draws in a stored form: its routed experts (`models.random_shapes`)
+ROUTED_EXPERTS = r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$"
+
+
+def shape_quantization(form: str | None) -> dict[str, Any] | None:
+    """The config.json a checkpoint would hold for a random shape whose routed experts are drawn in
+    `form` ('int4', 'fp8': `models.random_shapes.EXPERT_FORMS`; None: 16-bit), for `weight_format`:
+    only the routed experts stored so."""
+    if form is None:
+        return None
+    from drafttree.models.random_shapes import EXPERT_FORMS
+
+    layout = EXPERT_FORMS[form][1]
+    if form == "fp8":
+        return {"quantization_config": {
+            "quant_method": "fp8", "weight_block_size": list(layout["block"]),
+            "modules_to_not_convert": ["self_attn", "shared_experts", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]}}
+    scale = str(layout["scale_dtype"]).removeprefix("torch.")
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+               "group_size": layout["group_size"], "scale_dtype": scale}
+    return {"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                    "config_groups": {"experts": {"targets": [ROUTED_EXPERTS], "weights": weights}}}}
+
+
+def plan_for_setup(setup: EngineSetup, device: Device) -> MemoryPlan:
+    """The plan of an engine's resolved setup on GPUs of `device`: its model (a checkpoint's
+    config.json, or a random shape in the form it draws), dtype, drafter, ranks and pool sizes,
+    the KV budget taken as `pool_sizing.kv_budget` takes it (on the CPU its fixed default)."""
+    cfg = setup.cfg
+    if setup.model_dir is not None:
+        raw = read_config(setup.model_dir)
+    else:
+        from drafttree.models.random_shapes import parse_shape
+        raw = shape_quantization(parse_shape(cfg.random_weights)[2])
+    kv_gb = cfg.kv_cache_memory_gb
+    if kv_gb is None and setup.device.type != "cuda":
+        kv_gb = CPU_KV_GIB
+    return plan_memory(setup.target, raw, setup.drafter, spec=setup.spec, tensor_parallel_size=setup.world,
+                       max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, page_size=cfg.page_size,
+                       dtype=setup.dtype, device=device, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                       kv_cache_memory_gb=kv_gb, cuda_graphs=setup.cuda_graphs,
+                       draft_quantization=cfg.draft_quantization if setup.drafter is not None else None)
+
+
+def startup_device(setup: EngineSetup) -> Device | None:
+    """The device an engine's start-up plans for: its CUDA device's total memory; None elsewhere
+    (a CPU engine's memory is the host's, which the plan does not describe)."""
+    if setup.device.type != "cuda":
+        return None
+    return Device.of(cuda_total=torch.cuda.mem_get_info(setup.device)[1])
+
+
+def startup_plan(setup: EngineSetup, device: Device | None = None) -> MemoryPlan | None:
+    """The plan an engine starts with, before it reads a weight (the engine logs it): refused
+    (ValueError with the table) where the weights alone do not fit the device. `device` None: the engine's
+    own (`startup_device`); None is returned where there is none. A setup the plan cannot
+    describe (a quantization it does not know) starts without one, with a warning: the loader
+    decides then. A context longer than the pool holds is not refused here: the engine lowers
+    it with a warning (`pool_sizing.size_pool`)."""
+    device = device or startup_device(setup)
+    if device is None:
+        return None
+    try:
+        plan = plan_for_setup(setup, device)
+    except ValueError as e:
+        log.warning("no memory plan at start-up: %s", e)
+        return None
+    if not plan.weights_fit():
+        raise ValueError(plan.format())
+    return plan

@@ -4,6 +4,11 @@ or rank 0's spawn), and its two groups over the same ranks.
 `group` carries the model's collectives (NCCL on CUDA, gloo on CPU); `cpu` (gloo) carries what
 the hosts say to each other: rank 0's step commands and the few start-up agreements (the KV pool's
 size). Step commands on a host group never wait behind device work and never sync a device.
+
+A simulated rank (`TPGroup.simulated_rank`) stands for rank r of N on one device, with no process
+group: the model builds and runs exactly rank r's shards, and every collective becomes a local
+operation on the same bytes (`parallel.comm`), so that one GPU measures one rank's own compute
+and memory.
 """
 from __future__ import annotations
 
@@ -45,6 +50,16 @@ class TPGroup:
     group: Any              # ProcessGroup: the model's collectives
     cpu: Any                # ProcessGroup (gloo): step commands and host agreements
     timeout_s: float
+    simulated: bool = False  # no process group: collectives run as local operations (`simulated_rank`)
+
+    @classmethod
+    def simulated_rank(cls, rank: int, world: int, device: torch.device) -> "TPGroup":
+        """Rank `rank` of `world` on `device` alone, without a process group: the model builds that
+        rank's shards and its collectives run as local operations on the same bytes (`parallel.comm`);
+        the values are that rank's partial sums, not the group's (timing and memory only)."""
+        if world < 2 or not 0 <= rank < world:
+            raise ValueError(f"a simulated rank is one of 2 or more ranks: got rank {rank} of {world}")
+        return cls(rank, world, torch.device(device), None, None, DEFAULT_TIMEOUT_S, simulated=True)
 
     @property
     def leader(self) -> bool:

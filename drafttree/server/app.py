@@ -85,7 +85,7 @@ def create_app(engine: Engine | Callable[[], Engine], model_name: str, limits: S
     `model_name`. It listens at once; /ready answers 200 once the engine is warm (server/boot.py).
     `on_failure()`: the engine failed to start, or stopped for good (a tensor-parallel rank lost)."""
     limits = limits or ServerLimits()
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(model_name=model_name)
     make = (lambda: engine) if isinstance(engine, Engine) else engine
     boot = Boot(make, model_name, metrics, on_failure)
     created = now()

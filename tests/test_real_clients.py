@@ -36,7 +36,8 @@ def server() -> Iterator[str]:
     port = free_port()
     cmd = [sys.executable, "-m", "drafttree.cli", "serve", "--spec", "none", "--device", "cpu", "--max-num-seqs", "2",
            "--max-model-len", "512", "--port", str(port), "--served-model-name", NAME]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}   # one thread, as every test here (conftest.one_thread)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     try:

@@ -43,9 +43,12 @@ def resolve_drafter(cfg: EngineConfig) -> Path | None:
     the measured cost and the predicted acceptance say it pays."""
     if cfg.spec == "none":
         return None
-    if cfg.draft_model:
-        from drafttree.loader.default_model import resolve_model
-        return resolve_model(cfg.draft_model, "draft model")
+    if cfg.draft_model:   # a directory, else a Hugging Face repo id
+        from drafttree.loader import hub
+        path = Path(cfg.draft_model).expanduser()
+        if not path.exists() and hub.is_repo_id(cfg.draft_model):
+            return hub.snapshot(cfg.draft_model, what="draft model")
+        return path
     if is_default_model(cfg.model) and (SHIPPED_DRAFTER / "config.json").is_file():
         return SHIPPED_DRAFTER
     return None

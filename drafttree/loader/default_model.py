@@ -122,13 +122,13 @@ def _is_default_name(name: str) -> bool:
     return name.strip().lower() in ("default", DEFAULT_MODEL_NAME.lower())
 
 
-def resolve_model(name_or_path: str | os.PathLike[str] | None, what: str = "model") -> Path:
+def resolve_model(name_or_path: str | os.PathLike[str] | None) -> Path:
     """Map a model argument to a loadable HF directory.
 
     ``None``, ``"default"`` or the default model's name give the default model; an
     existing directory is returned as is; a ``.gguf`` file is converted and cached; a Hugging
     Face repo id (``"org/name"``) is found in the Hugging Face cache, else downloaded
-    (`loader.hub`). `what` names the argument in errors ("model", "draft model").
+    (`loader.hub`).
     """
     if name_or_path is None or (isinstance(name_or_path, str) and _is_default_name(name_or_path)):
         return default_model_dir()
@@ -137,12 +137,11 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None, what: str = "mode
         return path
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ValueError(f"{what.capitalize()} file {path} is not a .gguf file; pass a .gguf file or a model "
-                             "directory")
+            raise ValueError(f"Model file {path} is not a .gguf file; pass a .gguf file or a model directory")
         return converted_gguf_dir(path)
     if isinstance(name_or_path, str) and hub.is_repo_id(name_or_path):
-        return hub.snapshot(name_or_path, what=what)
+        return hub.snapshot(name_or_path)
     raise FileNotFoundError(
-        f"{what.capitalize()} {str(name_or_path)!r} is neither '{DEFAULT_MODEL_NAME}'/'default', an existing "
+        f"Model {str(name_or_path)!r} is neither '{DEFAULT_MODEL_NAME}'/'default', an existing "
         "directory, a .gguf file, nor a Hugging Face repo id ('org/name')"
     )

@@ -56,9 +56,10 @@ def _opt(default: Any, help: str, default_text: str | None = None, **cli: Any) -
 
 @dataclass
 class EngineConfig:
-    model: str | None = _opt(None, "HF directory or .gguf file", "the embedded SmolLM2-135M-Instruct", metavar="PATH")
-    draft_model: str | None = _opt(None, "DFlash drafter directory", "the shipped drafter for the default model",
-                                   metavar="DIR")
+    model: str | None = _opt(None, "HF directory, .gguf file, or Hugging Face repo id (org/name: the local Hugging Face "
+                                   "cache, else a download)", "the embedded SmolLM2-135M-Instruct", metavar="PATH")
+    draft_model: str | None = _opt(None, "DFlash drafter directory or Hugging Face repo id",
+                                   "the shipped drafter for the default model", metavar="DIR")
     spec: str | None = _opt(None, "speculative method", "ddtree when a drafter is available, else none",
                             choices=SPECS)
     block_size: int | None = _opt(None, "draft width: the tokens one drafted block holds", "the drafter's",

@@ -7,6 +7,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from drafttree.engine.budget import BudgetChooser
@@ -190,6 +191,8 @@ class Engine:
         params = params or SamplingParams()
         ids, text = self.encode(prompt)
         self.check_prompt(ids)
+        if params.max_tokens is None:   # up to the context's end
+            params = replace(params, max_tokens=self.max_model_len - len(ids))
         seq = Sequence(ids, params, prompt=text)
         if request_id is not None:
             seq.request_id = request_id
@@ -373,6 +376,9 @@ class Engine:
             counts.accept_hist.update(taus)
             counts.method_rows[method] += len(taus)
             counts.method_tokens[method] += sum(taus)
+            if budget:
+                counts.spec_accept_hist.update(taus)
+                counts.draft_tokens += budget * len(taus)
         return out
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> list[int]:

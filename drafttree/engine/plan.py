@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
 DEFAULT_BUDGET = 32   # DDTree nodes per round, unless the drafter's config names its own
+# the options that only speculation reads
+SPEC_OPTIONS = ("draft_model", "block_size", "budget", "budget_schedule", "speculate_sampled", "draft_quantization")
+log = logging.getLogger(__name__)
 
 
 def is_default_model(model: str | None) -> bool:
@@ -42,8 +45,12 @@ def resolve_drafter(cfg: EngineConfig) -> Path | None:
     the measured cost and the predicted acceptance say it pays."""
     if cfg.spec == "none":
         return None
-    if cfg.draft_model:
-        return Path(cfg.draft_model)
+    if cfg.draft_model:   # a directory, else a Hugging Face repo id
+        from drafttree.loader import hub
+        path = Path(cfg.draft_model).expanduser()
+        if not path.exists() and hub.is_repo_id(cfg.draft_model):
+            return hub.snapshot(cfg.draft_model, what="draft model")
+        return path
     if is_default_model(cfg.model) and (SHIPPED_DRAFTER / "config.json").is_file():
         return SHIPPED_DRAFTER
     return None
@@ -180,6 +187,9 @@ def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
     spec = resolve_spec(cfg, dcfg)
     if not spec.speculative:
         dcfg, drafter_dir = None, None
+        unused = [n for n in SPEC_OPTIONS if getattr(cfg, n) is not None]
+        if unused:   # said, not silently dropped (the same options may turn speculation on and off)
+            log.warning("spec is 'none' (no speculation): %s take no effect", ", ".join(unused))
     graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.type == "cuda"
     if graphs and spec.adaptive and not {SampleMode.GREEDY, SampleMode.SAMPLE} <= set(modes):
         raise ValueError("the per-round budget choice times greedy and sampled rounds at start-up: "

@@ -44,6 +44,7 @@ class Sequence:
     text: str = ""
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None   # the stop token id or stop string that ended it (not EOS)
     row: int = -1
     stats: SpecStats = field(default_factory=SpecStats)
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -88,6 +89,8 @@ class Sequence:
             kept.append(t)
             if (t in eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
                 self.finish("stop")
+                if not (t in eos_ids and not p.ignore_eos):
+                    self.stop_reason = t
                 break
             if len(self.output_ids) + len(kept) >= limit:
                 self.finish("length")

@@ -299,7 +299,7 @@ class EngineWorker:
                 deliver(Snapshot(seq.text, len(seq.output_ids), seq.finish_reason or "stop",
                                  seq.stats.rounds, seq.stats.mean_accept_length, ids))
                 if self.metrics is not None:
-                    self.metrics.request_finished(seq.finish_reason)
+                    self.metrics.request_finished(seq.finish_reason, seq)
             else:
                 deliver(Snapshot(seq.text, len(seq.output_ids), token_ids=ids))
         return True

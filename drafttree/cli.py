@@ -17,6 +17,7 @@ from drafttree.parallel.group import TensorParallelError, torchrun_launch
 GENERATE_DEFAULTS = {"max_num_seqs": 1}
 GENERATE_TEXTS = {"sampler_modes": "the one mode the sampling flags give",
                   "prefill_graphs": "off: one prompt prefills once",
+                  "structured_graphs": "off: its request is not constrained",
                   "max_graph_len": "the prompt's tokens and --max-tokens"}
 
 
@@ -72,6 +73,8 @@ def generate_config(cfg: EngineConfig, a: argparse.Namespace) -> EngineConfig:
         changes["sampler_modes"] = (SampleMode.of([_params(a)]).name.lower(),)
     if cfg.prefill_graphs is None:
         changes["prefill_graphs"] = False
+    if cfg.structured_graphs is None:
+        changes["structured_graphs"] = False
     graphed = cfg.cuda_graphs is not False and resolve_device(cfg.device).type == "cuda"
     if cfg.max_graph_len is None and graphed:
         n = _prompt_tokens(cfg, a)
@@ -109,11 +112,13 @@ def _generate(a: argparse.Namespace, eng: Engine) -> int:
             shown = len(seq.text)
     t = seq.timings()
     n = len(seq.output_ids)
+    stats = eng.stats
     summary = {"text": seq.text if tok is not None else None, "token_ids": seq.output_ids,
                "finish_reason": seq.finish_reason, "prompt_tokens": len(seq.prompt_ids),
                "completion_tokens": n, "spec": eng.spec.method, "block_size": eng.spec.block_size,
                "budget": "auto" if eng.spec.adaptive else eng.spec.budget,
-               "budget_histogram": dict(sorted(eng.stats.budget_hist.items())), "rounds": seq.stats.rounds,
+               "budget_histogram": dict(sorted(stats.budget_hist.items())), "plain_rounds": dict(stats.plain_rounds),
+               "rounds": seq.stats.rounds,
                "mean_accept_length": round(seq.stats.mean_accept_length, 3),
                "accept_histogram": seq.stats.histogram, **{k: round(v, 4) for k, v in t.items()}}
     if a.json:
@@ -221,7 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     """generate, serve and graphs (train-drafter and bench parse their own arguments)."""
     p = argparse.ArgumentParser(prog="drafttree", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate a completion for one prompt, streamed")
+    plan = ("Memory per GPU for these flags (weights by kind, KV bytes per token, KV tokens that fit): drafttree "
+            "graphs with the same model flags, no GPU needed; the engine logs it at start-up and refuses weights that "
+            "cannot fit.")
+    g = sub.add_parser("generate", help="generate a completion for one prompt, streamed", description=plan)
     g.add_argument("prompt")
     add_model_args(g, GENERATE_DEFAULTS, GENERATE_TEXTS)
     g.add_argument("--max-tokens", type=int, default=256, help="output tokens at most")
@@ -231,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="the sampler's seed (default: a random one)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", description=plan)
     add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000)

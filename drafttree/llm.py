@@ -1,29 +1,68 @@
-"""Offline Python API in the style of vLLM: LLM(...).generate(prompts, SamplingParams(...)) for raw
-completions, LLM(...).chat(messages, ...) for conversations rendered with the model's chat template."""
+"""Offline Python API in vLLM's shape: LLM(...).generate(prompts, SamplingParams(...)) for raw
+completions, LLM(...).chat(messages, ...) for conversations rendered with the model's chat template.
+Each returns RequestOutputs whose `.outputs` hold CompletionOutputs, as vLLM's do
+(docs/vllm.md lists what still differs)."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence as Seq
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence as Seq
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tqdm import tqdm
 
-from drafttree.engine.engine import EngineConfig
+from drafttree.engine.engine import Engine, EngineConfig
 from drafttree.engine.launch import follow, start_engine
 from drafttree.engine.sequence import Sequence
 from drafttree.loader.chat_template import apply_chat_template
-from drafttree.sampling import SamplingParams
+from drafttree.sampling import SamplingParams, check_text
+
+Prompt = str | list[int] | Mapping[str, Any]   # text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}
+# vLLM's LLM arguments that mean one of EngineConfig's (its name, and the value from theirs)
+VLLM_ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "enforce_eager": ("cuda_graphs", lambda eager: None if not eager else False),
+}
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (vLLM's CompletionOutput). `stop_reason`: the stop
+    string or stop token id that ended it (None for EOS or a length limit)."""
+    index: int
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: None = None               # not yet produced (SamplingParams.logprobs is refused)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestOutput:
+    """A request's prompt and its outputs (vLLM's RequestOutput; one output: n is 1). The first
+    output's `token_ids`, `text` and `finish_reason` are also read here directly."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None
+    outputs: list[CompletionOutput]
+    finished: bool = True
     metrics: dict[str, Any] = field(default_factory=dict)
+    prompt_logprobs: None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
 
     @classmethod
     def from_seq(cls, seq: Sequence, has_tokenizer: bool) -> "RequestOutput":
@@ -31,33 +70,74 @@ class RequestOutput:
         metrics.update(rounds=seq.stats.rounds, mean_accept_length=seq.stats.mean_accept_length,
                        accept_lengths=list(seq.stats.accept_lengths),
                        accept_histogram=seq.stats.histogram)
-        return cls(seq.request_id, seq.prompt, list(seq.prompt_ids), list(seq.output_ids),
-                   seq.text if has_tokenizer else None, seq.finish_reason, metrics)
+        out = CompletionOutput(0, seq.text if has_tokenizer else None, list(seq.output_ids),
+                               finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        return cls(seq.request_id, seq.prompt, list(seq.prompt_ids), [out], seq.finished, metrics)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def engine_config(model: str | None, engine_args: dict[str, Any]) -> EngineConfig:
+    """EngineConfig from LLM's arguments: its fields, and vLLM's names in VLLM_ALIASES. An
+    argument that is neither is refused (TypeError, as for any unknown keyword), naming it."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    args = dict(engine_args)
+    for alias, (name, convert) in VLLM_ALIASES.items():
+        if alias in args:
+            value = convert(args.pop(alias))
+            if value is not None:
+                args[name] = value
+    unknown = sorted(set(args) - names)
+    if unknown:
+        raise TypeError(f"LLM got unknown arguments {unknown}: it takes EngineConfig's fields "
+                         f"({', '.join(sorted(names - {'model'}))}) and vLLM's {', '.join(VLLM_ALIASES)}; "
+                         "docs/vllm.md lists what differs from vLLM")
+    return EngineConfig(model=model, **args)
+
+
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """`engine_args` are EngineConfig's fields: draft_model, spec ("none" | "dflash" | "ddtree"),
-        block_size, budget, budget_schedule, speculate_sampled, dtype, device, max_num_seqs, max_model_len,
-        kv_cache_memory_gb, cuda_graphs, max_prefill_tokens, prefill_chunk, tensor_parallel_size,
-        random_weights, ...
+        """`model`: a Hugging Face repo id ("org/name": the local Hugging Face cache, else a download),
+        a directory, a .gguf file, or None for the embedded default. `engine_args` are EngineConfig's
+        fields: draft_model (resolved as model is), spec ("none" | "dflash" | "ddtree"), block_size,
+        budget, budget_schedule, speculate_sampled, dtype, device, max_num_seqs, max_model_len,
+        kv_cache_memory_gb, cuda_graphs (or vLLM's enforce_eager), tensor_parallel_size, ...
 
         With tensor_parallel_size N > 1 the target is sharded over N ranks: this process is rank 0
         and starts the others (one GPU each), or, under torchrun, every process constructs the LLM
-        and the ranks other than 0 follow rank 0 inside this call, then exit when it shuts down."""
-        self.engine = start_engine(EngineConfig(model=model, **engine_args))
-        if not self.engine.leader:
-            raise SystemExit(follow(self.engine))
+        and the ranks other than 0 follow rank 0 inside this call, then exit when it shuts down.
+        One tensor-parallel engine per process at a time: shut one down (`shutdown`, or `with
+        LLM(...) as llm:`) before starting another. Use the LLM as a context manager to release
+        its engine (and ranks) on exit."""
+        self._engine: Engine | None = start_engine(engine_config(model, engine_args))
+        if not self._engine.leader:
+            raise SystemExit(follow(self._engine))
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("this LLM was shut down: make a new one")
+        return self._engine
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks (also done when the LLM is collected and at exit)."""
-        self.engine.shutdown()
+        """Release the engine: stop its tensor-parallel ranks and leave their process group (also
+        done on exit from a `with` block, when the LLM is collected, and at exit). Idempotent."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
         return self.engine.tokenizer
 
     def apply_chat_template(self, messages: Seq[Mapping[str, Any]], **kwargs: Any) -> str:
@@ -66,7 +146,8 @@ class LLM:
 
     def chat(self, messages: Seq[Mapping[str, Any]] | Seq[Seq[Mapping[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = False, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable[..., tqdm] = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to conversations, as vLLM's `LLM.chat`.
 
@@ -79,18 +160,28 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         if not conversations:
             raise ValueError("chat() needs at least one conversation")
+        for i, convo in enumerate(conversations):
+            _check_strings(convo, f"messages[{i}]" if len(conversations) > 1 else "messages")
         prompts = [self.apply_chat_template(c, chat_template=chat_template,
                                             add_generation_prompt=add_generation_prompt,
                                             **(chat_template_kwargs or {})) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def generate(self, prompts: str | list[int] | Iterable[str | list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Complete prompts: each a string (tokenized as is: no chat template, no special tokens added)
-        or a list of token ids. For an instruction-tuned model's conversational reply use `chat`, which
-        applies the chat template first. One RequestOutput per prompt, in order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    def generate(self, prompts: Prompt | Iterable[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
+        """Complete prompts: each a string (tokenized as is: no chat template, no special tokens added),
+        a list of token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}. For an
+        instruction-tuned model's conversational reply use `chat`, which applies the chat template
+        first. One RequestOutput per prompt, in order. `use_tqdm`: a progress bar (or a tqdm-like
+        class to make it).
+
+        Every prompt and its parameters are checked before any is queued (a bad one loses nothing):
+        a prompt that is empty or fills the context, or a max_tokens past the room its prompt leaves
+        (None: up to the context's end) raises ValueError naming the prompt."""
+        engine = self.engine
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts
+                                                   and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -99,17 +190,64 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        # Validate every prompt before queuing any: a bad one loses nothing.
-        for p in prompts:
-            self.engine.check_prompt(self.engine.encode(p)[0])
-        seqs = [self.engine.add_request(p, SamplingParams(**asdict(sp))) for p, sp in zip(prompts, params)]
-        bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generate")
+        for i, sp in enumerate(params):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] is a {type(sp).__name__}, not a SamplingParams")
+        requests = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            ids, text = self._prompt(p, i)
+            try:
+                engine.check_prompt(ids)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            room = engine.max_model_len - len(ids)
+            if sp.max_tokens is not None and sp.max_tokens > room:
+                raise ValueError(f"prompt {i}: the context holds {engine.max_model_len} tokens, but the prompt has "
+                                 f"{len(ids)} and max_tokens asks for {sp.max_tokens} more: lower max_tokens to at "
+                                 f"most {room} (or None: up to the context's end) or shorten the prompt")
+            requests.append((ids, text, sp))
+        seqs = [engine.add_request(ids, dataclasses.replace(sp))
+                for ids, _, sp in requests]
+        for seq, (_, text, _) in zip(seqs, requests):
+            seq.prompt = text
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(seqs), disable=not use_tqdm, desc="generate")
         done = 0
-        while self.engine.has_unfinished():
-            self.engine.step()
+        while engine.has_unfinished():
+            engine.step()
             now = sum(s.finished for s in seqs)
             bar.update(now - done)
             done = now
         bar.close()
-        has_tok = self.engine.tokenizer is not None
+        has_tok = engine.tokenizer is not None
         return [RequestOutput.from_seq(s, has_tok) for s in seqs]
+
+    def _prompt(self, prompt: Prompt, i: int) -> tuple[list[int], str | None]:
+        """(token ids, the text or None) of prompt i, checked."""
+        if isinstance(prompt, Mapping):
+            if set(prompt) == {"prompt"}:
+                prompt = prompt["prompt"]
+            elif set(prompt) in ({"prompt_token_ids"}, {"prompt_token_ids", "prompt"}):
+                prompt = list(prompt["prompt_token_ids"])
+            else:
+                raise ValueError(f"prompt {i}: a dict prompt holds 'prompt' (text) or 'prompt_token_ids' and nothing "
+                                 f"else (multi-modal data is not supported), got {sorted(prompt)}")
+        if isinstance(prompt, str):
+            check_text(prompt, f"prompt {i}")
+        elif not (isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in prompt)):
+            raise ValueError(f"prompt {i} is a {type(prompt).__name__}: a prompt is a string, a list of token ids, "
+                             "or a dict with 'prompt' or 'prompt_token_ids'")
+        return self.engine.encode(prompt)
+
+
+def _check_strings(value: Any, where: str) -> None:
+    """Every string in a conversation is valid Unicode (`sampling.check_text`)."""
+    if isinstance(value, str):
+        check_text(value, where)
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_strings(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for j, v in enumerate(value):
+            _check_strings(v, f"{where}[{j}]")

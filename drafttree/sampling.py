@@ -7,6 +7,8 @@ choice needs no generator state, so it can live inside a CUDA graph.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import random
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -15,17 +17,32 @@ import torch
 
 from drafttree.kernels import dispatch
 from drafttree.kernels.fused import fused
+from drafttree.structured.params import StructuredOutputs
 
 _M32 = 0xFFFFFFFF
 
 
+DEFAULT_MAX_TOKENS = 256
+
+
+class ParamError(ValueError):
+    """A sampling parameter refused: `param` names it (a request's field of the same name)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
+    """How one request samples, in vLLM's names; every field is checked on construction (types
+    and ranges, as the server checks a request's), so a bad one fails here, before any work.
+    `max_tokens` past what a prompt leaves of the context is refused when the request is queued."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                       # 0 or -1: off
     seed: int | None = None
-    max_tokens: int = 256
+    max_tokens: int | None = DEFAULT_MAX_TOKENS   # None: up to the context's end
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -33,20 +50,36 @@ class SamplingParams:
     # cap; 0: never speculated). Rows share a round's width, so a round verifies at most the
     # smallest cap among its requests: a request at 0 makes the rounds it is in decode plainly.
     max_budget: int | None = None
+    # The output's form (a JSON schema, any JSON object, a regex, a choice, a grammar): every
+    # token is picked among those the grammar allows, and the output ends where it may end.
+    structured_outputs: StructuredOutputs | None = None
+
+    # vLLM's, not yet taken: each is refused unless it asks for nothing (its default, `NOT_YET`)
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    logits_processors: list | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.max_budget is not None and self.max_budget < 0:
-            raise ValueError(f"max_budget must be >= 0 (0: no speculation), got {self.max_budget}")
+        if isinstance(self.structured_outputs, dict):   # dataclasses.asdict's copy of one
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        check_params(self)
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ParamError("ignore_eos", "ignore_eos cannot be used with structured_outputs: the grammar decides "
+                                           "where the output ends")
 
     def resolved_seed(self) -> int:
         """The request's seed; a fresh random one per request when none was given."""
@@ -55,6 +88,88 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# The fields of SamplingParams not yet taken, each with the values that ask for nothing.
+NOT_YET: dict[str, tuple] = {
+    "n": (1,), "best_of": (None, 1), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,), "logprobs": (None,),
+    "prompt_logprobs": (None,), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (None,), "logits_processors": (None, []),
+}
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_text(text: str, where: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate, as JSON's "\\ud800" gives):
+    no tokenizer can encode it, and no output can contain it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ParamError(where.split(".")[0].split("[")[0],
+                         f"{where} is not valid Unicode: a lone surrogate (U+{ord(text[e.start]):04X}) at character "
+                         f"{e.start}; send text as UTF-8") from None
+
+
+def check_params(p: SamplingParams) -> None:
+    """Every field of p, its type and then its range; normalizes the numbers (float, int) and
+    `stop` (a string -> a list). Raises ParamError naming the field."""
+    def need(ok: bool, name: str, what: str) -> None:
+        if not ok:
+            raise ParamError(name, f"{name} must be {what}, got {getattr(p, name)!r}")
+
+    need(_is_real(p.temperature) and 0.0 <= p.temperature <= 2.0, "temperature", "a number in [0, 2] (0: greedy)")
+    need(_is_real(p.top_p) and 0.0 < p.top_p <= 1.0, "top_p", "a number in (0, 1]")
+    need(_is_int(p.top_k) and p.top_k >= -1, "top_k", "an integer: -1 or 0 (off), or >= 1")
+    need(p.seed is None or _is_int(p.seed), "seed", "an integer or None")
+    need(p.max_tokens is None or (_is_int(p.max_tokens) and p.max_tokens >= 1), "max_tokens",
+         "an integer >= 1, or None (up to the context's end)")
+    need(p.max_budget is None or (_is_int(p.max_budget) and p.max_budget >= 0), "max_budget",
+         "an integer >= 0 (0: no speculation), or None (no cap)")
+    need(isinstance(p.ignore_eos, bool), "ignore_eos", "True or False")
+    p.temperature, p.top_p, p.top_k = float(p.temperature), float(p.top_p), int(p.top_k)
+    p.seed = None if p.seed is None else int(p.seed)
+    p.max_tokens = None if p.max_tokens is None else int(p.max_tokens)
+    p.max_budget = None if p.max_budget is None else int(p.max_budget)
+    if isinstance(p.stop, str):
+        p.stop = [p.stop]
+    need(isinstance(p.stop, (list, tuple)) and all(isinstance(s, str) for s in p.stop), "stop",
+         "a string or a list of strings")
+    p.stop = list(p.stop)
+    for i, s in enumerate(p.stop):
+        if not s:
+            raise ParamError("stop", "stop strings must not be empty")
+        check_text(s, f"stop[{i}]")
+    need(isinstance(p.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in p.stop_token_ids),
+         "stop_token_ids", "a list of token ids (integers >= 0)")
+    p.stop_token_ids = [int(t) for t in p.stop_token_ids]
+    for name, neutral in NOT_YET.items():
+        value = getattr(p, name)
+        if not _asks_nothing(value, neutral):
+            raise ParamError(name, f"{name}={value!r} is not supported yet (only {_neutral(neutral)}): this engine "
+                                   "does not apply it, so it refuses it rather than ignore it")
+
+
+def _asks_nothing(value: object, neutral: tuple) -> bool:
+    # True == 1 in Python, but n=True asks for something else than n=1
+    return any(value is v if v is None or isinstance(v, bool) else (not isinstance(value, bool) and value == v)
+               for v in neutral)
+
+
+def _neutral(values: tuple) -> str:
+    shown: list[str] = []
+    for v in values:   # 0 and 0.0 alike once
+        if not any(v == w and type(v) in (int, float) and type(w) in (int, float) for w in values[:values.index(v)]):
+            shown.append(repr(v))
+    return " or ".join(shown)
 
 
 @dataclass

@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("drafttree.llm",),
     ("drafttree.engine",),
     ("drafttree.runner", "drafttree.loader"),
-    ("drafttree.spec_decode", "drafttree.sampling"),
+    ("drafttree.spec_decode", "drafttree.sampling", "drafttree.structured"),
     ("drafttree.models",),
     ("drafttree.kernels", "drafttree.parallel"),
     ("drafttree.config", "drafttree.moe_config", "drafttree.phases", "drafttree.settings", "drafttree.prompts",

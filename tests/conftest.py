@@ -117,3 +117,57 @@ def moe_zoo(tmp_path_factory):
         return pairs[shape, vocab]
 
     return get
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    """Stand-ins for CUDA graphs on CPU: a 'capture' records the phase function that runs inside
+    it, replay reruns it. This checks the graph runner's own logic (keys, batch and KV buckets,
+    parked padding rows) without a GPU; the GPU tests in test_cuda_graphs check real capture."""
+    import contextlib
+
+    from drafttree.runner import cuda_graph
+    graphs: list = []
+    capturing = [False]
+
+    class Graph:
+        def __init__(self) -> None:
+            self.fn = None
+            graphs.append(self)
+
+        def replay(self) -> None:
+            self.fn()
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, capture_error_mode="global"):
+        capturing[0] = True
+        yield
+        capturing[0] = False
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    from drafttree.runner import capture, prefill_graph
+    real_capture = capture.capture_graph
+
+    def record(fn):
+        def run():
+            if capturing[0]:
+                graphs[-1].fn = fn
+            fn()
+        return run
+
+    def recording_capture(fn, *args, **kwargs):   # the one capture routine, over the fakes below
+        return real_capture(record(fn), *args, **kwargs)
+
+    monkeypatch.setattr(cuda_graph, "capture_graph", recording_capture)
+    monkeypatch.setattr(prefill_graph, "capture_graph", recording_capture)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    return graphs

@@ -172,8 +172,8 @@ def test_train_drafters_engine_flags():
 
 
 @pytest.mark.parametrize("argv,says", [
-    (["--budget", "0"], "argument --budget: expected 'auto' or a budget >= 1"),
-    (["--budget", "many"], "argument --budget: expected 'auto' or a number of tree nodes, got 'many'"),
+    (["--budget", "0"], "argument --budget: budget must be >= 1 or 'auto'"),
+    (["--budget", "many"], "argument --budget: budget must be 'auto' or a number of tree nodes, got 'many'"),
     (["--sampler-modes", "greedy,fast"], "argument --sampler-modes: ['fast']: choose from greedy, sample, filtered"),
     (["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
     (["--max-num-seqs", "2.5"], "argument --max-num-seqs: expected int, got '2.5'"),

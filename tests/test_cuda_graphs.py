@@ -8,7 +8,7 @@ from drafttree import LLM, SamplingParams
 from drafttree.engine.engine import EngineConfig
 from drafttree.engine.plan import describe_plan
 from drafttree.phases import Phase, SpecConfig, batch_buckets
-from drafttree.runner.cuda_graph import graph_plan
+from drafttree.runner.cuda_graph import graph_keys, graph_plan
 from tests.tiny import make_drafter, make_target
 
 cuda = pytest.mark.gpu   # deselected without CUDA (conftest.py)
@@ -176,60 +176,6 @@ def test_missing_graph_falls_back_eagerly(pair, caplog):
     assert got == want
     assert gr.fallbacks > 0
     assert any("no CUDA graph" in r.message for r in caplog.records)
-
-
-@pytest.fixture
-def fake_cuda_graphs(monkeypatch):
-    """Stand-ins for CUDA graphs on CPU: a 'capture' records the phase function that runs inside
-    it, replay reruns it. This checks the graph runner's own logic (keys, batch and KV buckets,
-    parked padding rows) without a GPU; the GPU tests above check real capture."""
-    import contextlib
-
-    from drafttree.runner import cuda_graph
-    graphs: list = []
-    capturing = [False]
-
-    class Graph:
-        def __init__(self) -> None:
-            self.fn = None
-            graphs.append(self)
-
-        def replay(self) -> None:
-            self.fn()
-
-    @contextlib.contextmanager
-    def graph(g, pool=None, capture_error_mode="global"):
-        capturing[0] = True
-        yield
-        capturing[0] = False
-
-    class Stream:
-        def wait_stream(self, other) -> None:
-            pass
-
-    from drafttree.runner import capture, prefill_graph
-    real_capture = capture.capture_graph
-
-    def record(fn):
-        def run():
-            if capturing[0]:
-                graphs[-1].fn = fn
-            fn()
-        return run
-
-    def recording_capture(fn, *args, **kwargs):   # the one capture routine, over the fakes below
-        return real_capture(record(fn), *args, **kwargs)
-
-    monkeypatch.setattr(cuda_graph, "capture_graph", recording_capture)
-    monkeypatch.setattr(prefill_graph, "capture_graph", recording_capture)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    return graphs
 
 
 @pytest.mark.parametrize("spec,budget", [("none", None), ("dflash", 1), ("ddtree", 32), ("dflash", "auto"),
@@ -508,8 +454,10 @@ def test_sampled_rounds_decode_plainly_when_asked(pair, fake_cuda_graphs, spec, 
 
 
 def test_speculate_sampled_resolution(pair, tmp_path):
-    """The flag, else the drafter config's ddtree_default_speculate_sampled, else on; the plan
-    then captures decode graphs for the sampled modes at every batch size."""
+    """The flag, else on: what the user sets wins, and a drafter config's
+    ddtree_default_speculate_sampled is not applied (auto chooses per round, an explicit budget
+    drafts every round); the plan then captures decode graphs for the sampled modes at every
+    batch size."""
     import json
     import shutil
 
@@ -527,17 +475,36 @@ def test_speculate_sampled_resolution(pair, tmp_path):
     shutil.copytree(d, off)
     cfg = json.loads((off / "config.json").read_text())
     (off / "config.json").write_text(json.dumps({**cfg, "ddtree_default_speculate_sampled": False}))
-    for path, flag, want in ((d, None, True), (off, None, False), (off, True, True), (d, False, False)):
-        ec = EngineConfig(model=str(t), draft_model=str(path), spec="ddtree", budget=32, speculate_sampled=flag)
-        assert resolve_spec(ec, DFlashConfig.from_dir(path)).sampled is want, (path, flag)
-    # auto chooses per round, sampled rounds too, unless the flag says otherwise
-    for flag, want in ((None, True), (False, False)):
-        ec = EngineConfig(model=str(t), draft_model=str(off), spec="ddtree", speculate_sampled=flag)
-        assert resolve_spec(ec, DFlashConfig.from_dir(off)).sampled is want, flag
-    assert "speculate_sampled=off" in describe_plan(EngineConfig(model=str(t), draft_model=str(off), budget=32))
+    for budget in (32, None):
+        for path, flag, want in ((d, None, True), (off, None, True), (off, True, True), (d, False, False)):
+            ec = EngineConfig(model=str(t), draft_model=str(path), spec="ddtree", budget=budget, speculate_sampled=flag)
+            assert resolve_spec(ec, DFlashConfig.from_dir(path)).sampled is want, (budget, path, flag)
+    assert "speculate_sampled=on" in describe_plan(EngineConfig(model=str(t), draft_model=str(off), budget=32))
     (off / "config.json").write_text(json.dumps({**cfg, "ddtree_default_speculate_sampled": "no"}))
     with pytest.raises(ValueError, match="ddtree_default_speculate_sampled must be true or false"):
         DFlashConfig.from_dir(off)
+
+
+def test_plain_rounds_say_why(pair):
+    """An explicit budget drafts every round, sampled ones too; plain rounds are counted by their
+    reason (a schedule, speculate_sampled off, a request's max_budget)."""
+    t, d = pair
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=4, device="cpu", dtype="float32",
+              max_num_seqs=2, max_model_len=128)
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True)
+    llm = LLM(**kw)
+    llm.generate([[3, 1, 4], [1, 5, 9]], sampled)
+    st = llm.engine.stats
+    assert set(st.budget_hist) == {4} and not st.plain_rounds
+    llm = LLM(**kw, speculate_sampled=False)
+    llm.generate([[3, 1, 4]], sampled)
+    assert dict(llm.engine.stats.plain_rounds) == {"speculate_sampled off": llm.engine.stats.rounds}
+    llm = LLM(**kw, budget_schedule="2:0")
+    llm.generate([[3, 1, 4], [1, 5, 9]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert set(llm.engine.stats.plain_rounds) == {"budget schedule"}
+    llm = LLM(**kw)
+    llm.generate([[3, 1, 4]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, max_budget=0))
+    assert dict(llm.engine.stats.plain_rounds) == {"max_budget": llm.engine.stats.rounds}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
@@ -603,8 +570,15 @@ def test_shared_graphs_and_graphs_up_to_max_graph_len(pair, fake_cuda_graphs):
               max_num_seqs=2, max_model_len=1100, prefill_graphs=False)
     gr = LLM(**kw, cuda_graphs=True).engine.runner.graphs
     assert len(gr.kv_lengths) == 2 and len(gr.set_seconds) == 2 * 3 * 2
-    count = {p: sum(k.phase is p for k in gr.graphs) for p in (Phase.CONTEXT, Phase.DRAFT, Phase.DECODE, Phase.VERIFY)}
-    assert count == {Phase.CONTEXT: 2, Phase.DRAFT: 2 * 2, Phase.DECODE: 2 * 3 * 2, Phase.VERIFY: 2 * 3 * 2}
+    for constrained in (False, True):   # the constrained round's steps share as the free round's do
+        count = {p: sum(k.phase is p and k.constrained == constrained for k in gr.graphs)
+                 for p in (Phase.CONTEXT, Phase.DRAFT, Phase.DECODE, Phase.VERIFY)}
+        assert count == {Phase.CONTEXT: 0 if constrained else 2, Phase.DRAFT: 2 * 2, Phase.DECODE: 2 * 3 * 2,
+                         Phase.VERIFY: 2 * 3 * 2}
+    free = LLM(**kw, cuda_graphs=True, structured_graphs=False).engine.runner.graphs
+    assert {k for k in gr.graphs if not k.constrained} == set(free.graphs)
+    for g, c in ((gr, True), (free, False)):   # the plan `drafttree graphs` counts from the configs alone
+        assert graph_keys(g.rc.spec, 2, g.kv_lengths, g.modes, True, c) == set(g.graphs)
     assert {k.kv_len for k in gr.graphs if k.phase is Phase.CONTEXT} == {0}
     capped = LLM(**kw, cuda_graphs=True, max_graph_len=100)
     gr = capped.engine.runner.graphs

@@ -279,7 +279,7 @@ def test_shipped_drafter_is_lossless_and_accepts(converted_dir: Path) -> None:
     shipped = plan.resolve_spec(on_cuda, DFlashConfig.from_dir(plan.SHIPPED_DRAFTER))
     assert shipped.budget == 31 and shipped.adaptive and shipped.budget_schedule == ()
     fixed = plan.resolve_spec(EngineConfig(budget=31), DFlashConfig.from_dir(plan.SHIPPED_DRAFTER))
-    assert fixed.budget_schedule == ((16, 0),) and not fixed.sampled   # its config's, as measured
+    assert fixed.budget_schedule == () and fixed.sampled   # an explicit budget drafts every round
 
 
 @pytest.mark.slow

@@ -164,8 +164,14 @@ def test_requests_beyond_the_context_are_refused_or_cut(zoo):
     assert e.max_model_len == 8 * 4 - 1   # the pool's 8 usable pages, less a decode's headroom
     with pytest.raises(ValueError, match="the context holds 31"):
         e.add_request(list(range(5)) * 7, greedy(1))
-    (out,) = llm.generate([[1, 2, 3]], greedy(100))
+    with pytest.raises(ValueError, match="lower max_tokens to at most 28"):
+        llm.generate([[1, 2, 3]], greedy(100))       # LLM refuses what the engine would cut
+    (out,) = llm.generate([[1, 2, 3]], greedy(None))
     assert out.finish_reason == "length" and len(out.token_ids) == 31 - 3
+    seq = e.add_request([1, 2, 3], greedy(100))      # the engine itself cuts at the context's end
+    while e.has_unfinished():
+        e.step()
+    assert seq.output_ids == out.token_ids and seq.finish_reason == "length"
     pool_is_whole(llm)
 
 

@@ -224,7 +224,7 @@ def test_a_follower_and_the_engine_thread_run_under_the_engines_settings(monkeyp
             return next(self.commands)
     monkeypatch.setattr(launch, "CommandChannel", Channel)
     monkeypatch.setattr(launch, "COMMANDS", {"probe"})
-    monkeypatch.setattr(launch, "close_group", lambda: None)
+    monkeypatch.setattr(launch, "close_group", lambda *tp: None)
     follower = SimpleNamespace(tp=SimpleNamespace(leader=False, rank=1), runner=Runner(), settings=own)
     with using(gemm=False):
         assert launch.follow(follower) == 0

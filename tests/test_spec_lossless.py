@@ -328,10 +328,15 @@ def test_context_limit(zoo, spec, block_size, budget):
         llm.generate([[1, pair.vocab]], greedy())
     assert not llm.engine.has_unfinished()                  # nothing was queued
 
+    with pytest.raises(ValueError, match="the prompt has 17 and max_tokens asks for 100 more: lower max_tokens to at "
+                                         "most 15"):
+        llm.generate([too_long[:17]], greedy(100))         # past the context: refused before any work
+    assert not llm.engine.has_unfinished()
+
     long_plain = pair.llm("none", max_model_len=128)
     for n in (31, 30, 28, 24, 17):
         p = too_long[:n]
-        (out,) = llm.generate([p], greedy(100))
+        (out,) = llm.generate([p], greedy(None))            # up to the context's end
         (ref,) = long_plain.generate([p], greedy(32 - n))
         assert out.token_ids == ref.token_ids, n
         assert len(out.token_ids) == 32 - n

@@ -109,10 +109,10 @@ def test_prefill_shapes_are_exactly_what_the_scheduler_asks(rows, max_prefill, m
             prompts.append(ids[:rng.randint(1, max_model_len - 1)])
         seen += forwards(sched, prompts, rng, steps=10 * len(prompts))
     asked: set[tuple[int, int, int]] = set()
-    for n, W, reach in seen:
+    for n, W, to in seen:
         assert limits.fits(n, W) and n <= limits.most_chunks(W)
-        asked.update(g.shape for g in limits.groups(n, W, reach) or ())
-    assert any(reach for _, _, reach in seen)
+        asked.update(g.shape for g in limits.groups(n, W, to) or ())
+    assert any(to for _, _, to in seen)
     captured = limits.shapes()
     assert len(captured) == len(set(captured))
     assert set(captured) == asked

@@ -119,3 +119,37 @@ def test_uneven_split_by_kv_groups():
     with pytest.raises(ValueError):
         check_size(big, 12)
     assert head_rows(big, 2, 3) == (slice(24 * 128, 32 * 128), slice(6 * 128, 8 * 128))   # 3 + 3 + 2 KV heads
+
+
+# -- lifetimes ------------------------------------------------------------------------------------
+
+def test_one_tensor_parallel_engine_at_a_time_and_closing_one_spares_the_next(zoo):
+    """A second engine while one lives is refused at once (before a rank is spawned); the first
+    goes on. An engine dropped without shutdown is collected by the next one's start, and its
+    late close (a finalizer, after the newer engine started) leaves the newer one's group alone."""
+    import gc
+    import time
+
+    from drafttree.parallel.group import close_group
+
+    pair = zoo("qwen3")
+    kw = dict(model=str(pair.target), spec="none", device="cpu", dtype="float32", max_num_seqs=1, max_model_len=32,
+              tensor_parallel_size=2)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = LLM(**kw)
+    want = first.generate([[1, 2, 3]], params)[0].token_ids
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="another tensor-parallel engine lives in this process"):
+        LLM(**kw)
+    assert time.monotonic() - t0 < 2.0
+    assert first.generate([[1, 2, 3]], params)[0].token_ids == want
+    old = first.engine.tp
+    gc.disable()   # what the dropped engine leaves is collected when the next one starts
+    try:
+        first = None
+        second = LLM(**kw)
+    finally:
+        gc.enable()
+    with second:
+        close_group(old)   # the first's close, late
+        assert second.generate([[1, 2, 3]], params)[0].token_ids == want

@@ -168,9 +168,11 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
            "graph_fallbacks": st.graph_fallbacks if eng.setup.cuda_graphs else None,
            # rounds per budget they ran at (0: plain decode rounds), the chosen ones under auto
            "budget_histogram": {str(k): v for k, v in sorted((st.budget_hist - before.budget_hist).items())},
-           "cost_model_s": eng.costs.measure_s if eng.costs is not None else None,
-           # the engine's start-up, stage by stage (`engine.startup`), and what each did
-           "startup": eng.startup.record()}
+            # why rounds of a speculative engine decoded plainly (schedule, speculate_sampled off, max_budget, cost model)
+            "plain_rounds": dict(st.plain_rounds - before.plain_rounds),
+            "cost_model_s": eng.costs.measure_s if eng.costs is not None else None,
+            # the engine's start-up, stage by stage (`engine.startup`), and what each did
+            "startup": eng.startup.record()}
     if eng.spec.adaptive:
         row["budget_choice"] = budget_choice(eng, batch, temperature == 0)
     return row, [o.token_ids for o in outs]

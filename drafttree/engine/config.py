@@ -15,19 +15,27 @@ SPECS = ("none", "dflash", "ddtree")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")   # config.DTYPES, and auto
 DRAFT_QUANTIZATIONS = ("fp8",)                                                    # models.quant.METHODS
 SAMPLER_MODE_NAMES = ("greedy", "sample", "filtered")                             # sampling.SampleMode
+TOOL_CALL_PARSERS = ("hermes", "kimi_k2", "llama3_json")                          # server.tool_parsers
+
+
+def parse_budget(value: int | str | None) -> int | None:
+    """None for 'auto' (and None, the default), else the fixed budget (>= 1: plain decoding is
+    spec 'none', and an explicit 0 must not quietly become something else)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"budget must be 'auto' or a number of tree nodes, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"budget must be >= 1 or 'auto' (spec 'none' decodes plainly), got {n}")
+    return n
 
 
 def budget_arg(text: str) -> int | str:
     """A command line's budget: 'auto', or a fixed budget >= 1 as an int."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"expected 'auto' or a number of tree nodes, got {text!r}") from None
-    if n < 1:
-        raise ValueError(f"expected 'auto' or a budget >= 1 (spec none decodes plainly), got {n}")
-    return n
+    n = parse_budget(text)
+    return "auto" if n is None else n
 
 
 def sampler_modes_arg(text: str) -> tuple[str, ...]:
@@ -48,9 +56,10 @@ def _opt(default: Any, help: str, default_text: str | None = None, **cli: Any) -
 
 @dataclass
 class EngineConfig:
-    model: str | None = _opt(None, "HF directory or .gguf file", "the embedded SmolLM2-135M-Instruct", metavar="PATH")
-    draft_model: str | None = _opt(None, "DFlash drafter directory", "the shipped drafter for the default model",
-                                   metavar="DIR")
+    model: str | None = _opt(None, "HF directory, .gguf file, or Hugging Face repo id (org/name: the local Hugging Face "
+                                   "cache, else a download)", "the embedded SmolLM2-135M-Instruct", metavar="PATH")
+    draft_model: str | None = _opt(None, "DFlash drafter directory or Hugging Face repo id",
+                                   "the shipped drafter for the default model", metavar="DIR")
     spec: str | None = _opt(None, "speculative method", "ddtree when a drafter is available, else none",
                             choices=SPECS)
     block_size: int | None = _opt(None, "draft width: the tokens one drafted block holds", "the drafter's",
@@ -98,6 +107,10 @@ class EngineConfig:
         None, "round graphs for requests of up to N tokens (prompt and output): the KV-length buckets past the one "
               "that holds them are not captured, and a round attending over more runs eagerly (counted as a "
               "graph fallback)", "max_model_len: every bucket", metavar="N")
+    structured_graphs: bool | None = _opt(
+        None, "with CUDA graphs, the constrained round's graphs too (structured output and tool calls: masked "
+              "picks, host-built trees), about as many again as the round graphs; off: a constrained round runs "
+              "eagerly (counted as a graph fallback)", "on with CUDA graphs")
     prefill_graphs: bool | None = _opt(
         None, "graphed prefill per (rows, length bucket, attention length): from position 0, or at an offset "
               "over a KV bucket (prefix-cache hits, continuing chunks), every shape the scheduler can ask for "
@@ -124,6 +137,9 @@ class EngineConfig:
               "reproduced (dense targets; costs speed, see docs/performance.md). It is this engine's "
               "settings.deterministic, in force while the engine runs (other engines in the process keep theirs)",
         "the process's settings, DRAFTTREE_DETERMINISTIC")
+    tool_call_parser: str | None = _opt(
+        None, "the format of tool calls in chat replies (the server parses them and forces required calls in it)",
+        "the one the model's chat template writes; hermes where it names none", choices=TOOL_CALL_PARSERS)
     random_weights: str | None = _opt(None, "timing only: random weights of a shape in "
                                             "drafttree.models.random_shapes (NAME@N: its first N layers)",
                                       "none", metavar="SHAPE", timing_only=True)

@@ -7,12 +7,15 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from drafttree.engine import prepare
 from drafttree.engine.budget import BudgetChooser
 from drafttree.engine.config import EngineConfig
+from drafttree.engine.constrained import Constrained
 from drafttree.engine.inflight import Launched, RoundOutputs
+from drafttree.engine.memory_plan import startup_plan
 from drafttree.engine.pages import PagePool
 from drafttree.engine.plan import EngineSetup, load_models, resolve, settings_of
 from drafttree.engine.pool_sizing import size_pool
@@ -64,6 +67,9 @@ class Engine:
         with self.startup.stage("convert" if not cfg.random_weights else "setup"):
             self.setup: EngineSetup = resolve(cfg, tp)
         setup = self.setup
+        self.memory_plan = startup_plan(setup)   # CUDA: weights that cannot fit are refused before any loads
+        if self.memory_plan is not None and self.leader:
+            log.info("%s", self.memory_plan.format())
         self.device, self.dtype, self.spec = setup.device, setup.dtype, setup.spec
         self.model_dir, self.model_cfg = setup.model_dir, setup.target
         compiled = prepare.compile_caches(setup)
@@ -84,6 +90,7 @@ class Engine:
                                   setup.target.vocab_size, self.model_dir)
             self.startup.note("tokenizer", f"loaded in {tokenizer.seconds:.2f} s, alongside the weights")
         self.book = Stats(self.pool, self.scheduler, self.runner)
+        self.constrained = Constrained(self.runner, self.text.tokenizer, setup.target.vocab_size, self.text.eos_ids)
         self.stream_text = False    # a server streaming text sets this
         self.overlap = setup.overlap
         self._inflight: Launched | None = None
@@ -184,9 +191,12 @@ class Engine:
         params = params or SamplingParams()
         ids, text = self.encode(prompt)
         self.check_prompt(ids)
+        if params.max_tokens is None:   # up to the context's end
+            params = replace(params, max_tokens=self.max_model_len - len(ids))
         seq = Sequence(ids, params, prompt=text)
         if request_id is not None:
             seq.request_id = request_id
+        self.constrained.attach(seq)
         self.scheduler.add(seq)
         self.book.counts.requests += 1
         self.book.counts.prompt_tokens += len(ids)
@@ -242,8 +252,9 @@ class Engine:
         launched = self._launch() if sc.running else None   # (sizes its attention by prev's pending commits)
         if prev is not None:
             out += self._read(prev)
-        self._inflight = launched if self.overlap else None
-        if launched is not None and not self.overlap:
+        keep = self.overlap and not (launched is not None and launched.constrained)
+        self._inflight = launched if keep else None
+        if launched is not None and not keep:
             out += self._read(launched)
         self._release()
         return out
@@ -263,6 +274,7 @@ class Engine:
         if not chunks:
             return []
         t0 = time.perf_counter()
+        self.constrained.first_masks(chunks)
         firsts = self.runner.prefill([c for _, c in chunks])
         self._prefill_end = time.perf_counter()
         self.book.counts.prefill_seconds += self._prefill_end - t0
@@ -287,7 +299,7 @@ class Engine:
         the cache (whose rows hold max_model_len + kv_headroom slots)."""
         c = self._pending()
         return all(len(s.output_ids) + c < s.params.max_tokens and s.length + c <= self.max_model_len
-                   for s in self.scheduler.running)
+                   and s.grammar is None for s in self.scheduler.running)
 
     def _launch(self) -> Launched:
         """Launch one round over the running requests (no host sync)."""
@@ -296,7 +308,11 @@ class Engine:
         self.scheduler.check_reserved(self._pending())
         mode = SampleMode.of([s.params for s in running])
         budget = self._choose_budget(running, mode)
-        self.runner.run_round(len(running), mode, max(s.length for s in running) + self._pending(), budget)
+        max_length = max(s.length for s in running) + self._pending()
+        if any(s.grammar is not None for s in running):   # structured output: masked picks, host-built trees
+            self.constrained.launch(running, mode, max_length, budget)
+            return self._outputs.launch(self.runner.state, list(running), t0, budget, constrained=True)
+        self.runner.run_round(len(running), mode, max_length, budget)
         return self._outputs.launch(self.runner.state, list(running), t0, budget)
 
     def _choose_budget(self, running: list[Sequence], mode: SampleMode) -> int:
@@ -305,8 +321,22 @@ class Engine:
         bucket = self.runner.cache_cfg.batch_bucket(B)
         greedy = sum(s.params.greedy for s in running)
         caps = [s.params.max_budget for s in running if s.params.max_budget is not None]
+        cap = min(caps, default=None)
         allowed = self.spec.budgets_at(bucket, mode is SampleMode.GREEDY)
-        return self.chooser.choose(bucket, allowed, greedy, B - greedy, min(caps, default=None))
+        budget = self.chooser.choose(bucket, allowed, greedy, B - greedy, cap)
+        if budget == 0 and self.spec.speculative:
+            self.book.counts.plain_rounds[self._plain_reason(bucket, allowed, cap)] += 1
+        return budget
+
+    def _plain_reason(self, bucket: int, allowed: tuple[int, ...], cap: int | None) -> str:
+        """Why a round of a speculative engine decodes plainly (`EngineStats.plain_rounds`)."""
+        if self.spec.budgets_at(bucket) == (0,):
+            return "budget schedule"      # speculation off from this batch size on
+        if allowed == (0,):
+            return "speculate_sampled off"
+        if cap is not None and all(b > cap for b in allowed[1:]):
+            return "max_budget"           # a request's cap
+        return "cost model"               # auto: a plain round was worth more
 
     def _read(self, launched: Launched) -> list[tuple[Sequence, list[int]]]:
         """Wait for a launched round's tokens (its one sync) and emit them. A request that finished
@@ -318,7 +348,7 @@ class Engine:
         # one, while the host read, emitted and launched (overlapped rounds counted once); the
         # choice (an adaptive spec's cost table) learns from them, except across a prefill
         start = max(launched.t0, self._last_read)
-        if self.costs is not None and self._prefill_end <= start:
+        if self.costs is not None and self._prefill_end <= start and not launched.constrained:
             B = len(launched.seqs)
             self.chooser.observe_round(self.runner.cache_cfg.batch_bucket(B), launched.budget,
                                        not all(s.params.greedy for s in launched.seqs), now - start)
@@ -339,18 +369,22 @@ class Engine:
             taus.append(k)
             seq.stats.rounds += 1
             seq.stats.accept_lengths.append(k)
-            if budget:
+            if budget and not launched.constrained:   # a constrained round leaves no predictions
                 self.chooser.observe(seq.params.greedy, budget, k, row[preds:])
             out.append((seq, self._emit(seq, row[1:1 + k])))
         if taus:   # the round's counters once, not per request: this loop is host time between rounds
             counts.accept_hist.update(taus)
             counts.method_rows[method] += len(taus)
             counts.method_tokens[method] += sum(taus)
+            if budget:
+                counts.spec_accept_hist.update(taus)
+                counts.draft_tokens += budget * len(taus)
         return out
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> list[int]:
         # the context bounds the output as max_tokens does (finish reason "length")
         kept = seq.append(tokens, self.eos_ids, self.max_model_len - len(seq.prompt_ids))
+        self.constrained.advance(seq, kept)
         self.book.counts.generated_tokens += len(kept)
         # Text is kept current every round only when something reads it mid-generation.
         if self.tokenizer is not None and (self.stream_text or seq.params.stop or seq.finished):

@@ -25,6 +25,7 @@ class Launched:
     done: torch.cuda.Event | None       # recorded after the copy (CUDA)
     t0: float                           # host time before the launch
     budget: int = 0                     # the round's budget (0: a decode round)
+    constrained: bool = False           # a constrained round (structured output): read before the next launch
 
     def read(self) -> list[list[int]]:
         """Per row: out_n, the committed tokens, then the predictions; a decode round's rows
@@ -50,7 +51,8 @@ class RoundOutputs:
         self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self.next = 0
 
-    def launch(self, state: RoundState, seqs: list[Sequence], t0: float, budget: int = 0) -> Launched:
+    def launch(self, state: RoundState, seqs: list[Sequence], t0: float, budget: int = 0,
+               constrained: bool = False) -> Launched:
         """Queue the copy of the round just launched over len(seqs) rows at `budget` (no host
         sync); t0: the host time before its launch."""
         B, i = len(seqs), self.next
@@ -58,7 +60,7 @@ class RoundOutputs:
         dev = state.out[:B]
         host, done = self.bufs[i][:B], self.events[i]
         if done is None:
-            return Launched(seqs, host.copy_(dev), None, t0, budget)
+            return Launched(seqs, host.copy_(dev), None, t0, budget, constrained)
         host.copy_(dev, non_blocking=True)
         done.record()
-        return Launched(seqs, host, done, t0, budget)
+        return Launched(seqs, host, done, t0, budget, constrained)

@@ -35,9 +35,18 @@ import torch
 from drafttree.config import resolve_device
 from drafttree.engine.config import EngineConfig
 from drafttree.engine.engine import Engine
-from drafttree.engine.plan import target_config
+from drafttree.engine.plan import settings_of, target_config
+from drafttree.kernels.triton_jit import dots_run_on
 from drafttree.parallel.commands import COMMANDS, NOOP, SHUTDOWN, CommandChannel
-from drafttree.parallel.group import Launch, TPGroup, close_group, free_port, init_group, torchrun_launch
+from drafttree.parallel.group import (
+    Launch,
+    TPGroup,
+    check_free,
+    close_group,
+    free_port,
+    init_group,
+    torchrun_launch,
+)
 from drafttree.parallel.shard import check_size
 from drafttree.settings import scope
 
@@ -45,16 +54,35 @@ log = logging.getLogger(__name__)
 GRACE_S = 10.0   # after a rank is lost, how long a step stuck in a collective may take to fail
 
 
+def check_effect(cfg: EngineConfig) -> None:
+    """Refuse, before anything loads, a setting that could not take effect on this machine (the
+    engine would otherwise run without it): deterministic mode where its kernels cannot run. Say
+    so of sampler modes chosen for graphs that will not be captured."""
+    device = resolve_device(cfg.device)
+    if settings_of(cfg).deterministic and not dots_run_on(device):
+        source = "deterministic=True" if cfg.deterministic else "DRAFTTREE_DETERMINISTIC=1"
+        raise ValueError(f"{source}: deterministic mode's kernels are Triton programs, which run on a CUDA GPU "
+                         f"(Ampere or newer) with triton installed, and this engine runs on {device} without them; "
+                         "it would decode as without the mode, so it is refused")
+    graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.type == "cuda"
+    if cfg.sampler_modes is not None and not graphs:
+        log.warning("sampler_modes %s take no effect: they choose the round graphs captured, and this engine "
+                    "captures none", ",".join(cfg.sampler_modes))
+
+
 def check_launch(cfg: EngineConfig) -> Launch | None:
     """Refuse a bad tensor_parallel_size before anything loads: < 1, not dividing the model's
-    heads (or MLP rows, or routed experts), more ranks than GPUs, or not torchrun's WORLD_SIZE.
-    Returns torchrun's launch when the engine joins one."""
+    heads (or MLP rows, or routed experts), more ranks than GPUs, or not torchrun's WORLD_SIZE;
+    a second tensor-parallel engine while one lives in this process; and a setting that cannot
+    take effect (`check_effect`). Returns torchrun's launch when the engine joins one."""
     n = cfg.tensor_parallel_size
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
+    check_effect(cfg)
     run = torchrun_launch()
     if n == 1:
         return None
+    check_free()
     if run is not None and run.world != n:
         raise ValueError(f"tensor_parallel_size {n} but torchrun started {run.world} processes (WORLD_SIZE): "
                          f"give --nproc-per-node (times --nnodes) = {n}")
@@ -83,12 +111,14 @@ def start_engine(cfg: EngineConfig) -> Engine:
         run = _local(0, cfg.tensor_parallel_size, port)
         threads, level = torch.get_num_threads(), logging.getLogger().level
         workers = spawn_ranks(_rank_main, cfg.tensor_parallel_size, lambda r: (r, cfg, port, threads, level))
+    tp = None
     try:
         tp = init_group(run, device, cfg.distributed_timeout_s)
         engine = Engine(cfg, tp)
     except BaseException:
         stop_processes(workers, 0.0)
-        close_group()
+        if tp is not None:   # init_group leaves no group behind when it fails
+            close_group(tp)
         raise
     if tp.leader:
         Ranks(engine, workers).attach()
@@ -142,7 +172,7 @@ def _follow(engine: Engine, tp: TPGroup) -> int:
         except Exception as e:
             _stop(f"rank {tp.rank} lost rank 0 ({str(e).splitlines()[0]})")
         if name == SHUTDOWN:
-            close_group()
+            close_group(tp)
             return 0
         if name == NOOP:
             continue
@@ -219,7 +249,7 @@ class Ranks:
         self.closing.set()
         self.channel.close(farewell=not failed)
         stop_processes(self.workers, 10.0)
-        close_group()
+        close_group(self.tp)   # this engine's group only: another engine's may live by now
 
 
 def _exit_code(p: mp.process.BaseProcess, wait_s: float = 2.0) -> int | None:

@@ -13,29 +13,36 @@ then the pool the engine would size (`Engine._size_pool`: the ranks agree on the
 Pure: no CUDA call and no weights. The caller gives the device's total memory
 (`torch.cuda.mem_get_info`'s, `--gpu-memory-gb`'s, or `ASSUMED_DEVICE`, an H200's) and the
 resolved sizes (`plan_memory`), so that the engine can refuse a start-up that cannot fit before
-it reads a byte (`MemoryPlan.check`).
+it reads a byte (`MemoryPlan.check`). The engine's own plan comes from its resolved setup
+(`plan_for_setup`; random-weight shapes plan their experts in the form they draw them in):
+on CUDA it is logged at start-up, and weights that cannot fit are refused there (`startup_plan`).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import re
-from collections.abc import Callable
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from drafttree.config import DTYPES, ModelConfig, parse_dtype
 from drafttree.engine.config import EngineConfig
+from drafttree.loader import quantization
+from drafttree.loader.quantization import FP8, Quantization
 from drafttree.models.dflash import DFlashConfig
 from drafttree.models.kv_cache import KVLayout
 from drafttree.parallel.layers import vocab_shard
 from drafttree.parallel.shard import check_size, expert_span, kv_heads_per_rank, q_span, valid_sizes
 from drafttree.phases import SpecConfig
 from drafttree.runner.cuda_graph import graph_plan
+
+if TYPE_CHECKING:
+    from drafttree.engine.plan import EngineSetup
+
+log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 KINDS = ("attention", "dense MLP", "shared experts", "routed experts", "embedding + LM head", "router / norms",
@@ -45,8 +52,9 @@ KINDS = ("attention", "dense MLP", "shared experts", "routed experts", "embeddin
 CONTEXT_GIB = 1.0
 NCCL_GIB = 0.5
 # The engine's KV budget without gpu_memory_utilization or kv_cache_memory_gb: this share of the
-# memory free once the weights are in (`Engine._kv_budget`).
+# memory free once the weights are in (`pool_sizing.kv_budget`); on the CPU a fixed size.
 DEFAULT_FREE_SHARE = 0.6
+CPU_KV_GIB = 1.0
 
 
 @dataclass(frozen=True)
@@ -77,82 +85,70 @@ ASSUMED_DEVICE = Device(139 * GiB, "assumed: an H200 (141 GB, about 139 GiB usab
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """The quantized matrices of a checkpoint: int4 (compressed-tensors `pack-quantized`, symmetric
-    groups: int32 words of 8 values and a scale per `group_size` inputs) or fp8 (e4m3, a fp32 scale
-    per `block`). Which modules: the Linear modules the targets name and the ignore list does not
-    (int4), every Linear of the layers but the routers (fp8, less `modules_to_not_convert`)."""
-    method: str                         # "int4" | "fp8"
-    group_size: int = 0
+    """How a checkpoint stores its matrices, as the loader reads its `quantization_config`
+    (`loader.quantization`): int4 (compressed-tensors `pack-quantized`: int32 words of 8 values and
+    a scale per `group_size` inputs) for the Linear modules its config groups cover, or fp8 (e4m3,
+    a fp32 scale per `block`) for every Linear of the layers but the routers, less
+    `modules_to_not_convert` (the checkpoint's own tensors say which; the config cannot)."""
+    quant: Quantization
     scale_bytes: int = 2
-    block: tuple[int, int] = (128, 128)
-    targets: tuple[str, ...] = ("Linear",)
-    ignore: tuple[str, ...] = ()
     prefix: str = ""                    # the checkpoint's names' prefix ('language_model.' in a wrapper)
+    not_converted: tuple[str, ...] = ()   # fp8: modules_to_not_convert
+
+    @property
+    def method(self) -> str:
+        return self.quant.method
+
+    @property
+    def group_size(self) -> int:
+        """int4: the (first) config group's size; 0 for fp8."""
+        return self.quant.groups[0].group_size if self.quant.groups else 0
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.quant.block
+
+    def group_of(self, name: str) -> int | None:
+        """int4: the group size the Linear module `name` (HF's name, 'model.layers.3.mlp.experts.7.up_proj')
+        is stored in, None where it stays 16-bit; fp8: its block's rows (any int), or None."""
+        full = self.prefix + name
+        if self.method == FP8:
+            return self.block[0] if ".layers." in full and not any(p in full for p in self.not_converted) else None
+        return self.quant.group_size(full)
 
     def quantizes(self, name: str) -> bool:
-        """Whether the Linear module `name` (HF's name, 'model.layers.3.mlp.experts.7.up_proj') is stored quantized."""
-        full = self.prefix + name
-        if self.method == "fp8":
-            return ".layers." in full and not any(p in full for p in self.ignore)
-        return ("Linear" in self.targets or _matcher(self.targets)(full)) and not _matcher(self.ignore)(full)
+        return self.group_of(name) is not None
 
-    def bytes(self, rows: int, cols: int) -> int:
-        if self.method == "fp8":
+    def bytes(self, name: str, rows: int, cols: int) -> int:
+        """Bytes of the quantized module `name` of shape [rows, cols], as stored."""
+        if self.method == FP8:
             return rows * cols + -(-rows // self.block[0]) * -(-cols // self.block[1]) * 4
-        return rows * -(-cols // 8) * 4 + rows * -(-cols // self.group_size) * self.scale_bytes
+        return rows * -(-cols // 8) * 4 + rows * -(-cols // self.group_of(name)) * self.scale_bytes
 
     def describe(self) -> str:
-        if self.method == "fp8":
+        if self.method == FP8:
             return f"fp8 e4m3 with a fp32 scale per {self.block[0]} x {self.block[1]} block"
         return (f"int4 (compressed-tensors pack-quantized: int32 words of 8 values, a {8 * self.scale_bytes}-bit "
                 f"scale per {self.group_size} inputs of a row)")
 
 
-@functools.lru_cache(maxsize=16)
-def _matcher(patterns: tuple[str, ...]) -> Callable[[str], bool]:
-    """Whether a module's name matches any of `patterns`, by compressed-tensors' rule: 're:' and a
-    regex matched from the start, else the name itself (here also as the last parts of a longer
-    name: 'lm_head' names 'language_model.lm_head'). One compiled alternation: a plan asks for
-    every expert of every layer."""
-    regex = [p[3:] for p in patterns if p.startswith("re:")]
-    names = tuple(p for p in patterns if not p.startswith("re:"))
-    rx = re.compile("|".join(f"(?:{r})" for r in regex)) if regex else None
-
-    def match(name: str) -> bool:
-        return (rx is not None and rx.match(name) is not None) or any(name == n or name.endswith("." + n)
-                                                                      for n in names)
-    return match
-
-
 def weight_format(raw: dict[str, Any] | None) -> WeightFormat | None:
     """The quantization a config.json declares (its own, or its text_config's in a multimodal
-    wrapper), None for none; refuses one this plan does not know."""
+    wrapper), None for none; refuses, as the loader does, a form drafttree does not load."""
     if not raw:
         return None
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) and "hidden_size" not in raw else None
     q = (text or {}).get("quantization_config") or raw.get("quantization_config")
     if not q:
         return None
+    quant = quantization.parse({"quantization_config": q})
     prefix = "language_model." if text is not None else ""
-    supported = "compressed-tensors pack-quantized int4 (symmetric groups), or fp8 block-scaled"
-    method = q.get("quant_method")
-    if method == "fp8":
-        bn, bk = q.get("weight_block_size") or (128, 128)
-        return WeightFormat("fp8", block=(int(bn), int(bk)), ignore=tuple(q.get("modules_to_not_convert") or ()),
-                            prefix=prefix)
-    groups = list((q.get("config_groups") or {}).values())
-    schemes = {json.dumps(g.get("weights"), sort_keys=True) for g in groups}
-    w = groups[0].get("weights") or {} if groups else {}
-    if method != "compressed-tensors" or q.get("format") != "pack-quantized" or len(schemes) != 1 or not (
-            w.get("num_bits") == 4 and w.get("type") == "int" and w.get("symmetric")
-            and w.get("strategy") == "group" and w.get("group_size")):
-        raise ValueError(f"unsupported quantization_config (quant_method {method!r}, format {q.get('format')!r}, "
-                         f"weights {sorted(schemes)}); the memory plan knows {supported}")
+    if quant.method == FP8:
+        return WeightFormat(quant, prefix=prefix, not_converted=tuple(q.get("modules_to_not_convert") or ()))
+    w = next(iter((q.get("config_groups") or {}).values()), {}).get("weights") or {}
     scale = DTYPES.get(w.get("scale_dtype") or (text or raw).get("torch_dtype") or (text or raw).get("dtype")
                        or "bfloat16", torch.bfloat16)
-    return WeightFormat("int4", int(w["group_size"]), _size(scale),
-                        targets=tuple(t for g in groups for t in (g.get("targets") or ["Linear"])),
-                        ignore=tuple(q.get("ignore") or ()), prefix=prefix)
+    return WeightFormat(quant, _size(scale), prefix)
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -261,8 +257,9 @@ def _bytes(part: _Part, fmt: WeightFormat | None, dtype_bytes: int) -> int:
     plain = numel * (4 if part.fp32 else dtype_bytes)
     if not part.names:
         return plain
-    packed = sum(fmt.quantizes(n) for n in part.names) if fmt is not None else 0
-    return packed * fmt.bytes(*part.shape) + (len(part.names) - packed) * plain if packed else len(part.names) * plain
+    if fmt is None:
+        return len(part.names) * plain
+    return sum(fmt.bytes(n, *part.shape) if fmt.quantizes(n) else plain for n in part.names)
 
 
 def rank_weights(cfg: ModelConfig, fmt: WeightFormat | None, dtype: torch.dtype, world: int = 1, rank: int = 0,
@@ -337,6 +334,17 @@ class MemoryPlan:
     def kv_tokens(self) -> int:
         """Tokens the KV pool holds on each GPU (the null page left out)."""
         return max(self.pages - 1, 0) * self.page_size
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages the engine allocates (`pool_sizing.size_pool`): what the budget holds, at most what
+        max_num_seqs requests at the context it reaches need (the null page included)."""
+        reach = min(self.max_model_len, self.longest_context) + self.kv_headroom
+        return max(min(self.pages, 1 + self.max_num_seqs * -(-reach // self.page_size)), 0)
+
+    def pool_bytes(self, rank: RankMemory) -> int:
+        """Bytes of a rank's KV pools (the target's and the drafter's) at `pool_pages`."""
+        return self.pool_pages * self.page_size * rank.kv_bytes_per_token
 
     @property
     def request_pages(self) -> int:
@@ -424,7 +432,9 @@ class MemoryPlan:
                       else ""),
                   row("KV tokens", [f"{max(r.pages - 1, 0) * self.page_size:,}" for r in rs],
                       f"pages of {self.page_size}" + (f"; every rank's pool holds the fewest: {self.kv_tokens:,}"
-                                                      if len(rs) > 1 else ""))]
+                                                      if len(rs) > 1 else "")),
+                  row("KV pool allocated", [gib(self.pool_bytes(r)) for r in rs],
+                      f"{self.pool_pages:,} pages: the budget's, at most what max_num_seqs requests need")]
         need = self.max_num_seqs * self.request_pages * self.page_size
         bad = self.problem()
         if bad is not None:
@@ -542,3 +552,77 @@ def plan_for(cfg: EngineConfig, model_dir: str | Path, target: ModelConfig, draf
                        device=device or ASSUMED_DEVICE, gpu_memory_utilization=cfg.gpu_memory_utilization,
                        kv_cache_memory_gb=cfg.kv_cache_memory_gb, draft_quantization=cfg.draft_quantization,
                        cuda_graphs=cfg.cuda_graphs is not False)
+
+
+# -- the engine's plan, from its resolved setup -----------------------------------------------------
+
+# the modules a random shape draws in a stored form: its routed experts (`models.random_shapes`)
+ROUTED_EXPERTS = r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$"
+
+
+def shape_quantization(form: str | None) -> dict[str, Any] | None:
+    """The config.json a checkpoint would hold for a random shape whose routed experts are drawn in
+    `form` ('int4', 'fp8': `models.random_shapes.EXPERT_FORMS`; None: 16-bit), for `weight_format`:
+    only the routed experts stored so."""
+    if form is None:
+        return None
+    from drafttree.models.random_shapes import EXPERT_FORMS
+
+    layout = EXPERT_FORMS[form][1]
+    if form == "fp8":
+        return {"quantization_config": {
+            "quant_method": "fp8", "weight_block_size": list(layout["block"]),
+            "modules_to_not_convert": ["self_attn", "shared_experts", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]}}
+    scale = str(layout["scale_dtype"]).removeprefix("torch.")
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+               "group_size": layout["group_size"], "scale_dtype": scale}
+    return {"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                    "config_groups": {"experts": {"targets": [ROUTED_EXPERTS], "weights": weights}}}}
+
+
+def plan_for_setup(setup: EngineSetup, device: Device) -> MemoryPlan:
+    """The plan of an engine's resolved setup on GPUs of `device`: its model (a checkpoint's
+    config.json, or a random shape in the form it draws), dtype, drafter, ranks and pool sizes,
+    the KV budget taken as `pool_sizing.kv_budget` takes it (on the CPU its fixed default)."""
+    cfg = setup.cfg
+    if setup.model_dir is not None:
+        raw = read_config(setup.model_dir)
+    else:
+        from drafttree.models.random_shapes import parse_shape
+        raw = shape_quantization(parse_shape(cfg.random_weights)[2])
+    kv_gb = cfg.kv_cache_memory_gb
+    if kv_gb is None and setup.device.type != "cuda":
+        kv_gb = CPU_KV_GIB
+    return plan_memory(setup.target, raw, setup.drafter, spec=setup.spec, tensor_parallel_size=setup.world,
+                       max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, page_size=cfg.page_size,
+                       dtype=setup.dtype, device=device, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                       kv_cache_memory_gb=kv_gb, cuda_graphs=setup.cuda_graphs,
+                       draft_quantization=cfg.draft_quantization if setup.drafter is not None else None)
+
+
+def startup_device(setup: EngineSetup) -> Device | None:
+    """The device an engine's start-up plans for: its CUDA device's total memory; None elsewhere
+    (a CPU engine's memory is the host's, which the plan does not describe)."""
+    if setup.device.type != "cuda":
+        return None
+    return Device.of(cuda_total=torch.cuda.mem_get_info(setup.device)[1])
+
+
+def startup_plan(setup: EngineSetup, device: Device | None = None) -> MemoryPlan | None:
+    """The plan an engine starts with, before it reads a weight (the engine logs it): refused
+    (ValueError with the table) where the weights alone do not fit the device. `device` None: the engine's
+    own (`startup_device`); None is returned where there is none. A setup the plan cannot
+    describe (a quantization it does not know) starts without one, with a warning: the loader
+    decides then. A context longer than the pool holds is not refused here: the engine lowers
+    it with a warning (`pool_sizing.size_pool`)."""
+    device = device or startup_device(setup)
+    if device is None:
+        return None
+    try:
+        plan = plan_for_setup(setup, device)
+    except ValueError as e:
+        log.warning("no memory plan at start-up: %s", e)
+        return None
+    if not plan.weights_fit():
+        raise ValueError(plan.format())
+    return plan

@@ -4,6 +4,7 @@ sampler modes it captures. The engine and `drafttree graphs` both take it from h
 option is refused here, before the weights."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,11 +12,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from drafttree.config import ModelConfig, parse_dtype, resolve_device
-from drafttree.engine.config import EngineConfig
+from drafttree.engine.config import EngineConfig, parse_budget
 from drafttree.kernels import invariant_attn
 from drafttree.models.dflash import DFlashConfig
 from drafttree.parallel.group import TPGroup
-from drafttree.phases import SpecConfig, schedule_for
+from drafttree.phases import SpecConfig
 from drafttree.runner.phase_table import CAPTURED_MODES
 from drafttree.sampling import SampleMode
 from drafttree.settings import Settings, current
@@ -24,9 +25,14 @@ if TYPE_CHECKING:
     from drafttree.engine.memory_plan import Device
     from drafttree.runner.model_runner import CacheConfig
 
+log = logging.getLogger(__name__)
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
 DEFAULT_BUDGET = 32   # DDTree nodes per round, unless the drafter's config names its own
+# the options that only speculation reads
+SPEC_OPTIONS = ("draft_model", "block_size", "budget", "budget_schedule", "speculate_sampled", "draft_quantization")
+log = logging.getLogger(__name__)
 
 
 def is_default_model(model: str | None) -> bool:
@@ -40,8 +46,12 @@ def resolve_drafter(cfg: EngineConfig) -> Path | None:
     the measured cost and the predicted acceptance say it pays."""
     if cfg.spec == "none":
         return None
-    if cfg.draft_model:
-        return Path(cfg.draft_model)
+    if cfg.draft_model:   # a directory, else a Hugging Face repo id
+        from drafttree.loader import hub
+        path = Path(cfg.draft_model).expanduser()
+        if not path.exists() and hub.is_repo_id(cfg.draft_model):
+            return hub.snapshot(cfg.draft_model, what="draft model")
+        return path
     if is_default_model(cfg.model) and (SHIPPED_DRAFTER / "config.json").is_file():
         return SHIPPED_DRAFTER
     return None
@@ -57,28 +67,28 @@ def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
     adaptive = parse_budget(cfg.budget) is None
     default = drafter.default_budget or DEFAULT_BUDGET
     budget = (default if adaptive else parse_budget(cfg.budget)) if method == "ddtree" else 0
-    # The drafter config's schedule and sampled-round choice were measured stand-ins for the
-    # choice that `auto` makes every round; an explicit one still applies (as caps when auto).
-    schedule = cfg.budget_schedule if cfg.budget_schedule is not None else \
-        None if adaptive else schedule_for(method, drafter.default_schedule)
-    sampled = cfg.speculate_sampled if cfg.speculate_sampled is not None else \
-        True if adaptive else drafter.default_sampled
+    # What the user sets wins: an explicit budget drafts every round, at every temperature and
+    # batch size, unless the user also limits it (a schedule, --no-speculate-sampled); `auto`
+    # chooses per round, up to the drafter config's ddtree_default_budget. A drafter config's
+    # ddtree_default_budget_schedule / _speculate_sampled are not applied (`check_defaults`).
+    schedule = cfg.budget_schedule
+    sampled = cfg.speculate_sampled
     return SpecConfig(method, bs, budget, SpecConfig.parse_schedule(schedule, budget), sampled is not False,
                       adaptive)
 
 
-def parse_budget(value: int | str | None) -> int | None:
-    """None for 'auto' (and None, the default), else the fixed budget (>= 1: plain decoding is
-    spec 'none', and an explicit 0 must not quietly become something else)."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-        return None
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"budget must be 'auto' or a number of tree nodes, got {value!r}") from None
-    if n < 1:
-        raise ValueError(f"budget must be >= 1 or 'auto' (spec 'none' decodes plainly), got {n}")
-    return n
+def check_defaults(drafter: DFlashConfig, where: Path | None) -> None:
+    """Say, once per drafter directory, that its config's schedule and sampled-round defaults are
+    not applied (they were measured stand-ins for the per-round choice that `auto` now makes)."""
+    keys = [k for k, v in (("ddtree_default_budget_schedule", drafter.default_schedule),
+                           ("ddtree_default_speculate_sampled", drafter.default_sampled)) if v is not None]
+    if keys and where not in _WARNED:
+        _WARNED.add(where)
+        log.warning("%s: %s not applied: --budget auto chooses each round's budget, an explicit --budget drafts "
+                    "every round (--budget-schedule and --no-speculate-sampled limit it)", where, ", ".join(keys))
+
+
+_WARNED: set[Path | None] = set()
 
 
 def target_config(cfg: EngineConfig) -> ModelConfig:
@@ -134,6 +144,7 @@ class EngineSetup:
     cuda_graphs: bool
     prefill_graphs: bool
     sampler_modes: tuple[SampleMode, ...]   # the round graphs' modes
+    structured_graphs: bool         # the constrained round's graphs captured too
     overlap: bool                   # launch each round before reading the previous one's tokens
 
 
@@ -167,6 +178,7 @@ def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
         if drafter_dir is not None:
             dcfg = DFlashConfig.from_dir(drafter_dir)
             dcfg.check_fits(tcfg)
+            check_defaults(dcfg, drafter_dir)
         elif cfg.random_drafter and wants_drafter:
             dcfg = random_shapes.drafter_config_for(tcfg, cfg.block_size or 16)
     if settings.deterministic:
@@ -177,15 +189,20 @@ def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
     spec = resolve_spec(cfg, dcfg)
     if not spec.speculative:
         dcfg, drafter_dir = None, None
+        unused = [n for n in SPEC_OPTIONS if getattr(cfg, n) is not None]
+        if unused:   # said, not silently dropped (the same options may turn speculation on and off)
+            log.warning("spec is 'none' (no speculation): %s take no effect", ", ".join(unused))
     graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.type == "cuda"
     if cfg.max_graph_len is not None and cfg.max_graph_len < 1:
         raise ValueError(f"max_graph_len must be >= 1 (tokens of prompt and output), got {cfg.max_graph_len}")
     if cfg.prefill_graphs and not graphs:
         raise ValueError("prefill_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
+    if cfg.structured_graphs and not graphs:
+        raise ValueError("structured_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
     overlap = cfg.overlap if cfg.overlap is not None else device.type == "cuda"
     return EngineSetup(cfg, model_dir, tcfg, drafter_dir, dcfg, spec, settings, device, dtype,
                        1 if tp is None else tp.world, graphs, graphs and cfg.prefill_graphs is not False, modes,
-                       overlap)
+                       graphs and cfg.structured_graphs is not False, overlap)
 
 
 def graph_kv_lengths(cache: CacheConfig, max_graph_len: int | None) -> list[int]:
@@ -224,7 +241,7 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
     """The settings, the CUDA graph plan and the memory plan per GPU (for `device`, a
     `memory_plan.Device`; None: an assumed H200), from the configs alone."""
     from drafttree.engine.scheduler import SchedulerConfig
-    from drafttree.runner.cuda_graph import format_plan, graph_plan
+    from drafttree.runner.cuda_graph import format_plan, graph_keys, graph_plan
     from drafttree.runner.model_runner import CacheConfig
     from drafttree.runner.prefill_plan import at_offsets
 
@@ -236,8 +253,10 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
     spec, target, dcfg = setup.spec, setup.target, setup.drafter
     cache = CacheConfig(cfg.max_num_seqs, cfg.max_model_len or target.max_position_embeddings, spec.kv_headroom,
                         cfg.page_size)
-    plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs,
-                      graph_kv_lengths(cache, cfg.max_graph_len), world)
+    kv_lengths = graph_kv_lengths(cache, cfg.max_graph_len)
+    plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, kv_lengths, world)
+    n_free, n_all = (len(graph_keys(spec, cfg.max_num_seqs, kv_lengths, setup.sampler_modes, dcfg is not None, c))
+                     for c in (False, True))
     prefill = SchedulerConfig(cache, spec.max_commit, cfg.prefill_chunk, cfg.max_prefill_tokens,
                               cfg.admit_min).prefill   # the engine's own rule
     shapes = prefill.shapes()
@@ -261,7 +280,9 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
                if cfg.prefill_graphs is not False
                else "; prefill runs eagerly\n")
             + f"settings: {setup.settings.describe()}\n")
-    text = head + format_plan(plan, setup.sampler_modes)
+    structured = (f"{n_all} with the constrained round's (structured_graphs)" if cfg.structured_graphs is not False
+                  else f"the constrained round's {n_all - n_free} not captured (structured_graphs off)")
+    text = head + format_plan(plan, setup.sampler_modes) + f"\nround graphs: {n_free}; {structured}"
 
     # -- the memory plan of each GPU (engine/memory_plan.py), from the same setup
     if setup.model_dir is None:   # a random shape: no checkpoint config to plan from

@@ -6,6 +6,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from drafttree.sampling import SamplingParams
 
@@ -43,6 +44,7 @@ class Sequence:
     text: str = ""
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None   # the stop token id or stop string that ended it (not EOS)
     row: int = -1
     stats: SpecStats = field(default_factory=SpecStats)
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -56,6 +58,7 @@ class Sequence:
     page_keys: list[bytes] = field(default_factory=list)   # chained hashes of its full pages, as computed
     preemptions: int = 0
     detok_offsets: tuple[int, int] = (0, 0)   # output ids [prefix, read): window already in text
+    grammar: Any = None       # structured output: the grammar's matcher over the output so far
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -86,6 +89,8 @@ class Sequence:
             kept.append(t)
             if (t in eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
                 self.finish("stop")
+                if not (t in eos_ids and not p.ignore_eos):
+                    self.stop_reason = t
                 break
             if len(self.output_ids) + len(kept) >= limit:
                 self.finish("length")

@@ -26,6 +26,10 @@ class EngineStats:
     method_rounds: Counter = field(default_factory=Counter)  # decode | dflash | ddtree -> rounds
     method_rows: Counter = field(default_factory=Counter)    # ... -> request-rounds
     method_tokens: Counter = field(default_factory=Counter)  # ... -> tokens committed (Σ τ)
+    plain_rounds: Counter = field(default_factory=Counter)   # why a speculative engine's rounds decoded
+                                                             # plainly -> rounds (engine._plain_reason)
+    spec_accept_hist: Counter = field(default_factory=Counter)   # τ -> request-rounds that verified drafts
+    draft_tokens: int = 0           # draft tokens verified: Σ over those request-rounds of the round's budget
     prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0      # of those, found there (not computed again)
     preemptions: int = 0

@@ -77,3 +77,4 @@ class TextCodec:
                     seq.text = seq.text[:i]
                     seq.finish("stop")
                     seq.finish_reason = "stop"   # a stop string in the last tokens outranks the length limit
+                    seq.stop_reason = stop

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+from drafttree.loader import hub
 from drafttree.loader.gguf_convert import convert_gguf_to_hf
 from drafttree.settings import Settings
 
@@ -125,7 +126,9 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> Path:
     """Map a model argument to a loadable HF directory.
 
     ``None``, ``"default"`` or the default model's name give the default model; an
-    existing directory is returned as is; a ``.gguf`` file is converted and cached.
+    existing directory is returned as is; a ``.gguf`` file is converted and cached; a Hugging
+    Face repo id (``"org/name"``) is found in the Hugging Face cache, else downloaded
+    (`loader.hub`).
     """
     if name_or_path is None or (isinstance(name_or_path, str) and _is_default_name(name_or_path)):
         return default_model_dir()
@@ -136,7 +139,9 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None) -> Path:
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"Model file {path} is not a .gguf file; pass a .gguf file or a model directory")
         return converted_gguf_dir(path)
+    if isinstance(name_or_path, str) and hub.is_repo_id(name_or_path):
+        return hub.snapshot(name_or_path)
     raise FileNotFoundError(
-        f"Model {str(name_or_path)!r} is neither '{DEFAULT_MODEL_NAME}'/'default', "
-        "an existing model directory, nor a .gguf file"
+        f"Model {str(name_or_path)!r} is neither '{DEFAULT_MODEL_NAME}'/'default', an existing "
+        "directory, a .gguf file, nor a Hugging Face repo id ('org/name')"
     )

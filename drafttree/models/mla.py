@@ -136,7 +136,7 @@ class MLAttention(nn.Module):
     def expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
         """Per-head keys and values from the cache's latents, then attention: -> [B, W, H, v]."""
-        m, (B, W, H, _) = self.m, q_nope.shape
+        m, (B, _, H, _) = self.m, q_nope.shape
         L = cache.shape[1]
         kv = self.kv_b_proj(cache[..., :m.kv_lora_rank]).view(B, L, H, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)

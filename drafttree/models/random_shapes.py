@@ -41,6 +41,13 @@ KIMI_K2 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", 
            "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
                             "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
            "tie_word_embeddings": False}
+# Kimi K2's layout at a size the CPU runs in moments (the tests' and a CPU run of the rank benchmark):
+# MLA with q-LoRA, sigmoid top-2 of 8 experts of 32 rows (int4 groups of 32 fit), a shared expert,
+# the first layer dense
+TINY_MLA = {**KIMI_K2, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8,
+            "num_experts_per_tok": 2, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16,
+            "v_head_dim": 16, "qk_nope_head_dim": 16, "max_position_embeddings": 4096, "rope_scaling": None}
 
 SHAPES: dict[str, tuple[ModelConfig, dict]] = {
     "qwen3-8b": (ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -61,6 +68,8 @@ SHAPES: dict[str, tuple[ModelConfig, dict]] = {
     # MLA, 384 experts, 8 active, 1 shared, the first layer dense, yarn x32
     "kimi-k2": (ModelConfig.from_dict(KIMI_K2),
                 dict(layers=5, block_size=16, mask_token_id=163839, target_layer_ids=(1, 15, 30, 45, 58))),
+    "tiny-mla": (ModelConfig.from_dict(TINY_MLA), dict(layers=1, block_size=4, mask_token_id=383,
+                                                       target_layer_ids=(0, 2))),
 }
 
 

@@ -38,6 +38,7 @@ class GraphKey(NamedTuple):
     mode: SampleMode | None    # None: the same graph for every mode (context, draft)
     kv_len: int                # KV bucket; 0: the same graph at every length (context)
     budget: int                # the verify's; 0 for other phases
+    constrained: bool = False  # a constrained round's step (structured output)
 
 
 MODELESS = (Phase.CONTEXT, Phase.DRAFT)   # no token picked: one graph serves every sampler mode
@@ -46,7 +47,7 @@ LENGTHLESS = (Phase.CONTEXT,)             # writes K/V, attends over nothing: on
 
 def key_of(st: PhaseStep, bucket: int, mode: SampleMode, kv_len: int) -> GraphKey:
     return GraphKey(st.phase, bucket, None if st.phase in MODELESS else mode,
-                    0 if st.phase in LENGTHLESS else kv_len, st.budget)
+                    0 if st.phase in LENGTHLESS else kv_len, st.budget, st.constrained)
 
 
 class GraphSet(NamedTuple):
@@ -100,6 +101,13 @@ def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | Non
     return out
 
 
+def graph_keys(spec: SpecConfig, max_num_seqs: int, kv_lengths: list[int], modes: tuple[SampleMode, ...],
+               drafter: bool, constrained: bool) -> set[GraphKey]:
+    """The round graphs `RoundGraphs.capture` captures for these buckets and modes; needs no GPU."""
+    return {key_of(st, B, m, L) for L in kv_lengths for B in batch_buckets(max_num_seqs) for m in modes
+            for st in bucket_steps(spec, B, m, drafter and spec.speculative, constrained)}
+
+
 def format_plan(plan: list[PlanEntry], modes: tuple[SampleMode, ...] = CAPTURED_MODES) -> str:
     lines = [f"{'phase':<8} {'width':>5}  {'batch sizes':<20} {'kv lengths':<26} {'est. memory':>11}"]
     for e in plan:
@@ -116,8 +124,9 @@ class RoundGraphs:
     buffers. The runner owns it (`ModelRunner.capture`)."""
 
     def __init__(self, rc: RoundContext, timer: PhaseTimer, batch_sizes: list[int], kv_lengths: list[int],
-                 modes: tuple[SampleMode, ...], pages_per_row: int) -> None:
+                 modes: tuple[SampleMode, ...], pages_per_row: int, constrained: bool = False) -> None:
         self.rc, self.timer = rc, timer
+        self.constrained = constrained   # the constrained round's steps captured too
         self.batch_sizes, self.kv_lengths, self.modes = list(batch_sizes), list(kv_lengths), modes
         self.pages_per_row = pages_per_row
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -131,7 +140,8 @@ class RoundGraphs:
         return set(self.graphs)
 
     def steps(self, bucket: int, mode: SampleMode) -> tuple[PhaseStep, ...]:
-        return bucket_steps(self.rc.spec, bucket, mode, self.rc.drafter is not None)
+        rc = self.rc
+        return bucket_steps(rc.spec, bucket, mode, rc.drafter is not None, self.constrained)
 
     def sets(self) -> list[GraphSet]:
         """What `capture` captures, in its order: the largest first (later, smaller graphs reuse

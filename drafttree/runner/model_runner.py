@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,14 +18,16 @@ from drafttree.parallel.comm import gather_objects
 from drafttree.parallel.commands import CommandChannel, command
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
 from drafttree.runner.cuda_graph import GraphKey, RoundGraphs
-from drafttree.runner.phase_table import PhaseStep, bucket_steps, round_steps
+from drafttree.runner.phase_table import PhaseStep, bucket_steps, round_steps, step
 from drafttree.runner.phase_timer import PhaseTimer
 from drafttree.runner.prefill_graph import PrefillGraphs
 from drafttree.runner.prefill_plan import PrefillLimits, at_offsets, reach
 from drafttree.runner.timing import median_seconds
 from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
 from drafttree.spec_decode.rounds import prefill_forward
-from drafttree.spec_decode.state import RoundContext, RoundState
+from drafttree.spec_decode.state import GrammarBuffers, RoundContext, RoundState
+from drafttree.structured.masks import apply_token_masks
+from drafttree.structured.tree import HostTrees
 
 
 # Tokens per KV page. 16, as vLLM: a request wastes under one page on average (its last, partly
@@ -32,6 +35,9 @@ from drafttree.spec_decode.state import RoundContext, RoundState
 # the block tables stay small (a 32k context is 2,048 entries). A gather per attention read costs
 # the same per token whatever the page size on the torch path.
 DEFAULT_PAGE_SIZE = 16
+# Candidates per drafted position a constrained round's draft leaves for the host's tree (at least
+# the widest tree's nodes): where the grammar forbids the drafter's best, the next ones stand in.
+CANDIDATES = 32
 
 
 @dataclass
@@ -118,6 +124,10 @@ class ModelRunner:
         # the draft tree: the widest verify of any batch bucket
         state = RoundState.allocate(rows, spec.width(Phase.CONTEXT), feat, dtype, device, cache.pages_per_row,
                                     len(spec.budgets), spec.verify_width_max if spec.speculative else 0)
+        # structured output: token masks per row and node, and the draft step's candidates
+        state.grammar = GrammarBuffers.allocate(rows, max(spec.verify_width_max, 1), (tc.vocab_size + 31) // 32,
+                                                spec.depth, min(tc.vocab_size, max(CANDIDATES, spec.verify_width_max - 1)),
+                                                device)
         self.round_ctx = RoundContext(target, drafter, spec, state, kv, dkv, capture_layers, rows)
         # Host-side bound on any row's pending drafter features (state.ctx_n), kept without a
         # sync: a verify leaves at most max_commit, a decode step adds one, a context phase
@@ -137,14 +147,16 @@ class ModelRunner:
     # -- CUDA graphs and counters ---------------------------------------------------------------
     def capture(self, modes: tuple[SampleMode, ...], prefill: PrefillLimits | None = None,
                 batch_sizes: list[int] | None = None, kv_lengths: list[int] | None = None,
-                progress: Callable[[str], None] | None = None) -> dict[str, float]:
+                progress: Callable[[str], None] | None = None, constrained: bool = True) -> dict[str, float]:
         """Capture the round graphs of every batch bucket, KV bucket and sampler mode in `modes`
         (or the `batch_sizes` and `kv_lengths` given), and with `prefill` the prefill graphs of
-        every shape its limits allow. Returns host seconds per stage ("graphs <phase>", "graphs
+        every shape its limits allow; with `constrained` (and a grammar buffer) the constrained
+        round's graphs too. Returns host seconds per stage ("graphs <phase>", "graphs
         warm-up", "prefill graphs"); `progress(text)` hears of each graph set."""
         cc = self.cache_cfg
         self.graphs = RoundGraphs(self.round_ctx, self.timer, batch_sizes or cc.batch_buckets,
-                                  kv_lengths or cc.kv_buckets, modes, cc.pages_per_row)
+                                  kv_lengths or cc.kv_buckets, modes, cc.pages_per_row,
+                                  constrained and self.state.grammar is not None)
         out = {f"graphs {k}": v for k, v in self.graphs.capture(progress).items()}
         if prefill is not None:
             t0 = time.perf_counter()
@@ -165,7 +177,7 @@ class ModelRunner:
         saved, n = self.state.snapshot(), 0
         for B in batch_sizes:
             for mode in modes:
-                for st in bucket_steps(self.spec, B, mode, self.drafter is not None):
+                for st in bucket_steps(self.spec, B, mode, self.drafter is not None, self.state.grammar is not None):
                     self.state.park(0, B)
                     st.run(self.round_ctx, B, kv_len, mode)
                     n += 1
@@ -273,6 +285,12 @@ class ModelRunner:
                              s.sampling.seed[rows])
         end = (start + lens)[at]
         logits = self.target.logits(h_last[at][:, None])
+        if any(chunks[i].mask is not None for i in done):   # a constrained request's first token
+            masks = torch.full((len(done), 1, self.state.grammar.masks.shape[2]), -1, dtype=torch.int32)
+            for j, i in enumerate(done):
+                if chunks[i].mask is not None:
+                    masks[j, 0] = torch.from_numpy(chunks[i].mask)
+            logits = apply_token_masks(logits, masks.to(dev))
         tok = pick_tokens(logits, st, end[:, None], SampleMode.of([chunks[i].params for i in done]))[:, 0]
         known = [chunks[i].bonus for i in done]
         if any(k is not None for k in known):   # recomputed after preemption: the next token is known
@@ -327,29 +345,75 @@ class ModelRunner:
         batch bucket may run at); `max_length` bounds their committed lengths (host-known).
         Attention covers the smallest KV bucket that holds what the round writes; a batch no
         graph fits runs eagerly at the same shapes, so both give the same tokens."""
+        self._run_steps(B, mode, max_length, self.round_steps(B, mode, budget))
+
+    def _run_steps(self, B: int, mode: SampleMode, max_length: int, steps: tuple[PhaseStep, ...]) -> None:
         if max_length > self.cache_cfg.max_model_len:
             # its writes would pass the row's end (max_model_len + headroom slots)
             raise RuntimeError(f"a round over rows of up to {max_length} committed tokens; the cache holds "
                                f"{self.cache_cfg.max_model_len} per row")
         kv_len = self.round_kv_len(max_length)
-        steps = self.round_steps(B, mode, budget)
         if self.graphs is None or not self.graphs.replay(B, mode, kv_len, steps):
             self.eager_round(B, kv_len, mode, steps)
         if self.drafter is not None:
             phases = {st.phase for st in steps}
             self.ctx_bound = (self.spec.max_commit if Phase.VERIFY in phases
+                              else self.ctx_bound if Phase.DRAFT in phases
                               else 1 if Phase.CONTEXT in phases else self.ctx_bound + 1)
 
-    def round_steps(self, B: int, mode: SampleMode, budget: int | None = None) -> tuple[PhaseStep, ...]:
+    def round_steps(self, B: int, mode: SampleMode, budget: int | None = None,
+                    constrained: bool = False) -> tuple[PhaseStep, ...]:
         """The steps of the next round over rows 0..B-1 at `budget` (default: the largest the
         batch bucket may run at in this mode): draft and verify, or a decode step, after a context
         phase when a row's pending drafter features could fill their buffer. A budget the bucket
-        may not verify at is refused (`SpecConfig.width`)."""
+        may not verify at is refused (`SpecConfig.width`). `constrained`: a constrained round's."""
         bucket = self.cache_cfg.batch_bucket(B)
         if budget is None:
             budget = max(self.spec.budgets_at(bucket, mode is SampleMode.GREEDY))
         context = self.drafter is not None and self.ctx_bound >= self.spec.max_commit
-        return round_steps(self.spec, bucket, budget, context)
+        return round_steps(self.spec, bucket, budget, context, constrained)
+
+    # -- constrained rounds (structured output): the host builds the tree between draft and verify
+    @command
+    @torch.inference_mode()
+    def run_masked_decode(self, B: int, mode: SampleMode, max_length: int, masks: Any) -> None:
+        """A decode round whose picks take `masks` [B, words] (int32 numpy; rows of the batch
+        bucket past B allow every token)."""
+        g = self.state.grammar
+        bucket = self.cache_cfg.batch_bucket(B)
+        g.masks[:bucket, 0].fill_(-1)
+        g.masks[:B, 0].copy_(torch.from_numpy(masks))
+        self._run_steps(B, mode, max_length, self.round_steps(B, mode, 0, constrained=True))
+
+    @command
+    @torch.inference_mode()
+    def run_candidates(self, B: int, mode: SampleMode, max_length: int) -> None:
+        """A constrained round's draft: the drafter's candidates per position, read by `candidates`."""
+        bucket = self.cache_cfg.batch_bucket(B)
+        self._run_steps(B, mode, max_length, (step(self.spec, Phase.DRAFT, bucket, constrained=True),))
+
+    def candidates(self, B: int) -> tuple[Any, Any]:
+        """The candidates of the draft just run, as numpy arrays [B, D, K] (log-probabilities,
+        token ids): a constrained round's one sync."""
+        g = self.state.grammar
+        D = self.spec.depth_at(self.cache_cfg.batch_bucket(B))
+        return g.cand_lp[:B, :D].cpu().numpy(), g.cand_idx[:B, :D].cpu().numpy()
+
+    @command
+    @torch.inference_mode()
+    def run_masked_verify(self, B: int, mode: SampleMode, max_length: int, budget: int, trees: HostTrees) -> None:
+        """A constrained round's verify at `budget` of the host's trees (rows of the batch bucket,
+        each budget + 1 columns), each node's pick masked by its mask; commit as any verify."""
+        s, g, dev = self.state, self.state.grammar, self.device
+        rows, W = trees.tokens.shape
+        t = s.tree
+        for dst, src in ((t.tokens, trees.tokens), (t.parents, trees.parents), (t.depth, trees.depth),
+                         (t.valid, trees.valid)):
+            dst[:rows, :W].copy_(torch.from_numpy(src).to(dev))
+        t.visible[:rows, :W, :W].copy_(torch.from_numpy(trees.visible()).to(dev))
+        g.masks[:rows, :W].copy_(torch.from_numpy(trees.masks).to(dev))
+        bucket = self.cache_cfg.batch_bucket(B)
+        self._run_steps(B, mode, max_length, (step(self.spec, Phase.VERIFY, bucket, budget, constrained=True),))
 
     def round_kv_len(self, max_length: int) -> int:
         """Attention length of a round over rows whose committed lengths are <= max_length."""
@@ -407,3 +471,4 @@ class PrefillChunk:
     seed: int
     row: int = -1                   # the row the request takes when this chunk ends its prefill
     bonus: int | None = None        # a recomputed request's next token (already emitted)
+    mask: Any = None                # a constrained request's first-token mask (int32 words; numpy)

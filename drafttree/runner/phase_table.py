@@ -6,6 +6,11 @@ take their steps from here: a step's function, its width (`SpecConfig.width`) an
 written once. A round is a context phase (a drafter's pending features written, when they could
 fill their buffer) and a decode step, or a draft (at the batch bucket's largest budget: its tree
 is stored in the round state) and a verify of that tree's first budget + 1 nodes.
+
+A constrained round (a batch with a structured-output request) has steps of its own: a decode
+step whose pick is masked, a draft step that leaves the drafter's candidates instead of a tree
+(the host grows the tree along each path's grammar state) and a verify whose picks are masked
+node by node; the masks, the tree and the candidates are static buffers (`GrammarBuffers`).
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from dataclasses import dataclass
 
 from drafttree.phases import Phase, SpecConfig
 from drafttree.sampling import SampleMode
-from drafttree.spec_decode.rounds import context_phase, decode_round, draft_phase, verify_phase
+from drafttree.spec_decode.rounds import candidates_phase, context_phase, decode_round, draft_phase, verify_phase
 from drafttree.spec_decode.state import RoundContext
 
 # Unfiltered sampling (top-p 1, the API default) has its own graphs: the filtered ones would give
@@ -35,47 +40,67 @@ TABLE: dict[Phase, tuple[Run, tuple[str, ...]]] = {
                    ("draft tree", "pending features", "committed tokens", "block table")),
 }
 
+# the constrained round's steps (phase -> as TABLE)
+CONSTRAINED: dict[Phase, tuple[Run, tuple[str, ...]]] = {
+    Phase.CONTEXT: TABLE[Phase.CONTEXT],
+    Phase.DECODE: (lambda rc, B, L, mode, n: decode_round(rc, B, L, mode, masked=True),
+                   ("pending features", "committed tokens", "block table", "token masks")),
+    Phase.DRAFT: (lambda rc, B, L, mode, n: candidates_phase(rc, B, L),
+                  ("pending features", "draft candidates", "block table")),
+    Phase.VERIFY: (lambda rc, B, L, mode, n: verify_phase(rc, B, L, mode, n, masked=True),
+                   ("draft tree", "token masks", "pending features", "committed tokens", "block table")),
+}
+
 
 @dataclass(frozen=True)
 class PhaseStep:
     phase: Phase
     budget: int      # the verify's budget; 0 for the other phases
     width: int       # tokens per request in its forward: spec.width(phase, bucket, budget)
+    constrained: bool = False   # a constrained round's step (masked picks; the draft leaves candidates)
 
     def run(self, rc: RoundContext, B: int, kv_len: int, mode: SampleMode) -> None:
         """This step over rows 0..B-1, attending over kv_len cache slots."""
-        TABLE[self.phase][0](rc, B, kv_len, mode, self.budget)
+        (CONSTRAINED if self.constrained else TABLE)[self.phase][0](rc, B, kv_len, mode, self.budget)
 
     @property
     def buffers(self) -> tuple[str, ...]:
-        return TABLE[self.phase][1]
+        return (CONSTRAINED if self.constrained else TABLE)[self.phase][1]
 
 
-def step(spec: SpecConfig, phase: Phase, bucket: int, budget: int = 0) -> PhaseStep:
+def step(spec: SpecConfig, phase: Phase, bucket: int, budget: int = 0, constrained: bool = False) -> PhaseStep:
     """The step of `phase` over a batch bucket (a verify at `budget`), its width from the spec."""
     b = budget if phase is Phase.VERIFY else 0
-    return PhaseStep(phase, b, spec.width(phase, bucket, b if phase is Phase.VERIFY else None))
+    return PhaseStep(phase, b, spec.width(phase, bucket, b if phase is Phase.VERIFY else None),
+                     constrained and phase is not Phase.CONTEXT)
 
 
-def bucket_steps(spec: SpecConfig, bucket: int, mode: SampleMode, drafter: bool) -> tuple[PhaseStep, ...]:
+def bucket_steps(spec: SpecConfig, bucket: int, mode: SampleMode, drafter: bool,
+                 constrained: bool = False) -> tuple[PhaseStep, ...]:
     """Every step a round over the batch bucket in `mode` may run, in the order a round runs them:
     the context phase (with a drafter), the decode step, then the draft and a verify per budget
-    the bucket may verify at in this mode."""
+    the bucket may verify at in this mode; with `constrained`, the constrained round's decode,
+    draft and verifies after them."""
     out = [step(spec, Phase.CONTEXT, bucket)] if drafter else []
-    out.append(step(spec, Phase.DECODE, bucket))
     budgets = [n for n in spec.budgets_at(bucket, mode is SampleMode.GREEDY) if n]
-    if budgets:
-        out.append(step(spec, Phase.DRAFT, bucket))
-        out += [step(spec, Phase.VERIFY, bucket, n) for n in budgets]
+    for c in (False, True) if constrained else (False,):
+        out.append(step(spec, Phase.DECODE, bucket, constrained=c))
+        if budgets:
+            out.append(step(spec, Phase.DRAFT, bucket, constrained=c))
+            out += [step(spec, Phase.VERIFY, bucket, n, constrained=c) for n in budgets]
     return tuple(out)
 
 
-def round_steps(spec: SpecConfig, bucket: int, budget: int, context: bool) -> tuple[PhaseStep, ...]:
+def round_steps(spec: SpecConfig, bucket: int, budget: int, context: bool,
+                constrained: bool = False) -> tuple[PhaseStep, ...]:
     """The steps of one round over the batch bucket at `budget` (0: a decode step, after a context
-    phase when `context`); the budget must be one the bucket may verify at."""
+    phase when `context`); the budget must be one the bucket may verify at. `constrained`: the
+    constrained round's steps (its draft and verify run apart: the host builds the tree between)."""
+    c = constrained
     if budget == 0:
-        return ((step(spec, Phase.CONTEXT, bucket),) if context else ()) + (step(spec, Phase.DECODE, bucket),)
-    return step(spec, Phase.DRAFT, bucket), step(spec, Phase.VERIFY, bucket, budget)
+        first = (step(spec, Phase.CONTEXT, bucket),) if context else ()
+        return first + (step(spec, Phase.DECODE, bucket, constrained=c),)
+    return step(spec, Phase.DRAFT, bucket, constrained=c), step(spec, Phase.VERIFY, bucket, budget, constrained=c)
 
 
 def buffer_widths(rc: RoundContext, bucket: int, pages_per_row: int) -> dict[str, tuple[int, int]]:
@@ -91,6 +116,11 @@ def buffer_widths(rc: RoundContext, bucket: int, pages_per_row: int) -> dict[str
     if spec.speculative:
         have = s.tree.num_nodes if s.tree is not None else 0
         out["draft tree"] = (have, spec.verify_width_max)
+    g = s.grammar
+    if g is not None:
+        out["token masks"] = (g.masks.shape[1], max(spec.verify_width_max, 1))
+        if spec.speculative:
+            out["draft candidates"] = (g.cand_idx.shape[1], spec.depth)
     return out
 
 

@@ -32,6 +32,9 @@ UNION_FIELDS = {
 }
 
 
+UNREADABLE_BODY = "There was an error parsing the body"
+
+
 def _where(loc: list[str | int]) -> str:
     out = ""
     for x in loc:
@@ -69,7 +72,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), type=kind), status_code=exc.status_code,
+        message = str(exc.detail)
+        if exc.status_code == 400 and message == UNREADABLE_BODY:   # FastAPI's words for bytes not UTF-8
+            message = "the request body is not valid JSON: it must be UTF-8 text"
+        return JSONResponse(error_body(message, type=kind), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -85,7 +91,7 @@ def create_app(engine: Engine | Callable[[], Engine], model_name: str, limits: S
     `model_name`. It listens at once; /ready answers 200 once the engine is warm (server/boot.py).
     `on_failure()`: the engine failed to start, or stopped for good (a tensor-parallel rank lost)."""
     limits = limits or ServerLimits()
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(model_name=model_name)
     make = (lambda: engine) if isinstance(engine, Engine) else engine
     boot = Boot(make, model_name, metrics, on_failure)
     created = now()

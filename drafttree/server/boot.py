@@ -88,6 +88,7 @@ class Boot:
             serving = OpenAIServing(worker, self.model_name)
             self.seconds = time.perf_counter() - t0
             self.metrics.startup(engine.startup.stages, self.seconds)
+            self.metrics.sync(engine)   # the pool's gauges are true from the first /ready on
             with self._lock:
                 if self._stopped(engine):
                     return

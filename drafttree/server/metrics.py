@@ -1,5 +1,10 @@
-"""Prometheus metrics of one server, kept in their own registry and fed from the engine thread."""
+"""Prometheus metrics of one server, kept in their own registry and fed from the engine thread:
+drafttree's own (`drafttree_*`), and vLLM's names where vLLM has the quantity (`vllm:*`, labelled
+with `model_name` as vLLM's are), so that dashboards made for vLLM read this server. The gauges
+are set before /ready first answers 200 (`Boot`), so they are true from then on."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -13,14 +18,26 @@ from prometheus_client import (
 
 from drafttree.engine.engine import Engine, EngineStats
 
+if TYPE_CHECKING:
+    from drafttree.engine.sequence import Sequence
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 ACCEPT_BUCKETS = tuple(float(i) for i in range(1, 17))
 BUDGET_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
+# vLLM's buckets for its request latencies (seconds) and token counts
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(6) for m in (1, 2, 5))
 
 
 class ServerMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "drafttree") -> None:
         r = self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
         self.requests = Counter("drafttree_requests", "Requests admitted by the engine", registry=r)
         self.finished = Counter("drafttree_requests_finished", "Requests finished, by reason",
                                 ["finish_reason"], registry=r)
@@ -70,7 +87,53 @@ class ServerMetrics:
         self.preemptions = Counter("drafttree_preemptions", "Requests preempted (pages freed, recomputed later)",
                                    registry=r)
         self.free_pages = Gauge("drafttree_kv_free_pages", "KV pages free (cached prefix pages included)", registry=r)
+        self.total_pages = Gauge("drafttree_kv_total_pages", "KV pages requests may hold (the pool, less the null page)",
+                                 registry=r)
+        self.kv_usage = Gauge("drafttree_kv_usage", "KV pages held by requests / KV pages in all (1: full)", registry=r)
+        self._vllm(r)
         self._seen = EngineStats()         # engine totals already exported
+        self._cache_info = False
+
+    def _vllm(self, r: CollectorRegistry) -> None:
+        """vLLM's metrics, each with the `model_name` label (set once: `self.v`)."""
+        m = ["model_name"]
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(f"vllm:{name}", doc, m + list(labels), registry=r)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"vllm:{name}", doc, m + list(labels), registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"vllm:{name}", doc, m, buckets=buckets, registry=r)
+
+        self.v_running = gauge("num_requests_running", "Requests in the decoding batch or prefilling (holding KV pages)")
+        self.v_waiting = gauge("num_requests_waiting", "Requests waiting for KV pages")
+        self.v_kv_usage = gauge("kv_cache_usage_perc", "KV cache usage: the fraction of KV pages held (1: full)")
+        self.v_cache_info = gauge("cache_config_info", "The KV cache's configuration (its labels; the value is 1)",
+                                  ("block_size", "num_gpu_blocks", "enable_prefix_caching"))
+        self.v_prompt_tokens = counter("prompt_tokens", "Prompt tokens admitted")
+        self.v_generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.v_success = counter("request_success", "Requests finished, by reason", ("finished_reason",))
+        self.v_prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.v_prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.v_preemptions = counter("num_preemptions", "Requests preempted")
+        self.v_ttft = histogram("time_to_first_token_seconds", "Seconds from a request's admission to its first "
+                                "token", TTFT_BUCKETS)
+        self.v_tpot = histogram("request_time_per_output_token_seconds", "A request's seconds per output token "
+                                "after its first", TPOT_BUCKETS)
+        self.v_e2e = histogram("e2e_request_latency_seconds", "Seconds from a request's admission to its end",
+                               E2E_BUCKETS)
+        self.v_request_prompt = histogram("request_prompt_tokens", "Prompt tokens per finished request", TOKEN_BUCKETS)
+        self.v_request_generation = histogram("request_generation_tokens", "Tokens generated per finished request",
+                                              TOKEN_BUCKETS)
+        self.v_drafts = counter("spec_decode_num_drafts", "Drafts verified: one per request per speculative round")
+        self.v_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified (a DDTree round's "
+                                      "budget of tree nodes, a DFlash round's chain)")
+        self.v_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted (the bonus token not "
+                                  "among them)")
+        self.v_accepted_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each "
+                                      "position of the accepted path (0: the first drafted token)", ("position",))
 
     def sync(self, engine: Engine) -> None:
         """Export what the engine counted since the last sync (`Engine.stats`, a snapshot). Call on
@@ -109,7 +172,34 @@ class ServerMetrics:
         self.prefix_hit_rate.set(s.prefix_cache_hit_rate)
         self.preemptions.inc(s.preemptions - seen.preemptions)
         self.free_pages.set(engine.free_pages)
+        self._sync_vllm(engine, s, seen)
         self._seen = s   # a snapshot already: later steps do not change it
+
+    def _sync_vllm(self, engine: Engine, s: EngineStats, seen: EngineStats) -> None:
+        name = self.model_name
+        total = engine.pool.usable
+        usage = 1.0 - engine.free_pages / total if total else 0.0
+        self.total_pages.set(total)
+        self.kv_usage.set(usage)
+        self.v_kv_usage.labels(name).set(usage)
+        self.v_running.labels(name).set(len(engine.running))
+        self.v_waiting.labels(name).set(len(engine.waiting))
+        if not self._cache_info:
+            self._cache_info = True
+            self.v_cache_info.labels(name, str(engine.pool.page_size), str(total),
+                                     str(engine.pool.prefix_caching)).set(1)
+        self.v_prompt_tokens.labels(name).inc(s.prompt_tokens - seen.prompt_tokens)
+        self.v_generation_tokens.labels(name).inc(s.generated_tokens - seen.generated_tokens)
+        self.v_prefix_queries.labels(name).inc(s.prefix_cache_queries - seen.prefix_cache_queries)
+        self.v_prefix_hits.labels(name).inc(s.prefix_cache_hits - seen.prefix_cache_hits)
+        self.v_preemptions.labels(name).inc(s.preemptions - seen.preemptions)
+        new = s.spec_accept_hist - seen.spec_accept_hist   # τ -> new request-rounds
+        self.v_drafts.labels(name).inc(sum(new.values()))
+        self.v_draft_tokens.labels(name).inc(s.draft_tokens - seen.draft_tokens)
+        self.v_accepted.labels(name).inc(sum((tau - 1) * n for tau, n in new.items()))
+        # a round that committed τ tokens accepted the drafts at positions 0 .. τ - 2
+        for pos in range(engine.spec.max_commit - 1 if engine.spec.speculative else 0):
+            self.v_accepted_pos.labels(name, str(pos)).inc(sum(n for tau, n in new.items() if tau >= pos + 2))
 
     def startup(self, stages: dict[str, float], total: float) -> None:
         for name, seconds in stages.items():
@@ -117,8 +207,20 @@ class ServerMetrics:
         self.startup_total.set(total)
         self.ready.set(1)
 
-    def request_finished(self, reason: str | None) -> None:
+    def request_finished(self, reason: str | None, seq: Sequence | None = None) -> None:
+        """A request ended (`seq`: as the engine ran it, for its latencies; None for an abort)."""
         self.finished.labels(finish_reason=reason or "unknown").inc()
+        self.v_success.labels(self.model_name, reason or "unknown").inc()
+        if seq is None or seq.finish_time is None:
+            return
+        name, n = self.model_name, len(seq.output_ids)
+        self.v_e2e.labels(name).observe(seq.finish_time - seq.arrival_time)
+        self.v_request_prompt.labels(name).observe(len(seq.prompt_ids))
+        self.v_request_generation.labels(name).observe(n)
+        if seq.first_token_time is not None:
+            self.v_ttft.labels(name).observe(seq.first_token_time - seq.arrival_time)
+            if n > 1:
+                self.v_tpot.labels(name).observe((seq.finish_time - seq.first_token_time) / (n - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

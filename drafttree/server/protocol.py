@@ -1,16 +1,16 @@
 """OpenAI request models, error bodies and the mapping from a request to SamplingParams."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from drafttree.sampling import SamplingParams
+from drafttree.sampling import ParamError, SamplingParams, check_text
+from drafttree.structured.params import StructuredOutputs
 
-Temperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
-TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 
@@ -35,17 +35,75 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: StrictBool | None = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParam(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+
+
+# OpenAI's parameters that have no field here: each is accepted at the values that ask for
+# nothing, and refused at any other, naming it. A parameter that is neither OpenAI's nor a
+# field here is refused as unknown: nothing sent is ignored.
+NOT_TAKEN: dict[str, tuple] = {
+    "store": (None, False), "service_tier": (None, "auto", "default"), "modalities": (None, ["text"]),
+    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
+    "verbosity": (None,), "functions": (None, []), "function_call": (None, "none"),
+}
+# Tags that never change an output (OpenAI uses them for abuse monitoring, caching and stored
+# completions): taken as any value.
+TAGS = ("metadata", "safety_identifier", "prompt_cache_key")
+
+
+def check_strings(value: Any, where: str) -> None:
+    """Every string in a request is valid Unicode: a lone surrogate ("\\ud800" in JSON) is refused
+    with a 400 naming where it is (`sampling.check_text`)."""
+    if isinstance(value, str):
+        try:
+            check_text(value, where)
+        except ParamError as e:
+            raise OpenAIError(str(e), param=e.param) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_strings(k, where)
+            check_strings(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_strings(v, f"{where}[{i}]")
+
+
 class OpenAIRequest(BaseModel):
-    """Fields common to both endpoints; unknown fields are accepted and ignored."""
+    """Fields common to both endpoints. A field outside them is checked by `check_common`: one of
+    OpenAI's that asks for nothing or a tag is taken, any other refused, naming it."""
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None
     max_tokens: PositiveInt | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
@@ -58,6 +116,60 @@ class OpenAIRequest(BaseModel):
     # drafttree's extension: at most this many draft nodes verified per round for this request
     # (0: never speculated); see SamplingParams.max_budget
     max_budget: StrictInt | None = None
+    # the output's form: OpenAI's response_format, vLLM's structured_outputs (and its older guided_*)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParam | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+
+    def structured(self) -> StructuredOutputs | None:
+        """The constraint the request asks for (one form at most), or None."""
+        forms: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            forms.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise OpenAIError("response_format of type json_schema needs json_schema.schema",
+                                  param="response_format")
+            forms.append(("response_format", {"json": rf.json_schema.schema_, "name": rf.json_schema.name or ""}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            forms.append(("structured_outputs", {k: v for k, v in (("json", so.json_), ("json_object", so.json_object),
+                                                                  ("regex", so.regex), ("choice", so.choice),
+                                                                  ("grammar", so.grammar)) if v is not None}))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                forms.append((name, {kind: getattr(self, name)}))
+        if not forms:
+            return None
+        if len(forms) > 1:
+            raise OpenAIError(f"give one form of structured output, not {' and '.join(n for n, _ in forms)}",
+                              param=forms[1][0])
+        name, kw = forms[0]
+        try:
+            return StructuredOutputs(**kw)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=name) from e
+
+    # OpenAI's and vLLM's sampling fields not yet taken: SamplingParams refuses each unless it
+    # asks for nothing (`sampling.NOT_YET`)
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[StrictStr, StrictFloat] | None = None
+    repetition_penalty: StrictFloat | None = None
+    min_p: StrictFloat | None = None
+    min_tokens: StrictInt | None = None
+    bad_words: list[StrictStr] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -70,26 +182,59 @@ class OpenAIRequest(BaseModel):
         return stops
 
     def check_common(self) -> None:
-        if self.n is not None and self.n != 1:
-            raise OpenAIError(f"n={self.n} is not supported: only one choice per request (n=1)", param="n")
+        check_strings(self.model_dump(exclude_none=True), "")
+        for name, value in (self.model_extra or {}).items():
+            if name in TAGS:
+                continue
+            if name in NOT_TAKEN:
+                if any(value == v and type(value) is type(v) or value is v for v in NOT_TAKEN[name]):
+                    continue
+                raise OpenAIError(f"{name}={value!r} is not supported by this server (only "
+                                  f"{' or '.join(map(repr, NOT_TAKEN[name]))}): it would not be applied, so the "
+                                  f"request is refused rather than answered without it", param=name)
+            raise OpenAIError(f"unknown parameter '{name}': neither OpenAI's nor one this server takes "
+                              "(docs/vllm.md lists them)", param=name, code="unknown_parameter")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def not_yet(self) -> dict[str, Any]:
+        """The fields SamplingParams takes only at their defaults, as sent (n is one of them)."""
+        names = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+                 "bad_words", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                 "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "logit_bias")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    def sampling_params(self, max_tokens: int, structured: StructuredOutputs | None = None) -> SamplingParams:
         try:
             return SamplingParams(
-                temperature=1.0 if self.temperature is None else float(self.temperature),
-                top_p=1.0 if self.top_p is None else float(self.top_p),
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0, seed=self.seed, max_tokens=max_tokens, stop=self.stop_list(),
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
-                max_budget=self.max_budget)
-        except ValueError as e:
-            raise OpenAIError(str(e)) from e
+                max_budget=self.max_budget, structured_outputs=structured, **self.not_yet(),
+                **self.more_params())
+        except ParamError as e:
+            raise OpenAIError(str(e), param=e.param) from e
+
+    def more_params(self) -> dict[str, Any]:
+        """The endpoint's own fields for SamplingParams (logprobs, best_of)."""
+        return {}
 
 
 class TextPart(BaseModel):
     type: Literal["text"]
     text: StrictStr
+
+
+class FunctionCall(BaseModel):
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
@@ -98,26 +243,85 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: StrictStr | None = None
 
-    def template_dict(self) -> dict[str, str]:
+    def template_dict(self) -> dict[str, Any]:
         if isinstance(self.content, list):
             text = "".join(p.text for p in self.content)
         else:
             text = self.content or ""
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # templates read the arguments as a mapping (OpenAI sends JSON text)
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        return out
+
+
+def _arguments(args: str | dict[str, Any]) -> Any:
+    if isinstance(args, dict):
+        return args
+    try:
+        return json.loads(args)
+    except ValueError:
+        return args
+
+
+class FunctionDef(BaseModel):
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage]
     max_completion_tokens: PositiveInt | None = None
     logprobs: StrictBool | None = False
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
 
     def check(self) -> None:
         self.check_common()
         if not self.messages:
             raise OpenAIError("messages must not be empty", param="messages")
-        if self.logprobs:
-            raise OpenAIError("logprobs are not supported", param="logprobs")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise OpenAIError("tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools or []}:
+            raise OpenAIError(f"tool_choice names the function {choice.function.name!r}, which is not among the "
+                              f"tools", param="tool_choice")
+        for i, m in enumerate(self.messages):
+            if m.model_extra:
+                raise OpenAIError(f"messages[{i}] has fields this server does not take: {sorted(m.model_extra)}",
+                                  param="messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def more_params(self) -> dict[str, Any]:
+        return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -134,12 +338,11 @@ class CompletionRequest(OpenAIRequest):
         self.check_common()
         if self.echo:
             raise OpenAIError("echo is not supported", param="echo")
-        if self.logprobs is not None:
-            raise OpenAIError("logprobs are not supported", param="logprobs")
-        if self.best_of not in (None, 1):
-            raise OpenAIError("best_of is not supported", param="best_of")
         if self.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
+
+    def more_params(self) -> dict[str, Any]:
+        return {k: v for k, v in (("logprobs", self.logprobs), ("best_of", self.best_of)) if v is not None}
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt: a string or a list of token ids (a batch of exactly one is unwrapped)."""

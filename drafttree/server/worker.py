@@ -72,6 +72,7 @@ class Snapshot:
     finish_reason: str | None = None
     rounds: int = 0
     mean_accept_length: float = 0.0
+    token_ids: tuple[int, ...] | None = None   # the output's ids, for requests that asked (tool calls)
 
     @property
     def finished(self) -> bool:
@@ -93,6 +94,7 @@ class _Add:
     params: SamplingParams
     deliver: Deliver
     budget: TokenBudget | None = None   # None: params.max_tokens as given
+    with_ids: bool = False              # snapshots carry the output's token ids
 
 
 @dataclass
@@ -148,6 +150,7 @@ class EngineWorker:
         self.metrics = metrics
         self._cmds: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._live: dict[str, tuple[Sequence, Deliver]] = {}   # engine thread only
+        self._with_ids: set[str] = set()                        # engine thread only
         self._thread: threading.Thread | None = None
         # Written by the engine thread after every command batch and step; read anywhere.
         self.num_running = 0
@@ -171,9 +174,10 @@ class EngineWorker:
         return self._thread is not None and self._thread.is_alive()
 
     async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     budget: TokenBudget | None = None) -> RequestHandle:
+                     budget: TokenBudget | None = None, with_ids: bool = False) -> RequestHandle:
         """Queue a request; returns once the engine accepted it. Raises BadRequest (a ValueError)
-        if it refused. `budget` sets params.max_tokens from the prompt's length."""
+        if it refused. `budget` sets params.max_tokens from the prompt's length; `with_ids`: its
+        snapshots carry the output's token ids."""
         if not self.alive:
             raise EngineError(self.fatal or "the engine is not running")
         loop = asyncio.get_running_loop()
@@ -185,7 +189,7 @@ class EngineWorker:
             except RuntimeError:   # the loop is closed: nobody is listening any more
                 pass
 
-        self._cmds.put(_Add(request_id, prompt, params, deliver, budget))
+        self._cmds.put(_Add(request_id, prompt, params, deliver, budget, with_ids))
         try:
             first = await q.get()
         except asyncio.CancelledError:
@@ -244,9 +248,12 @@ class EngineWorker:
                 cmd.deliver(Failed(f"{type(e).__name__}: {e}"))
                 return
             self._live[cmd.request_id] = (seq, cmd.deliver)
+            if cmd.with_ids:
+                self._with_ids.add(cmd.request_id)
             cmd.deliver(Admitted(len(seq.prompt_ids)))
         elif isinstance(cmd, _Abort):
             entry = self._live.pop(cmd.request_id, None)
+            self._with_ids.discard(cmd.request_id)
             if entry is not None:
                 self.engine.abort(entry[0])
                 if self.metrics is not None:
@@ -285,14 +292,16 @@ class EngineWorker:
             if entry is None or entry[0] is not seq:
                 continue
             deliver = entry[1]
+            ids = tuple(seq.output_ids) if rid in self._with_ids else None
             if seq.finished:
                 del self._live[rid]
+                self._with_ids.discard(rid)
                 deliver(Snapshot(seq.text, len(seq.output_ids), seq.finish_reason or "stop",
-                                 seq.stats.rounds, seq.stats.mean_accept_length))
+                                 seq.stats.rounds, seq.stats.mean_accept_length, ids))
                 if self.metrics is not None:
-                    self.metrics.request_finished(seq.finish_reason)
+                    self.metrics.request_finished(seq.finish_reason, seq)
             else:
-                deliver(Snapshot(seq.text, len(seq.output_ids)))
+                deliver(Snapshot(seq.text, len(seq.output_ids), token_ids=ids))
         return True
 
     def _fail_all(self, message: str) -> None:
@@ -303,6 +312,7 @@ class EngineWorker:
                 log.exception("abort failed")
             deliver(Failed(message))
         self._live.clear()
+        self._with_ids.clear()
         self._publish()
 
     def _publish(self) -> None:

@@ -20,12 +20,14 @@ from drafttree.sampling import SampleMode, pick_tokens
 from drafttree.spec_decode.acceptance import expected_accept, predictions_at
 from drafttree.spec_decode.state import RoundContext
 from drafttree.spec_decode.tree import DraftTree, accept, build_tree, chain_tree
+from drafttree.structured.masks import apply_token_masks
 
 
-def decode_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode) -> None:
+def decode_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, masked: bool = False) -> None:
     """One target token per row. With a drafter (speculation off for this round), the token's
     features are appended to the pending ones (`context_phase` writes them into its cache), so
-    that drafting can resume at any round."""
+    that drafting can resume at any round. `masked`: the pick takes column 0 of the grammar
+    buffers' masks (a constrained batch)."""
     s = rc.state
     start, bonus = s.start[:B], s.bonus[:B]
     ones = torch.ones(B, 1, 1, dtype=torch.bool, device=start.device)
@@ -33,7 +35,10 @@ def decode_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode) -> Non
     hidden, aux = rc.target(bonus[:, None], start[:, None], meta, rc.kv.k, rc.kv.v, rc.capture_layers)
     if rc.drafter is not None:
         _append_pending(s.ctx_n[:B], s.ctx_feat[:B], aux[:, 0])
-    picks = pick_tokens(rc.target.logits(hidden), s.sampling, start[:, None] + 1, mode)[:, 0]
+    logits = rc.target.logits(hidden)
+    if masked:
+        logits = apply_token_masks(logits, s.grammar.masks[:B, :1])
+    picks = pick_tokens(logits, s.sampling, start[:, None] + 1, mode)[:, 0]
     s.out_tokens[:B, 0] = picks
     s.out_n[:B] = 1
     s.bonus[:B] = picks
@@ -135,17 +140,32 @@ def draft_phase(rc: RoundContext, B: int, kv_len: int) -> DraftTree:
     return rc.state.store_tree(make_tree(rc, draft(rc, B, kv_len), B))
 
 
+def candidates_phase(rc: RoundContext, B: int, kv_len: int) -> None:
+    """A constrained round's draft: one block drafted (context written as `draft` does), and the
+    top K tokens of each drafted position with their log-probabilities left in the grammar
+    buffers, from which the host grows the tree along each path's grammar state."""
+    g = rc.state.grammar
+    logits = draft(rc, B, kv_len)
+    D, K = logits.shape[1], g.cand_idx.shape[2]
+    lp, idx = dispatch.top_log_probs(logits, K)
+    g.cand_lp[:B, :D] = lp.float()
+    g.cand_idx[:B, :D] = idx
+
+
 def verify_forward(rc: RoundContext, B: int, kv_len: int, tree: DraftTree,
-                   mode: SampleMode) -> tuple[torch.Tensor, torch.Tensor]:
-    """One target forward over the tree; returns the target's pick at every node and the
-    features of every node."""
+                   mode: SampleMode, masked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over the tree; returns the target's pick at every node (`masked`: each
+    node's logits masked by its grammar mask first) and the features of every node."""
     s = rc.state
     start = s.start[:B]
     # node i sits in cache slot start+i, at rope position start+depth(i)
     pos = start[:, None] + tree.depth
     meta = attn_meta(start, tree.visible, kv_len, block_table=s.block_table[:B], page_size=rc.page_size)
     hidden, aux = rc.target(tree.tokens, pos, meta, rc.kv.k, rc.kv.v, rc.capture_layers)
-    return pick_tokens(rc.target.logits(hidden), s.sampling, pos + 1, mode), aux
+    logits = rc.target.logits(hidden)
+    if masked:
+        logits = apply_token_masks(logits, s.grammar.masks[:B, :tree.num_nodes])
+    return pick_tokens(logits, s.sampling, pos + 1, mode), aux
 
 
 def accept_commit(rc: RoundContext, B: int, tree: DraftTree, picks: torch.Tensor, aux: torch.Tensor) -> None:
@@ -153,13 +173,15 @@ def accept_commit(rc: RoundContext, B: int, tree: DraftTree, picks: torch.Tensor
     commit(rc, B, acc.path, acc.accept_len, acc.tokens, aux)
 
 
-def verify_phase(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, budget: int | None = None) -> None:
+def verify_phase(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, budget: int | None = None,
+                 masked: bool = False) -> None:
     """Verify the tree the draft phase left in the round state at `budget` (default: the
-    bucket's largest, the tree's own): its first budget + 1 columns, the best tree of that budget."""
+    bucket's largest, the tree's own): its first budget + 1 columns, the best tree of that budget.
+    `masked`: a constrained round's tree and masks, which the host wrote there."""
     width = rc.spec.width(Phase.VERIFY, rc.batch_bucket(B), budget)
     tree = rc.state.tree_at(B, width)
     assert tree.num_nodes == width, f"a tree of {tree.num_nodes} nodes for verify width {width}"
-    accept_commit(rc, B, tree, *verify_forward(rc, B, kv_len, tree, mode))
+    accept_commit(rc, B, tree, *verify_forward(rc, B, kv_len, tree, mode, masked))
 
 
 def spec_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, budget: int | None = None) -> None:

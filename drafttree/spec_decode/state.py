@@ -36,6 +36,7 @@ class RoundState:
     tree: DraftTree | None = None   # [R, T] (visible [R, T, T]): the draft phase's tree, which the verify
                                  # phase reads (a verify graph replays after any draft that wrote it);
                                  # T = spec.verify_width_max; None without speculation
+    grammar: GrammarBuffers | None = None   # a constrained round's inputs and outputs (structured output)
 
     @property
     def out_n(self) -> torch.Tensor:      # [R]
@@ -111,6 +112,24 @@ class RoundState:
         for t in (self.start, self.bonus, self.ctx_feat, self.ctx_n, self.out, self.block_table):
             t[dst] = t[src]
         self.sampling.copy_row(src, dst)
+
+
+@dataclass
+class GrammarBuffers:
+    """What a constrained round reads and writes besides the tree: the token masks of every row and
+    node [R, T, words] (int32 bits, written by the host before the verify or decode step; column
+    0 is a decode step's) and the draft step's candidates, the top K tokens of each drafted
+    position [R, D, K] with their log-probabilities, which the host builds the tree from."""
+    masks: torch.Tensor          # [R, T, words] int32
+    cand_lp: torch.Tensor        # [R, D, K] float32
+    cand_idx: torch.Tensor       # [R, D, K] long
+
+    @classmethod
+    def allocate(cls, rows: int, nodes: int, words: int, depth: int, k: int,
+                 device: torch.device | str) -> "GrammarBuffers":
+        return cls(torch.full((rows, nodes, words), -1, dtype=torch.int32, device=device),
+                   torch.zeros(rows, depth, k, device=device),
+                   torch.zeros(rows, depth, k, dtype=torch.long, device=device))
 
 
 @dataclass(frozen=True)

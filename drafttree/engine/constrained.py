@@ -1,0 +1,112 @@
+"""Constrained rounds (structured output) on the engine's side: a request's grammar compiled to a
+matcher when it is added, its first token's mask at prefill, the constrained round's launch (a
+masked decode step, or a draft whose candidates the host reads, the trees grown along each
+path's grammar state, then the masked verify) and the matchers advanced over committed tokens.
+
+A constrained round is read before the next one launches (its trees need the tokens it commits),
+so batches holding a constrained request do not overlap their rounds; others keep overlapping.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from drafttree.engine.sequence import Sequence
+from drafttree.phases import Phase
+from drafttree.runner.model_runner import ModelRunner, PrefillChunk
+from drafttree.sampling import SampleMode
+from drafttree.structured.grammar import ALL_ALLOWED, GrammarCompiler
+from drafttree.structured.tree import build_trees
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ConstrainedTimes:
+    """Host seconds of the constrained rounds since the last reset: waiting for the draft's
+    candidates (the round's one sync), growing the trees with their masks, and the masks of
+    decode steps and first tokens."""
+    rounds: int = 0
+    candidates_wait_s: float = 0.0
+    tree_build_s: float = 0.0
+    decode_masks_s: float = 0.0
+    per_round: list[float] = field(default_factory=list)
+
+
+class Constrained:
+    """One engine's grammars and its constrained rounds."""
+
+    def __init__(self, runner: ModelRunner, tokenizer, vocab: int, eos_ids: set[int]) -> None:
+        self.runner, self.tokenizer, self.vocab, self.eos_ids = runner, tokenizer, vocab, set(eos_ids)
+        self._compiler: GrammarCompiler | None = None
+        self.times = ConstrainedTimes()
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """Built at the first constrained request (reading the vocabulary takes up to a second)."""
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer; this model has none")
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab, self.eos_ids)
+        return self._compiler
+
+    def attach(self, seq: Sequence) -> None:
+        """Compile the request's constraint (ValueError naming what is wrong, before it runs)."""
+        so = seq.params.structured_outputs
+        if so is not None:
+            seq.grammar = self.compiler.matcher(so)
+
+    def first_masks(self, chunks: list[tuple[Sequence, PrefillChunk]]) -> None:
+        """The first-token mask of each chunk that ends a constrained request's prefill."""
+        for seq, c in chunks:
+            if seq.grammar is not None and c.row >= 0 and c.bonus is None:
+                c.mask = self.masks([seq])[0]
+
+    def masks(self, seqs: list[Sequence]) -> np.ndarray:
+        """[len(seqs), words]: each constrained request's mask at its current state; the others all allowed."""
+        t0 = time.perf_counter()
+        out = np.full((len(seqs), self.compiler.words), ALL_ALLOWED, dtype=np.int32)
+        self.compiler.fill_masks([(s.grammar, i) for i, s in enumerate(seqs) if s.grammar is not None], out)
+        self.times.decode_masks_s += time.perf_counter() - t0
+        return out
+
+    def launch(self, running: list[Sequence], mode: SampleMode, max_length: int, budget: int) -> None:
+        """Run a constrained round over rows 0..B-1 (`running`) at `budget` (0: a masked decode step)."""
+        r, B = self.runner, len(running)
+        spec = r.spec
+        t0 = time.perf_counter()
+        if budget == 0:
+            r.run_masked_decode(B, mode, max_length, self.masks(running))
+        else:
+            r.run_candidates(B, mode, max_length)
+            lp, idx = r.candidates(B)
+            t1 = time.perf_counter()
+            bucket = r.cache_cfg.batch_bucket(B)
+            trees = build_trees(lp, idx, [s.output_ids[-1] for s in running], spec.width(Phase.VERIFY, bucket, budget),
+                                [s.grammar for s in running], spec.method == "dflash", self.compiler, self.eos_ids,
+                                rows=bucket)
+            t2 = time.perf_counter()
+            r.run_masked_verify(B, mode, max_length, budget, trees)
+            self.times.candidates_wait_s += t1 - t0
+            self.times.tree_build_s += t2 - t1
+        self.times.rounds += 1
+
+    def advance(self, seq: Sequence, kept: list[int]) -> None:
+        """Move the request's matcher over the tokens it committed; a grammar that is complete ends
+        the request where the model has no end-of-sequence token to emit."""
+        m = seq.grammar
+        if m is None or not kept:
+            return
+        took = m.advance(kept)
+        if took < len(kept):   # the masks allow only what the grammar takes: a defect, said loudly
+            log.error("request %s: the grammar refused token %d of the committed ones (%s)", seq.request_id,
+                      kept[took], m.error)
+            seq.finish("abort")
+        elif m.stopped and not self.eos_ids:
+            seq.finish("stop")
+
+    def reset(self) -> None:
+        self.times = ConstrainedTimes()

@@ -1,0 +1,238 @@
+"""Tool calls in each chat-template family's own format: how a reply spells them (to parse it,
+whole or while it streams) and the grammar that forces them (tool_choice "required" or a named
+function), so that a forced call always parses and its arguments follow the function's schema.
+
+- hermes: Hermes / Qwen2.5 / Qwen3 / ChatML models, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
+- kimi_k2: Kimi K2, `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
+  {...}<|tool_call_end|>...<|tool_calls_section_end|>`
+- llama3_json: Llama 3.1+, `{"name": ..., "parameters": {...}}` (calls joined by "; ", after `<|python_tag|>` or not)
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from drafttree.engine.config import TOOL_CALL_PARSERS
+
+PARSER_NAMES = TOOL_CALL_PARSERS
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str     # JSON text, as OpenAI sends it
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _args_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _schema(tool: dict[str, Any]) -> dict[str, Any]:
+    params = tool["function"].get("parameters")
+    return params if isinstance(params, dict) and params else {"type": "object"}
+
+
+class ToolParser:
+    """One family's format. `begin`: the text that opens the reply's tool calls."""
+    name = ""
+    begin = ""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def literal(self, text: str) -> str:
+        """`text` in a Lark grammar: the special token by id where the tokenizer has it as one
+        (its bytes can never be spelled by other tokens), else a string."""
+        tok = self.tokenizer
+        if tok is not None:
+            tid = tok.convert_tokens_to_ids(text)
+            unk = getattr(tok, "unk_token_id", None)
+            if isinstance(tid, int) and tid != unk and text in (tok.get_added_vocab() or {}):
+                return f"<[{tid}]>"
+        return json.dumps(text)
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        """Lark: one call of any of `tools` (several with `parallel`), then the end."""
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content before the calls, or None; the calls) of a whole reply."""
+        raise NotImplementedError
+
+    def content_end(self, text: str) -> int:
+        """How much of a growing reply is content for sure: up to where its calls begin, less a
+        tail that could still become `begin`."""
+        at = text.find(self.begin)
+        if at >= 0:
+            return at
+        for k in range(min(len(self.begin) - 1, len(text)), 0, -1):
+            if self.begin.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+    def describe(self, tools: list[dict[str, Any]]) -> str:
+        """A system prompt naming the tools and this format, for chat templates that do not
+        render tools themselves."""
+        specs = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return ("Functions you can call, one JSON signature per line:\n" + specs +
+                "\n\nTo call functions, reply with the calls alone, each written as:\n" + self.example())
+
+    def example(self) -> str:
+        raise NotImplementedError
+
+
+def _alternatives(rules: list[str]) -> str:
+    return " | ".join(rules)
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    begin = "<tool_call>"
+    _call = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        more = ' ("\\n" call)*' if parallel else ""
+        lines = [f"start: call{more}",
+                 f"call: {self.literal('<tool_call>')} \"\\n\" ({_alternatives([f'fn{i}' for i in range(len(tools))])}) "
+                 f"\"\\n\" {self.literal('</tool_call>')}"]
+        for i, t in enumerate(tools):
+            head = json.dumps('{"name": ' + json.dumps(t["function"]["name"]) + ', "arguments": ')
+            lines.append(f"fn{i}: {head} %json {json.dumps(_schema(t))} \"}}\"")
+        return "\n".join(lines)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = text.find(self.begin)
+        if at < 0:
+            return (text or None), []
+        calls = []
+        for body in self._call.findall(text[at:]):
+            try:
+                obj = json.loads(body)
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+                calls.append(ToolCall(call_id(), obj["name"], _args_text(obj.get("arguments", {}))))
+        if not calls:
+            return (text or None), []
+        content = text[:at].strip()
+        return (content or None), calls
+
+    def example(self) -> str:
+        return '<tool_call>\n{"name": "NAME", "arguments": {ARGUMENTS}}\n</tool_call>'
+
+
+class KimiK2Parser(ToolParser):
+    name = "kimi_k2"
+    begin = "<|tool_calls_section_begin|>"
+    _call = re.compile(r"<\|tool_call_begin\|>\s*([^<\s]+)\s*<\|tool_call_argument_begin\|>\s*(.*?)\s*"
+                       r"(?:<\|tool_call_end\|>|$)", re.S)
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        L = self.literal
+        lines = [f"start: {L('<|tool_calls_section_begin|>')} call{'+' if parallel else ''} "
+                 f"{L('<|tool_calls_section_end|>')}",
+                 f"call: {L('<|tool_call_begin|>')} ({_alternatives([f'fn{i}' for i in range(len(tools))])}) "
+                 f"{L('<|tool_call_end|>')}"]
+        for i, t in enumerate(tools):
+            head = json.dumps("functions." + t["function"]["name"] + ":")
+            lines.append(f"fn{i}: {head} /[0-9]+/ {L('<|tool_call_argument_begin|>')} %json {json.dumps(_schema(t))}")
+        return "\n".join(lines)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = text.find(self.begin)
+        if at < 0:
+            return (text or None), []
+        calls = []
+        for ident, args in self._call.findall(text[at:]):
+            name = ident.split(":")[0].split(".", 1)[-1]
+            if name:
+                calls.append(ToolCall(ident, name, args))
+        if not calls:
+            return (text or None), []
+        content = text[:at].strip()
+        return (content or None), calls
+
+    def example(self) -> str:
+        return ("<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>"
+                "{ARGUMENTS}<|tool_call_end|><|tool_calls_section_end|>")
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    begin = "<|python_tag|>"
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        more = ' ("; " call)*' if parallel else ""
+        lines = [f"start: call{more}",
+                 f"call: {_alternatives([f'fn{i}' for i in range(len(tools))])}"]
+        for i, t in enumerate(tools):
+            head = json.dumps('{"name": ' + json.dumps(t["function"]["name"]) + ', "parameters": ')
+            lines.append(f"fn{i}: {head} %json {json.dumps(_schema(t))} \"}}\"")
+        return "\n".join(lines)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip()
+        if body.startswith(self.begin):
+            body = body[len(self.begin):].strip()
+        if not body.startswith("{"):
+            return (text or None), []
+        calls, dec, i = [], json.JSONDecoder(), 0
+        while i < len(body):
+            try:
+                obj, end = dec.raw_decode(body, i)
+            except ValueError:
+                break
+            if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+                break
+            args = obj.get("parameters", obj.get("arguments", {}))
+            calls.append(ToolCall(call_id(), obj["name"], _args_text(args)))
+            i = end
+            while i < len(body) and body[i] in " ;\n":
+                i += 1
+        if not calls or i < len(body):
+            return (text or None), []
+        return None, calls
+
+    def content_end(self, text: str) -> int:
+        stripped = text.lstrip()
+        if not stripped or stripped.startswith("{") or self.begin.startswith(stripped[:len(self.begin)]):
+            return 0   # a reply that may be a call: held until it is parsed whole
+        return len(text)
+
+    def example(self) -> str:
+        return '{"name": "NAME", "parameters": {ARGUMENTS}}'
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, KimiK2Parser, Llama3JsonParser)}
+
+
+def detect(chat_template: str | None) -> str:
+    """The parser for a chat template: by the markers it writes; Hermes's otherwise (ChatML)."""
+    t = chat_template or ""
+    if "<|tool_calls_section_begin|>" in t or "<|tool_call_begin|>" in t:
+        return "kimi_k2"
+    if "<tool_call>" in t:
+        return "hermes"
+    if "<|python_tag|>" in t or ("<|start_header_id|>" in t and "parameters" in t):
+        return "llama3_json"
+    return "hermes"
+
+
+def make_parser(tokenizer: Any, name: str | None = None) -> ToolParser:
+    """The parser `name` (a `--tool-call-parser`), else the one the model's chat template writes."""
+    if name is None:
+        name = detect(getattr(tokenizer, "chat_template", None) if tokenizer is not None else None)
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(PARSER_NAMES)}")
+    return PARSERS[name](tokenizer)

@@ -1,0 +1,116 @@
+"""A chat request's tools: the prompt (the chat template renders them; a template that ignores
+them gets them described in a system message), the grammar that forces a call (tool_choice
+"required" or a named function), and the reply's calls, whole or streamed as OpenAI streams them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from drafttree.server.protocol import ChatCompletionRequest, NamedToolChoice, OpenAIError
+from drafttree.server.tool_parsers import ToolCall, ToolParser
+from drafttree.structured.params import StructuredOutputs
+
+
+@dataclass
+class ToolPlan:
+    """What a request's tools change: `tools` as the template takes them, the parser of the
+    model's format, `forced` (a call is required: all tools, or the one named) and `parallel`."""
+    tools: list[dict[str, Any]]
+    parser: ToolParser
+    forced: list[dict[str, Any]] | None
+    parallel: bool
+    named: bool
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest, parser: ToolParser) -> "ToolPlan | None":
+        """None without tools or with tool_choice "none" (the tools are then not shown to the model)."""
+        if not req.tools or req.tool_choice == "none":
+            return None
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        choice = req.tool_choice
+        parallel = req.parallel_tool_calls is not False
+        if isinstance(choice, NamedToolChoice):
+            forced = [t for t in tools if t["function"]["name"] == choice.function.name]
+            return cls(tools, parser, forced, False, True)
+        return cls(tools, parser, tools if choice == "required" else None, parallel, False)
+
+    def structured(self) -> StructuredOutputs | None:
+        if self.forced is None:
+            return None
+        return StructuredOutputs(grammar=self.parser.grammar(self.forced, self.parallel), name="tool call")
+
+    def messages(self, messages: list[dict[str, Any]], renders_tools: bool) -> list[dict[str, Any]]:
+        """The conversation as the template gets it: as is where the template renders `tools`,
+        else with the tools described in the system message."""
+        if renders_tools:
+            return messages
+        note = self.parser.describe(self.tools)
+        if messages and messages[0]["role"] == "system":
+            return [{**messages[0], "content": messages[0]["content"] + "\n\n" + note}] + messages[1:]
+        return [{"role": "system", "content": note}] + messages
+
+    def reply(self, text: str, finish_reason: str, plain: str | None = None) -> tuple[dict[str, Any], str]:
+        """(the message, its finish reason) of a whole reply: calls parsed out of it; `plain`: the
+        reply's text without special tokens, the content where it holds no call."""
+        content, calls = self.parser.parse(text)
+        if not calls:
+            return {"role": "assistant", "content": text if plain is None else plain}, finish_reason
+        if not self.parallel:
+            calls = calls[:1]
+        msg = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+        return msg, finish_reason if self.named or finish_reason != "stop" else "tool_calls"
+
+
+def check_tools_and_format(req: ChatCompletionRequest, plan: ToolPlan | None,
+                           structured: StructuredOutputs | None) -> None:
+    if plan is not None and plan.forced is not None and structured is not None:
+        raise OpenAIError("a forced tool call (tool_choice 'required' or a named function) cannot also take a "
+                          "response_format or structured outputs: the call's arguments follow the function's "
+                          "parameters", param="tool_choice")
+
+
+@dataclass
+class ToolStream:
+    """A streamed reply's tool calls: content until the calls begin, then each call once it is
+    whole: a delta with its id, type and name, then one with its arguments."""
+    plan: ToolPlan
+    content_sent: int = 0
+    calls_sent: int = 0
+
+    def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
+        """The chat deltas that text (the reply so far) adds; `final`: the reply is whole."""
+        parser = self.plan.parser
+        if final:
+            calls = parser.parse(text)[1]
+            at = text.find(parser.begin)
+            content_end = len(text) if not calls else at if at >= 0 else 0
+        else:
+            content_end = parser.content_end(text)
+            whole = self._complete_end(text)
+            calls = parser.parse(text[:whole])[1] if whole else []
+        out: list[dict[str, Any]] = []
+        if content_end > self.content_sent:
+            piece = text[self.content_sent:content_end]
+            if final and calls:
+                piece = piece.rstrip()
+            if piece:
+                out.append({"content": piece})
+            self.content_sent = content_end
+        if not self.plan.parallel:
+            calls = calls[:1]
+        for i in range(self.calls_sent, len(calls)):
+            c: ToolCall = calls[i]
+            out.append({"tool_calls": [{"index": i, "id": c.id, "type": "function",
+                                        "function": {"name": c.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
+        self.calls_sent = max(self.calls_sent, len(calls))
+        return out
+
+    def _complete_end(self, text: str) -> int:
+        """Where the last whole call of a growing reply ends (0: none yet)."""
+        p = self.plan.parser
+        ends = {"hermes": "</tool_call>", "kimi_k2": "<|tool_call_end|>"}.get(p.name)
+        if ends is None:
+            return 0   # llama3_json: a call is known whole only at the end
+        at = text.rfind(ends)
+        return at + len(ends) if at >= 0 and p.begin in text else 0

@@ -1,0 +1,177 @@
+"""Grammars on llguidance: the tokenizer's view it needs (built once per engine), compiling a
+request's constraint to a matcher (errors refused by name, before the request runs) and the
+matcher's host-side use: token masks, forced tokens, advancing over committed tokens."""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from drafttree.structured.params import StructuredOutputs
+
+log = logging.getLogger(__name__)
+
+CACHE_SIZE = 256        # compiled grammars kept (their text, validated) per engine
+ALL_ALLOWED = -1        # a bitmask word with every token allowed
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:   # a dependency of the package; a broken install says so here
+        raise ValueError(f"structured outputs need the llguidance package ({e})") from None
+    return llguidance
+
+
+def mask_words(vocab: int) -> int:
+    """int32 words of a token bitmask over `vocab` ids (bit t % 32 of word t // 32: token t allowed)."""
+    return (vocab + 31) // 32
+
+
+class _ByteTokens:
+    """A tokenizer as llguidance's generic wrapper reads it: every id's bytes (decoded alone),
+    for tokenizers whose pipeline llguidance cannot read from its JSON (word-level ones)."""
+
+    def __init__(self, tokenizer: Any, vocab: int, eos: int) -> None:
+        n = len(tokenizer)
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self.tokens = [tokenizer.decode([i]).encode("utf-8") if i < n else b"" for i in range(vocab)]
+        self.special_token_ids = sorted(i for i in special if i < vocab)
+        self.eos_token_id = eos
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        self._tok = tokenizer
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        s = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+        return self._tok.encode(s, add_special_tokens=False)
+
+
+def llg_tokenizer(tokenizer: Any, vocab: int, eos_ids: set[int]):
+    """llguidance's tokenizer for a Hugging Face one, over `vocab` ids (the logits' width: ids past
+    the tokenizer's are never allowed), with every id of `eos_ids` as an end of sequence."""
+    llg = _llguidance()
+    eos = sorted(eos_ids) or None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        b = copy.copy(backend)
+        b.no_padding()
+        b.no_truncation()
+        try:
+            return llg.LLTokenizer(b.to_str(), n_vocab=vocab, eos_token=eos)
+        except Exception as e:   # a pipeline llguidance does not read (e.g. word-level): bytes per id
+            log.info("llguidance reads the tokenizer id by id (%s)", e)
+    first = eos[0] if eos else 0
+    return llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokens(tokenizer, vocab, first)), n_vocab=vocab,
+                           eos_token=eos)
+
+
+def grammar_text(so: StructuredOutputs) -> str:
+    """llguidance's grammar for a constraint (not yet checked: `GrammarCompiler.check` does)."""
+    llg = _llguidance()
+    kind = so.kind
+    if kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+    if kind == "json":
+        schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        return llg.LLMatcher.grammar_from_json_schema(schema)
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(so.regex)
+    if kind == "choice":
+        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
+    try:
+        return llg.grammar_from("grammar", so.grammar)
+    except ValueError as e:
+        raise ValueError(f"structured outputs: the grammar is neither Lark nor GBNF: {e}") from None
+
+
+class GrammarCompiler:
+    """One engine's grammars: compiles constraints to matchers over the engine's vocabulary,
+    caching each grammar's checked text."""
+
+    def __init__(self, tokenizer: Any, vocab: int, eos_ids: set[int]) -> None:
+        self.llg = _llguidance()
+        self.vocab, self.eos_ids = vocab, set(eos_ids)
+        self.tokenizer = llg_tokenizer(tokenizer, vocab, self.eos_ids)
+        self.words = mask_words(vocab)
+        self._cache: OrderedDict[str, str] = OrderedDict()
+        self.executor = self.llg.LLExecutor()
+
+    def compile(self, so: StructuredOutputs) -> str:
+        """The checked grammar text of a constraint; ValueError naming what is wrong or unsupported
+        (a JSON schema keyword llguidance does not implement, a bad regex, a Lark error)."""
+        key = so.key()
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        text = grammar_text(so)
+        is_error, messages = self.llg.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+        if is_error:
+            what = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar"}[so.kind]
+            raise ValueError(f"structured outputs: the {what} is not supported: {messages[0].strip()}")
+        self._cache[key] = text
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return text
+
+    def matcher(self, so: StructuredOutputs) -> "Matcher":
+        m = self.llg.LLMatcher(self.tokenizer, self.compile(so), log_level=0)
+        if m.is_error():
+            raise ValueError(f"structured outputs: {m.get_error()}")
+        return Matcher(m, self)
+
+    def fill_masks(self, states: list[tuple["Matcher", int]], out: np.ndarray) -> None:
+        """Row i of out [N, words] int32 := the mask of each (matcher, i), computed in parallel;
+        a state that allows nothing (a matcher in error) gets its end-of-sequence ids."""
+        if not states:
+            return
+        self.executor.unsafe_compute_mask_ptr([(m.m, i) for m, i in states], out.ctypes.data, self.words * 4,
+                                              out.shape[0])
+        empty = [i for _, i in states if not out[i].any()]
+        for i in empty:
+            out[i] = 0 if self.eos_ids else ALL_ALLOWED
+            words = out[i].view(np.uint32)
+            for e in self.eos_ids:
+                words[e >> 5] |= np.uint32(1 << (e & 31))
+
+
+class Matcher:
+    """A request's grammar state on the host: it advances over committed tokens only; drafting
+    works on copies (`fork`)."""
+
+    def __init__(self, m: Any, compiler: GrammarCompiler) -> None:
+        self.m, self.compiler = m, compiler
+
+    def fork(self) -> "Matcher":
+        return Matcher(self.m.deep_copy(), self.compiler)
+
+    def allows(self, token: int) -> bool:
+        return self.m.validate_tokens([token]) == 1
+
+    def forced(self) -> list[int]:
+        """Tokens the grammar forces next (its only continuation, tokenized canonically)."""
+        return self.m.compute_ff_tokens()
+
+    def consume(self, token: int) -> bool:
+        return self.m.consume_token(token)
+
+    def advance(self, tokens: list[int]) -> int:
+        """Consume committed tokens; returns how many the grammar took (all, unless one was
+        forbidden: a defect upstream, which the caller reports)."""
+        n = self.m.try_consume_tokens(tokens) if tokens else 0
+        if n < len(tokens) and self.m.is_accepting() and self.m.consume_token(tokens[n]):
+            n += 1   # an end of sequence where the grammar may end (try_consume_tokens takes none)
+        return n
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar admits no more tokens (only an end of sequence)."""
+        return self.m.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.m.get_error()

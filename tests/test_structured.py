@@ -1,0 +1,208 @@
+"""Structured output on tiny random models (CPU, fp32): every constrained output of DFlash and
+DDTree equals plain constrained decoding's (`spec none`) token for token, greedy and seeded, in
+batches mixing constrained and free requests; plain constrained decoding equals an independent
+masked greedy decode of the same model; the host's draft trees hold only tokens the grammar
+allows along their paths; constraints the grammar engine cannot honour are refused by name."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("llguidance", reason="structured outputs run on llguidance (a dependency)")
+
+from drafttree import LLM, SamplingParams  # noqa: E402
+from drafttree.structured.grammar import GrammarCompiler  # noqa: E402
+from drafttree.structured.params import StructuredOutputs  # noqa: E402
+from drafttree.structured.tree import build_trees, grow  # noqa: E402
+from tests.tiny import make_drafter, make_target, write_tokenizer  # noqa: E402
+
+VOCAB = 128           # the character tokenizer's printable ASCII, then fillers
+EOS = "<extra_0>"
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "b": {"enum": ["xy", "zzz"]}, "c": {"type": "string", "maxLength": 4}},
+          "required": ["a", "b", "c"], "additionalProperties": False}
+REGEX = "[a-z]{2,6}-[0-9]{2}"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("structured")
+    target = make_target(root / "target", "qwen3", vocab=VOCAB, scale=3.0)
+    write_tokenizer(target, VOCAB)
+    tok = AutoTokenizer.from_pretrained(str(target))
+    tok.eos_token = EOS
+    tok.save_pretrained(str(target))
+    return target, make_drafter(root / "drafter", target, block_size=4), tok
+
+
+def engine(pair, spec: str, budget: int | None = None) -> LLM:
+    target, drafter, _ = pair
+    return LLM(model=str(target), draft_model=None if spec == "none" else str(drafter), spec=spec, budget=budget,
+               device="cpu", dtype="float32", max_num_seqs=4, max_model_len=160)
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    return engine(pair, "none")
+
+
+def batch() -> tuple[list[str], list[SamplingParams]]:
+    """Constrained and free requests together, greedy and seeded."""
+    schema, regex = StructuredOutputs(json=SCHEMA), StructuredOutputs(regex=REGEX)
+    params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=schema),
+              SamplingParams(temperature=0, max_tokens=24, structured_outputs=regex),
+              SamplingParams(temperature=0, max_tokens=12),
+              SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=7, max_tokens=48, structured_outputs=schema)]
+    return ["hello", "abc", "xyz", "q"], params
+
+
+def check_valid(outs) -> None:
+    schema_out, regex_out = outs[0], outs[1]
+    for o in (schema_out, outs[3]):
+        assert o.finish_reason == "stop", o.text
+        obj = json.loads(o.text)
+        assert set(obj) == {"a", "b", "c"} and obj["b"] in ("xy", "zzz") and 0 <= obj["a"] <= 999
+    assert regex_out.finish_reason == "stop" and re.fullmatch(REGEX, regex_out.text), regex_out.text
+
+
+@pytest.mark.parametrize("spec,budget", [("ddtree", 8), ("dflash", None)])
+def test_speculative_constrained_equals_plain(pair, plain, spec, budget):
+    prompts, params = batch()
+    want = plain.generate(prompts, params)
+    check_valid(want)
+    got = engine(pair, spec, budget).generate(prompts, params)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids, (g.text, w.text)
+        assert g.finish_reason == w.finish_reason
+    # drafted tokens were accepted inside the grammar (forced keys, allowed candidates)
+    assert max(t for o in got[:2] for t in o.metrics["accept_lengths"]) >= 3
+
+
+def test_decode_and_drafting_rounds_alternate(pair, plain):
+    """A free request capped at budget 0 makes its rounds masked decode steps (with the drafter's
+    context kept); once it ends, the constrained rounds draft again: the same tokens throughout."""
+    prompts, params = batch()
+    params[2] = SamplingParams(temperature=0, max_tokens=9, max_budget=0)
+    want = plain.generate(prompts, params)
+    got = engine(pair, "ddtree", 8).generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert 1 in got[0].metrics["accept_lengths"] and max(got[0].metrics["accept_lengths"]) > 1
+
+
+def masked_greedy(target, tok, compiler: GrammarCompiler, so: StructuredOutputs, prompt: str, n: int) -> list[int]:
+    """Plain constrained greedy decoding with transformers' forward of the same checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    m = compiler.matcher(so)
+    ids = tok.encode(prompt)
+    out: list[int] = []
+    mask = np.zeros((1, compiler.words), dtype=np.int32)
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + out])).logits[0, -1]
+        compiler.fill_masks([(m, 0)], mask)
+        bits = np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:VOCAB].astype(bool)
+        logits[~torch.from_numpy(bits)] = float("-inf")
+        t = int(logits.argmax())
+        out.append(t)
+        if t == tok.eos_token_id:
+            break
+        assert m.advance([t]) == 1
+    return out
+
+
+def test_plain_constrained_equals_independent_masked_decode(pair, plain):
+    target, _, tok = pair
+    so = StructuredOutputs(regex=REGEX)
+    (out,) = plain.generate(["abc"], SamplingParams(temperature=0, max_tokens=24, structured_outputs=so))
+    compiler = plain.engine.constrained.compiler
+    assert out.token_ids == masked_greedy(target, tok, compiler, so, "abc", 24)
+
+
+def test_seeded_constrained_sampling_follows_the_masked_distribution(pair, plain):
+    """At T = 1 the first token of `choice` over many seeds is distributed as the target's softmax
+    restricted to the tokens the grammar allows (chi-square, p > 0.001)."""
+    from transformers import AutoModelForCausalLM
+
+    target, _, tok = pair
+    so = StructuredOutputs(choice=("a1", "b2", "c3", "d4"))
+    n = 240
+    outs = plain.generate(["zz"] * n, [SamplingParams(temperature=1.0, seed=s, max_tokens=1, structured_outputs=so)
+                                       for s in range(n)])
+    first = [o.token_ids[0] for o in outs]
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([tok.encode("zz")])).logits[0, -1]
+    allowed = [tok.convert_tokens_to_ids(c) for c in "abcd"]
+    p = torch.softmax(logits[allowed], -1).tolist()
+    counts = [first.count(t) for t in allowed]
+    assert sum(counts) == n, "a token the grammar forbids was sampled"
+    chi2 = sum((c - n * q) ** 2 / (n * q) for c, q in zip(counts, p))
+    assert chi2 < 16.27, (counts, p)   # 3 degrees of freedom, p = 0.001
+
+
+def test_trees_hold_only_allowed_tokens(pair, plain):
+    compiler = plain.engine.constrained.compiler
+    _, _, tok = pair
+    m = compiler.matcher(StructuredOutputs(json=SCHEMA))
+    D, K = 3, 6
+    g = torch.Generator().manual_seed(0)
+    lp = torch.log_softmax(torch.randn(1, D, VOCAB, generator=g), -1)
+    top_lp, top_idx = (x.numpy() for x in lp.topk(K, -1))
+    toks, parents, depths, states = grow(top_lp[0], top_idx[0], 9, m, False, {tok.eos_token_id})
+    assert toks, "a tree of the root alone"
+    assert toks[0] == tok.convert_tokens_to_ids("{"), "the forced first token was not drafted"
+    for i, t in enumerate(toks):   # every node is allowed by its parent's state
+        path, j = [], i + 1
+        while j:
+            path.append(toks[j - 1])
+            j = parents[j - 1]
+        assert compiler.matcher(StructuredOutputs(json=SCHEMA)).advance(path[::-1]) == len(path)
+    trees = build_trees(top_lp, top_idx, [5], 10, [m], True, compiler, {tok.eos_token_id}, rows=2)
+    assert (trees.parents[0, 1:][trees.valid[0, 1:]] == np.arange(trees.valid[0, 1:].sum())).all(), "not a chain"
+    assert (trees.masks[1] == -1).all() and not trees.valid[1, 1:].any(), "a parked row's tree"
+
+
+@pytest.mark.parametrize("so,what", [
+    (dict(json={"type": "array", "uniqueItems": True}), "uniqueItems"),
+    (dict(json={"not": {"type": "string"}}), "not"),
+    (dict(regex="[0-9"), "unclosed character class"),
+    (dict(grammar="start: foo"), "foo"),
+])
+def test_unsupported_constraints_refused_by_name(plain, so, what):
+    with pytest.raises(ValueError, match=re.escape(what)):
+        plain.generate(["x"], SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputs(**so)))
+    (ok,) = plain.generate(["x"], SamplingParams(temperature=0, max_tokens=3))   # the engine goes on
+    assert len(ok.token_ids) == 3
+
+
+def test_bad_parameters():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs(regex="a", choice=("a",))
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputs(regex="a"))
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutputs(json="{")
+
+
+def test_constrained_rounds_replay_their_graphs_or_run_eagerly(pair, plain, fake_cuda_graphs):
+    """With CUDA graphs the constrained round's steps have graphs of their own; with
+    structured_graphs off they run eagerly (counted), to the same tokens either way."""
+    target, drafter, _ = pair
+    prompts, params = batch()
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    for structured in (True, False):
+        llm = LLM(model=str(target), draft_model=str(drafter), spec="ddtree", budget=8, device="cpu",
+                  dtype="float32", max_num_seqs=4, max_model_len=160, cuda_graphs=True, prefill_graphs=False,
+                  structured_graphs=structured)
+        gr = llm.engine.runner.graphs
+        assert any(k.constrained for k in gr.graphs) == structured
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert (gr.fallbacks > 0) != structured

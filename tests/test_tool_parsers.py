@@ -1,0 +1,73 @@
+"""Tool-call formats: each family's replies parse into OpenAI's calls, whole and streamed; the
+grammar that forces calls compiles and admits exactly its format's calls."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drafttree.server.tool_parsers import PARSERS, detect, make_parser
+from drafttree.server.tools import ToolPlan, ToolStream
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "now"}}]
+
+REPLIES = {
+    "hermes": 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+    "kimi_k2": "Let me look.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+               '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.now:1'
+               "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
+    "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                   '{"name": "now", "parameters": {}}',
+}
+
+
+@pytest.mark.parametrize("name", list(PARSERS))
+def test_parse_whole_and_streamed(name):
+    p = make_parser(None, name)
+    text = REPLIES[name]
+    content, calls = p.parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("now", {})]
+    assert content == (None if name == "llama3_json" else "Let me look.")
+    if name == "kimi_k2":
+        assert [c.id for c in calls] == ["functions.get_weather:0", "functions.now:1"]
+    plan = ToolPlan(TOOLS, p, None, True, False)
+    stream, deltas = ToolStream(plan), []
+    for end in range(1, len(text) + 1, 7):
+        deltas += stream.deltas(text[:end], False)
+    deltas += stream.deltas(text, True)
+    got = "".join(d.get("content", "") for d in deltas)
+    assert got.strip() == (content or "")
+    assert "<" not in got, "a call's markup streamed as content"
+    calls_out = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    names = [c["function"]["name"] for c in calls_out if "id" in c]
+    args = {c["index"]: json.loads(c["function"]["arguments"]) for c in calls_out if "id" not in c}
+    assert names == ["get_weather", "now"] and args == {0: {"city": "Paris"}, 1: {}}
+
+
+@pytest.mark.parametrize("name", list(PARSERS))
+def test_plain_text_is_content(name):
+    content, calls = make_parser(None, name).parse("Hello there.")
+    assert content == "Hello there." and calls == []
+
+
+@pytest.mark.parametrize("name", list(PARSERS))
+def test_forcing_grammar_admits_its_format(name):
+    llg = pytest.importorskip("llguidance")
+    from transformers import AutoTokenizer  # noqa: F401
+
+    p = make_parser(None, name)
+    for parallel in (False, True):
+        g = llg.LLMatcher.grammar_from_lark(p.grammar(TOOLS, parallel))
+        assert llg.LLMatcher.validate_grammar(g) == ""
+
+
+def test_detect_by_template():
+    assert detect("{{ '<tool_call>' }}") == "hermes"
+    assert detect("<|tool_calls_section_begin|>") == "kimi_k2"
+    assert detect("<|python_tag|>") == "llama3_json"
+    assert detect(None) == "hermes"
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        make_parser(None, "nope")

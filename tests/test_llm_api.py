@@ -201,6 +201,6 @@ def test_settings_that_cannot_take_effect_are_refused_or_said(textpair, monkeypa
         LLM(model=str(textpair[0]), spec="none", budget=8, draft_model=str(textpair[1]), sampler_modes=("greedy",),
             **ENGINE).shutdown()
     assert "spec is 'none' (no speculation): draft_model, budget take no effect" in caplog.text
-    assert "sampler_modes greedy take no effect: they choose the round graphs captured, and this engine captures " \
-        "none" in caplog.text
+    assert "sampler_modes greedy take no effect: they choose the round graphs captured and the modes the cost " \
+        "model times, and this engine captures no graph and has no cost model" in caplog.text
 

@@ -56,18 +56,13 @@ GRACE_S = 10.0   # after a rank is lost, how long a step stuck in a collective m
 
 def check_effect(cfg: EngineConfig) -> None:
     """Refuse, before anything loads, a setting that could not take effect on this machine (the
-    engine would otherwise run without it): deterministic mode where its kernels cannot run. Say
-    so of sampler modes chosen for graphs that will not be captured."""
+    engine would otherwise run without it): deterministic mode where its kernels cannot run."""
     device = resolve_device(cfg.device)
     if settings_of(cfg).deterministic and not dots_run_on(device):
         source = "deterministic=True" if cfg.deterministic else "DRAFTTREE_DETERMINISTIC=1"
         raise ValueError(f"{source}: deterministic mode's kernels are Triton programs, which run on a CUDA GPU "
                          f"(Ampere or newer) with triton installed, and this engine runs on {device} without them; "
                          "it would decode as without the mode, so it is refused")
-    graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.type == "cuda"
-    if cfg.sampler_modes is not None and not graphs:
-        log.warning("sampler_modes %s take no effect: they choose the round graphs captured, and this engine "
-                    "captures none", ",".join(cfg.sampler_modes))
 
 
 def check_launch(cfg: EngineConfig) -> Launch | None:

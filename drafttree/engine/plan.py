@@ -197,6 +197,10 @@ def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
         raise ValueError(f"max_graph_len must be >= 1 (tokens of prompt and output), got {cfg.max_graph_len}")
     if cfg.prefill_graphs and not graphs:
         raise ValueError("prefill_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
+    if cfg.sampler_modes is not None and not graphs and not spec.adaptive:
+        log.warning("sampler_modes %s take no effect: they choose the round graphs captured and the modes the "
+                    "cost model times, and this engine captures no graph and has no cost model",
+                    ",".join(cfg.sampler_modes))
     if cfg.structured_graphs and not graphs:
         raise ValueError("structured_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
     overlap = cfg.overlap if cfg.overlap is not None else device.type == "cuda"

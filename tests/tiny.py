@@ -13,8 +13,10 @@ from drafttree.tiny_target import SHAPES, make_target  # noqa: F401  (the tests'
 
 def make_drafter(path: Path, target_dir: Path, block_size: int = 4, layers: int = 2, seed: int = 1,
                  target_layer_ids: list[int] | None = None, hidden: int | None = None,
-                 vocab: int | None = None, head_dim: int = 8) -> Path:
-    """Write a random drafter in the published DFlash format for `target_dir`."""
+                 vocab: int | None = None, head_dim: int = 8, arch: str = "dflash") -> Path:
+    """Write a random drafter in the published DFlash format for `target_dir`; `arch="dflash2"`:
+    in the published DFlash2 format (convolutions of 2 taps over groups of 4 channels, a selector
+    of rank 8 over the top 4 candidates, all random, the convolutions near the identity)."""
     t = json.loads((target_dir / "config.json").read_text())
     D = hidden or t["hidden_size"]
     H, Hkv, hd = 4, 2, head_dim
@@ -36,6 +38,21 @@ def make_drafter(path: Path, target_dir: Path, block_size: int = 4, layers: int 
                   p + "self_attn.q_norm.weight": torch.ones(hd), p + "self_attn.k_norm.weight": torch.ones(hd),
                   p + "mlp.gate_proj.weight": r(64, D), p + "mlp.up_proj.weight": r(64, D),
                   p + "mlp.down_proj.weight": r(D, 64)})
+    if arch == "dflash2":
+        taps, group, rank = 2, 4, 8
+        cfg["architectures"] = ["DFlash2DraftModel"]
+        cfg["dflash_config"].update(conv_kernel_size=taps, conv_group_size=group, selector_rank=rank, selector_top_k=4)
+        identity = torch.zeros(2, taps, D)
+        identity[:, 0] = 1.0
+        for i in range(layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                w[f"layers.{i}.{conv}.base_kernel"] = identity + r(2, taps, D)
+                w[f"layers.{i}.{conv}.kernel_projection.weight"] = r(2 * taps * D // group, D)
+        w.update({"candidate_selector.predecessor_codebook": r(V, rank) * 5,
+                  "candidate_selector.successor_codebook": r(V, rank) * 5,
+                  "candidate_selector.hidden_projection.weight": r(rank, D) * 5})
+    elif arch != "dflash":
+        raise ValueError(f"arch must be dflash or dflash2, got {arch!r}")
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))

@@ -33,6 +33,7 @@ from drafttree.engine.config import EngineConfig
 from drafttree.loader import quantization
 from drafttree.loader.quantization import FP8, Quantization
 from drafttree.models.dflash import DFlashConfig
+from drafttree.models.dflash2 import DFlash2Config
 from drafttree.models.kv_cache import KVLayout
 from drafttree.parallel.layers import vocab_shard
 from drafttree.parallel.shard import check_size, expert_span, kv_heads_per_rank, q_span, valid_sizes
@@ -245,6 +246,10 @@ def _drafter(d: DFlashConfig, quantization: str | None, head_rows: int) -> list[
                 proj(D, inter)]
         out += ([_Part(k, ((H + 2 * kv) * hd,))] if m.attention_bias else []) + \
             ([_Part(k, (hd,)), _Part(k, (hd,))] if m.qk_norm else [])
+    if isinstance(d, DFlash2Config):   # its convolutions and selector stay in the drafter's dtype
+        G, r = d.conv_groups, d.selector_rank
+        out += [_Part(k, (2, d.conv_kernel_size, D)), _Part(k, (2 * d.conv_kernel_size * G, D))] * (2 * m.num_layers)
+        out += [_Part(k, (m.vocab_size, r)), _Part(k, (m.vocab_size, r)), _Part(k, (r, D))]
     return out + ([proj(head_rows, D)] if fp8 else [])
 
 

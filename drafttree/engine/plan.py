@@ -15,6 +15,7 @@ from drafttree.config import ModelConfig, parse_dtype, resolve_device
 from drafttree.engine.config import EngineConfig, parse_budget
 from drafttree.kernels import invariant_attn
 from drafttree.models.dflash import DFlashConfig
+from drafttree.models.dflash2 import drafter_config
 from drafttree.parallel.group import TPGroup
 from drafttree.phases import SpecConfig
 from drafttree.runner.phase_table import CAPTURED_MODES
@@ -176,7 +177,7 @@ def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
         tcfg = ModelConfig.from_dir(model_dir)
         drafter_dir = resolve_drafter(cfg)
         if drafter_dir is not None:
-            dcfg = DFlashConfig.from_dir(drafter_dir)
+            dcfg = drafter_config(drafter_dir)   # DFlash or DFlash2, by the declared architecture
             dcfg.check_fits(tcfg)
             check_defaults(dcfg, drafter_dir)
         elif cfg.random_drafter and wants_drafter:

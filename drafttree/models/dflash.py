@@ -136,6 +136,13 @@ class DraftLayer(DecoderLayer):
                                      weight_scale(attn.qkv_proj))[1]
         else:
             qkv = attn.qkv_proj(ln(x))
+        return self.residual_mlp(x, self.attend_block(qkv, ctx, rope_q, rope_kv, meta, k_cache, v_cache, fused),
+                                 fused)
+
+    def attend_block(self, qkv: torch.Tensor, ctx: torch.Tensor, rope_q, rope_kv, meta: AttnMeta,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, fused: bool) -> torch.Tensor:
+        """The attention output (o-projected) of the block's QKV rows over [context ; block]."""
+        attn = self.self_attn
         qkv_ctx = attn.qkv_proj(ctx)          # the context vector is not layer-normed here
         if rope_q is None:   # the attention kernels' path (DFlashDrafter.forward decides)
             out = self._attend_kernel(torch.cat([qkv_ctx, qkv], dim=1), rope_kv, meta, k_cache, v_cache)
@@ -145,9 +152,8 @@ class DraftLayer(DecoderLayer):
             k = apply_rope(torch.cat([kc, kb], dim=1), *rope_kv)
             v = torch.cat([vc, vb], dim=1)
             out = cached_attention(apply_rope(q, *rope_q), k, v, meta, k_cache, v_cache)
-        o = (dispatch.gemv(out, attn.o_proj.weight, attn.o_proj.bias, weight_scale(attn.o_proj)) if fused
-             else attn.o_proj(out))
-        return self.residual_mlp(x, o, fused)
+        return (dispatch.gemv(out, attn.o_proj.weight, attn.o_proj.bias, weight_scale(attn.o_proj)) if fused
+                else attn.o_proj(out))
 
     def _attend_kernel(self, qkv: torch.Tensor, rope_kv, meta: AttnMeta, k_cache: torch.Tensor,
                        v_cache: torch.Tensor) -> torch.Tensor:
@@ -184,10 +190,13 @@ class DFlashDrafter(nn.Module):
         m = cfg.model
         self.fc = nn.Linear(len(cfg.target_layer_ids) * m.hidden_size, m.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(m) for _ in range(m.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(m) for _ in range(m.num_layers))
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.rotary = Rotary(m)
         self.borrow(embed, lm_head)
+
+    def make_layer(self, m: ModelConfig) -> DraftLayer:
+        return DraftLayer(m)
 
     def borrow(self, embed: nn.Embedding | None, lm_head: nn.Linear | None) -> "DFlashDrafter":
         """Use the target's embedding and LM head: plain attributes, not submodules, so they stay
@@ -205,7 +214,11 @@ class DFlashDrafter(nn.Module):
                 v_cache: torch.Tensor) -> torch.Tensor:
         """block_ids/block_pos [B, bs]; ctx_feat [B, C, n*D] (raw target features), ctx_pos [B, C].
         meta.slots must be cat(ctx slots, block slots). Returns final-normed hidden [B, bs, D]."""
-        x = self.embed(block_ids)
+        return self.run_layers(self.embed(block_ids), block_pos, ctx_feat, ctx_pos, meta, k_cache, v_cache)
+
+    def run_layers(self, x: torch.Tensor, block_pos: torch.Tensor, ctx_feat: torch.Tensor, ctx_pos: torch.Tensor,
+                   meta: AttnMeta, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """`forward` from the block's embeddings x [B, bs, D]."""
         ctx = self.context(ctx_feat.to(x.dtype))
         rope_kv = self.rotary(torch.cat([ctx_pos, block_pos], dim=1), x.dtype)
         kernels = dispatch.attention_kernels(x, self.cfg.model.head_dim)

@@ -36,6 +36,13 @@ def expected_accept(draft_logits: torch.Tensor, tree: DraftTree) -> torch.Tensor
     return torch.cat([torch.ones(R, 1, device=gain.device), 1.0 + gain.cumsum(1)], dim=1)
 
 
+def expected_from_scores(node_lp: torch.Tensor) -> torch.Tensor:
+    """`expected_accept` from the nodes' path log-probabilities [R, N-1] (best first; -inf at
+    invalid nodes), for drafters whose distributions are not per position (DFlash2's selector)."""
+    gain = node_lp.float().exp()
+    return torch.cat([torch.ones(gain.shape[0], 1, device=gain.device), 1.0 + gain.cumsum(1)], dim=1)
+
+
 def predictions_at(values: torch.Tensor, budgets: tuple[int, ...]) -> torch.Tensor:
     """[R, len(budgets)] long, in 1/PRED_SCALE tokens: the prediction at each budget, taken at
     the tree's last column for budgets past it (a bucket whose tree is narrower never runs them)."""

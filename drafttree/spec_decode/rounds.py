@@ -14,10 +14,12 @@ import torch
 
 from drafttree.kernels import dispatch
 from drafttree.kernels.fused import fused
+from drafttree.models.dflash2 import DFlash2Drafter
 from drafttree.models.kv_cache import attn_meta, page_slots
 from drafttree.phases import Phase
 from drafttree.sampling import SampleMode, pick_tokens
 from drafttree.spec_decode.acceptance import expected_accept, predictions_at
+from drafttree.spec_decode.selector import selector_tree
 from drafttree.spec_decode.state import RoundContext
 from drafttree.spec_decode.tree import DraftTree, accept, build_tree, chain_tree
 from drafttree.structured.masks import apply_token_masks
@@ -94,14 +96,18 @@ def _block(start: torch.Tensor, bonus: torch.Tensor, ctx_pos: torch.Tensor, bs: 
 def draft(rc: RoundContext, B: int, kv_len: int) -> torch.Tensor:
     """Write the new context into the drafter's cache and draft one block: [B, D, V] logits for
     block positions 1..D, D = spec.depth_at(batch bucket)."""
+    return rc.drafter.draft_logits(draft_hidden(rc, B, kv_len), rc.spec.depth_at(rc.batch_bucket(B)))
+
+
+def draft_hidden(rc: RoundContext, B: int, kv_len: int) -> torch.Tensor:
+    """`draft` up to the drafter's final-normed hidden states of the block, [B, bs, D]."""
     s, spec, d = rc.state, rc.spec, rc.drafter
     start = s.start[:B]
     ctx_feat, ctx_pos = pending_context(rc, B)
     block_ids, block_pos, slots, full = _block(start, s.bonus[:B], ctx_pos, spec.width(Phase.DRAFT),
                                                d.cfg.mask_token_id)
     meta = attn_meta(start, full, kv_len, slots=slots, block_table=s.block_table[:B], page_size=rc.page_size)
-    hidden = d(block_ids, block_pos, ctx_feat, ctx_pos, meta, rc.dkv.k, rc.dkv.v)
-    return d.draft_logits(hidden, spec.depth_at(rc.batch_bucket(B)))
+    return d(block_ids, block_pos, ctx_feat, ctx_pos, meta, rc.dkv.k, rc.dkv.v)
 
 
 def make_tree(rc: RoundContext, draft_logits: torch.Tensor, B: int) -> DraftTree:
@@ -136,7 +142,10 @@ def tree_builder(device: torch.device, budget: int):
 
 def draft_phase(rc: RoundContext, B: int, kv_len: int) -> DraftTree:
     """Draft one block and shape it into the tree (or chain) to verify, kept in the round
-    state's tree buffers (the verify phase reads it there); returns their view."""
+    state's tree buffers (the verify phase reads it there); returns their view. A DFlash2
+    drafter's comes from its selector's edges (`spec_decode.selector`)."""
+    if isinstance(rc.drafter, DFlash2Drafter):
+        return rc.state.store_tree(selector_tree(rc, draft_hidden(rc, B, kv_len), B))
     return rc.state.store_tree(make_tree(rc, draft(rc, B, kv_len), B))
 
 

@@ -125,7 +125,17 @@ def build_tree(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: in
             scores.append(score)
             tokens.append(token)
             parent_slots.append(pair_slot[pick])
+    return best_first(scores, tokens, parent_slots, root_tokens)[0]
 
+
+def best_first(scores: list[torch.Tensor], tokens: list[torch.Tensor], parent_slots: list[torch.Tensor],
+               root_tokens: torch.Tensor) -> tuple[DraftTree, torch.Tensor]:
+    """The tree of the B best prefixes from L levels of them (level d: scores [R, B], descending,
+    -inf where a slot holds none; tokens; parent slots at level d - 1), and its nodes' scores
+    [R, B] (-inf at invalid nodes)."""
+    R, B = scores[0].shape
+    L = len(scores)
+    device = scores[0].device
     # Flat index f = (depth - 1) * B + slot. A stable descending sort puts a
     # parent (smaller f, score >= child's) before its child, so the first B
     # entries are prefix-closed and topologically ordered.
@@ -148,7 +158,7 @@ def build_tree(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: in
     parents = torch.cat([zero, torch.where(valid, parent_col, 0)], 1)
     depth = torch.cat([zero, torch.where(valid, level + 1, 1)], 1)
     valid = torch.cat([torch.ones(R, 1, dtype=torch.bool, device=device), valid], 1)
-    return DraftTree(tree_tokens, parents, depth, valid, ancestor_mask(parents, L))
+    return DraftTree(tree_tokens, parents, depth, valid, ancestor_mask(parents, L)), node_score
 
 
 def chain_tree(draft_tokens: torch.Tensor, root_tokens: torch.Tensor) -> DraftTree:

@@ -1,4 +1,4 @@
-"""`drafttree train-drafter`: prompts -> target-regenerated responses -> DFlash drafter -> τ.
+"""`drafttree train-drafter`: prompts -> target-regenerated responses -> DFlash (or DFlash2) drafter -> τ.
 
 Every stage reads and writes files under --out, so each can be rerun or resumed alone:
   prompts_train.jsonl, prompts_heldout.jsonl   (stage `prompts`: ShareGPT conversations, every
@@ -117,7 +117,21 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    help="with --init-from-drafter: MLP width M, the new units starting silent")
     g.add_argument("--attention", default="auto", choices=["auto", "dense", "blockwise"],
                    help="training attention (auto: blockwise on CUDA, dense on CPU)")
+    g.add_argument("--arch", default=None, choices=["dflash", "dflash2"],
+                   help="dflash, or dflash2 (block convolutions and a candidate selector, docs/dflash2.md); default: "
+                        "--init-from-drafter's, else dflash. dflash2 with a DFlash --init-from-drafter keeps its "
+                        "weights, the convolutions starting as the identity and the selector fresh")
+    g.add_argument("--conv-kernel-size", type=int, default=None, help="dflash2: taps per convolution (default 2)")
+    g.add_argument("--conv-group-size", type=int, default=None,
+                   help="dflash2: channels per dynamic coefficient, a divisor of the hidden size (default 16)")
+    g.add_argument("--selector-rank", type=int, default=None, help="dflash2: the selector's rank (default 256)")
+    g.add_argument("--selector-top-k", type=int, default=None, help="dflash2: candidates per position (default 16)")
+    g.add_argument("--selector-loss-weight", type=float, default=1.0,
+                   help="dflash2: weight of the selector's K-way cross-entropy beside the unary loss")
     g = p.add_argument_group("training")
+    g.add_argument("--loss", default="ce", choices=["ce", "kl"],
+                   help="ce: cross-entropy against the regenerated tokens (the recipe); kl: distillation, the KL "
+                        "divergence to the target's own distribution at each position (the target runs alongside)")
     g.add_argument("--anchors-per-seq", type=int, default=512)
     g.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     g.add_argument("--epochs", type=int, default=2)
@@ -273,7 +287,10 @@ def run_train(a: argparse.Namespace, group: Group | None = None) -> dict[str, An
     cfg = TrainConfig(out=a.out, data=a.data, target=a.target, device=a.device, dtype=a.dtype,
                       draft_layers=a.draft_layers, intermediate_size=a.intermediate_size, block_size=a.block_size,
                       num_target_features=a.num_target_features, target_layer_ids=a.target_layer_ids,
-                      mask_token_id=a.mask_token_id, init_from_target=a.init_from_target,
+                      mask_token_id=a.mask_token_id, init_from_target=a.init_from_target, arch=a.arch,
+                      conv_kernel_size=a.conv_kernel_size, conv_group_size=a.conv_group_size,
+                      selector_rank=a.selector_rank, selector_top_k=a.selector_top_k,
+                      selector_loss_weight=a.selector_loss_weight, loss=a.loss,
                       init_from_drafter=a.init_from_drafter, grow_layers=a.grow_layers,
                       grow_intermediate=a.grow_intermediate, attention=a.attention,
                       anchors_per_seq=a.anchors_per_seq, batch_size=a.batch_size, epochs=a.epochs,

@@ -1,4 +1,4 @@
-"""A fresh DFlash drafter for a target, and saving it in the published checkpoint format."""
+"""A fresh DFlash or DFlash2 drafter for a target, and saving it in the published checkpoint format."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,11 @@ from safetensors.torch import save_file
 from drafttree.config import ModelConfig
 from drafttree.models.decoder import DecoderLM
 from drafttree.models.dflash import DFlashConfig, DFlashDrafter
+from drafttree.models.dflash2 import ARCHITECTURE as DFLASH2, DFlash2Config, DFlash2Drafter
+
+ARCHS = ("dflash", "dflash2")
+# DFlash2's shape, as published (docs/dflash2.md): dflash_config fields and their defaults
+DFLASH2_SHAPE = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 
 @dataclass
@@ -21,6 +26,23 @@ class DrafterSpec:
     block_size: int = 16
     mask_token_id: int | None = None          # default: chosen from the data by the trainer
     target_layer_ids: tuple[int, ...] = ()
+    arch: str = "dflash"                      # or "dflash2": the convolutions and the selector too
+    dflash2: dict[str, int] | None = None     # DFlash2's shape (DFLASH2_SHAPE's fields); default: those
+
+
+def arch_of(config: dict[str, Any]) -> str:
+    """"dflash2" for a config declaring DFlash2DraftModel, else "dflash"."""
+    return "dflash2" if DFLASH2 in (config.get("architectures") or []) else "dflash"
+
+
+def as_dflash2(config: dict[str, Any], shape: dict[str, int] | None = None) -> dict[str, Any]:
+    """A DFlash config dict made DFlash2's: its architecture and `shape` (DFLASH2_SHAPE's fields,
+    its defaults for those not given) in dflash_config."""
+    unknown = sorted(set(shape or {}) - set(DFLASH2_SHAPE))
+    if unknown:
+        raise ValueError(f"not a DFlash2 shape field: {unknown[0]} (they are {', '.join(DFLASH2_SHAPE)})")
+    return {**config, "architectures": [DFLASH2],
+            "dflash_config": {**config["dflash_config"], **DFLASH2_SHAPE, **(shape or {})}}
 
 
 def drafter_config_dict(target: ModelConfig, spec: DrafterSpec) -> dict[str, Any]:
@@ -42,30 +64,55 @@ def drafter_config_dict(target: ModelConfig, spec: DrafterSpec) -> dict[str, Any
     }
     if target.rope_scaling:
         d["rope_scaling"] = dict(target.rope_scaling)
+    if spec.arch == "dflash2":
+        return as_dflash2(d, spec.dflash2)
+    if spec.arch != "dflash":
+        raise ValueError(f"arch must be one of {ARCHS}, got {spec.arch!r}")
     return d
 
 
 def config_from_dict(d: dict[str, Any]) -> DFlashConfig:
     dc = d["dflash_config"]
     model = ModelConfig.from_dict({**d, "architectures": ["Qwen3ForCausalLM"]})
-    return DFlashConfig(model, int(d["block_size"]), int(dc["mask_token_id"]),
+    base = DFlashConfig(model, int(d.get("block_size", dc.get("block_size"))), int(dc["mask_token_id"]),
                         tuple(int(i) for i in dc["target_layer_ids"]), d.get("num_target_layers"))
+    return DFlash2Config.from_dict(d, base) if arch_of(d) == "dflash2" else base
 
 
 def new_drafter(cfg: DFlashConfig, target: DecoderLM, init_std: float = 0.02,
                 init_from_target: bool = False) -> DFlashDrafter:
     """Random init (normal(0, init_std) linears, unit norms), in fp32 on the target's device,
-    borrowing the target's embedding and LM head."""
-    drafter = DFlashDrafter(cfg, target.embed_tokens, target.lm_head)
+    borrowing the target's embedding and LM head. DFlash2's convolutions start as the identity
+    (its backbone then computes what a DFlash drafter of the same weights does), its selector at
+    normal(0, init_std)."""
+    kind = DFlash2Drafter if isinstance(cfg, DFlash2Config) else DFlashDrafter
+    drafter = kind(cfg, target.embed_tokens, target.lm_head)
     for name, p in drafter.named_parameters():
         with torch.no_grad():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, init_std)
+    for layer in drafter.layers if kind is DFlash2Drafter else ():
+        layer.attention_conv.reset_identity()
+        layer.mlp_conv.reset_identity()
     if init_from_target:
         copy_target_layers(drafter, target)
     return drafter.to(device=target.embed_tokens.weight.device, dtype=torch.float32)
+
+
+@torch.no_grad()
+def to_dflash2(old: DFlashDrafter, config: dict[str, Any], target: DecoderLM,
+               shape: dict[str, int] | None = None, init_std: float = 0.02) -> tuple[DFlash2Drafter, dict[str, Any]]:
+    """A DFlash2 drafter from a DFlash one (config dict `config`): the same backbone weights, the
+    convolutions at the identity and a fresh selector, so its unary logits are the old drafter's
+    until trained. Returns the drafter (fp32, on the target's device) and its config."""
+    config2 = as_dflash2(config, shape)
+    new = new_drafter(config_from_dict(config2), target, init_std)
+    missing, unexpected = new.load_state_dict(old.state_dict(), strict=False)
+    assert not unexpected and all("_conv." in k or k.startswith("candidate_selector.") for k in missing), \
+        (missing, unexpected)
+    return new, config2
 
 
 @torch.no_grad()
@@ -115,6 +162,11 @@ def grow_drafter(old: DFlashDrafter, config: dict[str, Any], target: DecoderLM, 
     old = old.to(device=new.fc.weight.device, dtype=torch.float32)
     for name in ("fc", "hidden_norm", "norm"):
         getattr(new, name).weight.copy_(getattr(old, name).weight)
+    if isinstance(new, DFlash2Drafter):   # the selector as it was; a new layer's convolutions stay the identity
+        new.candidate_selector.load_state_dict(old.candidate_selector.state_dict())
+        for dst, src in zip(new.layers, old.layers):
+            dst.attention_conv.load_state_dict(src.attention_conv.state_dict())
+            dst.mlp_conv.load_state_dict(src.mlp_conv.state_dict())
     for i, dst in enumerate(new.layers):
         if i >= n0:
             dst.self_attn.o_proj.weight.zero_()
@@ -167,7 +219,14 @@ def count_parameters(config: dict[str, Any]) -> int:
     D, H, Hkv, hd = (config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
     inter, n = config["intermediate_size"], len(config["dflash_config"]["target_layer_ids"])
     layer = D * (H + 2 * Hkv) * hd + H * hd * D + 3 * D * inter + 2 * D + 2 * hd
-    return n * D * D + 2 * D + config["num_hidden_layers"] * layer
+    if arch_of(config) == "dflash2":   # two convolutions per layer, the selector once
+        dc = config["dflash_config"]
+        k, groups, r = dc["conv_kernel_size"], D // dc["conv_group_size"], dc["selector_rank"]
+        layer += 2 * (2 * k * D + 2 * k * groups * D)
+        n_extra = 2 * config["vocab_size"] * r + r * D
+    else:
+        n_extra = 0
+    return n * D * D + 2 * D + config["num_hidden_layers"] * layer + n_extra
 
 
 def published_config(path: str | Path) -> dict[str, Any]:

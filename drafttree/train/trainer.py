@@ -16,17 +16,24 @@ from tqdm import tqdm
 
 from drafttree.config import parse_dtype
 from drafttree.models.decoder import DecoderLM
+from drafttree.models.dflash2 import DFlash2Drafter
 from drafttree.loader.drafter import load_drafter
 from drafttree.train.curves import CURVE, plot_history
 from drafttree.train.data import TrainSequence, read_sequences, regenerated, unused_token
 from drafttree.train.forward import (
+    LOSSES,
     FeatureExtractor,
+    SelectorTerm,
     block_loss,
+    check_trainable,
     drafter_train_forward,
     eager,
 )
 from drafttree.train.model import (
+    ARCHS,
+    DFLASH2_SHAPE,
     DrafterSpec,
+    arch_of,
     config_from_dict,
     count_parameters,
     drafter_config_dict,
@@ -34,6 +41,7 @@ from drafttree.train.model import (
     new_drafter,
     published_config,
     save_drafter,
+    to_dflash2,
 )
 from drafttree.train.parallel import Group
 from drafttree.train.recipe import (
@@ -68,6 +76,16 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None      # default: the largest id absent from the data
     init_from_target: bool = False
+    arch: str | None = None               # dflash | dflash2; default: init_from_drafter's, else dflash. dflash2
+                                          # from a DFlash init_from_drafter: its weights, identity convolutions
+                                          # and a fresh selector (model.to_dflash2)
+    conv_kernel_size: int | None = None   # DFlash2's shape (default model.DFLASH2_SHAPE); a new drafter's only
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    selector_loss_weight: float = 1.0     # DFlash2: the selector's K-way cross-entropy beside the unary loss
+    loss: str = "ce"                      # ce: against the sequences' tokens (the recipe); kl: distillation,
+                                          # KL to the target's distribution at each label (the target alongside)
     init_from_drafter: Path | None = None  # continue from a published drafter: its shape and weights
     grow_layers: int | None = None        # with init_from_drafter: this many layers (model.grow_drafter)
     grow_intermediate: int | None = None  # with init_from_drafter: this MLP width
@@ -99,6 +117,11 @@ class TrainConfig:
         return bool(self.grow_layers or self.grow_intermediate)
 
     @property
+    def dflash2_shape(self) -> dict[str, int]:
+        """The DFlash2 shape options given (None: not given)."""
+        return {k: getattr(self, k) for k in DFLASH2_SHAPE if getattr(self, k) is not None}
+
+    @property
     def drafter_dir(self) -> Path:
         return self.out / "drafter"
 
@@ -120,6 +143,10 @@ class Trainer:
         if cfg.snapshot_every < 0 or cfg.save_every < 0:
             raise ValueError(f"snapshot_every and save_every are step counts >= 0 (0: off), "
                              f"got {cfg.snapshot_every} and {cfg.save_every}")
+        if cfg.arch not in (None, *ARCHS):
+            raise ValueError(f"arch must be one of {ARCHS}, got {cfg.arch!r}")
+        if cfg.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {cfg.loss!r}")
         self.cfg, self.group = cfg, group or Group()
         self.device = self.group.device(cfg.device)
         if target is None:
@@ -136,23 +163,35 @@ class Trainer:
         ckpt = torch.load(cfg.checkpoint, map_location="cpu", weights_only=False) \
             if cfg.resume and cfg.checkpoint.is_file() else None
         warm = cfg.init_from_drafter if ckpt is None else None
+        upgrade = False   # a DFlash init_from_drafter trained as DFlash2
         if ckpt is not None:
             self.config_dict = ckpt["drafter_config"]
+            self._check_arch(arch_of(self.config_dict), "the checkpoint's drafter", False,
+                             same=self.config_dict["dflash_config"])
         elif warm is not None:
             self.config_dict = published_config(warm)
             if cfg.block_size is not None:    # the weights hold no block size: a drafter drafts any width
                 self.config_dict["block_size"] = cfg.block_size
+            has = arch_of(self.config_dict)
+            upgrade = has == "dflash" and cfg.arch == "dflash2"
+            self._check_arch(has, f"the drafter {warm}", upgrade)
         else:
+            arch = cfg.arch or "dflash"
+            self._check_arch(arch, "a new drafter", arch == "dflash2")
             ids = cfg.target_layer_ids or default_target_layer_ids(tcfg.num_layers, cfg.num_target_features)
             mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else unused_token(self.seqs, tcfg.vocab_size)
             spec = DrafterSpec(cfg.draft_layers, cfg.intermediate_size, cfg.block_size or DrafterSpec.block_size,
-                               mask_id, tuple(ids))
+                               mask_id, tuple(ids), arch, cfg.dflash2_shape)
             self.config_dict = drafter_config_dict(tcfg, spec)
         self.dcfg = config_from_dict(self.config_dict)
         self.dcfg.check_fits(tcfg)
         torch.manual_seed(cfg.seed)
         if warm is not None:   # the published weights, as a trainable fp32 copy
             self.drafter = load_drafter(Path(warm), target, torch.float32, self.device)
+            if upgrade:
+                self.drafter, self.config_dict = to_dflash2(self.drafter, self.config_dict, target, cfg.dflash2_shape)
+                self.dcfg = config_from_dict(self.config_dict)
+                self.dcfg.check_fits(tcfg)
             if cfg.grows:
                 self.drafter, self.config_dict = grow_drafter(self.drafter, self.config_dict, target,
                                                               cfg.grow_layers, cfg.grow_intermediate)
@@ -160,6 +199,9 @@ class Trainer:
             self.drafter.train().requires_grad_(True)
         else:
             self.drafter = new_drafter(self.dcfg, target, init_from_target=cfg.init_from_target).train()
+        check_trainable(self.drafter)
+        self.selector = SelectorTerm(self.drafter.candidate_selector, self.dcfg.selector_top_k,
+                                     cfg.selector_loss_weight) if isinstance(self.drafter, DFlash2Drafter) else None
         self.group.broadcast_module(self.drafter)
         self.features = FeatureExtractor(target, self.dcfg.target_layer_ids, cfg.batch_size,
                                          max(len(s.ids) for s in self.seqs))
@@ -182,6 +224,22 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         if ckpt is not None:
             self._restore(ckpt)
+
+    def _check_arch(self, arch: str, what: str, shapes: bool, same: dict[str, Any] | None = None) -> None:
+        """The drafter trained is DFlash2 or DFlash as `arch` says (`what`'s); refuse options that
+        would be ignored: another arch (DFlash becomes DFlash2 only where `shapes`), DFlash2 shape
+        options where they shape nothing (`shapes`: a new DFlash2 drafter or one made from DFlash;
+        a resumed run may repeat its own, `same`), a selector weight without a selector."""
+        cfg = self.cfg
+        if cfg.arch is not None and cfg.arch != arch and not (shapes and cfg.arch == "dflash2"):
+            raise ValueError(f"arch={cfg.arch!r}, but {what} is {arch!r}"
+                             + (" (a DFlash2 drafter does not become DFlash)" if arch == "dflash2" else ""))
+        given = {k: v for k, v in cfg.dflash2_shape.items() if same is None or same.get(k) != v}
+        if given and not shapes:
+            raise ValueError(f"{', '.join(given)} shape a new DFlash2 drafter (arch='dflash2'); {what} is {arch!r}"
+                             + (" with its own shape" if arch == "dflash2" else ""))
+        if cfg.selector_loss_weight != 1.0 and arch != "dflash2" and not shapes:
+            raise ValueError(f"selector_loss_weight is DFlash2's; {what} is {arch!r}")
 
     # -- checkpoints -------------------------------------------------------------------------
     def _restore(self, ckpt: dict[str, Any]) -> None:
@@ -249,10 +307,11 @@ class Trainer:
         ids, lens = ids.to(dev, non_blocking=True), lens.to(dev, non_blocking=True)
         blocks = build_blocks(ids, lens, anchors.to(dev), valid.to(dev), self.dcfg.block_size,
                               self.dcfg.mask_token_id)
-        feats = self.features(ids)
+        feats, final = self.features.with_final(ids)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             hidden = drafter_train_forward(self.drafter, feats, blocks, self.attention)
-            out = block_loss(hidden, blocks, self.target.lm_head, self.pos_weights)
+            out = block_loss(hidden, blocks, self.target.lm_head, self.pos_weights,
+                             teacher=final if self.cfg.loss == "kl" else None, input_ids=ids, selector=self.selector)
         out.loss.backward()
         self.group.average_grads(self.drafter.parameters())
         gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
@@ -280,7 +339,8 @@ class Trainer:
                 out, gnorm = self.train_step(idx)
                 self.tokens += sum(self.seqs[i].response_len for i in idx) * self.group.world
                 for k, v in (("loss", out.loss.detach()), ("correct", out.correct), ("count", out.count),
-                             ("accepted", out.accepted), ("blocks", out.blocks), ("gnorm", gnorm.detach())):
+                             ("accepted", out.accepted), ("blocks", out.blocks), ("gnorm", gnorm.detach()),
+                             ("selector", out.selector if out.selector is not None else acc["selector"] * 0)):
                     acc[k] = acc[k] + v
                 acc["n"] += 1
                 bar.update(1)
@@ -352,13 +412,14 @@ class Trainer:
         z = torch.zeros((), device=dev)
         return {"loss": z, "correct": torch.zeros(bs, dtype=torch.long, device=dev),
                 "count": torch.zeros(bs, dtype=torch.long, device=dev), "accepted": z.long(), "blocks": z.long(),
-                "gnorm": z, "n": 0}
+                "gnorm": z, "selector": z, "n": 0}
 
     def _log_record(self, acc: dict[str, Any], epoch: int) -> dict[str, Any]:
         n = max(acc["n"], 1)
         per_pos = (acc["correct"][1:].float() / acc["count"][1:].clamp_min(1)).tolist()
+        extra = {} if self.selector is None else {"selector_loss": float(acc["selector"]) / n}
         return {"step": self.step, "epoch": epoch, "lr": self.sched.get_last_lr()[0],
-                "loss": float(acc["loss"]) / n, "grad_norm": float(acc["gnorm"]) / n,
+                "loss": float(acc["loss"]) / n, **extra, "grad_norm": float(acc["gnorm"]) / n,
                 "acc": [round(a, 4) for a in per_pos],
                 # drafted tokens right before the first miss, per block at uniform anchors, + 1:
                 # above the decoded τ, whose rounds start after a miss, at harder positions

@@ -354,6 +354,20 @@ def test_seeded_sampling_equals_plain(pairs, shape):
     assert max(taus) >= 3
 
 
+@pytest.mark.parametrize("spec,budget", [("dflash", 1), ("ddtree", 12)])
+def test_graph_runner_replays_dflash2_rounds(pairs, fake_cuda_graphs, spec, budget):
+    """The graph runner's logic (keys, buckets, parked rows) with a DFlash2 drafter: every round
+    replays a captured step, to plain decoding's tokens, greedy and seeded."""
+    t, d = pairs["qwen3"]
+    prompts = make_prompts(VOCAB, lens=(3, 11), seed=2)
+    sp = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+          SamplingParams(temperature=0.9, max_tokens=20, seed=3, ignore_eos=True)]
+    want = [o.token_ids for o in engine(t, d).generate(prompts, sp)]
+    llm = engine(t, d, spec, budget, cuda_graphs=True, prefill_graphs=False)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert llm.engine.runner.graphs.fallbacks == 0 and len(fake_cuda_graphs) > 0
+
+
 def test_memory_plan_counts_the_drafter(pairs):
     """The memory plan's drafter bytes are its parameters' (the convolutions and the selector too)."""
     from drafttree.config import ModelConfig

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from drafttree.config import ModelConfig
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
 from drafttree.runner.capture import capture_graph, collector_paused
-from drafttree.runner.phase_table import CAPTURED_MODES, PhaseStep, bucket_steps, check_widths
+from drafttree.runner.phase_table import CAPTURED_MODES, PROCESSED_MODES, PhaseStep, bucket_steps, check_widths
 from drafttree.runner.phase_timer import PhaseTimer
 from drafttree.sampling import SampleMode
 from drafttree.spec_decode.state import RoundContext
@@ -34,10 +34,11 @@ class GraphKey(NamedTuple):
     kv_len: int          # KV bucket
     budget: int          # the verify's; 0 for other phases
     constrained: bool = False   # a constrained round's step (structured output)
+    processed: bool = False     # a processed round's step (logits processing, log-probabilities)
 
 
 def key_of(st: PhaseStep, bucket: int, mode: SampleMode, kv_len: int) -> GraphKey:
-    return GraphKey(st.phase, bucket, mode, kv_len, st.budget, st.constrained)
+    return GraphKey(st.phase, bucket, mode, kv_len, st.budget, st.constrained, st.processed)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class PlanEntry:
     batch_sizes: tuple[int, ...]
     kv_lengths: tuple[int, ...]   # attention lengths captured (KV buckets)
     est_bytes: int          # activation estimate for the largest batch and KV bucket
+    processed: bool = False  # the processed steps of this phase and width (constrained or not)
+    graphs: int = 0          # graphs captured for it: batch sizes x KV lengths x sampler modes x step kinds
 
 
 def phase_widths(spec: SpecConfig, phase: Phase, bucket: int, drafter: bool = True) -> set[int]:
@@ -55,17 +58,23 @@ def phase_widths(spec: SpecConfig, phase: Phase, bucket: int, drafter: bool = Tr
             for st in bucket_steps(spec, bucket, mode, drafter and spec.speculative) if st.phase is phase}
 
 
-def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | None,
-               max_num_seqs: int, kv_lengths: list[int], world: int = 1) -> list[PlanEntry]:
-    """What `RoundGraphs.capture` captures on each rank of `world`; needs no GPU."""
+def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | None, max_num_seqs: int,
+               kv_lengths: list[int], world: int = 1, modes: tuple[SampleMode, ...] = CAPTURED_MODES
+               ) -> list[PlanEntry]:
+    """What `RoundGraphs.capture` captures on each rank of `world`, in sampler `modes`; needs no
+    GPU. Each step kind counts: the plain and constrained rounds' steps (a phase's entry), the
+    processed rounds' decode and verify steps, plain and constrained, in the processed modes
+    (entries of their own)."""
     buckets = batch_buckets(max_num_seqs)
     out = []
     V = target.vocab_size
+    pmodes = [m for m in PROCESSED_MODES if m in modes]
     for phase in (Phase.CONTEXT, Phase.DECODE, Phase.DRAFT, Phase.VERIFY):
         on_drafter = phase in (Phase.CONTEXT, Phase.DRAFT) and drafter is not None
         cfg = drafter if on_drafter else target
         shards = 1 if on_drafter else world   # the target's heads and MLP rows split over the ranks
         widths = {b: phase_widths(spec, phase, b) for b in buckets}
+        kinds = 1 if phase is Phase.CONTEXT else 2   # plain and constrained
         for W in sorted({w for ws in widths.values() for w in ws}, reverse=True):
             bs = tuple(b for b in buckets if W in widths[b])
             B = bs[-1]
@@ -77,18 +86,30 @@ def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | Non
                 per_row += 4 * V  # log-softmax for the tree build
             # attention scores over the longest KV bucket, fp32, for every query row of every head
             attn = 0 if phase is Phase.CONTEXT else 4 * B * W * cfg.num_heads // shards * kv_lengths[-1]
-            out.append(PlanEntry(phase, W, bs, tuple(kv_lengths), 2 * rows * per_row + attn))
+            est = 2 * rows * per_row + attn
+            shapes = len(bs) * len(kv_lengths)
+            out.append(PlanEntry(phase, W, bs, tuple(kv_lengths), est, graphs=shapes * len(modes) * kinds))
+            if phase in (Phase.DECODE, Phase.VERIFY) and pmodes:
+                # processing: the biased / penalized / masked logits and their temporaries (about
+                # five fp32 vocabulary rows per node), and the committed rows' fp64 normalizer
+                extra = 2 * rows * 5 * V * 4 + 2 * B * spec.max_commit * V * 8
+                out.append(PlanEntry(phase, W, bs, tuple(kv_lengths), est + extra, True, shapes * len(pmodes) * 2))
     return out
 
 
 def format_plan(plan: list[PlanEntry], modes: tuple[SampleMode, ...] = CAPTURED_MODES) -> str:
-    lines = [f"{'phase':<8} {'width':>5}  {'batch sizes':<20} {'kv lengths':<26} {'est. memory':>11}"]
+    lines = [f"{'phase':<10} {'width':>5}  {'batch sizes':<20} {'kv lengths':<26} {'graphs':>6} {'est. memory':>11}"]
     for e in plan:
         bs = ",".join(map(str, e.batch_sizes))
         kv = ",".join(map(str, e.kv_lengths))
-        lines.append(f"{e.phase.value:<8} {e.width:>5}  {bs:<20} {kv:<26} {e.est_bytes / 2**20:>8.1f} MiB")
+        name = e.phase.value + ("+lp" if e.processed else "")
+        lines.append(f"{name:<10} {e.width:>5}  {bs:<20} {kv:<26} {e.graphs:>6} {e.est_bytes / 2**20:>8.1f} MiB")
     names = ", ".join(m.name.lower() for m in modes)
-    return "\n".join(lines + [f"each batch size is captured once per sampler mode ({names})"])
+    pnames = ", ".join(m.name.lower() for m in PROCESSED_MODES if m in modes)
+    return "\n".join(lines + [
+        f"{sum(e.graphs for e in plan)} graphs: each batch size once per sampler mode ({names}) and step kind "
+        f"(plain, constrained); +lp: processed rounds' steps (log-probabilities, penalties, logit_bias, banned "
+        f"tokens, min_p), in {pnames or 'no captured mode'}"])
 
 
 class RoundGraphs:
@@ -111,7 +132,8 @@ class RoundGraphs:
 
     def steps(self, bucket: int, mode: SampleMode) -> tuple[PhaseStep, ...]:
         rc = self.rc
-        return bucket_steps(rc.spec, bucket, mode, rc.drafter is not None, rc.state.grammar is not None)
+        return bucket_steps(rc.spec, bucket, mode, rc.drafter is not None, rc.state.grammar is not None,
+                            rc.state.logits is not None and mode in PROCESSED_MODES)
 
     @torch.inference_mode()
     def capture(self) -> dict[str, float]:

@@ -190,9 +190,9 @@ class Scheduler:
         if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1:
             return []
         full = (len(seq.prompt_ids) - 1) // ps   # pages of prompt positions only, the last token's excluded
-        others = [c for c in seq.choices if c is not seq and c.pages and not c.finished]
+        others = [c for c in seq.choices if c is not seq and c.pages and not c.finished] if full else []
         donor = next((c for c in others if min(c.computed, len(c.prefill_ids) - 1) >= full * ps), None)
-        if donor is not None and full:
+        if donor is not None:
             shared = donor.pages[:full]
             for page in shared:
                 self.pool.ref[page] += 1

@@ -65,11 +65,13 @@ class LogitsBuffers:
     knobs: torch.Tensor        # [R, 4] float32: repetition, frequency, presence, min_p
     out_len: torch.Tensor      # [R] long: output tokens so far (bonus included)
     tail: torch.Tensor         # [R, M] long: the output's last M = WORD_LEN - 1 tokens, most recent last; -1 before it
-    words: torch.Tensor        # [R, E, M] long: entry e's prefix, j = 0 the token just before the banned one; ANY past its start
+    words: torch.Tensor        # [R, E, M] long: entry e's prefix, j = 0 the token just before the banned
+                               # one; ANY past its start
     word_last: torch.Tensor    # [R, E] long: the token entry e bans; UNUSED
     word_until: torch.Tensor   # [R, E] long: e bans while out_len + depth < until (NEVER: always)
     lp: torch.Tensor           # [R, C, 1 + K] float32: each committed token's log-probability, then the top K's
-    lp_ids: torch.Tensor       # [R, C, 1 + K] long: the committed token's rank (1: the most likely), then the top K's ids
+    lp_ids: torch.Tensor       # [R, C, 1 + K] long: the committed token's rank (1: the most likely), then
+                               # the top K's ids
 
     @classmethod
     def allocate(cls, rows: int, vocab: int, commit: int, k: int, device: torch.device | str) -> "LogitsBuffers":

@@ -386,7 +386,6 @@ class Engine:
         counts.budget_hist[budget] += 1
         counts.method_rounds[method] += 1
         preds = 1 + self.spec.max_commit   # the predictions' first column in a row
-        lps = launched.read_logprobs()
         out, taus = [], []
         for b, (seq, row) in enumerate(zip(launched.seqs, rows)):
             if seq.finished:
@@ -397,8 +396,8 @@ class Engine:
             seq.stats.accept_lengths.append(k)
             if budget and not launched.constrained:   # a constrained round leaves no predictions
                 self.chooser.observe(seq.params.greedy, budget, k, row[preds:])
-            out.append((seq, self._emit(seq, row[1:1 + k], None if lps is None or seq.logprobs is None
-                                        else list(zip(lps[0][b][:k], lps[1][b][:k])))))
+            lps = None if seq.logprobs is None else launched.logprobs(b, k, seq.params.logprobs)
+            out.append((seq, self._emit(seq, row[1:1 + k], lps)))
         if taus:   # the round's counters once, not per request: this loop is host time between rounds
             counts.accept_hist.update(taus)
             counts.method_rows[method] += len(taus)

@@ -30,12 +30,14 @@ class Launched:
     processed: bool = False             # a processed round (logits processing, log-probabilities)
     lp_host: tuple[torch.Tensor, torch.Tensor] | None = None   # [B, C, 1 + K] each: the committed tokens' log-probabilities
 
-    def read_logprobs(self) -> tuple[list, list] | None:
-        """Per row and committed token: [logprob, then the top K's] and [rank, then their ids]
-        (None: the round read none). After `read`, which waits for the copies."""
+    def logprobs(self, b: int, k: int, top: int) -> list[tuple[list[float], list[int]]] | None:
+        """Row b's first k committed tokens' log-probabilities, each ([logprob, then the top
+        `top`'s], [rank, then their ids]) (None: the round read none). After `read`, which waits
+        for the copies; only the rows and columns asked for become Python numbers."""
         if self.lp_host is None:
             return None
-        return self.lp_host[0].tolist(), self.lp_host[1].tolist()
+        lp, ids = self.lp_host
+        return list(zip(lp[b, :k, :1 + top].tolist(), ids[b, :k, :1 + top].tolist()))
 
     def read(self) -> list[list[int]]:
         """Per row: out_n, the committed tokens, then the predictions; a decode round's rows

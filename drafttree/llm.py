@@ -257,6 +257,7 @@ class LLM:
                 raise ValueError(f"prompt {i}: the context holds {engine.max_model_len} tokens, but the prompt has "
                                  f"{len(ids)} and max_tokens asks for {sp.max_tokens} more: lower max_tokens to at "
                                  f"most {room} (or None: up to the context's end) or shorten the prompt")
+            engine.check_params(ids, sp)
             requests.append((ids, text, sp))
         seqs = [engine.add_request(ids, dataclasses.replace(sp))
                 for ids, _, sp in requests]

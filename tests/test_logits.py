@@ -423,6 +423,18 @@ def test_what_cannot_be_applied_is_refused_naming_it(models, kw, param, says):
     assert not eng.has_unfinished()
 
 
+def test_a_refused_prompt_of_a_batch_queues_none_of_it(models):
+    """generate checks every request's token ids against the vocabulary before queueing any."""
+    from drafttree.sampling import ParamError
+
+    _, llms = models("qwen3")
+    llm = llms["none"]
+    with pytest.raises(ParamError, match="outside the vocabulary"):
+        llm.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, logit_bias={V: 1})],
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
 def test_bad_words_need_a_tokenizer(tmp_path):
     from drafttree.sampling import ParamError
 

@@ -185,6 +185,11 @@ class Engine:
                              f"(prompt plus generated tokens), so a prompt may have 1 to "
                              f"{self.max_model_len - 1} tokens")
 
+    def check_params(self, ids: list[int], params: SamplingParams) -> None:
+        """What add_request checks of params against this model (token ids inside the vocabulary,
+        bad words' tokens and how many), queueing nothing: ParamError naming the field."""
+        row_logits(params, ids, self.model_cfg.vocab_size, self.eos_ids, self.tokenizer)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
         """Queue a request; returns its first choice (all n of them in `.choices`, one request id).

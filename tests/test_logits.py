@@ -266,6 +266,38 @@ def test_a_batch_mixes_processed_and_plain_rows(models):
         assert together == alone, m
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preempted_processed_requests_resume_their_output_state(models, overlap):
+    """A pool too small for the batch: processed requests (a repetition penalty over prompt and
+    output, a three-token bad word, min_tokens, log-probabilities; n = 2 sharing their prompt's
+    pages) are preempted and recomputed, their rows written again from the output so far, and
+    give the tokens and log-probabilities they give with room to spare, under DDTree."""
+    from tests.helpers import Pair, pool_gb
+
+    target, llms = models("llama")
+    pair = Pair(target, target.parent / "drafter", V)
+    prompts = [(PROMPTS[1] * 3)[:30], PROMPTS[0] * 5, PROMPTS[1][:12], (PROMPTS[0] + PROMPTS[1]) * 2]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.4, bad_words=['#"#'], logprobs=2),
+              SamplingParams(temperature=1.0, seed=8, max_tokens=40, min_tokens=30, stop_token_ids=[4], n=2),
+              SamplingParams(temperature=0.0, max_tokens=35, frequency_penalty=0.5, logprobs=0),
+              SamplingParams(temperature=0.9, seed=2, max_tokens=40, bad_words=["$!"], presence_penalty=0.3)]
+    want = llms["ddtree"].generate(prompts, params, use_tqdm=False)
+    gb = pool_gb(pair, "ddtree", None, 16, pages=40, page_size=4)
+    llm = LLM(model=str(target), draft_model=str(pair.drafter), spec="ddtree", budget=16, device="cpu",
+              dtype="float32", max_num_seqs=3, max_model_len=96, page_size=4, kv_cache_memory_gb=gb, overlap=overlap)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats.preemptions > 0
+    for g, w in zip(got, want):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        for a, b in zip(g.outputs, w.outputs):
+            assert (a.cumulative_logprob is None) == (b.cumulative_logprob is None)
+            if a.logprobs is not None:
+                assert [list(e) for e in a.logprobs] == [list(e) for e in b.logprobs]
+    eng = llm.engine
+    assert eng.free_pages == eng.pool.usable and all(r == 0 for r in eng.pool.ref)
+    llm.shutdown()
+
+
 # -- log-probabilities ----------------------------------------------------------------------------
 
 def check_logprobs(out, prompt: list[int], logits: torch.Tensor, k: int) -> None:

@@ -440,6 +440,7 @@ REFUSED = [
     ({"bad_words": [f"{chr(33 + i % 8)}{chr(33 + i // 8)}" for i in range(65)]}, "bad_words", "a request may have 64"),
     ({"bad_words": ["!" * 17]}, "bad_words", "at most 16"),
     ({"best_of": 3, "n": 2}, "best_of", "only None or n (2)"),
+    ({"allowed_token_ids": [2, 4], "bad_words": ["!", "#"]}, "bad_words", "ban every token allowed_token_ids allows"),
 ]
 
 

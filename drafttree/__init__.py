@@ -1,6 +1,6 @@
 """drafttree: LLM inference with block-diffusion speculative decoding (DFlash, DDTree).
 
-`LLM`, `RequestOutput`, `CompletionOutput` and `SamplingParams` load on first use, so that importing a low module
+`LLM`, `RequestOutput`, `CompletionOutput`, `Logprob` and `SamplingParams` load on first use, so that importing a low module
 (`drafttree.config`, `drafttree.phases`, the kernels) does not import the whole engine.
 """
 from __future__ import annotations
@@ -8,14 +8,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from drafttree.llm import LLM, CompletionOutput, RequestOutput
+    from drafttree.llm import LLM, CompletionOutput, Logprob, RequestOutput
     from drafttree.sampling import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
-_HOMES = {"LLM": "drafttree.llm", "CompletionOutput": "drafttree.llm", "RequestOutput": "drafttree.llm",
-          "SamplingParams": "drafttree.sampling"}
+_HOMES = {"LLM": "drafttree.llm", "CompletionOutput": "drafttree.llm", "Logprob": "drafttree.llm",
+          "RequestOutput": "drafttree.llm", "SamplingParams": "drafttree.sampling"}
 
 
 def __getattr__(name: str) -> Any:

@@ -18,6 +18,7 @@ GENERATE_DEFAULTS = {"max_num_seqs": 1}
 GENERATE_TEXTS = {"sampler_modes": "the one mode the sampling flags give",
                   "prefill_graphs": "off: one prompt prefills once",
                   "structured_graphs": "off: its request is not constrained",
+                  "processed_graphs": "off: its request asks for no logits processing",
                   "max_graph_len": "the prompt's tokens and --max-tokens"}
 
 
@@ -75,6 +76,8 @@ def generate_config(cfg: EngineConfig, a: argparse.Namespace) -> EngineConfig:
         changes["prefill_graphs"] = False
     if cfg.structured_graphs is None:
         changes["structured_graphs"] = False
+    if cfg.processed_graphs is None:
+        changes["processed_graphs"] = False
     graphed = cfg.cuda_graphs is not False and resolve_device(cfg.device).type == "cuda"
     if cfg.max_graph_len is None and graphed:
         n = _prompt_tokens(cfg, a)

@@ -5,6 +5,7 @@ Each returns RequestOutputs whose `.outputs` hold CompletionOutputs, as vLLM's d
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence as Seq
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -25,14 +26,30 @@ VLLM_ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability under the target's own distribution (before any processing or
+    temperature), its rank in it (1: the most likely) and its text (vLLM's Logprob)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per token: the token's and the `logprobs` most likely tokens', by id (vLLM's SampleLogprobs entry)
+TokenLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence of a request (vLLM's CompletionOutput). `stop_reason`: the stop
-    string or stop token id that ended it (None for EOS or a length limit)."""
+    string or stop token id that ended it (None for EOS or a length limit). With
+    SamplingParams.logprobs = k: `logprobs`, per output token, the token's Logprob and those of
+    the k most likely tokens (k or k + 1 entries, the token's first), and `cumulative_logprob`,
+    the sum over the output's tokens; else both None."""
     index: int
     text: str | None
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: None = None               # not yet produced (SamplingParams.logprobs is refused)
+    logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -42,15 +59,17 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's prompt and its outputs (vLLM's RequestOutput; one output: n is 1). The first
-    output's `token_ids`, `text` and `finish_reason` are also read here directly."""
+    """A request's prompt and its outputs (vLLM's RequestOutput: n of them, by index). The first
+    output's `token_ids`, `text` and `finish_reason` are also read here directly. With
+    SamplingParams.prompt_logprobs = k: `prompt_logprobs`, per prompt token, None for the first,
+    then the token's Logprob and the k most likely tokens' at its position."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: dict[str, Any] = field(default_factory=dict)
-    prompt_logprobs: None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -65,17 +84,50 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
     @classmethod
-    def from_seq(cls, seq: Sequence, has_tokenizer: bool) -> "RequestOutput":
+    def from_seq(cls, seq: Sequence, tokenizer: Any = None) -> "RequestOutput":
+        """The request of `seq` (any of its choices): every choice's output; text and the
+        log-probabilities' tokens decoded with `tokenizer` (None: no text)."""
         metrics: dict[str, Any] = dict(seq.timings())
-        metrics.update(rounds=seq.stats.rounds, mean_accept_length=seq.stats.mean_accept_length,
-                       accept_lengths=list(seq.stats.accept_lengths),
-                       accept_histogram=seq.stats.histogram)
-        out = CompletionOutput(0, seq.text if has_tokenizer else None, list(seq.output_ids),
-                               finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-        return cls(seq.request_id, seq.prompt, list(seq.prompt_ids), [out], seq.finished, metrics)
+        taus = [t for c in seq.choices for t in c.stats.accept_lengths]
+        metrics.update(rounds=sum(c.stats.rounds for c in seq.choices),
+                       mean_accept_length=sum(taus) / len(taus) if taus else 0.0, accept_lengths=taus,
+                       accept_histogram=dict(sorted(Counter(taus).items())))
+        text = _Decoded(tokenizer)
+        outs = [CompletionOutput(c.index, c.text if tokenizer is not None else None, list(c.output_ids),
+                                 c.cumulative_logprob, None if c.logprobs is None else
+                                 [text.logprobs(lp, ids, t) for t, (lp, ids) in zip(c.output_ids, c.logprobs)],
+                                 c.finish_reason, c.stop_reason) for c in seq.choices]
+        first = seq.choices[0]
+        prompt_lps = None
+        if first.prompt_logprobs is not None:
+            prompt_lps = [None] + [text.logprobs(lp, ids, t)
+                                   for t, (lp, ids) in zip(first.prompt_ids[1:], first.prompt_logprobs)]
+        return cls(seq.request_id, seq.prompt, list(seq.prompt_ids), outs, seq.all_finished, metrics, prompt_lps)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class _Decoded:
+    """Tokens' texts for Logprob.decoded_token (each id decoded alone, as vLLM does), remembered."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.texts = tokenizer, {}
+
+    def __call__(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        if token not in self.texts:
+            self.texts[token] = self.tokenizer.decode([token])
+        return self.texts[token]
+
+    def logprobs(self, lp: list[float], ids: list[int], token: int) -> TokenLogprobs:
+        """One token's entry: the token first, then the most likely ones (the token among them once)."""
+        out = {token: Logprob(lp[0], ids[0], self(token))}
+        for rank, (t, v) in enumerate(zip(ids[1:], lp[1:]), start=1):
+            if t >= 0 and t not in out:   # (-1: past a vocabulary smaller than the count asked)
+                out[t] = Logprob(v, rank, self(t))
+        return out
 
 
 def engine_config(model: str | None, engine_args: dict[str, Any]) -> EngineConfig:
@@ -205,22 +257,23 @@ class LLM:
                 raise ValueError(f"prompt {i}: the context holds {engine.max_model_len} tokens, but the prompt has "
                                  f"{len(ids)} and max_tokens asks for {sp.max_tokens} more: lower max_tokens to at "
                                  f"most {room} (or None: up to the context's end) or shorten the prompt")
+            engine.check_params(ids, sp)
             requests.append((ids, text, sp))
         seqs = [engine.add_request(ids, dataclasses.replace(sp))
                 for ids, _, sp in requests]
         for seq, (_, text, _) in zip(seqs, requests):
-            seq.prompt = text
+            for c in seq.choices:
+                c.prompt = text
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
         bar = make_bar(total=len(seqs), disable=not use_tqdm, desc="generate")
         done = 0
         while engine.has_unfinished():
             engine.step()
-            now = sum(s.finished for s in seqs)
+            now = sum(s.all_finished for s in seqs)
             bar.update(now - done)
             done = now
         bar.close()
-        has_tok = engine.tokenizer is not None
-        return [RequestOutput.from_seq(s, has_tok) for s in seqs]
+        return [RequestOutput.from_seq(s, engine.tokenizer) for s in seqs]
 
     def _prompt(self, prompt: Prompt, i: int) -> tuple[list[int], str | None]:
         """(token ids, the text or None) of prompt i, checked."""

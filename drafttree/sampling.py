@@ -54,19 +54,27 @@ class SamplingParams:
     # token is picked among those the grammar allows, and the output ends where it may end.
     structured_outputs: StructuredOutputs | None = None
 
-    # vLLM's, not yet taken: each is refused unless it asks for nothing (its default, `NOT_YET`)
+    # Choices and logits processing, as vLLM's (applied per draft position along each tree path,
+    # so speculation stays lossless): n choices sharing the prompt's KV pages, each seeded seed + i;
+    # penalties over the output so far (repetition also over the prompt); logit_bias, allowed and
+    # banned tokens; min_tokens (end-of-sequence and stop_token_ids masked until then); min_p.
     n: int = 1
-    best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Log-probabilities of the target's own distribution (before any processing or temperature,
+    # vLLM's default `raw_logprobs`): of each output token with the `logprobs` most likely tokens;
+    # `prompt_logprobs`: of each prompt token after the first, with that many most likely tokens.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    # vLLM's, not yet taken: each is refused unless it asks for nothing (its default, `NOT_YET`)
+    best_of: int | None = None          # also taken equal to n: n choices, all returned
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -89,15 +97,24 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the target's logits are processed (penalties, bias, masks, min_p) or their
+        log-probabilities read: such a request's rounds run the processed steps."""
+        return (self.logprobs is not None or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1 or self.min_p > 0 or self.min_tokens > 0 or bool(self.logit_bias)
+                or self.allowed_token_ids is not None or bool(self.bad_words))
+
 
 # The fields of SamplingParams not yet taken, each with the values that ask for nothing.
 NOT_YET: dict[str, tuple] = {
-    "n": (1,), "best_of": (None, 1), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,), "logprobs": (None,),
-    "prompt_logprobs": (None,), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
-    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
-    "truncate_prompt_tokens": (None,), "logits_processors": (None, []),
+    "best_of": (None, 1), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (None,), "logits_processors": (None, []),
 }
+# The most log-probabilities a request may ask for per token (OpenAI's top_logprobs limit, vLLM's
+# default max_logprobs): the rounds' logprob buffers are this wide, whatever a request asks.
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 
 
 def _is_int(x: object) -> bool:
@@ -151,11 +168,57 @@ def check_params(p: SamplingParams) -> None:
     need(isinstance(p.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in p.stop_token_ids),
          "stop_token_ids", "a list of token ids (integers >= 0)")
     p.stop_token_ids = [int(t) for t in p.stop_token_ids]
+    check_processing(p, need)
     for name, neutral in NOT_YET.items():
         value = getattr(p, name)
+        if name == "best_of" and _is_int(value) and value == p.n:
+            continue   # as many candidates as choices: all of them returned
         if not _asks_nothing(value, neutral):
-            raise ParamError(name, f"{name}={value!r} is not supported yet (only {_neutral(neutral)}): this engine "
+            only = f"None or n ({p.n})" if name == "best_of" else _neutral(neutral)
+            raise ParamError(name, f"{name}={value!r} is not supported yet (only {only}): this engine "
                                    "does not apply it, so it refuses it rather than ignore it")
+
+
+def check_processing(p: SamplingParams, need) -> None:
+    """The choices', penalties', masks' and logprobs' fields of p (`need(ok, name, what)` refuses);
+    normalizes their numbers. Token ids are checked against the vocabulary when the request is
+    added (`Engine.add_request`), where the vocabulary is known."""
+    need(_is_int(p.n) and p.n >= 1, "n", "an integer >= 1")
+    for name in ("presence_penalty", "frequency_penalty"):
+        need(_is_real(getattr(p, name)) and -2.0 <= getattr(p, name) <= 2.0, name, "a number in [-2, 2]")
+    need(_is_real(p.repetition_penalty) and p.repetition_penalty > 0, "repetition_penalty",
+         "a number > 0 (1: off)")
+    need(_is_real(p.min_p) and 0.0 <= p.min_p <= 1.0, "min_p", "a number in [0, 1] (0: off)")
+    need(_is_int(p.min_tokens) and p.min_tokens >= 0, "min_tokens", "an integer >= 0")
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        raise ParamError("min_tokens", f"min_tokens ({p.min_tokens}) must be at most max_tokens ({p.max_tokens})")
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(p, name)
+        need(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), name,
+             f"an integer in [0, {MAX_LOGPROBS}] (the most likely tokens returned per token), or None")
+    if p.logit_bias is not None:
+        need(isinstance(p.logit_bias, dict) and all(_is_token(k) for k in p.logit_bias)
+             and all(_is_real(v) and abs(v) <= MAX_LOGIT_BIAS for v in p.logit_bias.values()), "logit_bias",
+             f"a mapping of token ids (integers >= 0) to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        p.logit_bias = {int(k): float(v) for k, v in p.logit_bias.items()}
+    if p.allowed_token_ids is not None:
+        need(isinstance(p.allowed_token_ids, (list, tuple)) and len(p.allowed_token_ids) > 0
+             and all(_is_token(t) for t in p.allowed_token_ids), "allowed_token_ids",
+             "a non-empty list of token ids (integers >= 0), or None")
+        p.allowed_token_ids = [int(t) for t in p.allowed_token_ids]
+    if p.bad_words is not None:
+        need(isinstance(p.bad_words, (list, tuple)) and all(isinstance(w, str) and w.strip() for w in p.bad_words),
+             "bad_words", "a list of words (non-blank strings), or None")
+        p.bad_words = list(p.bad_words)
+        for i, w in enumerate(p.bad_words):
+            check_text(w, f"bad_words[{i}]")
+    p.presence_penalty, p.frequency_penalty = float(p.presence_penalty), float(p.frequency_penalty)
+    p.repetition_penalty, p.min_p = float(p.repetition_penalty), float(p.min_p)
+    p.n, p.min_tokens = int(p.n), int(p.min_tokens)
+
+
+def _is_token(x: object) -> bool:
+    return _is_int(x) and x >= 0
 
 
 def _asks_nothing(value: object, neutral: tuple) -> bool:

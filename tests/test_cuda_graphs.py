@@ -346,9 +346,18 @@ def test_schedule_turns_speculation_off_from_a_batch_size(pair):
     spec = SpecConfig("ddtree", block_size=8, budget=32, budget_schedule=SpecConfig.parse_schedule("2:8,4:0"))
     assert [spec.phases_at(b) for b in (1, 2, 4, 8)] == [(Phase.DRAFT, Phase.VERIFY)] * 2 + [(Phase.DECODE,)] * 2
     assert spec.budgets == (8, 32) and spec.kv_headroom == 33 and spec.round_phases == (Phase.DRAFT, Phase.VERIFY)
-    plan = [(e.phase, e.width, e.batch_sizes) for e in graph_plan(spec, ModelConfig.from_dir(t), None, 8, [545])]
+    entries = graph_plan(spec, ModelConfig.from_dir(t), None, 8, [545])
+    plan = [(e.phase, e.width, e.batch_sizes) for e in entries if not e.processed]
     assert plan == [(Phase.CONTEXT, 8, (1, 2, 4, 8)), (Phase.DECODE, 1, (1, 2, 4, 8)), (Phase.DRAFT, 8, (1, 2)),
                     (Phase.VERIFY, 33, (1,)), (Phase.VERIFY, 9, (2,))]
+    # processed rounds' decode and verify steps, beside them, in two sampler modes of three
+    assert [(e.phase, e.width, e.batch_sizes) for e in entries if e.processed] == plan[1:2] + plan[3:]
+    # graphs: buckets x sampler modes (3; processed: 2) x step kinds (plain, constrained); the context once
+    # per bucket, the draft once per bucket and kind (they pick no token)
+    assert [(e.phase, e.processed, e.graphs) for e in entries] == [
+        (Phase.CONTEXT, False, 4), (Phase.DECODE, False, 4 * 3 * 2), (Phase.DECODE, True, 4 * 2 * 2),
+        (Phase.DRAFT, False, 2 * 2), (Phase.VERIFY, False, 3 * 2), (Phase.VERIFY, True, 2 * 2),
+        (Phase.VERIFY, False, 3 * 2), (Phase.VERIFY, True, 2 * 2)]
     chain = SpecConfig("dflash", block_size=8, budget_schedule=SpecConfig.parse_schedule("2:0"))
     assert chain.phases_at(1) == (Phase.DRAFT, Phase.VERIFY) and chain.phases_at(2) == (Phase.DECODE,)
 
@@ -468,7 +477,7 @@ def test_speculate_sampled_resolution(pair, tmp_path):
     spec = SpecConfig("ddtree", block_size=8, budget=32, sampled=False)
     assert spec.phases_at(1) == (Phase.DRAFT, Phase.VERIFY) and spec.phases_at(1, greedy=False) == (Phase.DECODE,)
     assert SpecConfig("ddtree", block_size=8, budget=32).phases_at(1, greedy=False) == (Phase.DRAFT, Phase.VERIFY)
-    plan = [(e.phase, e.batch_sizes) for e in graph_plan(spec, ModelConfig.from_dir(t), None, 4, [545])]
+    plan = [(e.phase, e.batch_sizes) for e in graph_plan(spec, ModelConfig.from_dir(t), None, 4, [545]) if not e.processed]
     assert plan == [(Phase.CONTEXT, (1, 2, 4)), (Phase.DECODE, (1, 2, 4)), (Phase.DRAFT, (1, 2, 4)),
                     (Phase.VERIFY, (1, 2, 4))]
     off = tmp_path / "off"
@@ -571,14 +580,14 @@ def test_shared_graphs_and_graphs_up_to_max_graph_len(pair, fake_cuda_graphs):
     gr = LLM(**kw, cuda_graphs=True).engine.runner.graphs
     assert len(gr.kv_lengths) == 2 and len(gr.set_seconds) == 2 * 3 * 2
     for constrained in (False, True):   # the constrained round's steps share as the free round's do
-        count = {p: sum(k.phase is p and k.constrained == constrained for k in gr.graphs)
+        count = {p: sum(k.phase is p and k.constrained == constrained and not k.processed for k in gr.graphs)
                  for p in (Phase.CONTEXT, Phase.DRAFT, Phase.DECODE, Phase.VERIFY)}
         assert count == {Phase.CONTEXT: 0 if constrained else 2, Phase.DRAFT: 2 * 2, Phase.DECODE: 2 * 3 * 2,
                          Phase.VERIFY: 2 * 3 * 2}
     free = LLM(**kw, cuda_graphs=True, structured_graphs=False).engine.runner.graphs
     assert {k for k in gr.graphs if not k.constrained} == set(free.graphs)
     for g, c in ((gr, True), (free, False)):   # the plan `drafttree graphs` counts from the configs alone
-        assert graph_keys(g.rc.spec, 2, g.kv_lengths, g.modes, True, c) == set(g.graphs)
+        assert graph_keys(g.rc.spec, 2, g.kv_lengths, g.modes, True, c, True) == set(g.graphs)
     assert {k.kv_len for k in gr.graphs if k.phase is Phase.CONTEXT} == {0}
     capped = LLM(**kw, cuda_graphs=True, max_graph_len=100)
     gr = capped.engine.runner.graphs

@@ -53,18 +53,23 @@ BAD = [
     ("stop_token_ids", [1, -1], "stop_token_ids must be a list of token ids"),
     ("ignore_eos", 1, "ignore_eos must be True or False"),
     ("max_budget", -1, "max_budget must be an integer >= 0"),
-    ("n", 2, "n=2 is not supported yet (only 1)"),
-    ("n", True, "n=True is not supported yet"),
-    ("presence_penalty", 0.5, "presence_penalty=0.5 is not supported yet"),
-    ("frequency_penalty", -1.0, "frequency_penalty=-1.0 is not supported yet"),
-    ("repetition_penalty", 1.2, "repetition_penalty=1.2 is not supported yet"),
-    ("logit_bias", {5: 10.0}, "logit_bias={5: 10.0} is not supported yet"),
-    ("logprobs", 0, "logprobs=0 is not supported yet"),
-    ("prompt_logprobs", 1, "prompt_logprobs=1 is not supported yet"),
-    ("min_tokens", 3, "min_tokens=3 is not supported yet"),
-    ("min_p", 0.1, "min_p=0.1 is not supported yet"),
-    ("bad_words", ["x"], "bad_words=['x'] is not supported yet"),
-    ("best_of", 2, "best_of=2 is not supported yet"),
+    ("n", 0, "n must be an integer >= 1"),
+    ("n", True, "n must be an integer >= 1"),
+    ("presence_penalty", 2.5, "presence_penalty must be a number in [-2, 2]"),
+    ("frequency_penalty", -3.0, "frequency_penalty must be a number in [-2, 2]"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be a number > 0"),
+    ("logit_bias", {5: 101.0}, "logit_bias must be a mapping of token ids (integers >= 0) to numbers in [-100, 100]"),
+    ("logit_bias", {-1: 1.0}, "logit_bias must be a mapping of token ids"),
+    ("allowed_token_ids", [], "allowed_token_ids must be a non-empty list of token ids"),
+    ("logprobs", 21, "logprobs must be an integer in [0, 20]"),
+    ("logprobs", -1, "logprobs must be an integer in [0, 20]"),
+    ("prompt_logprobs", 21, "prompt_logprobs must be an integer in [0, 20]"),
+    ("min_tokens", -1, "min_tokens must be an integer >= 0"),
+    ("min_tokens", 300, "min_tokens (300) must be at most max_tokens (256)"),
+    ("min_p", 1.5, "min_p must be a number in [0, 1]"),
+    ("bad_words", [" "], "bad_words must be a list of words (non-blank strings)"),
+    ("bad_words", ["\ud800"], "bad_words[0] is not valid Unicode"),
+    ("best_of", 2, "best_of=2 is not supported yet (only None or n (1))"),
     ("include_stop_str_in_output", True, "include_stop_str_in_output=True is not supported yet"),
 ]
 
@@ -77,11 +82,15 @@ def test_sampling_params_refuse_a_bad_field_naming_it(name, value, says):
 
 
 def test_sampling_params_take_neutral_values_and_normalize():
-    neutral = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
-               "logit_bias": {}, "bad_words": [], "skip_special_tokens": True}
+    neutral = {"best_of": 1, "skip_special_tokens": True, "logits_processors": []}
     assert set(neutral) <= set(NOT_YET)
-    p = SamplingParams(temperature=1, top_p=1, top_k=-1, seed=3, stop="x", stop_token_ids=(4,), **neutral)
+    honoured = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {},
+                "bad_words": [], "min_p": 0, "min_tokens": 0}
+    assert not set(honoured) & set(NOT_YET)
+    p = SamplingParams(temperature=1, top_p=1, top_k=-1, seed=3, stop="x", stop_token_ids=(4,), **neutral, **honoured)
     assert (p.temperature, p.stop, p.stop_token_ids) == (1.0, ["x"], [4]) and type(p.temperature) is float
+    assert not p.processes_logits and type(p.repetition_penalty) is float
+    assert SamplingParams(n=3, best_of=3).best_of == 3   # as many candidates as choices
     assert SamplingParams(max_tokens=None).max_tokens is None
 
 

@@ -1,5 +1,6 @@
 """The OpenAI surface outside the decoding round: every documented parameter is honoured or refused
-with a 400 naming it (never accepted and ignored), the server refuses what SamplingParams refuses,
+with a 400 naming it (never accepted and ignored; what the honoured ones do, tests/test_logits_server.py
+checks), the server refuses what SamplingParams refuses,
 in the same words; undecodable text is a 400; /metrics speaks vLLM's vocabulary, truthfully from
 the first /ready."""
 from __future__ import annotations
@@ -47,6 +48,8 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("chat", {"temperature": 0.5, "top_p": 0.9, "seed": 3}, OK, None), ("chat", {"stop": ["zz"]}, OK, None),
     ("chat", {"stream": True, "stream_options": {"include_usage": True}}, OK, None),
     ("chat", {"n": 1, "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}, OK, None),
+    ("chat", {"n": 2, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+              "logit_bias": {"5": 10.0, "7": -100}}, OK, None),
     ("chat", {"store": False, "modalities": ["text"], "service_tier": "auto", "parallel_tool_calls": True}, OK, None),
     ("chat", {"user": "u", "metadata": {"k": "v"}, "safety_identifier": "s", "prompt_cache_key": "p"}, OK, None),
     ("chat", {"top_k": 5, "ignore_eos": True, "stop_token_ids": [2], "max_budget": 0}, OK, None),
@@ -54,15 +57,18 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
      None),
     ("completions", {"stream": True, "stream_options": {"include_usage": True}}, OK, None),
     ("completions", {"n": 1, "best_of": 1, "echo": False}, OK, None),
+    ("completions", {"n": 3, "best_of": 3, "echo": True, "logprobs": 1, "presence_penalty": -1.0,
+                     "frequency_penalty": 1.0, "logit_bias": {"7": -100.0}}, OK, None),
+    ("completions", {"logprobs": 0, "min_tokens": 2, "repetition_penalty": 1.1, "min_p": 0.1, "bad_words": ["x"],
+                     "allowed_token_ids": [1, 2, 3], "prompt_logprobs": 1}, OK, None),
     # the output's form and tools (the structured-output tests check what they do)
     ("chat", {"response_format": {"type": "json_object"}}, OK, None), ("chat", {"tools": [TOOL]}, OK, None),
     ("completions", {"guided_json": {}}, OK, None),
     # refused, naming the parameter
-    ("chat", {"n": 2}, NO, "n"), ("chat", {"logprobs": True}, NO, "logprobs"),
-    ("chat", {"logprobs": True, "top_logprobs": 2}, NO, "logprobs"), ("chat", {"top_logprobs": 2}, NO, "top_logprobs"),
-    ("chat", {"presence_penalty": 0.5}, NO, "presence_penalty"), ("chat", {"frequency_penalty": 0.5}, NO,
-                                                                   "frequency_penalty"),
-    ("chat", {"logit_bias": {"5": 10.0}}, NO, "logit_bias"), ("chat", {"store": True}, NO, "store"),
+    ("chat", {"n": 0}, NO, "n"), ("chat", {"logprobs": True, "top_logprobs": 21}, NO, "top_logprobs"),
+    ("chat", {"top_logprobs": 2}, NO, "top_logprobs"), ("chat", {"presence_penalty": 2.5}, NO, "presence_penalty"),
+    ("chat", {"frequency_penalty": -2.5}, NO, "frequency_penalty"),
+    ("chat", {"logit_bias": {"five": 10.0}}, NO, "logit_bias"), ("chat", {"store": True}, NO, "store"),
     ("chat", {"service_tier": "flex"}, NO, "service_tier"), ("chat", {"modalities": ["text", "audio"]}, NO, "modalities"),
     ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, NO, "audio"),
     ("chat", {"prediction": {"type": "content", "content": "x"}}, NO, "prediction"),
@@ -73,16 +79,15 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("chat", {"tool_choice": "required"}, NO, "tool_choice"),   # no tools to call
     ("chat", {"stream_options": {"include_usage": True}}, NO, "stream_options"),
     ("chat", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, NO, "stream_options"),
-    ("completions", {"n": 3}, NO, "n"), ("completions", {"best_of": 2}, NO, "best_of"),
-    ("completions", {"echo": True}, NO, "echo"), ("completions", {"logprobs": 1}, NO, "logprobs"),
-    ("completions", {"logprobs": 0}, NO, "logprobs"), ("completions", {"suffix": "end"}, NO, "suffix"),
-    ("completions", {"presence_penalty": -1.0}, NO, "presence_penalty"),
-    ("completions", {"frequency_penalty": 1.0}, NO, "frequency_penalty"),
-    ("completions", {"logit_bias": {"7": -100.0}}, NO, "logit_bias"),
-    # vLLM's extensions not yet taken, and what neither OpenAI nor this server knows
-    ("completions", {"min_tokens": 2}, NO, "min_tokens"), ("completions", {"repetition_penalty": 1.1}, NO,
+    ("completions", {"n": 2, "best_of": 3}, NO, "best_of"), ("completions", {"best_of": 2}, NO, "best_of"),
+    ("completions", {"logprobs": 21}, NO, "logprobs"), ("completions", {"suffix": "end"}, NO, "suffix"),
+    ("completions", {"logit_bias": {"7": -101.0}}, NO, "logit_bias"),
+    ("completions", {"logit_bias": {"123456789": 1.0}}, NO, "logit_bias"),   # past the vocabulary
+    ("completions", {"prompt_logprobs": 1, "stream": True}, NO, "prompt_logprobs"),
+    # vLLM's extensions out of range or not yet taken, and what neither OpenAI nor this server knows
+    ("completions", {"min_tokens": 3}, NO, "min_tokens"), ("completions", {"repetition_penalty": 0.0}, NO,
                                                             "repetition_penalty"),
-    ("completions", {"min_p": 0.1}, NO, "min_p"), ("completions", {"bad_words": ["x"]}, NO, "bad_words"),
+    ("completions", {"min_p": 1.1}, NO, "min_p"), ("completions", {"bad_words": [" "]}, NO, "bad_words"),
     ("completions", {"include_stop_str_in_output": True}, NO, "include_stop_str_in_output"),
     ("completions", {"skip_special_tokens": False}, NO, "skip_special_tokens"),
     ("chat", {"chat_template_kwargs": {"enable_thinking": False}}, NO, "chat_template_kwargs"),
@@ -124,8 +129,9 @@ def test_a_parameter_is_honoured_or_refused_naming_it(live, endpoint, body, stat
 
 
 # a field both APIs take, a bad value, and the field the refusal names
-SHARED = [("temperature", 2.5), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("n", 2),
-          ("presence_penalty", 0.5), ("min_tokens", 4), ("max_budget", -1), ("stop", [""])]
+SHARED = [("temperature", 2.5), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("n", 0),
+          ("presence_penalty", 2.5), ("repetition_penalty", -1.0), ("min_p", 1.5), ("min_tokens", -1),
+          ("max_budget", -1), ("stop", [""])]
 
 
 @pytest.mark.parametrize("name,value", SHARED, ids=[f"{n}={v!r}" for n, v in SHARED])

@@ -1,7 +1,8 @@
 """Real clients against `drafttree serve` run as a user runs it (the command line, in its own
 process): the official `openai` client, and, where it is installed, the lm-evaluation-harness
-(`lm_eval`, `pip install "lm-eval[api]"`: too heavy for CI's install, so its test skips there)
-running a small local generation task through `local-chat-completions`."""
+(`lm_eval`, `pip install "lm-eval[api]"`: too heavy for CI's install, so its tests skip there)
+running a small local generation task through `local-chat-completions` and a multiple-choice
+task scored by loglikelihood (echo and logprobs) through `local-completions`."""
 from __future__ import annotations
 
 import importlib.util
@@ -83,8 +84,16 @@ def test_the_openai_client(server):
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
     done = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=4, temperature=0)
     assert done.choices[0].text and done.usage.completion_tokens <= 4
-    for kw, param in (({"logprobs": True}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
-                      ({"n": 2}, "n"), ({"extra_body": {"nonsense": 1}}, "nonsense")):
+    # n choices, log-probabilities, penalties and logit_bias (string keys, as the client sends them)
+    both = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": question}], max_tokens=4,
+                                          temperature=0.8, seed=3, n=2, logprobs=True, top_logprobs=2,
+                                          presence_penalty=0.5, logit_bias={"198": -100})
+    assert [c.index for c in both.choices] == [0, 1] and both.usage.completion_tokens <= 8
+    for c in both.choices:
+        assert "".join(e.token for e in c.logprobs.content) == c.message.content
+        assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in c.logprobs.content)
+    for kw, param in (({"logprobs": True, "top_logprobs": 30}, "top_logprobs"), ({"n": 0}, "n"),
+                      ({"logit_bias": {"x": 1}}, "logit_bias"), ({"extra_body": {"nonsense": 1}}, "nonsense")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            **kw)
@@ -135,3 +144,81 @@ def test_lm_eval_local_chat_completions(server, tmp_path):
     [samples] = (tmp_path / "out").rglob("samples_drafttree_tiny_qa_*.jsonl")
     got = {json.loads(line)["doc"]["question"]: json.loads(line)["resps"][0][0] for line in samples.open()}
     assert got == {q: answer(server, q) for q, _ in QUESTIONS}
+
+
+CHOICE_TASK = """task: drafttree_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: choices
+doc_to_target: answer
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+CHOICES = [("The capital of France is", ["Paris", "a banana", "blue"], 0),
+           ("Two plus two equals", ["seven", "four", "a cat"], 1)]
+
+
+def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """A context and a continuation as lm-eval tokenizes a loglikelihood request: the context's
+    trailing spaces move to the continuation, and the continuation's tokens are the whole text's
+    past the context's."""
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    whole = tok.encode(context + continuation, add_special_tokens=False)
+    ctx = tok.encode(context, add_special_tokens=False)
+    return ctx, whole[len(ctx):]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
+                    reason='the lm-evaluation-harness is not installed (pip install "lm-eval[api]")')
+def test_lm_eval_local_completions_loglikelihood(server, tmp_path):
+    """lm_eval's local-completions scores a two-question multiple-choice task by loglikelihood
+    (token-id prompts with echo and logprobs 1): each choice's logged loglikelihood is the sum of
+    its continuation tokens' log-probabilities under the model (transformers' fp32 forward of the
+    same weights), and is_greedy says whether each was the argmax."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from drafttree.loader.default_model import default_model_dir
+
+    model_dir = default_model_dir()
+    data = tmp_path / "tiny_mc.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in CHOICES))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "tiny_mc.yaml").write_text(CHOICE_TASK.format(data=data))
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
+           f"model={NAME},base_url={server}/v1/completions,tokenizer={model_dir},tokenizer_backend=huggingface,"
+           "tokenized_requests=True,num_concurrent=1,max_retries=1",
+           "--tasks", "drafttree_tiny_mc", "--include_path", str(tmp_path / "tasks"),
+           "--output_path", str(tmp_path / "out"), "--log_samples"]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    [results] = (tmp_path / "out").rglob("results_*.json")
+    assert "acc,none" in json.loads(results.read_text())["results"]["drafttree_tiny_mc"]
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    [samples] = (tmp_path / "out").rglob("samples_drafttree_tiny_mc_*.jsonl")
+    scored = 0
+    for line in samples.open():
+        sample = json.loads(line)
+        args = sample["arguments"]
+        pairs = [(a["arg_0"], a["arg_1"]) for a in args.values()] if isinstance(args, dict) else args
+        for (context, continuation), (ll, greedy) in zip(pairs, sample["filtered_resps"]):
+            ctx, cont = encode_pair(tok, context, continuation)
+            with torch.no_grad():
+                logits = model(torch.tensor([ctx + cont])).logits[0, len(ctx) - 1:-1].double()
+            lsm = torch.log_softmax(logits, -1)
+            want = float(sum(lsm[j, t] for j, t in enumerate(cont)))
+            assert abs(float(ll) - want) < 1e-2, (context, continuation, ll, want)
+            assert str(greedy) == str(bool((lsm.argmax(-1) == torch.tensor(cont)).all()))
+            scored += 1
+    assert scored == sum(len(c) for _, c, _ in CHOICES)

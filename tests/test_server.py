@@ -150,7 +150,7 @@ ERROR_CASES = [
     ("max_tokens negative", "/v1/chat/completions", {"messages": HI, "max_tokens": -3}, 400),
     ("prompt too long", "/v1/completions", {"prompt": "hello " * 700, "max_tokens": 4}, 400),
     ("chat too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 700}]}, 400),
-    ("n=2", "/v1/chat/completions", {"messages": HI, "n": 2}, 400),
+    ("n=0", "/v1/chat/completions", {"messages": HI, "n": 0}, 400),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400),
     ("empty prompt", "/v1/completions", {"prompt": "", "max_tokens": 4}, 400),
     ("token id out of range", "/v1/completions", {"prompt": [1, 10**9], "max_tokens": 4}, 400),
@@ -177,7 +177,7 @@ def test_bad_requests(live: Live, name: str, path: str, body: Any, status: int) 
 
 def test_server_answers_after_errors(client) -> None:
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=QUICKSORT, n=2)
+        client.chat.completions.create(model=MODEL, messages=QUICKSORT, n=0)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=QUICKSORT)
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,

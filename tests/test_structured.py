@@ -5,6 +5,7 @@ masked greedy decode of the same model; the host's draft trees hold only tokens 
 allows along their paths; constraints the grammar engine cannot honour are refused by name."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -82,6 +83,26 @@ def test_speculative_constrained_equals_plain(pair, plain, spec, budget):
         assert g.finish_reason == w.finish_reason
     # drafted tokens were accepted inside the grammar (forced keys, allowed candidates)
     assert max(t for o in got[:2] for t in o.metrics["accept_lengths"]) >= 3
+
+
+@pytest.mark.parametrize("spec,budget", [("ddtree", 8), ("dflash", None)])
+def test_processed_constrained_rounds_are_lossless(pair, plain, spec, budget):
+    """Penalties, logit_bias, bad words and log-probabilities on constrained requests (the
+    grammar's masks and the logits processing per node of host-built trees): plain decoding's
+    tokens and log-probabilities, the constraints kept."""
+    prompts, params = batch()
+    more = dict(repetition_penalty=1.3, presence_penalty=0.4, logit_bias={ord("7") - 31: 2.0}, bad_words=["qq"],
+                logprobs=2)
+    params = [dataclasses.replace(p, **more) for p in params]
+    want = plain.generate(prompts, params)
+    check_valid(want)
+    assert [w.token_ids for w in want] != [o.token_ids for o in plain.generate(*batch())]
+    got = engine(pair, spec, budget).generate(prompts, params)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids, (g.text, w.text)
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert list(a) == list(b) and all(a[t].logprob == pytest.approx(b[t].logprob, rel=1e-5, abs=1e-5)
+                                              for t in a)
 
 
 def test_decode_and_drafting_rounds_alternate(pair, plain):

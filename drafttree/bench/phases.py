@@ -90,7 +90,7 @@ def _timings(eng: Engine, batch: int, prompt_len: int, iters: int, budgets_tree:
         ms["tree_build"] = timed(lambda: box.update(t=rounds.make_tree(rc, box["l"], B)), reset, dev, iters)
         ms["verify_forward"] = timed(lambda: box.update(v=rounds.verify_forward(rc, B, kv_len, box["t"], greedy)),
                                      reset, dev, iters)
-        ms["accept_commit"] = timed(lambda: rounds.accept_commit(rc, B, box["t"], *box["v"]), reset, dev, iters)
+        ms["accept_commit"] = timed(lambda: rounds.accept_commit(rc, B, box["t"], *box["v"][:2]), reset, dev, iters)
         ms["round"] = timed(lambda: rounds.spec_round(rc, B, kv_len, greedy), reset, dev, iters)
         ms["round_in_decode_steps"] = ms["round"] / ms["decode"]
     if dev.type == "cuda":

@@ -111,6 +111,10 @@ class EngineConfig:
         None, "with CUDA graphs, the constrained round's graphs too (structured output and tool calls: masked "
               "picks, host-built trees), about as many again as the round graphs; off: a constrained round runs "
               "eagerly (counted as a graph fallback)", "on with CUDA graphs")
+    processed_graphs: bool | None = _opt(
+        None, "with CUDA graphs, the processed round's graphs too (log-probabilities, penalties, logit_bias, "
+              "banned and allowed tokens, min_tokens, min_p: its decode and verify steps, greedy and filtered); "
+              "off: such a round runs eagerly (counted as a graph fallback)", "on with CUDA graphs")
     prefill_graphs: bool | None = _opt(
         None, "graphed prefill per (rows, length bucket, attention length): from position 0, or at an offset "
               "over a KV bucket (prefix-cache hits, continuing chunks), every shape the scheduler can ask for "

@@ -73,15 +73,17 @@ class Constrained:
         self.times.decode_masks_s += time.perf_counter() - t0
         return out
 
-    def launch(self, running: list[Sequence], mode: SampleMode, max_length: int, budget: int) -> None:
-        """Run a constrained round over rows 0..B-1 (`running`) at `budget` (0: a masked decode step)."""
+    def launch(self, running: list[Sequence], mode: SampleMode, max_length: int, budget: int,
+               processed: bool = False) -> None:
+        """Run a constrained round over rows 0..B-1 (`running`) at `budget` (0: a masked decode step);
+        `processed`: a processed round (`ModelRunner.run_round`)."""
         r, B = self.runner, len(running)
         spec = r.spec
         t0 = time.perf_counter()
         if budget == 0:
-            r.run_masked_decode(B, mode, max_length, self.masks(running))
+            r.run_masked_decode(B, mode, max_length, self.masks(running), processed=processed)
         else:
-            r.run_candidates(B, mode, max_length)
+            r.run_candidates(B, mode, max_length, processed=processed)
             lp, idx = r.candidates(B)
             t1 = time.perf_counter()
             bucket = r.cache_cfg.batch_bucket(B)
@@ -89,7 +91,7 @@ class Constrained:
                                 [s.grammar for s in running], spec.method == "dflash", self.compiler, self.eos_ids,
                                 rows=bucket)
             t2 = time.perf_counter()
-            r.run_masked_verify(B, mode, max_length, budget, trees)
+            r.run_masked_verify(B, mode, max_length, budget, trees, processed=processed)
             self.times.candidates_wait_s += t1 - t0
             self.times.tree_build_s += t2 - t1
         self.times.rounds += 1

@@ -19,6 +19,7 @@ from drafttree.engine.memory_plan import startup_plan
 from drafttree.engine.pages import PagePool
 from drafttree.engine.plan import EngineSetup, load_models, resolve, settings_of
 from drafttree.engine.pool_sizing import size_pool
+from drafttree.engine.processing import choice_params, row_logits
 from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
 from drafttree.engine.startup import Background, StartupTimes, tokenizer_for
@@ -184,8 +185,15 @@ class Engine:
                              f"(prompt plus generated tokens), so a prompt may have 1 to "
                              f"{self.max_model_len - 1} tokens")
 
+    def check_params(self, ids: list[int], params: SamplingParams) -> None:
+        """What add_request checks of params against this model (token ids inside the vocabulary,
+        bad words' tokens and how many), queueing nothing: ParamError naming the field."""
+        row_logits(params, ids, self.model_cfg.vocab_size, self.eos_ids, self.tokenizer)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
+        """Queue a request; returns its first choice (all n of them in `.choices`, one request id).
+        Checked first (ValueError naming what is wrong), so a refused request queues nothing."""
         if self.dead is not None:
             raise TensorParallelError(self.dead)
         params = params or SamplingParams()
@@ -193,22 +201,27 @@ class Engine:
         self.check_prompt(ids)
         if params.max_tokens is None:   # up to the context's end
             params = replace(params, max_tokens=self.max_model_len - len(ids))
-        seq = Sequence(ids, params, prompt=text)
-        if request_id is not None:
-            seq.request_id = request_id
-        self.constrained.attach(seq)
-        self.scheduler.add(seq)
+        setup = row_logits(params, ids, self.model_cfg.vocab_size, self.eos_ids, self.tokenizer)
+        choices = [Sequence(ids, p, prompt=text, index=i, logits=setup) for i, p in enumerate(choice_params(params))]
+        for seq in choices:
+            seq.choices = choices
+            seq.request_id = request_id if request_id is not None else choices[0].request_id
+            self.constrained.attach(seq)
+        for seq in choices:
+            self.scheduler.add(seq)
         self.book.counts.requests += 1
         self.book.counts.prompt_tokens += len(ids)
-        return seq
+        return choices[0]
 
     def abort(self, seq: Sequence) -> None:
-        """Finish seq (finish reason "abort") and free its pages at once. An unread round that
-        still writes them runs before any later use of the pages (one stream)."""
-        seq.finish("abort")
+        """Finish seq's request, every choice (finish reason "abort"), and free their pages at once.
+        An unread round that still writes them runs before any later use of the pages (one stream)."""
+        for c in seq.choices:
+            c.finish("abort")
         if self.dead is not None:
             return   # a stopped tensor-parallel engine: its ranks take no more commands
-        self.scheduler.free(seq)
+        for c in seq.choices:
+            self.scheduler.free(c)
 
     def has_unfinished(self) -> bool:
         sc = self.scheduler
@@ -278,10 +291,17 @@ class Engine:
         firsts = self.runner.prefill([c for _, c in chunks])
         self._prefill_end = time.perf_counter()
         self.book.counts.prefill_seconds += self._prefill_end - t0
+        lps = self.runner.prefill_logprobs
+        for i, got in lps.prompt.items():
+            chunks[i][0].prompt_logprobs += got
         started = sc.prefilled(chunks)
-        by_seq = dict(zip((seq for seq, c in chunks if c.row >= 0), firsts))
-        # a recomputed request's bonus token was emitted before its preemption
-        out = [(seq, self._emit(seq, [by_seq[seq]])) for seq in started if not seq.output_ids]
+        ending = [(i, seq) for i, (seq, c) in enumerate(chunks) if c.row >= 0]
+        first = {seq: (tok, lps.first.get(i)) for (i, seq), tok in zip(ending, firsts)}
+        out = []
+        for seq in started:
+            if not seq.output_ids:   # a recomputed request's bonus token was emitted before its preemption
+                tok, lp = first[seq]
+                out.append((seq, self._emit(seq, [tok], None if lp is None else [lp])))
         self._release()
         return out
 
@@ -309,11 +329,19 @@ class Engine:
         mode = SampleMode.of([s.params for s in running])
         budget = self._choose_budget(running, mode)
         max_length = max(s.length for s in running) + self._pending()
+        # a row whose logits are processed or whose log-probabilities are read: processed steps
+        processed = any(s.processes for s in running)
+        logprobs = self.runner.state.logits if any(s.logprobs is not None for s in running) else None
         if any(s.grammar is not None for s in running):   # structured output: masked picks, host-built trees
-            self.constrained.launch(running, mode, max_length, budget)
-            return self._outputs.launch(self.runner.state, list(running), t0, budget, constrained=True)
-        self.runner.run_round(len(running), mode, max_length, budget)
-        return self._outputs.launch(self.runner.state, list(running), t0, budget)
+            self.constrained.launch(running, mode, max_length, budget, processed)
+            return self._outputs.launch(self.runner.state, list(running), t0, budget, constrained=True,
+                                        processed=processed, logprobs=logprobs)
+        if processed:
+            self.runner.run_round(len(running), mode, max_length, budget, processed=True)
+        else:
+            self.runner.run_round(len(running), mode, max_length, budget)
+        return self._outputs.launch(self.runner.state, list(running), t0, budget, processed=processed,
+                                    logprobs=logprobs)
 
     def _choose_budget(self, running: list[Sequence], mode: SampleMode) -> int:
         """The next round's budget (0: decode), within the requests' max_budget caps."""
@@ -348,7 +376,9 @@ class Engine:
         # one, while the host read, emitted and launched (overlapped rounds counted once); the
         # choice (an adaptive spec's cost table) learns from them, except across a prefill
         start = max(launched.t0, self._last_read)
-        if self.costs is not None and self._prefill_end <= start and not launched.constrained:
+        # (a constrained or processed round's seconds hold its own extra work: not a price of plain ones)
+        if self.costs is not None and self._prefill_end <= start and not launched.constrained \
+                and not launched.processed:
             B = len(launched.seqs)
             self.chooser.observe_round(self.runner.cache_cfg.batch_bucket(B), launched.budget,
                                        not all(s.params.greedy for s in launched.seqs), now - start)
@@ -362,7 +392,7 @@ class Engine:
         counts.method_rounds[method] += 1
         preds = 1 + self.spec.max_commit   # the predictions' first column in a row
         out, taus = [], []
-        for seq, row in zip(launched.seqs, rows):
+        for b, (seq, row) in enumerate(zip(launched.seqs, rows)):
             if seq.finished:
                 continue
             k = row[0]
@@ -371,7 +401,8 @@ class Engine:
             seq.stats.accept_lengths.append(k)
             if budget and not launched.constrained:   # a constrained round leaves no predictions
                 self.chooser.observe(seq.params.greedy, budget, k, row[preds:])
-            out.append((seq, self._emit(seq, row[1:1 + k])))
+            lps = None if seq.logprobs is None else launched.logprobs(b, k, seq.params.logprobs)
+            out.append((seq, self._emit(seq, row[1:1 + k], lps)))
         if taus:   # the round's counters once, not per request: this loop is host time between rounds
             counts.accept_hist.update(taus)
             counts.method_rows[method] += len(taus)
@@ -381,9 +412,9 @@ class Engine:
                 counts.draft_tokens += budget * len(taus)
         return out
 
-    def _emit(self, seq: Sequence, tokens: list[int]) -> list[int]:
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> list[int]:
         # the context bounds the output as max_tokens does (finish reason "length")
-        kept = seq.append(tokens, self.eos_ids, self.max_model_len - len(seq.prompt_ids))
+        kept = seq.append(tokens, self.eos_ids, self.max_model_len - len(seq.prompt_ids), logprobs)
         self.constrained.advance(seq, kept)
         self.book.counts.generated_tokens += len(kept)
         # Text is kept current every round only when something reads it mid-generation.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from drafttree.engine.sequence import Sequence
+from drafttree.spec_decode.logits import LogitsBuffers
 from drafttree.spec_decode.state import RoundState
 
 
@@ -26,6 +27,17 @@ class Launched:
     t0: float                           # host time before the launch
     budget: int = 0                     # the round's budget (0: a decode round)
     constrained: bool = False           # a constrained round (structured output): read before the next launch
+    processed: bool = False             # a processed round (logits processing, log-probabilities)
+    lp_host: tuple[torch.Tensor, torch.Tensor] | None = None   # [B, C, 1 + K] each: the committed tokens' log-probabilities
+
+    def logprobs(self, b: int, k: int, top: int) -> list[tuple[list[float], list[int]]] | None:
+        """Row b's first k committed tokens' log-probabilities, each ([logprob, then the top
+        `top`'s], [rank, then their ids]) (None: the round read none). After `read`, which waits
+        for the copies; only the rows and columns asked for become Python numbers."""
+        if self.lp_host is None:
+            return None
+        lp, ids = self.lp_host
+        return list(zip(lp[b, :k, :1 + top].tolist(), ids[b, :k, :1 + top].tolist()))
 
     def read(self) -> list[list[int]]:
         """Per row: out_n, the committed tokens, then the predictions; a decode round's rows
@@ -46,21 +58,33 @@ class RoundOutputs:
     in stream order."""
 
     def __init__(self, rows: int, width: int, device: torch.device) -> None:
-        cuda = device.type == "cuda"   # width: the round state's out buffer's, 1 + C + P
-        self.bufs = [torch.empty(rows, width, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
-        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.cuda = device.type == "cuda"   # width: the round state's out buffer's, 1 + C + P
+        self.bufs = [torch.empty(rows, width, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+        self.lp_bufs: list[tuple[torch.Tensor, torch.Tensor]] = []   # made at the first round that reads them
         self.next = 0
 
     def launch(self, state: RoundState, seqs: list[Sequence], t0: float, budget: int = 0,
-               constrained: bool = False) -> Launched:
+               constrained: bool = False, processed: bool = False, logprobs: LogitsBuffers | None = None
+               ) -> Launched:
         """Queue the copy of the round just launched over len(seqs) rows at `budget` (no host
-        sync); t0: the host time before its launch."""
+        sync), and of its log-probabilities where `logprobs` (the round state's) is given; t0: the
+        host time before its launch."""
         B, i = len(seqs), self.next
         self.next ^= 1
+        lp_host = None
+        if logprobs is not None:
+            if not self.lp_bufs:
+                self.lp_bufs = [(torch.empty(logprobs.lp.shape, pin_memory=self.cuda),
+                                 torch.empty(logprobs.lp_ids.shape, dtype=torch.long, pin_memory=self.cuda))
+                                for _ in range(2)]
+            lp_host = (self.lp_bufs[i][0][:B], self.lp_bufs[i][1][:B])
+            lp_host[0].copy_(logprobs.lp[:B], non_blocking=self.cuda)
+            lp_host[1].copy_(logprobs.lp_ids[:B], non_blocking=self.cuda)
         dev = state.out[:B]
         host, done = self.bufs[i][:B], self.events[i]
         if done is None:
-            return Launched(seqs, host.copy_(dev), None, t0, budget, constrained)
+            return Launched(seqs, host.copy_(dev), None, t0, budget, constrained, processed, lp_host)
         host.copy_(dev, non_blocking=True)
         done.record()
-        return Launched(seqs, host, done, t0, budget, constrained)
+        return Launched(seqs, host, done, t0, budget, constrained, processed, lp_host)

@@ -146,6 +146,7 @@ class EngineSetup:
     prefill_graphs: bool
     sampler_modes: tuple[SampleMode, ...]   # the round graphs' modes
     structured_graphs: bool         # the constrained round's graphs captured too
+    processed_graphs: bool          # the processed round's graphs captured too
     overlap: bool                   # launch each round before reading the previous one's tokens
 
 
@@ -202,12 +203,13 @@ def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
         log.warning("sampler_modes %s take no effect: they choose the round graphs captured and the modes the "
                     "cost model times, and this engine captures no graph and has no cost model",
                     ",".join(cfg.sampler_modes))
-    if cfg.structured_graphs and not graphs:
-        raise ValueError("structured_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
+    for name in ("structured_graphs", "processed_graphs"):
+        if getattr(cfg, name) and not graphs:
+            raise ValueError(f"{name} needs CUDA graphs (a CUDA device, cuda_graphs not False)")
     overlap = cfg.overlap if cfg.overlap is not None else device.type == "cuda"
     return EngineSetup(cfg, model_dir, tcfg, drafter_dir, dcfg, spec, settings, device, dtype,
                        1 if tp is None else tp.world, graphs, graphs and cfg.prefill_graphs is not False, modes,
-                       graphs and cfg.structured_graphs is not False, overlap)
+                       graphs and cfg.structured_graphs is not False, graphs and cfg.processed_graphs is not False, overlap)
 
 
 def graph_kv_lengths(cache: CacheConfig, max_graph_len: int | None) -> list[int]:
@@ -259,9 +261,11 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
     cache = CacheConfig(cfg.max_num_seqs, cfg.max_model_len or target.max_position_embeddings, spec.kv_headroom,
                         cfg.page_size)
     kv_lengths = graph_kv_lengths(cache, cfg.max_graph_len)
-    plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, kv_lengths, world)
-    n_free, n_all = (len(graph_keys(spec, cfg.max_num_seqs, kv_lengths, setup.sampler_modes, dcfg is not None, c))
-                     for c in (False, True))
+    structured, processed = cfg.structured_graphs is not False, cfg.processed_graphs is not False
+    plan = graph_plan(spec, target, dcfg.model if dcfg else None, cfg.max_num_seqs, kv_lengths, world,
+                      setup.sampler_modes, structured, processed)
+    n_plain, n_all = (len(graph_keys(spec, cfg.max_num_seqs, kv_lengths, setup.sampler_modes, dcfg is not None,
+                                     c, c)) for c in (False, True))
     prefill = SchedulerConfig(cache, spec.max_commit, cfg.prefill_chunk, cfg.max_prefill_tokens,
                               cfg.admit_min).prefill   # the engine's own rule
     shapes = prefill.shapes()
@@ -285,9 +289,10 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
                if cfg.prefill_graphs is not False
                else "; prefill runs eagerly\n")
             + f"settings: {setup.settings.describe()}\n")
-    structured = (f"{n_all} with the constrained round's (structured_graphs)" if cfg.structured_graphs is not False
-                  else f"the constrained round's {n_all - n_free} not captured (structured_graphs off)")
-    text = head + format_plan(plan, setup.sampler_modes) + f"\nround graphs: {n_free}; {structured}"
+    off = [n for n, on in (("structured_graphs", structured), ("processed_graphs", processed)) if not on]
+    text = head + format_plan(plan, setup.sampler_modes) + (
+        f"\nround graphs for rounds with neither structured output nor logits processing: {n_plain}; with both "
+        f"kinds captured: {n_all}" + (f"; not captured: {', '.join(off)}" if off else ""))
 
     # -- the memory plan of each GPU (engine/memory_plan.py), from the same setup
     if setup.model_dir is None:   # a random shape: no checkpoint config to plan from

@@ -43,7 +43,7 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
     before = _compiled(dirs)
     with startup.running("graphs"):
         stages = runner.capture(setup.sampler_modes, prefill, cache.batch_buckets, kv_lengths, startup.progress,
-                                constrained=setup.structured_graphs)
+                                constrained=setup.structured_graphs, processed=setup.processed_graphs)
     graphs, compiled = runner.graphs, _compiled(dirs) - before
     startup.parts["graph sets"] = {k.describe(): v for k, v in graphs.set_seconds.items()}
     startup.note("graphs warm-up", f"{len(graphs.graphs)} round graphs in {len(graphs.set_seconds)} sets"

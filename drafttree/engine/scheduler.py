@@ -160,8 +160,9 @@ class Scheduler:
         while budget > 0 and self.waiting and used < rows and self._fits_forward(out, self.waiting[0], budget):
             seq = self.waiting[0]
             ids = seq.prefill_ids
-            # at least the last token is computed: its hidden state gives the next token
-            hit = self.pool.match(ids, (len(ids) - 1) // self.pool.page_size)
+            hit = self._shared(seq)
+            if hit is None:
+                break   # a choice of its request is computing the prompt's pages: wait for them
             seq.pages, seq.computed = hit, len(hit) * self.pool.page_size
             chunk = self._chunk(seq, budget, out)
             if chunk is None:
@@ -178,6 +179,28 @@ class Scheduler:
             budget -= len(chunk.ids)
             used += 1
         return out
+
+    def _shared(self, seq: Sequence) -> list[int] | None:
+        """The pages seq starts with, each gaining a reference: a choice of the same request (n > 1)
+        that holds the prompt's full pages computed shares them, prefix caching or not (None while
+        one is still computing them: the others wait, so the prompt is computed once); else the
+        prefix cache's longest match. At least the last token is computed (its hidden state gives
+        the next token). A request asking for prompt log-probabilities computes its whole prompt."""
+        ps = self.pool.page_size
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1:
+            return []
+        full = (len(seq.prompt_ids) - 1) // ps   # pages of prompt positions only, the last token's excluded
+        others = [c for c in seq.choices if c is not seq and c.pages and not c.finished] if full else []
+        donor = next((c for c in others if min(c.computed, len(c.prefill_ids) - 1) >= full * ps), None)
+        if donor is not None:
+            shared = donor.pages[:full]
+            for page in shared:
+                self.pool.ref[page] += 1
+            return shared
+        if any(c.status is Status.PREFILL for c in others):
+            return None
+        ids = seq.prefill_ids
+        return self.pool.match(ids, (len(ids) - 1) // ps)
 
     def _fits_forward(self, out: list[tuple[Sequence, PrefillChunk]], seq: Sequence, budget: int) -> bool:
         """Whether seq's next chunk joins this step's padded forward (always, if it is the first)."""
@@ -203,7 +226,8 @@ class Scheduler:
             seq.pages += got
         row = len(self.running) + sum(ch.row >= 0 for _, ch in before) if last else -1
         bonus = seq.output_ids[-1] if seq.output_ids and last else None
-        return PrefillChunk(ids[seq.computed:end], seq.computed, list(seq.pages), seq.params, seq.seed, row, bonus)
+        return PrefillChunk(ids[seq.computed:end], seq.computed, list(seq.pages), seq.params, seq.seed, row, bonus,
+                            logits=seq.row_logits() if last else None, prompt_lp=seq.prompt_ask(seq.computed, n))
 
     def prefilled(self, done: list[tuple[Sequence, PrefillChunk]]) -> list[Sequence]:
         """Account a prefill forward: progress, prefix-cache keys, and the requests that start

@@ -4,11 +4,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
+from drafttree.runner.logit_rows import Logprobs, PromptAsk
 from drafttree.sampling import SamplingParams
+from drafttree.spec_decode.logits import RowLogits
 
 _ids = itertools.count()
 
@@ -59,10 +61,54 @@ class Sequence:
     preemptions: int = 0
     detok_offsets: tuple[int, int] = (0, 0)   # output ids [prefix, read): window already in text
     grammar: Any = None       # structured output: the grammar's matcher over the output so far
+    # n > 1: this is choice `index` of the request's `choices` (all of them, this one included)
+    index: int = 0
+    choices: list[Sequence] = field(default_factory=list, repr=False)
+    logits: RowLogits | None = None   # its logits processing (penalties, bias, banned tokens), when it asks
+    # log-probabilities, where asked: per output token, and per prompt position p of the prompt
+    # token at p + 1 (computed at prefill): ([logprob, then the top k's], [rank, then their ids])
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs] | None = None
 
     def __post_init__(self) -> None:
         if self.seed < 0:
             self.seed = self.params.resolved_seed()
+        if not self.choices:
+            self.choices = [self]
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
+
+    @property
+    def processes(self) -> bool:
+        """Whether its rounds must be processed ones (`SamplingParams.processes_logits`)."""
+        return self.params.processes_logits
+
+    @property
+    def all_finished(self) -> bool:
+        """Every choice of its request finished."""
+        return all(c.finished for c in self.choices)
+
+    def row_logits(self) -> RowLogits | None:
+        """Its row's processing as the prefill that ends now writes it: the output so far counted."""
+        return None if self.logits is None else replace(self.logits, output=list(self.output_ids))
+
+    def prompt_ask(self, start: int, n: int) -> PromptAsk | None:
+        """The prompt log-probabilities a prefill chunk of positions start .. start + n - 1 should
+        give: those of the prompt tokens after them that it does not hold yet."""
+        if self.prompt_logprobs is None:
+            return None
+        first = max(start, len(self.prompt_logprobs))
+        end = min(start + n, len(self.prompt_ids) - 1)
+        if first >= end:
+            return None
+        return PromptAsk(first, self.prompt_ids[first + 1:end + 1], self.params.prompt_logprobs)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of its output tokens' log-probabilities (where they were asked)."""
+        return None if self.logprobs is None else sum(lp[0] for lp, _ in self.logprobs)
 
     @property
     def length(self) -> int:
@@ -79,9 +125,11 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def append(self, tokens: list[int], eos_ids: set[int], room: int) -> list[int]:
+    def append(self, tokens: list[int], eos_ids: set[int], room: int, logprobs: list[Logprobs] | None = None
+               ) -> list[int]:
         """Add one round's committed tokens, stopping at EOS / stop ids / max_tokens / `room`
-        (what the context leaves). Returns the tokens actually kept."""
+        (what the context leaves), with their `logprobs` where it keeps them (each cut to the
+        request's count). Returns the tokens actually kept."""
         p = self.params
         limit = min(p.max_tokens, room)
         kept: list[int] = []
@@ -96,6 +144,9 @@ class Sequence:
                 self.finish("length")
                 break
         self.output_ids.extend(kept)
+        if self.logprobs is not None and logprobs is not None:
+            k = 1 + self.params.logprobs
+            self.logprobs += [(lp[:k], ids[:k]) for lp, ids in logprobs[:len(kept)]]
         if self.first_token_time is None and kept:
             self.first_token_time = time.perf_counter()
         return kept

@@ -24,7 +24,7 @@ import torch
 from drafttree.config import ModelConfig
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
 from drafttree.runner.capture import capture_graph, collector_paused
-from drafttree.runner.phase_table import CAPTURED_MODES, PhaseStep, bucket_steps, check_widths
+from drafttree.runner.phase_table import CAPTURED_MODES, PROCESSED_MODES, PhaseStep, bucket_steps, check_widths
 from drafttree.runner.phase_timer import PhaseTimer
 from drafttree.sampling import SampleMode
 from drafttree.spec_decode.state import RoundContext
@@ -39,6 +39,7 @@ class GraphKey(NamedTuple):
     kv_len: int                # KV bucket; 0: the same graph at every length (context)
     budget: int                # the verify's; 0 for other phases
     constrained: bool = False  # a constrained round's step (structured output)
+    processed: bool = False    # a processed round's step (logits processing, log-probabilities)
 
 
 MODELESS = (Phase.CONTEXT, Phase.DRAFT)   # no token picked: one graph serves every sampler mode
@@ -47,7 +48,7 @@ LENGTHLESS = (Phase.CONTEXT,)             # writes K/V, attends over nothing: on
 
 def key_of(st: PhaseStep, bucket: int, mode: SampleMode, kv_len: int) -> GraphKey:
     return GraphKey(st.phase, bucket, None if st.phase in MODELESS else mode,
-                    0 if st.phase in LENGTHLESS else kv_len, st.budget, st.constrained)
+                    0 if st.phase in LENGTHLESS else kv_len, st.budget, st.constrained, st.processed)
 
 
 class GraphSet(NamedTuple):
@@ -67,6 +68,8 @@ class PlanEntry:
     batch_sizes: tuple[int, ...]
     kv_lengths: tuple[int, ...]   # attention lengths captured (KV buckets)
     est_bytes: int          # activation estimate for the largest batch and KV bucket
+    processed: bool = False  # the processed steps of this phase and width (constrained or not)
+    graphs: int = 0          # graphs captured for it: batch sizes x KV lengths x sampler modes x step kinds
 
 
 def phase_widths(spec: SpecConfig, phase: Phase, bucket: int, drafter: bool = True) -> set[int]:
@@ -75,12 +78,22 @@ def phase_widths(spec: SpecConfig, phase: Phase, bucket: int, drafter: bool = Tr
             for st in bucket_steps(spec, bucket, mode, drafter and spec.speculative) if st.phase is phase}
 
 
-def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | None,
-               max_num_seqs: int, kv_lengths: list[int], world: int = 1) -> list[PlanEntry]:
-    """What `RoundGraphs.capture` captures on each rank of `world`; needs no GPU."""
+def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | None, max_num_seqs: int,
+               kv_lengths: list[int], world: int = 1, modes: tuple[SampleMode, ...] = CAPTURED_MODES,
+               constrained: bool = True, processed: bool = True) -> list[PlanEntry]:
+    """What `RoundGraphs.capture` captures on each rank of `world`, in sampler `modes`; needs no
+    GPU. A phase's entry holds the plain (and with `constrained` the constrained) rounds' steps;
+    with `processed`, the processed rounds' decode and verify steps in the processed modes have
+    entries of their own. Each entry counts its graphs as `graph_keys` gives them."""
     buckets = batch_buckets(max_num_seqs)
     out = []
     V = target.vocab_size
+    pmodes = [m for m in PROCESSED_MODES if m in modes] if processed else []
+    keys = graph_keys(spec, max_num_seqs, kv_lengths, modes, True, constrained, processed)   # entries as phase_widths'
+
+    def count(phase: Phase, W: int, proc: bool) -> int:
+        return sum(k.phase is phase and k.processed == proc
+                   and spec.width(phase, k.batch, k.budget if phase is Phase.VERIFY else None) == W for k in keys)
     for phase in (Phase.CONTEXT, Phase.DECODE, Phase.DRAFT, Phase.VERIFY):
         on_drafter = phase in (Phase.CONTEXT, Phase.DRAFT) and drafter is not None
         cfg = drafter if on_drafter else target
@@ -97,26 +110,39 @@ def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | Non
                 per_row += 4 * V  # log-softmax for the tree build
             # attention scores over the longest KV bucket, fp32, for every query row of every head
             attn = 0 if phase is Phase.CONTEXT else 4 * B * W * cfg.num_heads // shards * kv_lengths[-1]
-            out.append(PlanEntry(phase, W, bs, tuple(kv_lengths), 2 * rows * per_row + attn))
+            est = 2 * rows * per_row + attn
+            out.append(PlanEntry(phase, W, bs, tuple(kv_lengths), est, graphs=count(phase, W, False)))
+            if phase in (Phase.DECODE, Phase.VERIFY) and pmodes:
+                # processing: the biased / penalized / masked logits and their temporaries (about
+                # five fp32 vocabulary rows per node), and the committed rows' fp64 normalizer
+                extra = 2 * rows * 5 * V * 4 + 2 * B * spec.max_commit * V * 8
+                out.append(PlanEntry(phase, W, bs, tuple(kv_lengths), est + extra, True, count(phase, W, True)))
     return out
 
 
 def graph_keys(spec: SpecConfig, max_num_seqs: int, kv_lengths: list[int], modes: tuple[SampleMode, ...],
-               drafter: bool, constrained: bool) -> set[GraphKey]:
-    """The round graphs `RoundGraphs.capture` captures for these buckets and modes; needs no GPU."""
+               drafter: bool, constrained: bool, processed: bool) -> set[GraphKey]:
+    """The round graphs `RoundGraphs.capture` captures for these buckets and modes (with the
+    constrained and the processed rounds' steps, as asked); needs no GPU."""
     return {key_of(st, B, m, L) for L in kv_lengths for B in batch_buckets(max_num_seqs) for m in modes
-            for st in bucket_steps(spec, B, m, drafter and spec.speculative, constrained)}
+            for st in bucket_steps(spec, B, m, drafter and spec.speculative, constrained,
+                                   processed and m in PROCESSED_MODES)}
 
 
 def format_plan(plan: list[PlanEntry], modes: tuple[SampleMode, ...] = CAPTURED_MODES) -> str:
-    lines = [f"{'phase':<8} {'width':>5}  {'batch sizes':<20} {'kv lengths':<26} {'est. memory':>11}"]
+    lines = [f"{'phase':<10} {'width':>5}  {'batch sizes':<20} {'kv lengths':<26} {'graphs':>6} {'est. memory':>11}"]
     for e in plan:
         bs = ",".join(map(str, e.batch_sizes))
         kv = "any" if e.phase in LENGTHLESS else ",".join(map(str, e.kv_lengths))
-        lines.append(f"{e.phase.value:<8} {e.width:>5}  {bs:<20} {kv:<26} {e.est_bytes / 2**20:>8.1f} MiB")
+        name = e.phase.value + ("+lp" if e.processed else "")
+        lines.append(f"{name:<10} {e.width:>5}  {bs:<20} {kv:<26} {e.graphs:>6} {e.est_bytes / 2**20:>8.1f} MiB")
     names = ", ".join(m.name.lower() for m in modes)
-    return "\n".join(lines + [f"decode and verify are captured once per sampler mode ({names}); the drafter's "
-                              f"context and draft once for every mode, the context once for every kv length"])
+    pnames = ", ".join(m.name.lower() for m in PROCESSED_MODES if m in modes)
+    return "\n".join(lines + [
+        f"{sum(e.graphs for e in plan)} graphs: decode and verify once per sampler mode ({names}), the drafter's "
+        f"context and draft once for every mode, the context once for every kv length; a phase's row holds the "
+        f"constrained round's steps too (structured output); +lp: the processed round's (log-probabilities, "
+        f"penalties, logit_bias, banned tokens, min_p), in {pnames or 'no captured mode'}"])
 
 
 class RoundGraphs:
@@ -124,9 +150,11 @@ class RoundGraphs:
     buffers. The runner owns it (`ModelRunner.capture`)."""
 
     def __init__(self, rc: RoundContext, timer: PhaseTimer, batch_sizes: list[int], kv_lengths: list[int],
-                 modes: tuple[SampleMode, ...], pages_per_row: int, constrained: bool = False) -> None:
+                 modes: tuple[SampleMode, ...], pages_per_row: int, constrained: bool = False,
+                 processed: bool = False) -> None:
         self.rc, self.timer = rc, timer
         self.constrained = constrained   # the constrained round's steps captured too
+        self.processed = processed       # the processed round's steps too (in PROCESSED_MODES)
         self.batch_sizes, self.kv_lengths, self.modes = list(batch_sizes), list(kv_lengths), modes
         self.pages_per_row = pages_per_row
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -141,7 +169,8 @@ class RoundGraphs:
 
     def steps(self, bucket: int, mode: SampleMode) -> tuple[PhaseStep, ...]:
         rc = self.rc
-        return bucket_steps(rc.spec, bucket, mode, rc.drafter is not None, self.constrained)
+        return bucket_steps(rc.spec, bucket, mode, rc.drafter is not None, self.constrained,
+                            self.processed and mode in PROCESSED_MODES)
 
     def sets(self) -> list[GraphSet]:
         """What `capture` captures, in its order: the largest first (later, smaller graphs reuse

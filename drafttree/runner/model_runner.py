@@ -18,12 +18,22 @@ from drafttree.parallel.comm import gather_objects
 from drafttree.parallel.commands import CommandChannel, command
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
 from drafttree.runner.cuda_graph import GraphKey, RoundGraphs
-from drafttree.runner.phase_table import PhaseStep, bucket_steps, round_steps, step
+from drafttree.runner.logit_rows import (
+    LogitRows,
+    PrefillLogprobs,
+    PromptAsk,
+    commit_first,
+    first_logprobs,
+    process_first,
+    prompt_logprobs,
+)
+from drafttree.runner.phase_table import PROCESSED_MODES, PhaseStep, bucket_steps, processed_mode, round_steps, step
 from drafttree.runner.phase_timer import PhaseTimer
 from drafttree.runner.prefill_graph import PrefillGraphs
 from drafttree.runner.prefill_plan import PrefillLimits, at_offsets, reach
 from drafttree.runner.timing import median_seconds
-from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
+from drafttree.sampling import MAX_LOGPROBS, SampleMode, SamplingParams, SamplingTensors, pick_tokens
+from drafttree.spec_decode.logits import LogitsBuffers, RowLogits
 from drafttree.spec_decode.rounds import prefill_forward
 from drafttree.spec_decode.state import GrammarBuffers, RoundContext, RoundState
 from drafttree.structured.masks import apply_token_masks
@@ -128,6 +138,11 @@ class ModelRunner:
         state.grammar = GrammarBuffers.allocate(rows, max(spec.verify_width_max, 1), (tc.vocab_size + 31) // 32,
                                                 spec.depth, min(tc.vocab_size, max(CANDIDATES, spec.verify_width_max - 1)),
                                                 device)
+        # processed rounds: per-row penalties, bias, banned sequences; committed tokens' log-probabilities
+        state.logits = LogitsBuffers.allocate(rows, tc.vocab_size, spec.max_commit, MAX_LOGPROBS, device)
+        self.logit_rows = LogitRows(state.logits)
+        # what the last prefill gave besides its tokens (log-probabilities), for the engine to read
+        self.prefill_logprobs = PrefillLogprobs()
         self.round_ctx = RoundContext(target, drafter, spec, state, kv, dkv, capture_layers, rows)
         # Host-side bound on any row's pending drafter features (state.ctx_n), kept without a
         # sync: a verify leaves at most max_commit, a decode step adds one, a context phase
@@ -147,16 +162,18 @@ class ModelRunner:
     # -- CUDA graphs and counters ---------------------------------------------------------------
     def capture(self, modes: tuple[SampleMode, ...], prefill: PrefillLimits | None = None,
                 batch_sizes: list[int] | None = None, kv_lengths: list[int] | None = None,
-                progress: Callable[[str], None] | None = None, constrained: bool = True) -> dict[str, float]:
+                progress: Callable[[str], None] | None = None, constrained: bool = True,
+                processed: bool = True) -> dict[str, float]:
         """Capture the round graphs of every batch bucket, KV bucket and sampler mode in `modes`
         (or the `batch_sizes` and `kv_lengths` given), and with `prefill` the prefill graphs of
-        every shape its limits allow; with `constrained` (and a grammar buffer) the constrained
-        round's graphs too. Returns host seconds per stage ("graphs <phase>", "graphs
+        every shape its limits allow; with `constrained` the constrained round's graphs too, with
+        `processed` the processed round's (logits processing, log-probabilities). Returns host seconds per stage ("graphs <phase>", "graphs
         warm-up", "prefill graphs"); `progress(text)` hears of each graph set."""
         cc = self.cache_cfg
         self.graphs = RoundGraphs(self.round_ctx, self.timer, batch_sizes or cc.batch_buckets,
                                   kv_lengths or cc.kv_buckets, modes, cc.pages_per_row,
-                                  constrained and self.state.grammar is not None)
+                                  constrained and self.state.grammar is not None,
+                                  processed and self.state.logits is not None)
         out = {f"graphs {k}": v for k, v in self.graphs.capture(progress).items()}
         if prefill is not None:
             t0 = time.perf_counter()
@@ -177,7 +194,8 @@ class ModelRunner:
         saved, n = self.state.snapshot(), 0
         for B in batch_sizes:
             for mode in modes:
-                for st in bucket_steps(self.spec, B, mode, self.drafter is not None, self.state.grammar is not None):
+                for st in bucket_steps(self.spec, B, mode, self.drafter is not None, self.state.grammar is not None,
+                                       self.state.logits is not None and mode in PROCESSED_MODES):
                     self.state.park(0, B)
                     st.run(self.round_ctx, B, kv_len, mode)
                     n += 1
@@ -268,12 +286,16 @@ class ModelRunner:
                 f"a chunk over positions {c.start}..{c.start + len(c.ids) - 1} with {len(c.pages)} pages"
             table[i, :len(c.pages)] = torch.tensor(c.pages)
         table = table.to(dev)
+        asks = [(i, c.start, c.prompt_lp) for i, c in enumerate(chunks) if c.prompt_lp is not None]
+        self.prefill_logprobs = PrefillLogprobs()
         with self.timer.phase("prefill"):
-            graphed = None
-            if self.prefill_graphs is not None:
+            graphed, keep = None, [] if asks else None   # prompt log-probabilities: every position's hidden state
+            if self.prefill_graphs is not None and not asks:
                 spans = [(c.start, len(c.ids)) for c in chunks]
                 graphed = self.prefill_graphs.run(ids, start, lens, table, reach(spans))
-            h_last, a_last = graphed if graphed is not None else self._prefill_forward(ids, start, lens, table)
+            h_last, a_last = graphed if graphed is not None else self._prefill_forward(ids, start, lens, table, keep)
+            if asks:
+                self.prefill_logprobs.prompt = prompt_logprobs(self.target, keep[0], asks)
         done = [i for i, c in enumerate(chunks) if c.row >= 0]
         if not done:
             return []
@@ -281,21 +303,36 @@ class ModelRunner:
         rows = torch.tensor([chunks[i].row for i in done], device=dev)
         for i in done:
             s.sampling.set_row(chunks[i].row, chunks[i].params, chunks[i].seed)
+            self.logit_rows.take(chunks[i].row, chunks[i].logits)
         st = SamplingTensors(s.sampling.temperature[rows], s.sampling.top_p[rows], s.sampling.top_k[rows],
                              s.sampling.seed[rows])
         end = (start + lens)[at]
-        logits = self.target.logits(h_last[at][:, None])
+        raw = logits = self.target.logits(h_last[at][:, None])
         if any(chunks[i].mask is not None for i in done):   # a constrained request's first token
             masks = torch.full((len(done), 1, self.state.grammar.masks.shape[2]), -1, dtype=torch.int32)
             for j, i in enumerate(done):
                 if chunks[i].mask is not None:
                     masks[j, 0] = torch.from_numpy(chunks[i].mask)
             logits = apply_token_masks(logits, masks.to(dev))
-        tok = pick_tokens(logits, st, end[:, None], SampleMode.of([chunks[i].params for i in done]))[:, 0]
+        mode = SampleMode.of([chunks[i].params for i in done])
+        if any(chunks[i].logits is not None for i in done):   # rows without are neutral
+            logits = process_first(s.logits, logits, rows, st.temperature)
+            mode = processed_mode(mode)
+        tok = pick_tokens(logits, st, end[:, None], mode)[:, 0]
         known = [chunks[i].bonus for i in done]
         if any(k is not None for k in known):   # recomputed after preemption: the next token is known
             tok = torch.where(torch.tensor([k is not None for k in known], device=dev),
                               torch.tensor([k or 0 for k in known], device=dev), tok)
+        fresh = [j for j, i in enumerate(done) if chunks[i].bonus is None]
+        grows = [j for j in fresh if chunks[done[j]].logits is not None]
+        if grows:   # its output state counted what it held before; the first token joins it
+            g = torch.tensor(grows, device=dev)
+            commit_first(s.logits, rows[g], tok[g])
+        asked = [j for j in fresh if chunks[done[j]].params.logprobs is not None]
+        if asked:
+            a = torch.tensor(asked, device=dev)
+            lps = first_logprobs(raw[a], tok[a], s.logits.k)
+            self.prefill_logprobs.first = {done[j]: lp for j, lp in zip(asked, lps)}
         s.start[rows] = end
         s.bonus[rows] = tok
         s.out_tokens[rows, 0] = tok
@@ -318,16 +355,18 @@ class ModelRunner:
         return self.prefill([PrefillChunk(p, 0, list(range(1 + r * k, 1 + (r + 1) * k)), params[r], seeds[r], row=r)
                              for r, p in enumerate(prompts)])
 
-    def _prefill_forward(self, ids: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, table: torch.Tensor):
+    def _prefill_forward(self, ids: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, table: torch.Tensor,
+                         keep: list[torch.Tensor] | None = None):
         """The padded chunks ids [n, W] at positions start[b].., through block tables `table`;
-        return the final hidden state and the drafter features at each chunk's last token."""
+        return the final hidden state and the drafter features at each chunk's last token (`keep`:
+        every position's hidden state appended to it)."""
         n, W = ids.shape
         dev = ids.device
         pos = start[:, None] + torch.arange(W, device=dev)
         kv_len = min(self.cache_cfg.pages_for(int((start + lens).max())) * self.cache_cfg.page_size,
                      self.cache_cfg.max_len)
         meta = attn_meta(start, causal(n, W, dev), kv_len, block_table=table, page_size=self.cache_cfg.page_size)
-        return prefill_forward(self.round_ctx, ids, pos, meta, lens - 1)
+        return prefill_forward(self.round_ctx, ids, pos, meta, lens - 1, keep)
 
     @command
     def set_pages(self, row: int, first: int, pages: list[int]) -> None:
@@ -340,12 +379,17 @@ class ModelRunner:
     # -- rounds ------------------------------------------------------------------------------
     @command
     @torch.inference_mode()
-    def run_round(self, B: int, mode: SampleMode, max_length: int, budget: int | None = None) -> None:
+    def run_round(self, B: int, mode: SampleMode, max_length: int, budget: int | None = None,
+                  processed: bool = False) -> None:
         """One round for rows 0..B-1 at `budget` (0: a decode round; default: the largest the
         batch bucket may run at); `max_length` bounds their committed lengths (host-known).
         Attention covers the smallest KV bucket that holds what the round writes; a batch no
-        graph fits runs eagerly at the same shapes, so both give the same tokens."""
-        self._run_steps(B, mode, max_length, self.round_steps(B, mode, budget))
+        graph fits runs eagerly at the same shapes, so both give the same tokens. `processed`: a
+        processed round (some row's logits processed or log-probabilities read), in
+        `processed_mode(mode)`."""
+        if processed:
+            mode = processed_mode(mode)
+        self._run_steps(B, mode, max_length, self.round_steps(B, mode, budget, processed=processed))
 
     def _run_steps(self, B: int, mode: SampleMode, max_length: int, steps: tuple[PhaseStep, ...]) -> None:
         if max_length > self.cache_cfg.max_model_len:
@@ -361,35 +405,41 @@ class ModelRunner:
                               else self.ctx_bound if Phase.DRAFT in phases
                               else 1 if Phase.CONTEXT in phases else self.ctx_bound + 1)
 
-    def round_steps(self, B: int, mode: SampleMode, budget: int | None = None,
-                    constrained: bool = False) -> tuple[PhaseStep, ...]:
+    def round_steps(self, B: int, mode: SampleMode, budget: int | None = None, constrained: bool = False,
+                    processed: bool = False) -> tuple[PhaseStep, ...]:
         """The steps of the next round over rows 0..B-1 at `budget` (default: the largest the
         batch bucket may run at in this mode): draft and verify, or a decode step, after a context
         phase when a row's pending drafter features could fill their buffer. A budget the bucket
-        may not verify at is refused (`SpecConfig.width`). `constrained`: a constrained round's."""
+        may not verify at is refused (`SpecConfig.width`). `constrained`: a constrained round's;
+        `processed`: a processed round's."""
         bucket = self.cache_cfg.batch_bucket(B)
         if budget is None:
             budget = max(self.spec.budgets_at(bucket, mode is SampleMode.GREEDY))
         context = self.drafter is not None and self.ctx_bound >= self.spec.max_commit
-        return round_steps(self.spec, bucket, budget, context, constrained)
+        return round_steps(self.spec, bucket, budget, context, constrained, processed)
 
     # -- constrained rounds (structured output): the host builds the tree between draft and verify
     @command
     @torch.inference_mode()
-    def run_masked_decode(self, B: int, mode: SampleMode, max_length: int, masks: Any) -> None:
+    def run_masked_decode(self, B: int, mode: SampleMode, max_length: int, masks: Any, processed: bool = False) -> None:
         """A decode round whose picks take `masks` [B, words] (int32 numpy; rows of the batch
-        bucket past B allow every token)."""
+        bucket past B allow every token); `processed` as in `run_round`."""
         g = self.state.grammar
         bucket = self.cache_cfg.batch_bucket(B)
         g.masks[:bucket, 0].fill_(-1)
         g.masks[:B, 0].copy_(torch.from_numpy(masks))
-        self._run_steps(B, mode, max_length, self.round_steps(B, mode, 0, constrained=True))
+        if processed:
+            mode = processed_mode(mode)
+        self._run_steps(B, mode, max_length, self.round_steps(B, mode, 0, constrained=True, processed=processed))
 
     @command
     @torch.inference_mode()
-    def run_candidates(self, B: int, mode: SampleMode, max_length: int) -> None:
-        """A constrained round's draft: the drafter's candidates per position, read by `candidates`."""
+    def run_candidates(self, B: int, mode: SampleMode, max_length: int, processed: bool = False) -> None:
+        """A constrained round's draft: the drafter's candidates per position, read by `candidates`
+        (`processed`: a processed round's draft, in its mode)."""
         bucket = self.cache_cfg.batch_bucket(B)
+        if processed:
+            mode = processed_mode(mode)
         self._run_steps(B, mode, max_length, (step(self.spec, Phase.DRAFT, bucket, constrained=True),))
 
     def candidates(self, B: int) -> tuple[Any, Any]:
@@ -401,9 +451,11 @@ class ModelRunner:
 
     @command
     @torch.inference_mode()
-    def run_masked_verify(self, B: int, mode: SampleMode, max_length: int, budget: int, trees: HostTrees) -> None:
+    def run_masked_verify(self, B: int, mode: SampleMode, max_length: int, budget: int, trees: HostTrees,
+                          processed: bool = False) -> None:
         """A constrained round's verify at `budget` of the host's trees (rows of the batch bucket,
-        each budget + 1 columns), each node's pick masked by its mask; commit as any verify."""
+        each budget + 1 columns), each node's pick masked by its mask; commit as any verify
+        (`processed` as in `run_round`)."""
         s, g, dev = self.state, self.state.grammar, self.device
         rows, W = trees.tokens.shape
         t = s.tree
@@ -413,7 +465,10 @@ class ModelRunner:
         t.visible[:rows, :W, :W].copy_(torch.from_numpy(trees.visible()).to(dev))
         g.masks[:rows, :W].copy_(torch.from_numpy(trees.masks).to(dev))
         bucket = self.cache_cfg.batch_bucket(B)
-        self._run_steps(B, mode, max_length, (step(self.spec, Phase.VERIFY, bucket, budget, constrained=True),))
+        if processed:
+            mode = processed_mode(mode)
+        self._run_steps(B, mode, max_length, (step(self.spec, Phase.VERIFY, bucket, budget, constrained=True,
+                                                   processed=processed),))
 
     def round_kv_len(self, max_length: int) -> int:
         """Attention length of a round over rows whose committed lengths are <= max_length."""
@@ -449,6 +504,7 @@ class ModelRunner:
         row's state and block table move (its K/V stay in their pages); `src` keeps no pages."""
         if src != dst:
             self.state.copy_row(src, dst)
+            self.logit_rows.move(src, dst)
         self.state.block_table[src].fill_(NULL_PAGE)
 
     @command
@@ -472,3 +528,5 @@ class PrefillChunk:
     row: int = -1                   # the row the request takes when this chunk ends its prefill
     bonus: int | None = None        # a recomputed request's next token (already emitted)
     mask: Any = None                # a constrained request's first-token mask (int32 words; numpy)
+    logits: RowLogits | None = None  # the request's logits processing, written into its row (row >= 0)
+    prompt_lp: PromptAsk | None = None   # prompt log-probabilities asked of this chunk

@@ -11,6 +11,12 @@ A constrained round (a batch with a structured-output request) has steps of its 
 step whose pick is masked, a draft step that leaves the drafter's candidates instead of a tree
 (the host grows the tree along each path's grammar state) and a verify whose picks are masked
 node by node; the masks, the tree and the candidates are static buffers (`GrammarBuffers`).
+
+A processed round (a batch with a request that asks for log-probabilities or logits processing:
+penalties, logit_bias, banned tokens, min_tokens, min_p) runs processed decode and verify steps
+(`spec_decode.logits`, over `LogitsBuffers`), constrained or not; its context and draft steps are
+the plain ones. A processed round picks greedily or in the filtered mode (`processed_mode`), so
+its graphs are captured in those two modes only.
 """
 from __future__ import annotations
 
@@ -52,55 +58,87 @@ CONSTRAINED: dict[Phase, tuple[Run, tuple[str, ...]]] = {
 }
 
 
+def _processed(table: dict[Phase, tuple[Run, tuple[str, ...]]], masked: bool) -> dict[Phase, tuple[Run, tuple[str, ...]]]:
+    """`table` with processed decode and verify steps (its context and draft steps as they are)."""
+    return {**table,
+            Phase.DECODE: (lambda rc, B, L, mode, n: decode_round(rc, B, L, mode, masked, processed=True),
+                           table[Phase.DECODE][1] + ("logits state",)),
+            Phase.VERIFY: (lambda rc, B, L, mode, n: verify_phase(rc, B, L, mode, n, masked, processed=True),
+                           table[Phase.VERIFY][1] + ("logits state",))}
+
+
+# (constrained, processed) -> the steps of such a round
+TABLES = {(False, False): TABLE, (True, False): CONSTRAINED,
+          (False, True): _processed(TABLE, False), (True, True): _processed(CONSTRAINED, True)}
+# the sampler modes a processed round picks in (`processed_mode`): its graphs are captured in these
+PROCESSED_MODES = (SampleMode.GREEDY, SampleMode.FILTERED)
+
+
+def processed_mode(mode: SampleMode) -> SampleMode:
+    """The mode a processed round picks in: greedy, else filtered (which also serves rows without
+    top-k / top-p), so that its graphs are captured in two modes, not three."""
+    return mode if mode is SampleMode.GREEDY else SampleMode.FILTERED
+
+
 @dataclass(frozen=True)
 class PhaseStep:
     phase: Phase
     budget: int      # the verify's budget; 0 for the other phases
     width: int       # tokens per request in its forward: spec.width(phase, bucket, budget)
     constrained: bool = False   # a constrained round's step (masked picks; the draft leaves candidates)
+    processed: bool = False     # a processed round's decode or verify (logits processing, log-probabilities)
 
     def run(self, rc: RoundContext, B: int, kv_len: int, mode: SampleMode) -> None:
         """This step over rows 0..B-1, attending over kv_len cache slots."""
-        (CONSTRAINED if self.constrained else TABLE)[self.phase][0](rc, B, kv_len, mode, self.budget)
+        TABLES[self.constrained, self.processed][self.phase][0](rc, B, kv_len, mode, self.budget)
 
     @property
     def buffers(self) -> tuple[str, ...]:
-        return (CONSTRAINED if self.constrained else TABLE)[self.phase][1]
+        return TABLES[self.constrained, self.processed][self.phase][1]
 
 
-def step(spec: SpecConfig, phase: Phase, bucket: int, budget: int = 0, constrained: bool = False) -> PhaseStep:
+def step(spec: SpecConfig, phase: Phase, bucket: int, budget: int = 0, constrained: bool = False,
+         processed: bool = False) -> PhaseStep:
     """The step of `phase` over a batch bucket (a verify at `budget`), its width from the spec."""
     b = budget if phase is Phase.VERIFY else 0
     return PhaseStep(phase, b, spec.width(phase, bucket, b if phase is Phase.VERIFY else None),
-                     constrained and phase is not Phase.CONTEXT)
+                     constrained and phase is not Phase.CONTEXT,
+                     processed and phase in (Phase.DECODE, Phase.VERIFY))
 
 
 def bucket_steps(spec: SpecConfig, bucket: int, mode: SampleMode, drafter: bool,
-                 constrained: bool = False) -> tuple[PhaseStep, ...]:
+                 constrained: bool = False, processed: bool = False) -> tuple[PhaseStep, ...]:
     """Every step a round over the batch bucket in `mode` may run, in the order a round runs them:
     the context phase (with a drafter), the decode step, then the draft and a verify per budget
     the bucket may verify at in this mode; with `constrained`, the constrained round's decode,
-    draft and verifies after them."""
+    draft and verifies after them; with `processed`, the processed decode and verifies (of both
+    kinds of round, with `constrained`) after those."""
     out = [step(spec, Phase.CONTEXT, bucket)] if drafter else []
     budgets = [n for n in spec.budgets_at(bucket, mode is SampleMode.GREEDY) if n]
-    for c in (False, True) if constrained else (False,):
+    kinds = (False, True) if constrained else (False,)
+    for c in kinds:
         out.append(step(spec, Phase.DECODE, bucket, constrained=c))
         if budgets:
             out.append(step(spec, Phase.DRAFT, bucket, constrained=c))
             out += [step(spec, Phase.VERIFY, bucket, n, constrained=c) for n in budgets]
+    for c in kinds if processed else ():
+        out.append(step(spec, Phase.DECODE, bucket, constrained=c, processed=True))
+        out += [step(spec, Phase.VERIFY, bucket, n, constrained=c, processed=True) for n in budgets]
     return tuple(out)
 
 
-def round_steps(spec: SpecConfig, bucket: int, budget: int, context: bool,
-                constrained: bool = False) -> tuple[PhaseStep, ...]:
+def round_steps(spec: SpecConfig, bucket: int, budget: int, context: bool, constrained: bool = False,
+                processed: bool = False) -> tuple[PhaseStep, ...]:
     """The steps of one round over the batch bucket at `budget` (0: a decode step, after a context
     phase when `context`); the budget must be one the bucket may verify at. `constrained`: the
-    constrained round's steps (its draft and verify run apart: the host builds the tree between)."""
-    c = constrained
+    constrained round's steps (its draft and verify run apart: the host builds the tree between).
+    `processed`: a processed round's."""
+    c, p = constrained, processed
     if budget == 0:
         first = (step(spec, Phase.CONTEXT, bucket),) if context else ()
-        return first + (step(spec, Phase.DECODE, bucket, constrained=c),)
-    return step(spec, Phase.DRAFT, bucket, constrained=c), step(spec, Phase.VERIFY, bucket, budget, constrained=c)
+        return first + (step(spec, Phase.DECODE, bucket, constrained=c, processed=p),)
+    return (step(spec, Phase.DRAFT, bucket, constrained=c),
+            step(spec, Phase.VERIFY, bucket, budget, constrained=c, processed=p))
 
 
 def buffer_widths(rc: RoundContext, bucket: int, pages_per_row: int) -> dict[str, tuple[int, int]]:
@@ -121,6 +159,8 @@ def buffer_widths(rc: RoundContext, bucket: int, pages_per_row: int) -> dict[str
         out["token masks"] = (g.masks.shape[1], max(spec.verify_width_max, 1))
         if spec.speculative:
             out["draft candidates"] = (g.cand_idx.shape[1], spec.depth)
+    if s.logits is not None:
+        out["logits state"] = (s.logits.lp.shape[1], spec.max_commit)
     return out
 
 

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from drafttree.sampling import ParamError, SamplingParams, check_text
+from drafttree.sampling import MAX_LOGPROBS, ParamError, SamplingParams, check_text
 from drafttree.structured.params import StructuredOutputs
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
@@ -155,8 +155,10 @@ class OpenAIRequest(BaseModel):
         except ValueError as e:
             raise OpenAIError(str(e), param=name) from e
 
-    # OpenAI's and vLLM's sampling fields not yet taken: SamplingParams refuses each unless it
-    # asks for nothing (`sampling.NOT_YET`)
+    # OpenAI's and vLLM's sampling fields, each as SamplingParams takes it (n choices, penalties,
+    # logit_bias with OpenAI's token-id strings for keys, banned and allowed tokens, min_tokens,
+    # min_p, vLLM's prompt_logprobs); those it does not take yet it refuses unless they ask
+    # for nothing (`sampling.NOT_YET`)
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
     logit_bias: dict[StrictStr, StrictFloat] | None = None
@@ -197,22 +199,29 @@ class OpenAIRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
 
-    def not_yet(self) -> dict[str, Any]:
-        """The fields SamplingParams takes only at their defaults, as sent (n is one of them)."""
+    def vllm_fields(self) -> dict[str, Any]:
+        """The sampling fields SamplingParams takes by the same name, as sent (logit_bias's keys
+        read as token ids)."""
         names = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
                  "bad_words", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-                 "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "logit_bias")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+                 "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs")
+        out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.logit_bias is not None:
+            out["logit_bias"] = token_bias(self.logit_bias)
+        return out
 
     def sampling_params(self, max_tokens: int, structured: StructuredOutputs | None = None) -> SamplingParams:
+        if self.stream and self.prompt_logprobs is not None:
+            raise OpenAIError("prompt_logprobs is not available with stream: true (as vLLM's server); ask "
+                              "without streaming", param="prompt_logprobs")
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0, seed=self.seed, max_tokens=max_tokens, stop=self.stop_list(),
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
-                max_budget=self.max_budget, structured_outputs=structured, **self.not_yet(),
-                **self.more_params())
+                max_budget=self.max_budget, structured_outputs=structured,
+                **{**self.vllm_fields(), **self.more_params()})
         except ParamError as e:
             raise OpenAIError(str(e), param=e.param) from e
 
@@ -319,6 +328,9 @@ class ChatCompletionRequest(OpenAIRequest):
                                   param="messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                              param="top_logprobs")
 
     def more_params(self) -> dict[str, Any]:
         return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
@@ -336,13 +348,16 @@ class CompletionRequest(OpenAIRequest):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo:
-            raise OpenAIError("echo is not supported", param="echo")
         if self.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
 
     def more_params(self) -> dict[str, Any]:
-        return {k: v for k, v in (("logprobs", self.logprobs), ("best_of", self.best_of)) if v is not None}
+        """logprobs, best_of; with echo and logprobs, the prompt's log-probabilities too (the
+        echoed prompt's tokens carry theirs, as lm-eval's loglikelihood reads them)."""
+        out = {k: v for k, v in (("logprobs", self.logprobs), ("best_of", self.best_of)) if v is not None}
+        if self.echo and self.logprobs is not None:
+            out["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
+        return out
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt: a string or a list of token ids (a batch of exactly one is unwrapped)."""
@@ -355,6 +370,18 @@ class CompletionRequest(OpenAIRequest):
         if not p:
             raise OpenAIError("the prompt is empty", param="prompt")
         return p
+
+
+def token_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as decimal strings) as SamplingParams takes it; a key that is
+    not a token id is refused naming logit_bias (the values' range SamplingParams checks)."""
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise OpenAIError(f"logit_bias keys must be token ids (decimal integers >= 0), got {key!r}",
+                              param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def make_id(prefix: str) -> str:

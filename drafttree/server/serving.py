@@ -22,9 +22,18 @@ from drafttree.server.protocol import (
     now,
 )
 from drafttree.server.limits import check_prompt_chars, max_chars_per_token
+from drafttree.server.logprobs import CompletionLogprobs, TokenTexts, chat_content, prompt_logprobs
 from drafttree.server.tool_parsers import ToolParser, make_parser
 from drafttree.server.tools import ToolPlan, ToolStream, check_tools_and_format
-from drafttree.server.worker import BadRequest, EngineError, EngineWorker, RequestHandle, Snapshot, TokenBudget
+from drafttree.server.worker import (
+    BadRequest,
+    ChoiceSnapshot,
+    EngineError,
+    EngineWorker,
+    RequestHandle,
+    Snapshot,
+    TokenBudget,
+)
 from drafttree.structured.params import StructuredOutputs
 
 DISCONNECT_POLL_S = 0.5
@@ -42,30 +51,45 @@ class _Call:
     include_usage: bool
     hold: int                       # characters held back while running (longest stop - 1)
     tools: ToolPlan | None = None   # a chat request with tools: calls parsed out of the reply
+    logprobs: int | None = None     # the most likely tokens per token, where log-probabilities are asked
+    echo: str | None = None         # completions' echo: the prompt's text, which each choice's text begins with
+    prompt_logprobs: bool = False   # vLLM's prompt_logprobs asked: the response carries them
+    n: int = 1                      # choices
 
     def usage(self, snap: Snapshot) -> dict[str, int]:
         p, c = self.handle.prompt_tokens, snap.completion_tokens
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
-              delta: dict[str, Any] | None = None) -> dict[str, Any]:
+              delta: dict[str, Any] | None = None, index: int = 0, logprobs: Any = None) -> dict[str, Any]:
         if self.chat:
             delta = dict(delta or {})
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                       "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "text_completion"
         out: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                                "choices": [choice]}
         if self.include_usage:
             out["usage"] = None
         return out
+
+
+@dataclass
+class _Streamed:
+    """What a streamed choice has sent: characters of its text, tokens' log-probabilities, its
+    tool calls, its end."""
+    emitted: int = 0
+    tokens: int = 0
+    done: bool = False
+    tools: ToolStream | None = None
+    offsets: CompletionLogprobs | None = None
 
 
 def spec_stats(snap: Snapshot, method: str) -> dict[str, Any]:
@@ -95,6 +119,7 @@ class OpenAIServing:
         self.chars_per_token = max_chars_per_token(tok) if tok is not None else None
         self._tool_parser: ToolParser | None = None
         self._renders_tools: bool | None = None
+        self.token_texts = TokenTexts(tok)
 
     @property
     def tool_parser(self) -> ToolParser:
@@ -161,12 +186,21 @@ class OpenAIServing:
         return await self._serve(req, prompt, TokenBudget(req.max_tokens, 16), raw, chat=False,
                                  structured=req.structured())
 
-    def reply_text(self, snap: Snapshot) -> str:
+    def reply_text(self, choice: ChoiceSnapshot) -> str:
         """A tool request's reply with its special tokens (a template's call markers may be
         special tokens, which the streamed text leaves out), ends of sequence aside."""
         eos = self.engine.eos_ids
-        return self.engine.tokenizer.decode([t for t in snap.token_ids or () if t not in eos],
+        return self.engine.tokenizer.decode([t for t in choice.token_ids or () if t not in eos],
                                             skip_special_tokens=False)
+
+    def echoed(self, req: OpenAIRequest, prompt: str | list[int]) -> str | None:
+        """The text a completions request's choices begin with (echo), else None."""
+        if not isinstance(req, CompletionRequest) or not req.echo:
+            return None
+        if isinstance(prompt, str):
+            return prompt
+        tok = self.engine.tokenizer
+        return "" if tok is None else tok.decode(prompt)
 
     async def _serve(self, req: OpenAIRequest, prompt: str | list[int], budget: TokenBudget, raw: Request,
                      chat: bool, structured: StructuredOutputs | None = None, tools: ToolPlan | None = None) -> Reply:
@@ -186,7 +220,8 @@ class OpenAIServing:
         except EngineError as e:
             raise OpenAIError(str(e), status=503, type="server_error") from e
         hold = max((len(s) for s in params.stop), default=1) - 1
-        call = _Call(rid, chat, self.model_name, now(), handle, req.include_usage, hold, tools)
+        call = _Call(rid, chat, self.model_name, now(), handle, req.include_usage, hold, tools, params.logprobs,
+                     self.echoed(req, prompt), req.prompt_logprobs is not None, params.n)
         if req.stream:
             # The background abort covers a stream that never started (client gone before the first chunk).
             return StreamingResponse(self._stream(call, raw), media_type="text/event-stream",
@@ -195,17 +230,47 @@ class OpenAIServing:
         snap = await self._collect(handle, raw)
         if snap is None:   # the client left; nobody reads this
             return JSONResponse(error_body("client disconnected"), status_code=499)
-        if chat and tools is not None:
-            message, finish = tools.reply(self.reply_text(snap), snap.finish_reason or "stop", snap.text)
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        elif chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": snap.text}, "logprobs": None,
-                      "finish_reason": snap.finish_reason}
-        else:
-            choice = {"index": 0, "text": snap.text, "logprobs": None, "finish_reason": snap.finish_reason}
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": call.created,
-                "model": self.model_name, "choices": [choice], "usage": call.usage(snap),
-                "drafttree": spec_stats(snap, self.engine.spec.method)}
+        out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": call.created,
+               "model": self.model_name, "choices": [self._choice(call, c, snap) for c in snap.choices],
+               "usage": call.usage(snap), "drafttree": spec_stats(snap, self.engine.spec.method)}
+        if chat and call.prompt_logprobs:   # vLLM's chat answers them beside the choices
+            out["prompt_logprobs"] = self._prompt_logprobs(call, snap)
+        return out
+
+    def _prompt_logprobs(self, call: _Call, snap: Snapshot) -> list | None:
+        if snap.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(call.handle.prompt_ids, snap.prompt_logprobs, self.token_texts)
+
+    def _choice(self, call: _Call, c: ChoiceSnapshot, snap: Snapshot) -> dict[str, Any]:
+        """One choice of a whole (non-streamed) response."""
+        if call.chat:
+            if call.tools is not None:
+                message, finish = call.tools.reply(self.reply_text(c), c.finish_reason or "stop", c.text)
+            else:
+                message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+            lps = None
+            if call.logprobs is not None:
+                lps = {"content": chat_content(list(c.token_ids), list(c.logprobs), call.logprobs, self.token_texts)}
+            return {"index": c.index, "message": message, "logprobs": lps, "finish_reason": finish}
+        out: dict[str, Any] = {"index": c.index, "text": (call.echo or "") + c.text, "logprobs": None,
+                               "finish_reason": c.finish_reason}
+        if call.logprobs is not None:
+            lps = CompletionLogprobs(call.logprobs, self.token_texts)
+            out["logprobs"] = self._echo_logprobs(call, snap, lps) or lps.piece([], [])
+            more = lps.piece(list(c.token_ids), list(c.logprobs))
+            for k, v in more.items():
+                out["logprobs"][k] += v
+        if call.prompt_logprobs:
+            out["prompt_logprobs"] = self._prompt_logprobs(call, snap)
+        return out
+
+    def _echo_logprobs(self, call: _Call, snap: Snapshot, lps: CompletionLogprobs) -> dict[str, Any] | None:
+        """With echo, the prompt's part of completions' logprobs (its first token's None)."""
+        if call.echo is None or snap.prompt_logprobs is None:
+            return None
+        prompt = list(call.handle.prompt_ids)
+        return lps.piece(prompt, [None, *snap.prompt_logprobs])
 
     async def _collect(self, handle: RequestHandle, raw: Request) -> Snapshot | None:
         """Wait for the final snapshot, checking now and then that the client is still there."""
@@ -232,50 +297,78 @@ class OpenAIServing:
                 task.cancel()
             handle.abort()
 
+    def _stream_logprobs(self, call: _Call, c: ChoiceSnapshot, st: _Streamed) -> Any:
+        """The log-probabilities of the tokens a choice has not sent yet (None where not asked)."""
+        if call.logprobs is None:
+            return None
+        new = list(c.token_ids[st.tokens:]), list(c.logprobs[st.tokens:])
+        st.tokens = len(c.token_ids)
+        if call.chat:
+            return {"content": chat_content(*new, call.logprobs, self.token_texts)}
+        return st.offsets.piece(*new)
+
+    def _choice_chunks(self, call: _Call, c: ChoiceSnapshot, st: _Streamed, snap: Snapshot) -> list[dict[str, Any]]:
+        """The chunks a choice's progress adds; the last one once it finishes."""
+        out = []
+        if call.tools is not None:
+            for delta in st.tools.deltas(self.reply_text(c), c.finished):
+                out.append(call.chunk(None, None, delta=delta, index=c.index))
+            if c.finished:
+                finish = call.tools.reply(self.reply_text(c), c.finish_reason or "stop")[1]
+                out.append(call.chunk(None, finish, index=c.index, logprobs=self._stream_logprobs(call, c, st)))
+            return out
+        text = c.text
+        if c.finished:
+            end = len(text)
+        else:
+            # Hold back what could still become a stop string or an unfinished character.
+            end = len(text) - call.hold
+            while end > st.emitted and text[end - 1] == "\ufffd":
+                end -= 1
+        if end > st.emitted:
+            out.append(call.chunk(text[st.emitted:end], None, index=c.index,
+                                  logprobs=self._stream_logprobs(call, c, st)))
+            st.emitted = end
+        if c.finished:
+            lps = self._stream_logprobs(call, c, st) if call.logprobs is not None and st.tokens < len(c.token_ids) \
+                else None
+            out.append(call.chunk(None if call.chat else "", c.finish_reason, index=c.index, logprobs=lps))
+        return out
+
     async def _stream(self, call: _Call, raw: Request) -> AsyncIterator[str]:
-        handle, emitted = call.handle, 0
-        tools_stream = ToolStream(call.tools) if call.tools is not None else None
+        handle = call.handle
+        streams = {i: _Streamed(tools=ToolStream(call.tools) if call.tools else None,
+                                offsets=None if call.chat or call.logprobs is None
+                                else CompletionLogprobs(call.logprobs, self.token_texts)) for i in range(call.n)}
+        echoed = False
         try:
             if call.chat:
-                yield _sse(call.chunk("", None, role=True))
+                for i in range(call.n):
+                    yield _sse(call.chunk("", None, role=True, index=i))
             while True:
                 try:
                     snap = await handle.next()
                 except EngineError as e:
                     yield _sse(error_body(str(e), type="server_error"))
                     break
-                if call.tools is not None:
-                    for delta in tools_stream.deltas(self.reply_text(snap), snap.finished):
-                        yield _sse(call.chunk(None, None, delta=delta))
-                    if snap.finished:
-                        finish = call.tools.reply(self.reply_text(snap), snap.finish_reason or "stop")[1]
-                        last = call.chunk(None, finish)
-                        last["drafttree"] = spec_stats(snap, self.engine.spec.method)
-                        yield _sse(last)
-                        if call.include_usage:
-                            yield _sse({"id": call.id, "object": last["object"], "created": call.created,
-                                        "model": call.model, "choices": [], "usage": call.usage(snap)})
-                        break
-                    if await raw.is_disconnected():
-                        return
-                    continue
-                text = snap.text
+                chunks: list[dict[str, Any]] = []
+                for c in snap.choices:
+                    st = streams[c.index]
+                    if call.echo is not None and not echoed:   # each choice's first chunk: the prompt
+                        chunks.append(call.chunk(call.echo, None, index=c.index, logprobs=st.offsets and
+                                                 self._echo_logprobs(call, snap, st.offsets)))
+                    if not st.done:
+                        chunks += self._choice_chunks(call, c, st, snap)
+                        st.done = c.finished
+                echoed = True
+                if snap.finished and chunks:   # the request's last chunk carries the speculation's statistics
+                    chunks[-1]["drafttree"] = spec_stats(snap, self.engine.spec.method)
+                for chunk in chunks:
+                    yield _sse(chunk)
                 if snap.finished:
-                    end = len(text)
-                else:
-                    # Hold back what could still become a stop string or an unfinished character.
-                    end = len(text) - call.hold
-                    while end > emitted and text[end - 1] == "\ufffd":
-                        end -= 1
-                if end > emitted:
-                    yield _sse(call.chunk(text[emitted:end], None))
-                    emitted = end
-                if snap.finished:
-                    last = call.chunk(None if call.chat else "", snap.finish_reason)
-                    last["drafttree"] = spec_stats(snap, self.engine.spec.method)
-                    yield _sse(last)
                     if call.include_usage:
-                        yield _sse({"id": call.id, "object": last["object"], "created": call.created,
+                        obj = "chat.completion.chunk" if call.chat else "text_completion"
+                        yield _sse({"id": call.id, "object": obj, "created": call.created,
                                     "model": call.model, "choices": [], "usage": call.usage(snap)})
                     break
                 if await raw.is_disconnected():

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from drafttree.engine.engine import Engine
 from drafttree.engine.sequence import Sequence
 from drafttree.parallel.group import TensorParallelError
+from drafttree.runner.logit_rows import Logprobs
 from drafttree.sampling import SamplingParams
 from drafttree.server.metrics import ServerMetrics
 from drafttree.settings import scope
@@ -25,7 +26,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Admitted:
-    prompt_tokens: int
+    prompt_ids: tuple[int, ...]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
 
 @dataclass(frozen=True)
@@ -65,18 +70,52 @@ class TokenBudget:
 
 
 @dataclass(frozen=True)
-class Snapshot:
-    """A request's state after one engine step. `text` is the whole output so far."""
+class ChoiceSnapshot:
+    """One choice of a request (n > 1: one of n) after an engine step. `text` is its whole
+    output so far; `logprobs`, where asked, one entry per output token (`Sequence.logprobs`)."""
+    index: int
     text: str
     completion_tokens: int
     finish_reason: str | None = None
-    rounds: int = 0
-    mean_accept_length: float = 0.0
-    token_ids: tuple[int, ...] | None = None   # the output's ids, for requests that asked (tool calls)
+    token_ids: tuple[int, ...] | None = None   # the output's ids, for requests that asked (tool calls, logprobs)
+    logprobs: tuple[Logprobs, ...] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A request's state after one engine step: its choices in index order, and what they share
+    (the speculation's statistics over all of them; the prompt's log-probabilities, where asked,
+    per prompt token after the first)."""
+    choices: tuple[ChoiceSnapshot, ...]
+    rounds: int = 0
+    mean_accept_length: float = 0.0
+    prompt_logprobs: tuple[Logprobs, ...] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    @classmethod
+    def of(cls, seq: Sequence, with_ids: bool) -> "Snapshot":
+        """The request of `seq` (any of its choices) as it stands; `with_ids`: each choice's
+        token ids (always where log-probabilities were asked: their tokens)."""
+        out = []
+        for c in seq.choices:
+            ids = tuple(c.output_ids) if with_ids or c.logprobs is not None else None
+            out.append(ChoiceSnapshot(c.index, c.text, len(c.output_ids), (c.finish_reason or "stop") if c.finished
+                                      else None, ids, None if c.logprobs is None else tuple(c.logprobs)))
+        taus = [t for c in seq.choices for t in c.stats.accept_lengths]
+        first = seq.choices[0]
+        return cls(tuple(out), sum(c.stats.rounds for c in seq.choices), sum(taus) / len(taus) if taus else 0.0,
+                   None if first.prompt_logprobs is None else tuple(first.prompt_logprobs))
 
 
 Message = Admitted | Failed | Snapshot
@@ -109,11 +148,15 @@ IDLE_CHECK_S = 1.0
 class RequestHandle:
     """The event loop's side of one admitted request."""
 
-    def __init__(self, worker: EngineWorker, request_id: str, prompt_tokens: int,
+    def __init__(self, worker: EngineWorker, request_id: str, prompt_ids: tuple[int, ...],
                  q: asyncio.Queue[Message]) -> None:
-        self.worker, self.request_id, self.prompt_tokens = worker, request_id, prompt_tokens
+        self.worker, self.request_id, self.prompt_ids = worker, request_id, prompt_ids
         self._queue = q
         self.finished = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
     async def next(self) -> Snapshot:
         """The newest snapshot: waits for one, then skips any older ones already queued."""
@@ -151,6 +194,7 @@ class EngineWorker:
         self._cmds: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._live: dict[str, tuple[Sequence, Deliver]] = {}   # engine thread only
         self._with_ids: set[str] = set()                        # engine thread only
+        self._counted: dict[str, set[Sequence]] = {}            # choices whose end was counted, by request
         self._thread: threading.Thread | None = None
         # Written by the engine thread after every command batch and step; read anywhere.
         self.num_running = 0
@@ -200,7 +244,7 @@ class EngineWorker:
                 raise BadRequest(first.message, first.param)
             raise EngineError(first.message)
         assert isinstance(first, Admitted)
-        return RequestHandle(self, request_id, first.prompt_tokens, q)
+        return RequestHandle(self, request_id, first.prompt_ids, q)
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(_Abort(request_id))
@@ -250,10 +294,11 @@ class EngineWorker:
             self._live[cmd.request_id] = (seq, cmd.deliver)
             if cmd.with_ids:
                 self._with_ids.add(cmd.request_id)
-            cmd.deliver(Admitted(len(seq.prompt_ids)))
+            cmd.deliver(Admitted(tuple(seq.prompt_ids)))
         elif isinstance(cmd, _Abort):
             entry = self._live.pop(cmd.request_id, None)
             self._with_ids.discard(cmd.request_id)
+            self._counted.pop(cmd.request_id, None)
             if entry is not None:
                 self.engine.abort(entry[0])
                 if self.metrics is not None:
@@ -289,19 +334,20 @@ class EngineWorker:
             touched[seq.request_id] = seq
         for rid, seq in touched.items():
             entry = self._live.get(rid)
-            if entry is None or entry[0] is not seq:
+            if entry is None or entry[0] not in seq.choices:
                 continue
-            deliver = entry[1]
-            ids = tuple(seq.output_ids) if rid in self._with_ids else None
-            if seq.finished:
+            first, deliver = entry
+            for c in seq.choices:   # each choice once, as it finishes (vLLM counts n > 1's choices alike)
+                if c.finished and c not in self._counted.setdefault(rid, set()):
+                    self._counted[rid].add(c)
+                    if self.metrics is not None:
+                        self.metrics.request_finished(c.finish_reason, c)
+            snap = Snapshot.of(first, rid in self._with_ids)
+            if snap.finished:
                 del self._live[rid]
                 self._with_ids.discard(rid)
-                deliver(Snapshot(seq.text, len(seq.output_ids), seq.finish_reason or "stop",
-                                 seq.stats.rounds, seq.stats.mean_accept_length, ids))
-                if self.metrics is not None:
-                    self.metrics.request_finished(seq.finish_reason, seq)
-            else:
-                deliver(Snapshot(seq.text, len(seq.output_ids), token_ids=ids))
+                self._counted.pop(rid, None)
+            deliver(snap)
         return True
 
     def _fail_all(self, message: str) -> None:
@@ -313,6 +359,7 @@ class EngineWorker:
             deliver(Failed(message))
         self._live.clear()
         self._with_ids.clear()
+        self._counted.clear()
         self._publish()
 
     def _publish(self) -> None:

@@ -20,16 +20,19 @@ from drafttree.phases import Phase
 from drafttree.sampling import SampleMode, pick_tokens
 from drafttree.spec_decode.acceptance import expected_accept, predictions_at
 from drafttree.spec_decode.selector import selector_tree
+from drafttree.spec_decode.logits import commit_output, path_logprobs, process_logits
 from drafttree.spec_decode.state import RoundContext
 from drafttree.spec_decode.tree import DraftTree, accept, build_tree, chain_tree
 from drafttree.structured.masks import apply_token_masks
 
 
-def decode_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, masked: bool = False) -> None:
+def decode_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, masked: bool = False,
+                 processed: bool = False) -> None:
     """One target token per row. With a drafter (speculation off for this round), the token's
     features are appended to the pending ones (`context_phase` writes them into its cache), so
     that drafting can resume at any round. `masked`: the pick takes column 0 of the grammar
-    buffers' masks (a constrained batch)."""
+    buffers' masks (a constrained batch). `processed`: the rows' logits processing before the
+    pick, and the committed token's log-probabilities (`spec_decode.logits`)."""
     s = rc.state
     start, bonus = s.start[:B], s.bonus[:B]
     ones = torch.ones(B, 1, 1, dtype=torch.bool, device=start.device)
@@ -37,10 +40,18 @@ def decode_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, masked
     hidden, aux = rc.target(bonus[:, None], start[:, None], meta, rc.kv.k, rc.kv.v, rc.capture_layers)
     if rc.drafter is not None:
         _append_pending(s.ctx_n[:B], s.ctx_feat[:B], aux[:, 0])
-    logits = rc.target.logits(hidden)
+    raw = logits = rc.target.logits(hidden)
     if masked:
         logits = apply_token_masks(logits, s.grammar.masks[:B, :1])
+    zero = torch.zeros(B, 1, dtype=torch.long, device=start.device)
+    if processed:   # the root alone: a tree of one node at depth 0
+        logits = process_logits(logits, s.logits.rows(slice(0, B)), bonus[:, None], zero, zero, ones,
+                                s.sampling.temperature[:B])
     picks = pick_tokens(logits, s.sampling, start[:, None] + 1, mode)[:, 0]
+    if processed:
+        lb = s.logits.rows(slice(0, B))
+        path_logprobs(lb, raw, zero, picks[:, None])
+        commit_output(lb, picks[:, None], zero[:, 0] + 1)
     s.out_tokens[:B, 0] = picks
     s.out_n[:B] = 1
     s.bonus[:B] = picks
@@ -161,36 +172,49 @@ def candidates_phase(rc: RoundContext, B: int, kv_len: int) -> None:
     g.cand_idx[:B, :D] = idx
 
 
-def verify_forward(rc: RoundContext, B: int, kv_len: int, tree: DraftTree,
-                   mode: SampleMode, masked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_forward(rc: RoundContext, B: int, kv_len: int, tree: DraftTree, mode: SampleMode, masked: bool = False,
+                   processed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One target forward over the tree; returns the target's pick at every node (`masked`: each
-    node's logits masked by its grammar mask first) and the features of every node."""
+    node's logits masked by its grammar mask first; `processed`: processed along each node's
+    path, `spec_decode.logits`), the features of every node and the target's own logits."""
     s = rc.state
     start = s.start[:B]
     # node i sits in cache slot start+i, at rope position start+depth(i)
     pos = start[:, None] + tree.depth
     meta = attn_meta(start, tree.visible, kv_len, block_table=s.block_table[:B], page_size=rc.page_size)
     hidden, aux = rc.target(tree.tokens, pos, meta, rc.kv.k, rc.kv.v, rc.capture_layers)
-    logits = rc.target.logits(hidden)
+    raw = logits = rc.target.logits(hidden)
     if masked:
         logits = apply_token_masks(logits, s.grammar.masks[:B, :tree.num_nodes])
-    return pick_tokens(logits, s.sampling, pos + 1, mode), aux
+    if processed:
+        logits = process_logits(logits, s.logits.rows(slice(0, B)), tree.tokens, tree.parents, tree.depth,
+                                tree.visible, s.sampling.temperature[:B])
+    return pick_tokens(logits, s.sampling, pos + 1, mode), aux, raw
 
 
-def accept_commit(rc: RoundContext, B: int, tree: DraftTree, picks: torch.Tensor, aux: torch.Tensor) -> None:
+def accept_commit(rc: RoundContext, B: int, tree: DraftTree, picks: torch.Tensor, aux: torch.Tensor,
+                  raw: torch.Tensor | None = None) -> None:
+    """Walk the tree along the picks and commit the accepted path; with the target's logits `raw`
+    (a processed round), also the committed tokens' log-probabilities and the rows' output state."""
     acc = accept(tree, picks, rc.spec.depth)
+    if raw is not None:
+        lb = rc.state.logits.rows(slice(0, B))
+        path_logprobs(lb, raw, acc.path, acc.tokens)
+        commit_output(lb, acc.tokens, acc.accept_len)
     commit(rc, B, acc.path, acc.accept_len, acc.tokens, aux)
 
 
 def verify_phase(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, budget: int | None = None,
-                 masked: bool = False) -> None:
+                 masked: bool = False, processed: bool = False) -> None:
     """Verify the tree the draft phase left in the round state at `budget` (default: the
     bucket's largest, the tree's own): its first budget + 1 columns, the best tree of that budget.
-    `masked`: a constrained round's tree and masks, which the host wrote there."""
+    `masked`: a constrained round's tree and masks, which the host wrote there. `processed`: the
+    rows' logits processed per node, and log-probabilities of what commits."""
     width = rc.spec.width(Phase.VERIFY, rc.batch_bucket(B), budget)
     tree = rc.state.tree_at(B, width)
     assert tree.num_nodes == width, f"a tree of {tree.num_nodes} nodes for verify width {width}"
-    accept_commit(rc, B, tree, *verify_forward(rc, B, kv_len, tree, mode, masked))
+    picks, aux, raw = verify_forward(rc, B, kv_len, tree, mode, masked, processed)
+    accept_commit(rc, B, tree, picks, aux, raw if processed else None)
 
 
 def spec_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, budget: int | None = None) -> None:
@@ -198,13 +222,16 @@ def spec_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, budget: 
     verify_phase(rc, B, kv_len, mode, budget)
 
 
-def prefill_forward(rc: RoundContext, ids: torch.Tensor, pos: torch.Tensor, meta, at: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prefill_forward(rc: RoundContext, ids: torch.Tensor, pos: torch.Tensor, meta, at: torch.Tensor,
+                    keep: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One prefill forward of the target over [n, W] tokens at positions `pos`, the drafter's
     context written from it (with a drafter) at the same slots; returns the hidden state and the
-    drafter features at column at[b] of each row. Features past a chunk's end are padding,
+    drafter features at column at[b] of each row (`keep`: the whole hidden state [n, W, D] is
+    appended to it, for prompt log-probabilities). Features past a chunk's end are padding,
     written where the cache is masked."""
     hidden, aux = rc.target(ids, pos, meta, rc.kv.k, rc.kv.v, rc.capture_layers)
+    if keep is not None:
+        keep.append(hidden)
     rows = torch.arange(ids.shape[0], device=ids.device)
     if rc.drafter is None:
         return hidden[rows, at], None

@@ -11,6 +11,7 @@ from drafttree.models.dflash import DFlashDrafter
 from drafttree.models.kv_cache import NULL_PAGE, PagedKVCache
 from drafttree.phases import SpecConfig, batch_bucket
 from drafttree.sampling import SamplingTensors
+from drafttree.spec_decode.logits import LogitsBuffers
 from drafttree.spec_decode.tree import DraftTree
 
 
@@ -37,6 +38,10 @@ class RoundState:
                                  # phase reads (a verify graph replays after any draft that wrote it);
                                  # T = spec.verify_width_max; None without speculation
     grammar: GrammarBuffers | None = None   # a constrained round's inputs and outputs (structured output)
+    # processed rounds' per-row state (penalties, bias, banned sequences) and their log-probabilities;
+    # written whole when a row's prefill ends, moved by the runner (not by copy_row, not in a snapshot:
+    # only processed steps read it, and what capture leaves in parked rows is never read)
+    logits: LogitsBuffers | None = None
 
     @property
     def out_n(self) -> torch.Tensor:      # [R]

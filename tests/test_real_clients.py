@@ -1,7 +1,6 @@
 """Real clients against `drafttree serve` run as a user runs it (the command line, in its own
-process): the official `openai` client, and, where it is installed, the lm-evaluation-harness
-(`lm_eval`, `pip install "lm-eval[api]"`: too heavy for CI's install, so its tests skip there)
-running a small local generation task through `local-chat-completions` and a multiple-choice
+process): the official `openai` client, and, where it is installed (CI installs it), the
+lm-evaluation-harness (`lm_eval`, `pip install "lm-eval[api]"`) running a small local generation task through `local-chat-completions` and a multiple-choice
 task scored by loglikelihood (echo and logprobs) through `local-completions`."""
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ def test_bench_writes_results_and_plots(tmp_path):
             c = r["budget_choice"]
             assert "0" in c["round_ms"] and min(c["round_ms"].values()) > 0
             if r["temperature"] == 0:
-                assert c["calibration"] >= 0 and set(c["expected_tau"]) == set(c["round_ms"]) - {"0"} != set()
+                assert set(c["calibration"]) == set(c["expected_tau"]) == set(c["round_ms"]) - {"0"} != set()
+                assert all(r >= 0 for r in c["calibration"].values())
                 assert all(t >= 1.0 for t in c["expected_tau"].values())
         else:
             assert "budget_choice" not in r

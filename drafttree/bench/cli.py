@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from drafttree.bench.environment import environment
 from drafttree.bench.prompts import load_prompts
+from drafttree.engine.budget import sampler_key
 from drafttree.engine.cli_args import add_engine_args, config_from_args, field_names
 from drafttree.engine.plan import settings_of
 from drafttree.llm import LLM
@@ -174,21 +175,21 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
             # the engine's start-up, stage by stage (`engine.startup`), and what each did
             "startup": eng.startup.record()}
     if eng.spec.adaptive:
-        row["budget_choice"] = budget_choice(eng, batch, temperature == 0)
+        row["budget_choice"] = budget_choice(eng, batch, params[0])
     return row, [o.token_ids for o in outs]
 
 
-def budget_choice(eng, batch: int, greedy: bool) -> dict:
-    """What the per-round choice weighed at the cell's end: each budget's round in milliseconds
-    as priced (the cost table, scaled by the round times observed), the calibration (drafted
-    tokens accepted / predicted) and the calibrated expected τ."""
+def budget_choice(eng, batch: int, params: SamplingParams) -> dict:
+    """What the per-round choice weighed at the cell's end for the cell's sampler setting: each
+    budget's round in milliseconds as priced (the cost table, scaled by the round times
+    observed), the calibration per budget (drafted tokens the target's sampler accepted /
+    predicted) and the calibrated expected τ."""
     chooser, bucket = eng.chooser, eng.runner.cache_cfg.batch_bucket(batch)
-    allowed = eng.spec.budgets_at(bucket, greedy)
-    cal = chooser.cal[greedy]
-    return {"round_ms": {str(b): 1e3 * chooser.round_seconds(bucket, b, not greedy) for b in allowed},
-            "calibration": cal.ratio,
-            "expected_tau": {str(b): cal.expected(chooser.budgets.index(b)) for b in allowed if b}
-            if cal.pred is not None else None}
+    allowed = eng.spec.budgets_at(bucket, params.greedy)
+    cal = chooser.calibration(sampler_key(params))
+    return {"round_ms": {str(b): 1e3 * chooser.round_seconds(bucket, b, not params.greedy) for b in allowed},
+            "calibration": {str(b): cal.ratio(chooser.budgets.index(b)) for b in allowed if b} if cal else None,
+            "expected_tau": {str(b): cal.expected(chooser.budgets.index(b)) for b in allowed if b} if cal else None}
 
 
 def _cell_suffix(prompt_set: str, batch: int, many: bool) -> str:
@@ -286,7 +287,7 @@ def finish(results: list[dict], meta: dict, out: Path) -> None:
             if r.get("budget_choice"):
                 c = r["budget_choice"]
                 tau = c["expected_tau"] or {}
-                print(f"  priced round ms {_fmt(c['round_ms'])}; calibration {c['calibration']:.2f}; "
+                print(f"  priced round ms {_fmt(c['round_ms'])}; calibration {_fmt(c['calibration'] or {})}; "
                       f"expected τ {_fmt(tau)}")
     print(f"wrote {out / 'results.json'} and {', '.join(files)}")
 

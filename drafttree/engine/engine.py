@@ -6,12 +6,13 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
 from drafttree.engine import prepare
-from drafttree.engine.budget import BudgetChooser
+from drafttree.engine.budget import BudgetChooser, sampler_key
 from drafttree.engine.config import EngineConfig
 from drafttree.engine.constrained import Constrained
 from drafttree.engine.inflight import Launched, RoundOutputs
@@ -317,13 +318,12 @@ class Engine:
 
     def _choose_budget(self, running: list[Sequence], mode: SampleMode) -> int:
         """The next round's budget (0: decode), within the requests' max_budget caps."""
-        B = len(running)
-        bucket = self.runner.cache_cfg.batch_bucket(B)
-        greedy = sum(s.params.greedy for s in running)
+        bucket = self.runner.cache_cfg.batch_bucket(len(running))
         caps = [s.params.max_budget for s in running if s.params.max_budget is not None]
         cap = min(caps, default=None)
         allowed = self.spec.budgets_at(bucket, mode is SampleMode.GREEDY)
-        budget = self.chooser.choose(bucket, allowed, greedy, B - greedy, cap)
+        rows = Counter(sampler_key(s.params) for s in running) if self.spec.adaptive else Counter()
+        budget = self.chooser.choose(bucket, allowed, rows, cap)
         if budget == 0 and self.spec.speculative:
             self.book.counts.plain_rounds[self._plain_reason(bucket, allowed, cap)] += 1
         return budget
@@ -361,7 +361,10 @@ class Engine:
         counts.budget_hist[budget] += 1
         counts.method_rounds[method] += 1
         preds = 1 + self.spec.max_commit   # the predictions' first column in a row
+        seen = preds + len(self.spec.budgets)   # what the target's sampler gave the tree
         out, taus = [], []
+        # a constrained round leaves no predictions; a fixed spec's chooser weighs none
+        learn: dict | None = {} if budget and not launched.constrained and self.spec.adaptive else None
         for seq, row in zip(launched.seqs, rows):
             if seq.finished:
                 continue
@@ -369,9 +372,12 @@ class Engine:
             taus.append(k)
             seq.stats.rounds += 1
             seq.stats.accept_lengths.append(k)
-            if budget and not launched.constrained:   # a constrained round leaves no predictions
-                self.chooser.observe(seq.params.greedy, budget, k, row[preds:])
+            if learn is not None:
+                learn.setdefault(sampler_key(seq.params), []).append(row[preds:])
             out.append((seq, self._emit(seq, row[1:1 + k])))
+        for key, got in (learn or {}).items():   # one observation per setting a round, whatever the batch
+            mean = [sum(col) / len(got) for col in zip(*got)]
+            self.chooser.observe(key, mean[:seen - preds], mean[seen - preds:])
         if taus:   # the round's counters once, not per request: this loop is host time between rounds
             counts.accept_hist.update(taus)
             counts.method_rows[method] += len(taus)

@@ -6,6 +6,7 @@ the two are different numbers and nothing may assume otherwise.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum
 
@@ -130,6 +131,7 @@ class SpecConfig:
         speculation); DFlash's chain counts as block_size - 1 nodes."""
         return max(self.budgets_at(batch))
 
+    @functools.lru_cache(maxsize=256)   # noqa: B019 (a frozen spec: every round asks, the answer never changes)
     def budgets_at(self, batch: int, greedy: bool = True) -> tuple[int, ...]:
         """The budgets a round over a batch bucket of `batch` rows may run at, ascending, 0 (a
         decode round) first; `greedy`: every row of the round is at temperature 0. Fixed: 0 and

@@ -47,7 +47,7 @@ from drafttree.runner.cost import CostTable
 from drafttree.sampling import SamplingParams
 from drafttree.spec_decode.acceptance import PRED_SCALE
 
-PROBE_SHARE = 0.02   # of the plain rounds' time, at most, lost to probes (as estimated)
+PROBE_SHARE = 0.01   # of the plain rounds' time, at most, lost to probes (as estimated)
 PROBE_MAX = 256
 EMA = 0.1           # weight of a new round in the calibration and the predictions
 DRIFT = EMA ** 2 / (1 - EMA)   # the level's variance added per round: a gain of EMA round after round

@@ -98,6 +98,8 @@ class Engine:
         self._last_read = 0.0
         self._prefill_end = 0.0
         self._outputs = RoundOutputs(cfg.max_num_seqs, self.runner.state.out.shape[1], self.device)
+        self._rows: tuple | None = None                  # `_batch_rows`' last batch
+        self._reasons: dict[tuple, str] = {}             # `_plain_reason` by (bucket, allowed, cap)
         if setup.cuda_graphs:
             prepare.capture_graphs(setup, self.runner, sched.prefill if setup.prefill_graphs else None,
                                    self.startup, compiled)
@@ -319,14 +321,26 @@ class Engine:
     def _choose_budget(self, running: list[Sequence], mode: SampleMode) -> int:
         """The next round's budget (0: decode), within the requests' max_budget caps."""
         bucket = self.runner.cache_cfg.batch_bucket(len(running))
-        caps = [s.params.max_budget for s in running if s.params.max_budget is not None]
-        cap = min(caps, default=None)
+        rows, cap = self._batch_rows(running)
         allowed = self.spec.budgets_at(bucket, mode is SampleMode.GREEDY)
-        rows = Counter(sampler_key(s.params) for s in running) if self.spec.adaptive else Counter()
         budget = self.chooser.choose(bucket, allowed, rows, cap)
         if budget == 0 and self.spec.speculative:
-            self.book.counts.plain_rounds[self._plain_reason(bucket, allowed, cap)] += 1
+            key = (bucket, allowed, cap)
+            if key not in self._reasons:
+                self._reasons[key] = self._plain_reason(bucket, allowed, cap)
+            self.book.counts.plain_rounds[self._reasons[key]] += 1
         return budget
+
+    def _batch_rows(self, running: list[Sequence]) -> tuple[Counter, int | None]:
+        """The running requests counted by sampler setting (for an adaptive spec) and their
+        smallest max_budget; kept while the same requests run, so that a round's host time does
+        not grow by a pass over the rows' parameters."""
+        kept = self._rows
+        if kept is None or len(kept[0]) != len(running) or any(a is not b for a, b in zip(kept[0], running)):
+            caps = [s.params.max_budget for s in running if s.params.max_budget is not None]
+            rows = Counter(sampler_key(s.params) for s in running) if self.spec.adaptive else Counter()
+            kept = self._rows = (list(running), rows, min(caps, default=None))
+        return kept[1], kept[2]
 
     def _plain_reason(self, bucket: int, allowed: tuple[int, ...], cap: int | None) -> str:
         """Why a round of a speculative engine decodes plainly (`EngineStats.plain_rounds`)."""

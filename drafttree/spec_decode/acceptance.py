@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from drafttree.kernels.fused import fused
 from drafttree.sampling import SampleMode, SamplingTensors, at_temperature, filter_thresholds
 from drafttree.spec_decode.tree import DraftTree
 
@@ -52,13 +53,23 @@ def observed_accept(logits: torch.Tensor, tree: DraftTree, picks: torch.Tensor, 
     if mode is SampleMode.GREEDY:
         return _path_sums(hit, tree)
     temp = st.temperature[:R]
-    scaled = at_temperature(logits.float(), temp)
-    if mode is SampleMode.FILTERED:
-        thr = filter_thresholds(logits, temp, st.top_k[:R], st.top_p[:R])
+    thr = filter_thresholds(logits, temp, st.top_k[:R], st.top_p[:R]) if mode is SampleMode.FILTERED else None
+    lp = _sampled_log_probs(logits, temp, parent, tok, thr)
+    return _path_sums(torch.where((temp > 0)[:, None], lp, hit), tree)
+
+
+@fused
+def _sampled_log_probs(logits: torch.Tensor, temp: torch.Tensor, parent: torch.Tensor, tok: torch.Tensor,
+                       thr: torch.Tensor | None) -> torch.Tensor:
+    """log P(the pick at node parent[r, i] is tok[r, i]) under sampling at temp [R] (over the
+    logits >= thr, where given): [R, N - 1]. Compiled on CUDA into one reduction over the logits,
+    which are not copied at the temperature."""
+    R, N, V = logits.shape
+    scaled = at_temperature(logits, temp)
+    if thr is not None:
         scaled = torch.where(logits >= thr[..., None], scaled, float("-inf"))
     lse = torch.logsumexp(scaled, dim=-1)                                 # [R, N]
-    lp = scaled.view(R, N * V).gather(1, parent * V + tok) - lse.gather(1, parent)
-    return _path_sums(torch.where((temp > 0)[:, None], lp, hit), tree)
+    return scaled.reshape(R, N * V).gather(1, parent * V + tok) - lse.gather(1, parent)
 
 
 def _path_sums(lp: torch.Tensor, tree: DraftTree) -> torch.Tensor:

@@ -39,6 +39,7 @@ CPU_REPS = 3         # eager runs per entry at least (after one warm-up) ...
 CPU_MAX_REPS = 9     # ... and at most, until the median's relative standard error is under SPREAD
 SPREAD = 0.03
 BUDGET_S = 5.0       # seconds of timing at most, past the first entry (see above)
+KEEP_SPREAD = 0.10   # a table whose timed entries spread more is not kept for later starts
 FORMAT = 2           # of `CostTable.to_dict`; a table kept in another is measured again
 
 Key = tuple[Phase, int, int, bool]
@@ -167,6 +168,7 @@ def measure(runner, reps: int = REPS, budget_s: float = BUDGET_S,
     todo = [(B, st, sampled, pick[sampled] or any_mode) for B in runner.cache_cfg.batch_buckets
             for st, sampled in entries(spec, B, drafter)
             if pick[sampled] is not None or st.phase in (Phase.CONTEXT, Phase.DRAFT)]
+    todo.sort(key=lambda job: _timing_pass(spec, *job[:2]))   # stable: a round's order within a pass
     t0 = start = time.perf_counter()
     late = False
     for i, (B, st, sampled, mode) in enumerate(todo):
@@ -207,16 +209,37 @@ def spread(runs: list[float]) -> float:
     return 1.2533 * 1.4826 * mad / math.sqrt(len(runs)) / max(m, 1e-12)
 
 
+def _timing_pass(spec: SpecConfig, bucket: int, st: PhaseStep) -> int:
+    """Which pass times an entry: first every bucket's plain round and its narrowest verify (the
+    choice between decoding and drafting a little, which every bucket makes), then the widest
+    verifies, then the rest; those a budget leaves untimed are scaled from these."""
+    if st.phase is not Phase.VERIFY:
+        return 0
+    widths = [spec.width(Phase.VERIFY, bucket, n) for n in spec.budgets_at(bucket) + spec.budgets_at(bucket, False)
+              if n]
+    return 0 if st.width == min(widths) else 1 if st.width == max(widths) else 2
+
+
 def _scaled(table: CostTable, key: Key) -> float:
-    """An entry's seconds from the nearest timed one, in proportion to tokens (the CPU is
-    compute-bound; on a GPU this overestimates larger forwards, so a budget running out there
-    errs on the side of timing less): of the same phase and pick if any, in the same bucket if
-    any, else of the nearest size."""
+    """An entry's seconds from the timed ones: a verify between (or beyond) two timed widths of
+    its bucket and pick, along the line through them (a forward's cost is about affine in its
+    tokens: the weights read once, then each token); else from the nearest timed entry, in
+    proportion to tokens (on a GPU this overestimates larger forwards, so a budget running out
+    there errs on the side of timing less): of the same model (the target's decode and verify,
+    the drafter's context and draft) if any, of the same phase and pick if any, in the same
+    bucket if any, else of the nearest size."""
     phase, B, width, sampled = key
     timed = [k for k in table.seconds if k not in table.estimated]
+    line = sorted((k for k in timed if k[0] is phase and k[1] == B and k[3] == sampled),
+                  key=lambda k: (abs(k[2] - width), k[2]))[:2]
+    if len(line) == 2:
+        (w0, s0), (w1, s1) = sorted((k[2], table.seconds[k]) for k in line)
+        return max(s0 + (s1 - s0) * (width - w0) / (w1 - w0), min(s0, s1) * 0.5)
+
+    drafter = (Phase.CONTEXT, Phase.DRAFT)
 
     def rank(k: Key) -> tuple:
         p, b, w, m = k
-        return (p is not phase, m != sampled, b != B, abs(b * w - B * width))
+        return ((p in drafter) != (phase in drafter), p is not phase, m != sampled, b != B, abs(b * w - B * width))
     p0, b0, w0, m0 = min(timed, key=rank)
     return table.seconds[(p0, b0, w0, m0)] * (B * width) / (b0 * w0)

@@ -181,6 +181,9 @@ def test_the_cost_model_keeps_to_its_budget(pair, set_settings, tmp_path):
     # a verify between two timed widths of its bucket and pick: on the line through them
     t = cost.CostTable(runner.spec, {(Phase.VERIFY, 1, 5, False): 0.050, (Phase.VERIFY, 1, 33, False): 0.120})
     assert cost._scaled(t, (Phase.VERIFY, 1, 9, False)) == pytest.approx(0.050 + 0.070 * 4 / 28)
+    # beyond the narrowest timed verify, on the line from the decode step (width 1) through it
+    t = cost.CostTable(runner.spec, {(Phase.DECODE, 2, 1, True): 0.040, (Phase.VERIFY, 2, 5, True): 0.060})
+    assert cost._scaled(t, (Phase.VERIFY, 2, 9, True)) == pytest.approx(0.080)
 
 
 def test_a_table_timed_under_a_changing_load_is_not_kept(pair, set_settings, monkeypatch, tmp_path):

@@ -222,18 +222,21 @@ def _timing_pass(spec: SpecConfig, bucket: int, st: PhaseStep) -> int:
 
 def _scaled(table: CostTable, key: Key) -> float:
     """An entry's seconds from the timed ones: a verify between (or beyond) two timed widths of
-    its bucket and pick, along the line through them (a forward's cost is about affine in its
-    tokens: the weights read once, then each token); else from the nearest timed entry, in
+    its bucket and pick (the decode step's among them, as width 1), along the line through them
+    (a forward's cost is about affine in its tokens: the weights read once, then each token; on
+    a CPU it grows slower, so a line from narrow widths errs high); else from the nearest timed entry, in
     proportion to tokens (on a GPU this overestimates larger forwards, so a budget running out
     there errs on the side of timing less): of the same model (the target's decode and verify,
     the drafter's context and draft) if any, of the same phase and pick if any, in the same
     bucket if any, else of the nearest size."""
     phase, B, width, sampled = key
     timed = [k for k in table.seconds if k not in table.estimated]
-    line = sorted((k for k in timed if k[0] is phase and k[1] == B and k[3] == sampled),
-                  key=lambda k: (abs(k[2] - width), k[2]))[:2]
-    if len(line) == 2:
-        (w0, s0), (w1, s1) = sorted((k[2], table.seconds[k]) for k in line)
+    # a decode step is the target's forward of width 1 over the same rows: a point on a verify's line
+    points = phase is Phase.VERIFY and sorted(
+        (k for k in timed if k[0] in (Phase.VERIFY, Phase.DECODE) and k[1] == B and k[3] == sampled),
+        key=lambda k: (abs(k[2] - width), k[2]))[:2]
+    if points and len(points) == 2:
+        (w0, s0), (w1, s1) = sorted((k[2], table.seconds[k]) for k in points)
         return max(s0 + (s1 - s0) * (width - w0) / (w1 - w0), min(s0, s1) * 0.5)
 
     drafter = (Phase.CONTEXT, Phase.DRAFT)

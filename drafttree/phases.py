@@ -6,6 +6,7 @@ the two are different numbers and nothing may assume otherwise.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum
 
@@ -13,13 +14,20 @@ from enum import Enum
 class Phase(str, Enum):
     PREFILL = "prefill"   # variable width, runs eagerly
     DECODE = "decode"     # plain autoregressive step of the target
-    CONTEXT = "context"   # the drafter's context write alone, before a decode step when its pending
-                          # features could fill their buffer (a drafter's features wait otherwise)
+    CONTEXT = "context"   # the drafter's context write alone: before a decode step when its pending
+                          # features could fill their buffer, before a draft when more wait than
+                          # the draft writes (its catch-up); a drafter's features wait otherwise
     DRAFT = "draft"       # one drafter forward over [bonus, MASK * (block_size - 1)]
     VERIFY = "verify"     # one target forward over the draft (chain or tree)
 
 
 METHODS = ("none", "dflash", "ddtree")
+# A context phase writes up to this many verifies' worth of pending drafter features: plain rounds
+# each leave one, so a plain stretch runs it once per CONTEXT_ROUNDS * max_commit - 1 rounds, and
+# a draft after plain rounds runs it first (its catch-up). On a GPU one write of 32 positions costs
+# about what one of 8 does (a small drafter is launch-bound), so this divides a plain round's
+# share of it by about 4; on a CPU its cost grows with the positions, and the share stays.
+CONTEXT_ROUNDS = 4
 
 
 def auto_budgets(max_budget: int) -> tuple[int, ...]:
@@ -123,6 +131,7 @@ class SpecConfig:
         speculation); DFlash's chain counts as block_size - 1 nodes."""
         return max(self.budgets_at(batch))
 
+    @functools.lru_cache(maxsize=256)   # noqa: B019 (a frozen spec: every round asks, the answer never changes)
     def budgets_at(self, batch: int, greedy: bool = True) -> tuple[int, ...]:
         """The budgets a round over a batch bucket of `batch` rows may run at, ascending, 0 (a
         decode round) first; `greedy`: every row of the round is at temperature 0. Fixed: 0 and
@@ -177,7 +186,7 @@ class SpecConfig:
         if phase is Phase.DECODE:
             return 1
         if phase is Phase.CONTEXT:
-            return self.max_commit
+            return CONTEXT_ROUNDS * self.max_commit
         if phase is Phase.DRAFT:
             return self.block_size
         if phase is Phase.VERIFY:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 
 import pytest
 import torch
 
 from drafttree import LLM, SamplingParams
-from drafttree.engine.budget import PROBE_MAX, PROBE_SHARE, BudgetChooser
+from drafttree.engine.budget import EMA, GREEDY, LEVEL, PROBE_MAX, PROBE_SHARE, BudgetChooser
 from drafttree.phases import Phase, SpecConfig
+from drafttree.runner import cost
 from drafttree.runner.cost import CostTable
 from drafttree.spec_decode.acceptance import PRED_SCALE, expected_accept, predictions_at
 from drafttree.spec_decode.tree import accept, build_tree, chain_tree
@@ -68,79 +70,87 @@ def test_expected_accept_of_a_chain_is_the_sum_of_prefix_products():
 def _table() -> CostTable:
     spec = SpecConfig("ddtree", block_size=16, budget=31, adaptive=True)
     t = CostTable(spec)
-    for phase, width, s in ((Phase.DECODE, 1, 1.0), (Phase.CONTEXT, 16, 0.3), (Phase.DRAFT, 16, 0.5),
+    for phase, width, s in ((Phase.DECODE, 1, 1.0), (Phase.CONTEXT, 64, 1.26), (Phase.DRAFT, 16, 0.5),
                             (Phase.VERIFY, 5, 1.0), (Phase.VERIFY, 9, 1.2), (Phase.VERIFY, 17, 1.6),
                             (Phase.VERIFY, 32, 2.5)):
         t.seconds[(phase, 1, width, False)] = s
     return t
 
 
-def _calibrated(preds: list[float]) -> BudgetChooser:
-    """A chooser whose drafter's predictions (τ at budgets 4, 8, 16, 31) are right on average."""
-    c = _chooser(preds)
-    c.cal[True].observed = c.cal[True].predicted
-    return c
+ONE = Counter({GREEDY: 1})   # a round's rows by sampler setting: one greedy row
+T1 = (1.0, 1.0, 0)           # the sampler setting of temperature 1, no filter
+
+
+def _milli(xs) -> list[int]:
+    return [int(round(x * PRED_SCALE)) for x in xs]
+
+
+def _seen(xs, budget: int, budgets=(4, 8, 16, 31)) -> list[int]:
+    """What a round at `budget` observes: the expected τ at the budgets up to it, 0 past it."""
+    return [m if b <= budget else 0 for m, b in zip(_milli(xs), budgets)]
 
 
 def _chooser(preds: list[float]) -> BudgetChooser:
+    """A chooser whose drafter's predictions (τ at budgets 4, 8, 16, 31) were seen right: calibration 1."""
     t = _table()
     c = BudgetChooser(t, t.spec.budgets)
-    scaled = [int(p * PRED_SCALE) for p in preds]
-    c.observe(True, 31, round(preds[-1]), scaled)   # observed as predicted: calibration 1
+    c.observe(GREEDY, _milli(preds), _milli(preds))
     return c
+
+
+_calibrated = _chooser
 
 
 def test_chooser_takes_the_most_tokens_per_second():
     t = _table()
     assert t.spec.budgets == (4, 8, 16, 31)
-    assert t.round_seconds(1, 0) == pytest.approx(1.0 + 0.3 / 15) and t.round_seconds(1, 8) == pytest.approx(1.7)
+    assert t.round_seconds(1, 0) == pytest.approx(1.0 + 1.26 / 63) and t.round_seconds(1, 8) == pytest.approx(1.7)
     allowed = t.spec.budgets_at(1)
     # tokens/s: 0 -> 0.98, 4 -> 2.0/1.5 = 1.33, 8 -> 2.5/1.7 = 1.47, 16 -> 2.8/2.1 = 1.33, 31 -> 3/3 = 1
     c = _chooser([2.0, 2.5, 2.8, 3.0])
-    assert c.choose(1, allowed, 1, 0) == 8
-    assert c.choose(1, allowed, 1, 0, cap=4) == 4 and c.choose(1, allowed, 1, 0, cap=0) == 0
-    assert c.choose(1, allowed, 1, 0, cap=20) == 8
+    assert c.choose(1, allowed, ONE) == 8
+    assert c.choose(1, allowed, ONE, cap=4) == 4 and c.choose(1, allowed, ONE, cap=0) == 0
+    assert c.choose(1, allowed, ONE, cap=20) == 8
     # a drafter the target rarely follows: plain decoding, with a probe at the best drafting budget
     # (4 here) as often as keeps its loss within PROBE_SHARE: 1.5 s for 1.1 tokens that plain
     # rounds commit in 1.1 * 1.02 s
     c = _calibrated([1.1, 1.15, 1.2, 1.25])
     every = math.ceil((1.5 - 1.1 * 1.02) / (PROBE_SHARE * 1.02))
-    assert every == 19
-    picks = [c.choose(1, allowed, 1, 0) for _ in range(3 * every)]
+    assert every == 38
+    picks = [c.choose(1, allowed, ONE) for _ in range(3 * every)]
     assert picks == ([0] * (every - 1) + [4]) * 3
     # one further below plain is probed less often, one that never pays at most every PROBE_MAX
     c = _calibrated([1.02, 1.03, 1.04, 1.05])
-    assert [c.choose(1, allowed, 1, 0) for _ in range(23)] == [0] * 22 + [4]   # (1.5 - 1.0404) / 0.0204
+    assert [c.choose(1, allowed, ONE) for _ in range(46)] == [0] * 45 + [4]   # (1.5 - 1.0404) / 0.0102
     c = _calibrated([1.0, 1.0, 1.0, 1.0])
     for width in (5, 9, 17, 32):
         c.costs.seconds[(Phase.VERIFY, 1, width, False)] *= 10
-    picks = [c.choose(1, allowed, 1, 0) for _ in range(PROBE_MAX)]
+    picks = [c.choose(1, allowed, ONE) for _ in range(PROBE_MAX)]
     assert picks == [0] * (PROBE_MAX - 1) + [4]
     # no prediction yet for a sampled row: draft at the largest budget to get one
-    assert c.choose(1, allowed, 1, 1) == 31
+    assert c.choose(1, allowed, Counter({GREEDY: 1, T1: 1})) == 31
 
 
 def test_a_probe_weighs_the_rounds_it_was_stale_for():
     """After a plain stretch the drafter turns right: a probe's observation weighs more than one
-    round's (the filter's gain after n rounds), so drafting wins back within two probes (at one
-    round's weight, five)."""
+    round's (the filter's gain after n rounds), so drafting wins back after one probe."""
     allowed = _table().spec.budgets_at(1)
     c = _calibrated([1.1, 1.15, 1.2, 1.25])
     right = [int(p * PRED_SCALE) for p in (2.0, 2.5, 2.8, 3.0)]
     picks = []
     while len(picks) < 200 and picks[-2:] != [8, 8]:
-        b = c.choose(1, allowed, 1, 0)
+        b = c.choose(1, allowed, ONE)
         picks.append(b)
         if b:
-            c.observe(True, b, 2 if b == 4 else 3, right)
-    assert picks[-2:] == [8, 8] and sum(b > 0 for b in picks) == 4, picks   # two probes, then 8
-    assert c.cal[True].var < 0.2
+            c.observe(GREEDY, right, _seen((2.0, 3.0, 3.0, 3.0), b))
+    assert picks[-2:] == [8, 8] and sum(b > 0 for b in picks) == 3, picks   # one probe, then 8
+    assert c.cal[GREEDY].var < 0.25   # consecutive rounds bring the gain back toward EMA
     # consecutive drafting rounds keep one round's weight each
     c = _chooser([2.0, 2.5, 2.8, 3.0])
     for _ in range(3):
-        c.choose(1, allowed, 1, 0)
-        c.observe(True, 8, 2, [int(p * PRED_SCALE) for p in (1.0, 1.5, 1.5, 1.5)])
-    assert c.cal[True].pred[1] == pytest.approx(1.5 + 0.9 ** 3 * (2.5 - 1.5), abs=0.01)
+        c.choose(1, allowed, ONE)
+        c.observe(GREEDY, _milli((1.0, 1.5, 1.5, 1.5)), _seen((1.0, 2.0, 2.0, 2.0), 8))
+    assert c.cal[GREEDY].pred[1] == pytest.approx(1.5 + 0.9 ** 3 * (2.5 - 1.5), abs=0.01)
 
 
 def test_a_probe_drafts_at_the_budget_the_estimate_ranks_best():
@@ -151,22 +161,24 @@ def test_a_probe_drafts_at_the_budget_the_estimate_ranks_best():
         t.seconds[(Phase.VERIFY, 1, width, False)] = s
     c = BudgetChooser(t, t.spec.budgets)
     preds = [1.1, 1.2, 1.3, 1.5]
-    c.observe(True, 31, 1, [int(p * PRED_SCALE) for p in preds])
-    c.cal[True].observed = c.cal[True].predicted   # calibration 1
-    # budget 31: 1.5 tokens in 1.6 s, which plain rounds commit in 1.53 s: (1.6 - 1.53) / 0.0204
+    c.observe(GREEDY, _milli(preds), _milli(preds))   # calibration 1
+    # budget 31: 1.5 tokens in 1.6 s, which plain rounds commit in 1.53 s: (1.6 - 1.53) / 0.0102
     # rounds per probe, rounded up
-    picks = [c.choose(1, t.spec.budgets_at(1), 1, 0) for _ in range(8)]
-    assert picks == [0, 0, 0, 31] * 2
+    picks = [c.choose(1, t.spec.budgets_at(1), ONE) for _ in range(14)]
+    assert picks == ([0] * 6 + [31]) * 2
 
 
 def test_calibration_follows_observed_acceptance():
     allowed = _table().spec.budgets_at(1)
     c = _chooser([2.0, 2.5, 2.8, 3.0])
-    assert c.choose(1, allowed, 1, 0) == 8
+    assert c.choose(1, allowed, ONE) == 8
     for i in range(60):    # a third of the drafted tokens predicted at budget 8 (1.5) accepted
-        c.observe(True, 8, 1 + i % 2, [int(p * PRED_SCALE) for p in (2.0, 2.5, 2.8, 3.0)])
-    assert c.cal[True].ratio == pytest.approx(1 / 3, rel=0.15)
-    assert c.choose(1, allowed, 1, 0) == 0
+        c.observe(GREEDY, _milli((2.0, 2.5, 2.8, 3.0)), _seen((1.3, 1 + i % 2, 0, 0), 8))
+    cal = c.cal[GREEDY]
+    assert cal.ratio(1) == pytest.approx(1 / 3, rel=0.15) and cal.ratio(0) == pytest.approx(0.3, rel=0.02)
+    # budgets past those verified follow the largest verified
+    assert c.cal[GREEDY].ratio(3) == pytest.approx(c.cal[GREEDY].ratio(1), rel=0.1)
+    assert c.choose(1, allowed, ONE) == 0
 
 
 def test_observed_round_times_correct_the_table():
@@ -179,15 +191,17 @@ def test_observed_round_times_correct_the_table():
         c.observe_round(1, 4, False, 3 * 1.5)
         c.observe_round(1, 16, False, 3 * 2.1)
         c.observe_round(1, 31, False, 3 * 3.0)
-        c.observe_round(1, 0, False, 1.0 + 0.3 / 15)   # decode steps as timed
-    assert c.cost_ratio[(1, True, False)] == pytest.approx(3.0, rel=0.05)
-    assert c.choose(1, allowed, 1, 0) == 0
+        c.observe_round(1, 0, False, 1.0 + 1.26 / 63)   # decode steps as timed
+    assert c.round_seconds(1, 8, False) == pytest.approx(3 * 1.7, rel=0.05)
+    assert c.round_seconds(1, 0, False) == pytest.approx(1.0 + 1.26 / 63, rel=0.1)
+    assert c.choose(1, allowed, ONE) == 0
     # a machine three times slower than at start-up in every round drafted: the decode step, never
-    # observed, is priced by the rounds that were, so drafting at 8 still wins
+    # observed, is priced up with them (the level takes most of it), so drafting at 8 still wins
     c = _chooser([2.0, 2.5, 2.8, 3.0])
     for _ in range(40):
         c.observe_round(1, 8, False, 3 * 1.7)
-    assert c.any_ratio == pytest.approx(3.0, rel=0.05) and c.choose(1, allowed, 1, 0) == 8
+    assert c.round_seconds(1, 8, False) == pytest.approx(3 * 1.7, rel=0.01) and c.any_ratio > 2
+    assert c.choose(1, allowed, ONE) == 8
     c = _chooser([2.0, 2.5, 2.8, 3.0])
     c.costs.seconds[(Phase.VERIFY, 1, 9, True)] = 10.0      # a costly sampled pick at width 9
     assert c.costs.round_seconds(1, 8, sampled=True) == pytest.approx(10.5)
@@ -196,23 +210,44 @@ def test_observed_round_times_correct_the_table():
 
 def test_one_slow_round_does_not_price_its_budget_out():
     """A host pause makes one round at budget 31 take ten times its cost: the choice stays at 31
-    (drafting rounds share one ratio, and a round moves it by at most a factor of 2 at EMA's
-    weight), and normal rounds bring the ratio back."""
+    (drafting rounds share one factor, a round counts as at most twice its price, and the level
+    it moves prices every kind alike), and normal rounds bring the price back."""
     t = _table()
     for width, s in ((5, 1.0), (9, 1.02), (17, 1.05), (32, 1.1)):
         t.seconds[(Phase.VERIFY, 1, width, False)] = s
     c = BudgetChooser(t, t.spec.budgets)
-    c.observe(True, 31, 3, [int(p * PRED_SCALE) for p in (2.0, 2.6, 3.0, 3.3)])
-    c.cal[True].observed = c.cal[True].predicted
+    c.observe(GREEDY, _milli((2.0, 2.6, 3.0, 3.3)), _milli((2.0, 2.6, 3.0, 3.3)))
     allowed = t.spec.budgets_at(1)
-    assert c.choose(1, allowed, 1, 0) == 31
+    assert c.choose(1, allowed, ONE) == 31
     c.observe_round(1, 31, False, 10 * t.round_seconds(1, 31))
-    assert c.cost_ratio[(1, True, False)] == pytest.approx(1.1)
+    level = 1 + LEVEL   # the round counts as twice its cost, at the level's weight; its kind's factor moves less
+    assert c.round_seconds(1, 31, False) / t.round_seconds(1, 31) == pytest.approx(
+        level * (1 + EMA / 2 * (2 / level - 1)), rel=0.01)
     for _ in range(20):
-        b = c.choose(1, allowed, 1, 0)
+        b = c.choose(1, allowed, ONE)
         assert b == 31
         c.observe_round(1, b, False, t.round_seconds(1, b))
-    assert c.cost_ratio[(1, True, False)] == pytest.approx(1.0, abs=0.02)
+    assert c.round_seconds(1, 31, False) / t.round_seconds(1, 31) == pytest.approx(1.0, abs=0.02)
+
+
+def test_a_passing_load_on_plain_rounds_does_not_make_drafting_look_cheap():
+    """Drafting loses (T = 1 on a CPU); once a drafting round was timed, every round runs five
+    times slower for a while (another process), which the plain rounds see first: every price
+    follows the machine's level, so the choice stays plain, probing about as often as before."""
+    t = _table()
+    c = _calibrated([1.1, 1.15, 1.2, 1.25])
+    allowed = t.spec.budgets_at(1)
+    c.observe_round(1, 4, False, t.round_seconds(1, 4))
+    before = [c.choose(1, allowed, ONE) for _ in range(200)]
+    c = _calibrated([1.1, 1.15, 1.2, 1.25])
+    c.observe_round(1, 4, False, t.round_seconds(1, 4))
+    picks = []
+    for i in range(200):
+        b = c.choose(1, allowed, ONE)
+        picks.append(b)
+        c.observe_round(1, b, False, (5 if i < 100 else 1) * t.round_seconds(1, b))
+    # (a ratio per kind alone, the plain one priced up by the load while drafting's stayed: 22)
+    assert sum(b > 0 for b in picks) <= sum(b > 0 for b in before) + 2, picks
 
 
 def _simulate(scale: float, seed: int, rounds: int = 3000) -> float:
@@ -229,7 +264,7 @@ def _simulate(scale: float, seed: int, rounds: int = 3000) -> float:
     preds = [int(p * PRED_SCALE) for p in (2.6, 3.0, 3.3, 3.6)]
     tokens, seconds, unread = 0, 0.0, None
     for _ in range(rounds):
-        b = c.choose(1, allowed, 1, 0)
+        b = c.choose(1, allowed, ONE)
         seconds += t.round_seconds(1, b)
         tau = 1
         if b:
@@ -238,7 +273,7 @@ def _simulate(scale: float, seed: int, rounds: int = 3000) -> float:
                 tau += 1
         tokens += tau
         if unread is not None and unread[0]:
-            c.observe(True, unread[0], unread[1], preds)
+            c.observe(GREEDY, preds, _seen([scale * x for x in (2.4, 2.8, 3.1, 3.3)], unread[0]))
         unread = (b, tau)
     return tokens / seconds * t.round_seconds(1, 0)
 
@@ -256,7 +291,7 @@ def test_the_choice_drafts_where_it_pays_and_loses_little_where_it_does_not():
 def test_fixed_spec_takes_its_largest_budget():
     spec = SpecConfig("ddtree", block_size=8, budget=24)
     c = BudgetChooser(None, spec.budgets, adaptive=False)
-    assert c.choose(1, spec.budgets_at(1), 1, 0) == 24 and c.choose(1, spec.budgets_at(1), 1, 0, cap=7) == 0
+    assert c.choose(1, spec.budgets_at(1), ONE) == 24 and c.choose(1, spec.budgets_at(1), ONE, cap=7) == 0
 
 
 def _forced(llm: LLM, pattern: list[int]) -> list[int]:
@@ -264,7 +299,7 @@ def _forced(llm: LLM, pattern: list[int]) -> list[int]:
     at it, else 0); returns the budgets chosen."""
     chooser, chosen, i = llm.engine.chooser, [], itertools.count()
 
-    def choose(bucket, allowed, greedy_rows, sampled_rows, cap=None):
+    def choose(bucket, allowed, rows, cap=None):
         want = pattern[next(i) % len(pattern)]
         b = want if want in allowed and (cap is None or want <= cap) else 0
         chosen.append(b)
@@ -320,7 +355,7 @@ def test_the_real_chooser_is_lossless_and_reports_its_budgets(zoo):
     st = llm.engine.stats
     assert sum(st.budget_hist.values()) == st.rounds and st.budget_hist.keys() <= {0, 4, 8, 16, 32}
     assert sum(st.method_rounds.values()) == st.rounds
-    assert llm.engine.chooser.cal[True].pred is not None   # at least the first round drafted
+    assert llm.engine.chooser.cal[GREEDY].pred is not None   # at least the first round drafted
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -385,7 +420,11 @@ def test_graphs_prints_the_measured_cost_model(zoo, capsys):
                  "--max-num-seqs", "2", "--max-model-len", "128", "--costs"]) == 0
     out = capsys.readouterr().out
     assert "budget=auto(<=32: 4,8,16,32)" in out and "cost model (" in out
-    rows = [line.split() for line in out.splitlines() if line.startswith(("decode ", "verify ", "draft ", "context "))]
-    timed = {(r[0], int(r[1]), int(r[2]), r[3]) for r in rows if len(r) == 5}
-    assert {("verify", b, w, "greedy") for b in (1, 2) for w in (5, 9, 17, 33)} <= timed
-    assert ("decode", 2, 1, "sampled") in timed and ("context", 1, 4, "greedy") in timed
+    table = out[out.index("cost model ("):]   # the graph plan above it has rows of the same phases
+    rows = [line.split() for line in table.splitlines() if line.startswith(("decode ", "verify ", "draft ", "context "))]
+    timed = {(r[0], int(r[1]), int(r[2]), r[3]): r for r in rows if len(r) == 7}
+    assert {("verify", b, w, "greedy") for b in (1, 2) for w in (5, 9, 17, 33)} <= timed.keys()
+    assert ("decode", 2, 1, "sampled") in timed and ("context", 1, 16, "greedy") in timed
+    # each timed entry's spread (the median's relative standard error) and its runs
+    for r in timed.values():
+        assert r[5].startswith("+-") and r[5].endswith("%") and cost.CPU_REPS <= int(r[6]) <= cost.CPU_MAX_REPS, r

@@ -51,7 +51,8 @@ def test_bench_writes_results_and_plots(tmp_path):
             c = r["budget_choice"]
             assert "0" in c["round_ms"] and min(c["round_ms"].values()) > 0
             if r["temperature"] == 0:
-                assert c["calibration"] >= 0 and set(c["expected_tau"]) == set(c["round_ms"]) - {"0"} != set()
+                assert set(c["calibration"]) == set(c["expected_tau"]) == set(c["round_ms"]) - {"0"} != set()
+                assert all(r >= 0 for r in c["calibration"].values())
                 assert all(t >= 1.0 for t in c["expected_tau"].values())
         else:
             assert "budget_choice" not in r
@@ -168,3 +169,36 @@ def test_one_engine_runs_every_batch_size_and_prompt_set(tmp_path):
         main(["--batch", "0", "--out", str(tmp_path / "bad")])
     with pytest.raises(ValueError, match="waves"):
         main(["--waves", "-1", "--out", str(tmp_path / "bad")])
+
+
+def test_repeats_alternate_the_methods_and_summarise(tmp_path, monkeypatch):
+    """--repeats 3: every engine started once, each cell run three times with the methods' order
+    reversed every other repeat; each repeat's speedup against its own plain run, and a summary
+    per method with the median and range."""
+    from drafttree.bench import cli
+    t = make_target(tmp_path / "t", "llama", vocab=9, layers=2, scale=3.0)
+    d = make_drafter(tmp_path / "d", t, block_size=4, target_layer_ids=[0])
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_ids": [i % 7 + 1, 2, 3]}) for i in range(2)))
+    order, started, run_one = [], [], cli.run_one
+    monkeypatch.setattr(cli, "run_one", lambda a, llm, m, *rest, **kw: order.append(m) or run_one(a, llm, m, *rest, **kw))
+    make_llm = cli.make_llm
+    monkeypatch.setattr(cli, "make_llm", lambda a, m, b: started.append(m) or make_llm(a, m, b))
+    out = tmp_path / "out"
+    args = ["--model", str(t), "--draft-model", str(d), "--prompts", str(prompts), "--num-prompts", "2",
+            "--max-tokens", "6", "--methods", "ar,ddtree", "--budgets", "auto", "--temperatures", "0",
+            "--device", "cpu", "--dtype", "float32", "--max-model-len", "64", "--out", str(out)]
+    assert main(args + ["--repeats", "3"]) == 0
+    assert started == ["ar", "ddtree"] and order == ["ar", "ddtree", "ddtree", "ar", "ar", "ddtree"]
+    res = json.loads((out / "results.json").read_text())
+    assert sorted((r["method"], r["repeat"]) for r in res["results"]) == [(m, k) for m in ("ar", "ddtree")
+                                                                           for k in range(3)]
+    for r in res["results"]:
+        ar = next(x for x in res["results"] if x["method"] == "ar" and x["repeat"] == r["repeat"])
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / ar["tokens_per_s"]) and r["same_as_ar"] == 1.0
+    auto = next(s for s in res["summary"] if s["method"] == "ddtree")
+    speedups = sorted(r["speedup"] for r in res["results"] if r["method"] == "ddtree")
+    assert auto["repeats"] == 3 and auto["speedup"] == pytest.approx(speedups[1])
+    assert auto["speedup_range"] == pytest.approx([speedups[0], speedups[2]])
+    with pytest.raises(ValueError, match="--repeats must be >= 1"):
+        main(args + ["--repeats", "0"])

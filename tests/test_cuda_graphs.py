@@ -348,7 +348,7 @@ def test_schedule_turns_speculation_off_from_a_batch_size(pair):
     assert spec.budgets == (8, 32) and spec.kv_headroom == 33 and spec.round_phases == (Phase.DRAFT, Phase.VERIFY)
     entries = graph_plan(spec, ModelConfig.from_dir(t), None, 8, [545])
     plan = [(e.phase, e.width, e.batch_sizes) for e in entries if not e.processed]
-    assert plan == [(Phase.CONTEXT, 8, (1, 2, 4, 8)), (Phase.DECODE, 1, (1, 2, 4, 8)), (Phase.DRAFT, 8, (1, 2)),
+    assert plan == [(Phase.CONTEXT, 32, (1, 2, 4, 8)), (Phase.DECODE, 1, (1, 2, 4, 8)), (Phase.DRAFT, 8, (1, 2)),
                     (Phase.VERIFY, 33, (1,)), (Phase.VERIFY, 9, (2,))]
     # processed rounds' decode and verify steps, beside them, in two sampler modes of three
     assert [(e.phase, e.width, e.batch_sizes) for e in entries if e.processed] == plan[1:2] + plan[3:]
@@ -519,7 +519,7 @@ def test_plain_rounds_say_why(pair):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 def test_speculation_off_writes_the_drafter_context_prefill_would(pair, device):
     """Decode rounds with speculation off write the drafter's context in a context phase every
-    max_commit - 1 steps, not every step; after one more, the drafter's cache holds at every
+    width(CONTEXT) - 1 steps, not every step; after one more, the drafter's cache holds at every
     position what a prefill of the same tokens writes there (on CUDA: graphed, compiled pieces)."""
     from drafttree.spec_decode.rounds import context_phase
     t, d = pair
@@ -530,8 +530,8 @@ def test_speculation_off_writes_the_drafter_context_prefill_would(pair, device):
     r = off.engine.runner
     phases, run_round = [], r.run_round
     r.run_round = lambda B, mode, n, b=None: phases.append(tuple(st.phase for st in r.round_steps(B, mode, b))) or run_round(B, mode, n, b)
-    out = off.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].token_ids
-    C = off.engine.spec.max_commit
+    out = off.generate([prompt], SamplingParams(temperature=0.0, max_tokens=72, ignore_eos=True))[0].token_ids
+    C = off.engine.spec.width(Phase.CONTEXT)
     contexts = sum(Phase.CONTEXT in p for p in phases)
     assert len(phases) == len(out) - 1 and all(p[-1] is Phase.DECODE for p in phases)
     assert 1 <= contexts <= len(phases) // (C - 1) + 1 < len(phases), (contexts, len(phases), C)

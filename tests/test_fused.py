@@ -166,6 +166,32 @@ def test_pending_append_compiles_and_matches_eager(set_settings):
         assert torch.equal(feat[b, :at], feat0[b, :at])
 
 
+def test_context_keep_last_and_sampled_log_probs_compile_and_match_eager(set_settings):
+    """The context phase's move of the last pending feature to the front, in place, and the
+    sampler's log-probabilities of tree nodes (at a temperature, over a filter's threshold),
+    compiled as on CUDA, give what eager gives."""
+    from drafttree.spec_decode import acceptance, rounds
+    g = torch.Generator().manual_seed(6)
+    feat0 = torch.randn(4, 5, 6, generator=g)
+    logits = torch.randn(3, 4, 7, generator=g) * 2
+    temp, thr = torch.tensor([0.7, 1.0, 0.0]), torch.full((3, 4), -0.5)
+    parent, tok = torch.tensor([[0, 0, 1]] * 3), torch.randint(0, 7, (3, 3), generator=g)
+    outs = {}
+    for mode in ("0", "cpu"):
+        set_settings(compile=mode)
+        n, feat = torch.tensor([1, 4, 5, 2]), feat0.clone()
+        rounds._keep_last(n[:3], feat[:3])
+        outs[mode] = (n, feat, acceptance._sampled_log_probs(logits, temp, parent, tok, thr),
+                      acceptance._sampled_log_probs(logits, temp, parent, tok, None))
+    for a, b in zip(outs["cpu"], outs["0"]):
+        torch.testing.assert_close(a, b)
+    n, feat = outs["0"][:2]
+    assert n.tolist() == [1, 1, 1, 2] and torch.equal(feat[3], feat0[3])
+    assert [torch.equal(feat[b, 0], feat0[b, at]) for b, at in enumerate((0, 3, 4))] == [True] * 3
+    want = torch.log_softmax(logits[1, 0], -1)[tok[1, 0]]   # T = 1, nothing filtered: the softmax itself
+    assert outs["0"][3][1, 0].item() == pytest.approx(want.item(), abs=1e-6)
+
+
 def test_a_piece_whose_compiler_fails_runs_as_torch_ops(monkeypatch, set_settings, caplog):
     """A compiler failure (here a stand-in for one) warns once and leaves the piece to the torch
     ops, with their results; an error of the inputs still raises."""

@@ -179,7 +179,7 @@ def test_the_cost_model_picks_as_the_engine_prices():
     """Tokens per second of each budget as `BudgetChooser` prices a round: decode plus a share of the
     context phase for 0, draft plus verify otherwise."""
     spec = SpecConfig("ddtree", 16, 8, adaptive=True)
-    seconds = {(Phase.DECODE, 1): 1.0, (Phase.CONTEXT, 16): 1.5, (Phase.DRAFT, 16): 0.5, (Phase.VERIFY, 5): 1.0,
+    seconds = {(Phase.DECODE, 1): 1.0, (Phase.CONTEXT, 64): 6.3, (Phase.DRAFT, 16): 0.5, (Phase.VERIFY, 5): 1.0,
                (Phase.VERIFY, 9): 1.5}
     got = rank_costs.pick_budget(spec, 1, 1, [4, 8], seconds, {4: 2.37, 8: 2.61})
     assert got["tokens_per_s"] == {"0": round(1 / 1.1, 1), "4": round(2.37 / 1.5, 1), "8": round(2.61 / 2.0, 1)}

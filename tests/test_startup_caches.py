@@ -5,6 +5,7 @@ kernels' directory. CPU only, tiny models (the graphs shared between modes and K
 tests/test_cuda_graphs.py, over its fake graphs)."""
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -19,10 +20,17 @@ from drafttree.engine.startup import Background, StartupTimes, hand_tokenizer, t
 from drafttree.kernels import compile_cache
 from drafttree.phases import Phase
 from drafttree.runner import cost
-from drafttree.runner.model_runner import CacheConfig
+from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from tests.tiny import make_drafter, make_target, write_tokenizer
 
 VOCAB = 61
+
+
+@pytest.fixture(autouse=True)
+def kept_whatever_its_spread(monkeypatch):
+    """A tiny model's forwards take microseconds, which a loaded test machine spreads widely: the
+    tests of what is kept keep every table (the spread rule has its own test)."""
+    monkeypatch.setattr(prepare, "KEEP_SPREAD", float("inf"))
 
 
 @pytest.fixture(scope="module")
@@ -155,18 +163,43 @@ def test_the_cost_model_keeps_to_its_budget(pair, set_settings, tmp_path):
     calls = []
     slow = 0.02   # seconds per token of a forward, run reps + 1 times
 
-    def time_step(st, B, mode, kv_len, reps):
-        calls.append((st.phase, B))
-        time.sleep(slow * B * st.width * (reps + 1))
-        return slow * B * st.width
-    runner.time_step = time_step
+    def time_runs(st, B, mode, kv_len, reps, warmups=1):
+        calls.append((st, B))
+        time.sleep(slow * B * st.width * (reps + warmups))
+        return [slow * B * st.width] * reps
+    runner.time_runs = time_runs
     t0 = time.perf_counter()
     table = cost.measure(runner, budget_s=1.0)
-    first = slow * 4 * 3   # the context write of 4 tokens at batch 1, three runs
+    first = slow * runner.spec.width(Phase.CONTEXT) * (cost.CPU_REPS + 1)   # the context write at batch 1
     assert time.perf_counter() - t0 < first + 1.0 + 0.5
     assert table.estimated and len(calls) < len(table.seconds) and table.covers(buckets)
     decode = table.get(Phase.DECODE, 4, 1)
-    assert decode == pytest.approx(slow * 4, rel=0.01)   # scaled from batch 1 (or 2) in proportion to tokens
+    assert decode == pytest.approx(slow * 4, rel=0.01)   # timed, or scaled in proportion to tokens
+    # every bucket's plain round and narrowest verify first, the widest verifies next
+    passes = [cost._timing_pass(runner.spec, B, st) for st, B in calls]
+    assert passes == sorted(passes) and passes[0] == 0
+    # a verify between two timed widths of its bucket and pick: on the line through them
+    t = cost.CostTable(runner.spec, {(Phase.VERIFY, 1, 5, False): 0.050, (Phase.VERIFY, 1, 33, False): 0.120})
+    assert cost._scaled(t, (Phase.VERIFY, 1, 9, False)) == pytest.approx(0.050 + 0.070 * 4 / 28)
+    # beyond the narrowest timed verify, on the line from the decode step (width 1) through it
+    t = cost.CostTable(runner.spec, {(Phase.DECODE, 2, 1, True): 0.040, (Phase.VERIFY, 2, 5, True): 0.060})
+    assert cost._scaled(t, (Phase.VERIFY, 2, 9, True)) == pytest.approx(0.080)
+
+
+def test_a_table_timed_under_a_changing_load_is_not_kept(pair, set_settings, monkeypatch, tmp_path):
+    """An entry whose runs spread past KEEP_SPREAD: the engine uses the table, keeps none, says so,
+    and the next start measures again."""
+    set_settings(cache=tmp_path)
+    measured = _measures(monkeypatch)
+    monkeypatch.setattr(prepare, "KEEP_SPREAD", 0.10)
+    wide = itertools.cycle([0.010, 0.015, 0.022])   # runs of 10, 15 and 22 ms in turn: every entry spreads
+    monkeypatch.setattr(ModelRunner, "time_runs", lambda self, st, B, mode, kv_len, reps, warmups=1:
+                        [next(wide) for _ in range(reps)])
+    eng = LLM(**_kw(pair)).engine
+    assert eng.costs.worst_spread() > 0.10 and "not kept" in eng.startup.notes["cost model"]
+    assert not list((tmp_path / "costs").glob("*.json"))
+    LLM(**_kw(pair))
+    assert measured == [1, 1]
 
 
 # -- what a run captures -------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 
 from drafttree.config import ModelConfig
 from drafttree.models.random_shapes import drafter_for, random_model
-from drafttree.phases import Phase, SpecConfig
+from drafttree.phases import CONTEXT_ROUNDS, Phase, SpecConfig
 from drafttree.runner.cuda_graph import graph_plan
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.runner.phase_table import bucket_steps, check_widths
@@ -69,7 +69,8 @@ def test_every_width_follows_the_spec(target, monkeypatch, case):
 
     # the runner's buffers and caches
     s = runner.state
-    assert s.ctx_feat.shape[1] == commit and s.out_tokens.shape[1] == commit
+    assert s.ctx_feat.shape[1] == spec.width(Phase.CONTEXT) == CONTEXT_ROUNDS * commit
+    assert s.out_tokens.shape[1] == commit
     assert s.block_table.shape[1] * runner.kv.page_size >= MAX_LEN + headroom
     assert runner.kv.num_pages == runner.dkv.num_pages == runner.cache_cfg.num_pages
 
@@ -90,7 +91,7 @@ def test_every_width_follows_the_spec(target, monkeypatch, case):
         assert masks == [(B, verify[bucket], verify[bucket])]
         steps = bucket_steps(spec, bucket, SampleMode.GREEDY, drafter=True)
         assert {st.phase: st.width for st in steps if st.phase is not Phase.VERIFY} == \
-            {Phase.CONTEXT: commit, Phase.DECODE: 1, Phase.DRAFT: draft}
+            {Phase.CONTEXT: CONTEXT_ROUNDS * commit, Phase.DECODE: 1, Phase.DRAFT: draft}
         assert max(st.width for st in steps if st.phase is Phase.VERIFY) == verify[bucket]
         check_widths(rc, steps, bucket, runner.cache_cfg.pages_per_row)   # what capture checks
 

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from drafttree.bench.environment import environment
 from drafttree.bench.prompts import load_prompts
+from drafttree.engine.budget import sampler_key
 from drafttree.engine.cli_args import add_engine_args, config_from_args, field_names
 from drafttree.engine.plan import settings_of
 from drafttree.llm import LLM
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--waves", type=int, default=0,
                    help="at each batch size B, decode at least this many full batches (N x B requests, the "
                         "prompts reused in order): cells at large batch sizes then run long enough to rank")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every cell this many times, the methods' order reversed each time (every engine "
+                        "kept started): a shared machine's changing load falls on each alike; results.json "
+                        "then holds each repeat's rows and, under 'summary', each method's median and range")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--methods", default="ar,dflash,ddtree",
                    help="what to run, comma-separated: ar (plain decoding), dflash, ddtree")
@@ -95,6 +100,11 @@ def batches(a: argparse.Namespace) -> list[int]:
         raise ValueError(f"--batch needs positive sizes, got {a.batch!r}")
     if a.waves < 0:
         raise ValueError(f"--waves must be >= 0, got {a.waves}")
+    if a.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {a.repeats}")
+    if a.repeats > 1 and a.tensor_parallel_size > 1:
+        raise ValueError("--repeats keeps every method's engine started, and one process holds one "
+                         "tensor-parallel engine at a time: use --repeats 1 with --tensor-parallel-size")
     return out
 
 
@@ -174,21 +184,21 @@ def run_one(a, llm: LLM, method: str, budget: int | str | None, prompts, tempera
             # the engine's start-up, stage by stage (`engine.startup`), and what each did
             "startup": eng.startup.record()}
     if eng.spec.adaptive:
-        row["budget_choice"] = budget_choice(eng, batch, temperature == 0)
+        row["budget_choice"] = budget_choice(eng, batch, params[0])
     return row, [o.token_ids for o in outs]
 
 
-def budget_choice(eng, batch: int, greedy: bool) -> dict:
-    """What the per-round choice weighed at the cell's end: each budget's round in milliseconds
-    as priced (the cost table, scaled by the round times observed), the calibration (drafted
-    tokens accepted / predicted) and the calibrated expected τ."""
+def budget_choice(eng, batch: int, params: SamplingParams) -> dict:
+    """What the per-round choice weighed at the cell's end for the cell's sampler setting: each
+    budget's round in milliseconds as priced (the cost table, scaled by the round times
+    observed), the calibration per budget (drafted tokens the target's sampler accepted /
+    predicted) and the calibrated expected τ."""
     chooser, bucket = eng.chooser, eng.runner.cache_cfg.batch_bucket(batch)
-    allowed = eng.spec.budgets_at(bucket, greedy)
-    cal = chooser.cal[greedy]
-    return {"round_ms": {str(b): 1e3 * chooser.round_seconds(bucket, b, not greedy) for b in allowed},
-            "calibration": cal.ratio,
-            "expected_tau": {str(b): cal.expected(chooser.budgets.index(b)) for b in allowed if b}
-            if cal.pred is not None else None}
+    allowed = eng.spec.budgets_at(bucket, params.greedy)
+    cal = chooser.calibration(sampler_key(params))
+    return {"round_ms": {str(b): 1e3 * chooser.round_seconds(bucket, b, not params.greedy) for b in allowed},
+            "calibration": {str(b): cal.ratio(chooser.budgets.index(b)) for b in allowed if b} if cal else None,
+            "expected_tau": {str(b): cal.expected(chooser.budgets.index(b)) for b in allowed if b} if cal else None}
 
 
 def _cell_suffix(prompt_set: str, batch: int, many: bool) -> str:
@@ -201,8 +211,27 @@ def prompt_sets(a: argparse.Namespace) -> list[str]:
 
 
 def _cell(r: dict) -> tuple:
-    """The runs one speedup compares: the same prompts, batch size and temperature."""
-    return r.get("prompts"), r.get("batch"), r["temperature"]
+    """The runs one speedup compares: the same prompts, batch size, temperature and repeat."""
+    return r.get("prompts"), r.get("batch"), r["temperature"], r.get("repeat", 0)
+
+
+def summary(results: list[dict]) -> list[dict]:
+    """Per method, budget and cell over its repeats: the median tok/s and speedup over plain
+    decoding (each repeat against the plain run of the same repeat) and their ranges."""
+    import statistics
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["method"], str(r["budget"]), *_cell(r)[:3]), []).append(r)
+    out = []
+    for (m, b, ps, batch, T), rs in groups.items():
+        tps = [r["tokens_per_s"] for r in rs]
+        sp = [r["speedup"] for r in rs if r.get("speedup") is not None]
+        row = {"method": m, "budget": b, "prompts": ps, "batch": batch, "temperature": T, "repeats": len(rs),
+               "tokens_per_s": statistics.median(tps), "tokens_per_s_range": [min(tps), max(tps)]}
+        if sp:
+            row.update(speedup=statistics.median(sp), speedup_range=[min(sp), max(sp)])
+        out.append(row)
+    return out
 
 
 def _round_seconds(stats) -> float:
@@ -260,7 +289,9 @@ def finish(results: list[dict], meta: dict, out: Path) -> None:
     for r in results:
         ar = next((x for x in results if x["method"] == "ar" and _cell(x) == _cell(r)), None)
         r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar else None
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    repeated = any(r.get("repeat", 0) for r in results)
+    record = {"meta": meta, "results": results, **({"summary": summary(results)} if repeated else {})}
+    (out / "results.json").write_text(json.dumps(record, indent=1))
     cells = list(dict.fromkeys((r.get("prompts"), r.get("batch")) for r in results))
     files = []
     many = len(cells) > 1
@@ -286,8 +317,14 @@ def finish(results: list[dict], meta: dict, out: Path) -> None:
             if r.get("budget_choice"):
                 c = r["budget_choice"]
                 tau = c["expected_tau"] or {}
-                print(f"  priced round ms {_fmt(c['round_ms'])}; calibration {c['calibration']:.2f}; "
+                print(f"  priced round ms {_fmt(c['round_ms'])}; calibration {_fmt(c['calibration'] or {})}; "
                       f"expected τ {_fmt(tau)}")
+    for r in record.get("summary", []):
+        sp = f", speedup {r['speedup']:.3f} ({r['speedup_range'][0]:.3f}-{r['speedup_range'][1]:.3f})" \
+            if "speedup" in r else ""
+        print(f"{Path(str(r['prompts'])).stem} b{r['batch']} T={r['temperature']:g} {r['method']} "
+              f"{r['budget'] if r['budget'] != 'None' else ''}: {r['repeats']} repeats, median "
+              f"{r['tokens_per_s']:.1f} tok/s ({r['tokens_per_s_range'][0]:.1f}-{r['tokens_per_s_range'][1]:.1f}){sp}")
     print(f"wrote {out / 'results.json'} and {', '.join(files)}")
 
 
@@ -338,30 +375,49 @@ def main(argv: list[str] | None = None) -> int:
             "tensor_parallel_size": a.tensor_parallel_size,
             "environment": _environment(a)}
     results, outputs = [], {}
-    total = len(plan) * len(temps) * sum(cell_requests(a, len(p), b) for p in sets.values() for b in sizes)
+    total = a.repeats * len(plan) * len(temps) * sum(cell_requests(a, len(p), b) for p in sets.values() for b in sizes)
+
+    def one(m, b, llm, ps, size, T, rep) -> None:
+        bar.set_postfix_str(f"{m}{'' if b is None else f' B={b}'} T={T:g} batch {size}"
+                            + (f" repeat {rep + 1}/{a.repeats}" if a.repeats > 1 else ""))
+        r, outputs[(m, b, T, ps, size, rep)] = run_one(a, llm, m, b, sets[ps], T, bar, size, ps)
+        if a.repeats > 1:
+            r["repeat"] = rep
+        results.append(r)
+        # written after every run, so a run cut short still leaves what it measured
+        (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
     with tqdm(total=total, desc="bench", unit="req") as bar:
-        for m, b in plan:
-            llm = make_llm(a, m, b)
-            for ps, prompts in sets.items():
-                for size in sizes:
-                    for T in temps:
-                        bar.set_postfix_str(f"{m}{'' if b is None else f' B={b}'} T={T:g} batch {size}")
-                        r, outputs[(m, b, T, ps, size)] = run_one(a, llm, m, b, prompts, T, bar, size, ps)
-                        results.append(r)
-                        # written after every run, so a run cut short still leaves what it measured
-                        (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-            llm.shutdown()   # its ranks, before the next engine starts its own
-            del llm
+        if a.repeats == 1:   # one engine at a time (tensor-parallel engines cannot share a process)
+            for m, b in plan:
+                llm = make_llm(a, m, b)
+                for ps in sets:
+                    for size in sizes:
+                        for T in temps:
+                            one(m, b, llm, ps, size, T, 0)
+                llm.shutdown()   # its ranks, before the next engine starts its own
+                del llm
+        else:   # every engine kept; each cell runs the methods in turn, in reverse order every other repeat
+            llms = {(m, b): make_llm(a, m, b) for m, b in plan}
+            for rep in range(a.repeats):
+                for ps in sets:
+                    for size in sizes:
+                        for T in temps:
+                            for m, b in (plan if rep % 2 == 0 else plan[::-1]):
+                                one(m, b, llms[(m, b)], ps, size, T, rep)
+            for llm in llms.values():
+                llm.shutdown()
     for r in results:
         # Greedy outputs identical to plain decoding's. In fp32 a speculative method must give 1.0;
         # in bf16 on a GPU, a batched verify's numerics may part from one-row decoding on near-ties.
-        ar = outputs.get(("ar", None, r["temperature"], r["prompts"], r["batch"]))
+        rep = r.get("repeat", 0)
+        ar = outputs.get(("ar", None, r["temperature"], r["prompts"], r["batch"], rep))
         if r["temperature"] == 0 and ar is not None:
-            mine = outputs[(r["method"], r["budget"], r["temperature"], r["prompts"], r["batch"])]
+            mine = outputs[(r["method"], r["budget"], r["temperature"], r["prompts"], r["batch"], rep)]
             r["same_as_ar"] = sum(x == y for x, y in zip(mine, ar)) / len(ar)
             # and to plain decoding one batch size apart (the smallest run): what a request gets
             # does not depend on which others share its rounds (fp32, or --deterministic on a GPU)
-            alone = outputs.get(("ar", None, r["temperature"], r["prompts"], min(sizes)))
+            alone = outputs.get(("ar", None, r["temperature"], r["prompts"], min(sizes), rep))
             if alone is not None:
                 r["same_as_ar_alone"] = sum(x == y for x, y in zip(mine, alone)) / len(alone)
     finish(results, meta, out)

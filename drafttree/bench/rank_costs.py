@@ -5,13 +5,14 @@ picks from measured round costs and a stated acceptance curve."""
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from drafttree.engine.budget import BudgetChooser
+from drafttree.engine.budget import GREEDY, BudgetChooser
 from drafttree.models import moe
 from drafttree.phases import Phase, SpecConfig
 from drafttree.runner.cost import CostTable
@@ -268,9 +269,10 @@ def pick_budget(spec: SpecConfig, bucket: int, rows: int, budgets: list[int], se
     for (phase, width), s in seconds.items():
         table.seconds[(phase, bucket, width, False)] = s
     chooser = BudgetChooser(table, tuple(budgets))
-    chooser.cal[True].pred = [acceptance[b] for b in budgets]
+    chooser.pooled[True].pred = [acceptance[b] for b in budgets]
     options = [0, *budgets]
-    rate = {b: chooser.expected_tokens(b, rows, 0) / chooser.round_seconds(bucket, b, False) for b in options}
+    greedy = Counter({GREEDY: rows})
+    rate = {b: chooser.expected_tokens(b, greedy) / chooser.round_seconds(bucket, b, False) for b in options}
     best = max(options, key=lambda b: (rate[b], -b))
     return {"picked": best, "tokens_per_s": {str(b): round(r, 1) for b, r in rate.items()},
             "round_ms": {str(b): round(1e3 * chooser.round_seconds(bucket, b, False), 4) for b in options}}

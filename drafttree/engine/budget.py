@@ -2,7 +2,14 @@
 
 Expected tokens come from the acceptance model (`spec_decode.acceptance`: the drafter's own prediction
 at every budget, made on the device inside each drafting round and read with its tokens),
-calibrated by the accepted lengths observed; seconds come from the measured cost table
+calibrated per budget against what the target's sampler gave the verified tree (the expected τ
+at every budget up to the one verified, computed in the verify from the target's logits at the
+row's temperature, top-k and top-p: for a greedy row the realised τ), kept per sampler setting
+(temperature, top-p, top-k): a probe at T = 1 measures the acceptance a T = 1 round will see,
+not a noisy sample of it, and a tree's deep nodes, which the target's sampling accepts far less
+often than its argmax does, are calibrated apart from its shallow ones. A setting not seen yet
+starts from the pooled calibration of its kind (greedy or sampled). Rows read in one round are
+one observation per setting, whatever the batch size. Seconds come from the measured cost table
 (`runner.cost`). Budget 0 is a decode round: one token per row, and the drafter's context still
 fed, so speculation resumes losslessly whenever the choice changes.
 
@@ -18,7 +25,9 @@ that would commit its expected tokens; probes come as often as keeps that loss w
 of the plain rounds' time. Where drafting is estimated to lose little (a GPU at
 batch 1, where a round at budget 31 costs about 2.3 plain steps and accepts 2-5 tokens) that is
 every few rounds, so a run of short acceptances does not keep the engine plain for long; where it
-loses much (two CPU cores: about four plain steps for 1.5 tokens) every hundred or more.
+loses much (two CPU cores: about four plain steps for 1.5 tokens) every hundred or more. Between
+observations the choice does not change unless its inputs do (the batch, the caps) or REFRESH
+rounds pass: a plain round of a speculative engine spends no more host time choosing than it must.
 
 Each round's seconds, launch (or the previous read, where rounds overlap) to read, correct the
 table: the cost of a (bucket, plain or drafting, pick) is scaled by the moving average of
@@ -31,50 +40,81 @@ replays alone, where a round also pays the host's launch and read.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from drafttree.runner.cost import CostTable
+from drafttree.sampling import SamplingParams
 from drafttree.spec_decode.acceptance import PRED_SCALE
 
-PROBE_SHARE = 0.02   # of the plain rounds' time, at most, lost to probes (as estimated)
+PROBE_SHARE = 0.01   # of the plain rounds' time, at most, lost to probes (as estimated)
 PROBE_MAX = 256
 EMA = 0.1           # weight of a new round in the calibration and the predictions
 DRIFT = EMA ** 2 / (1 - EMA)   # the level's variance added per round: a gain of EMA round after round
+REFRESH = 16        # rounds a choice is kept while nothing it depends on is observed
+LEVEL = 0.3         # weight of a round in the machine's level (`observe_round`)
+SETTINGS_MAX = 64   # sampler settings calibrated apart; past them, the pooled calibration
+
+SamplerKey = tuple[float, float, int]   # temperature, top-p, top-k (greedy: 0, 1, 0)
+GREEDY: SamplerKey = (0.0, 1.0, 0)
+
+
+def sampler_key(p: SamplingParams) -> SamplerKey:
+    """The sampler setting a request's acceptance is calibrated under."""
+    if p.greedy:
+        return GREEDY
+    return round(p.temperature, 2), round(p.top_p, 2), max(p.top_k, 0)
 
 
 @dataclass
 class Calibration:
-    """Per temperature bucket (greedy, sampled): the drafted tokens accepted (τ - 1; the bonus
-    token is certain) against those predicted, as a ratio of exponential moving averages, and
-    the latest predictions at every budget (a moving average too)."""
-    observed: float = 0.0
-    predicted: float = 0.0
+    """One sampler setting's (or one kind's, pooled): per budget of spec.budgets, moving averages
+    of the drafted tokens the target's sampler accepts in expectation (τ - 1) and of those the
+    drafter predicted in the same rounds, whose ratio calibrates it; and the latest predictions
+    at every budget (a moving average too)."""
+    observed: list[float | None] = field(default_factory=list)
+    predicted: list[float] = field(default_factory=list)
     pred: list[float] | None = None    # expected τ at spec.budgets[i], uncalibrated
     seen: int = 0                      # the chooser's round at the latest observation
     var: float = EMA                   # the averages' uncertainty, in one observation's variance
 
-    @property
-    def ratio(self) -> float:
-        return self.observed / self.predicted if self.predicted > 1e-6 else 1.0
+    def ratio(self, i: int) -> float:
+        """Observed over predicted at budgets[i] (1 before any observation)."""
+        if not self.observed or self.predicted[i] <= 1e-6:
+            return 1.0
+        return self.observed[i] / self.predicted[i]
 
     def expected(self, i: int) -> float:
         """Calibrated expected τ at spec.budgets[i]."""
-        return 1.0 + self.ratio * (self.pred[i] - 1.0)
+        return 1.0 + self.ratio(i) * (self.pred[i] - 1.0)
 
-    def observe(self, tau: int, pred_at_budget: float, preds: list[float], round_: int) -> None:
+    def observe(self, preds: list[float], seen: list[float], round_: int) -> None:
+        """One round's predictions at every budget and the expected τ the target's sampler gave
+        its tree at every budget up to the one verified (0 past it)."""
         # A local-level filter: the level drifts by DRIFT a round; an observation's weight is the
-        # filter's gain. Rows read in the same round count as consecutive rounds, so one
-        # observation a round weighs EMA; one after n rounds without, (EMA + n DRIFT) / (1 + EMA + n DRIFT).
+        # filter's gain: one a round weighs EMA, one after n rounds without, (EMA + n DRIFT) / (1 + EMA + n DRIFT).
         if self.pred is None:
             w = 1.0
+            self.observed, self.predicted = [None] * len(preds), [0.0] * len(preds)
         else:
             self.var += DRIFT * max(round_ - self.seen, 1)
             w = self.var / (self.var + 1.0)
             self.var = w
         self.seen = round_
-        self.observed += w * (tau - 1 - self.observed)
-        self.predicted += w * (pred_at_budget - 1 - self.predicted)
-        self.pred = preds if self.pred is None else [p + w * (q - p) for p, q in zip(self.pred, preds)]
+        ratio = 1.0
+        for i, (p, o) in enumerate(zip(preds, seen)):
+            if o > 0:
+                ratio = (o - 1) / (p - 1) if p - 1 > 1e-6 else 1.0
+            else:
+                # past the verified budget: as if its ratio were the largest verified one's, so
+                # that a budget not verified lately follows those that were
+                o = 1 + ratio * (p - 1)
+            first = self.observed[i] is None
+            old = 0.0 if first else self.observed[i]
+            k = 1.0 if first else w
+            self.observed[i] = old + k * (o - 1 - old)
+            self.predicted[i] += k * (p - 1 - self.predicted[i])
+        self.pred = list(preds) if self.pred is None else [p + w * (q - p) for p, q in zip(self.pred, preds)]
 
 
 @dataclass
@@ -84,80 +124,110 @@ class BudgetChooser:
     costs: CostTable | None
     budgets: tuple[int, ...]          # spec.budgets: the columns of a round's predictions
     adaptive: bool = True
-    cal: dict[bool, Calibration] = field(default_factory=lambda: {True: Calibration(), False: Calibration()})
+    cal: dict[SamplerKey, Calibration] = field(default_factory=dict)
+    pooled: dict[bool, Calibration] = field(default_factory=lambda: {True: Calibration(), False: Calibration()})
     plain_rounds: int = 0
-    cost_ratio: dict[tuple[int, bool, bool], float] = field(default_factory=dict)   # observed/measured
-    any_ratio: float = 1.0            # the same over every round observed
+    # A round's price: its table cost x the machine's level (observed/measured over every round,
+    # each over its kind's factor) x its kind's (bucket, plain or drafting, pick) factor
+    cost_ratio: dict[tuple[int, bool, bool], float] = field(default_factory=dict)
+    any_ratio: float = 1.0            # the level
     rounds: int = 0                   # rounds chosen so far
+    _kept: tuple | None = None        # (inputs, round, plain-or-drafting choice, probe, rounds per probe)
 
     def round_seconds(self, bucket: int, budget: int, sampled: bool) -> float:
-        ratio = self.cost_ratio.get((bucket, budget > 0, sampled), self.any_ratio)
+        ratio = self.any_ratio * self.cost_ratio.get((bucket, budget > 0, sampled), 1.0)
         return self.costs.round_seconds(bucket, budget, sampled) * ratio
 
     def observe_round(self, bucket: int, budget: int, sampled: bool, seconds: float) -> None:
         """A round's own seconds: launch (or the previous read, where rounds overlap) to read."""
         if self.costs is None or not self.adaptive:
             return
-        # Drafting rounds share a ratio whatever their budget: the table times the budgets'
-        # relative costs well, and what it misses (the host's share, the machine's load) is
-        # common to them; with one per budget, a budget priced up by one slow round was never
-        # chosen again to be priced back down.
+        # Drafting rounds share a factor whatever their budget: the table times the budgets'
+        # relative costs well; with one per budget, a budget priced up by one slow round was never
+        # chosen again to be priced back down. The machine's load is common to every kind: it
+        # moves the level, which every price follows, and a kind's factor (what the table missed
+        # for it: the host's share, a sampler timed too cheaply) moves at half the weight. With a
+        # ratio per kind alone, a passing load on plain rounds priced them up for good while
+        # drafting ran (it is never observed then): 454 of 594 rounds at T = 1 on two CPU cores
+        # drafted at budget 31, at half plain decoding's speed.
         key = (bucket, budget > 0, sampled)
-        prev = self.cost_ratio.get(key, self.any_ratio)
+        rel = self.cost_ratio.get(key, 1.0)
+        prev = self.any_ratio * rel
         # from the ratio so far, not from the first round, and by at most a factor of 2 a round:
         # a pause of the host (a collection, another process) is not the round's cost
         r = min(max(seconds / self.costs.round_seconds(bucket, budget, sampled), prev / 2), 2 * prev)
-        self.cost_ratio[key] = prev + EMA * (r - prev)
-        self.any_ratio += EMA * (r - self.any_ratio)
+        self.any_ratio += LEVEL * (r / rel - self.any_ratio)
+        self.cost_ratio[key] = rel + EMA / 2 * (r / self.any_ratio - rel)
 
-    def expected_tokens(self, budget: int, greedy_rows: int, sampled_rows: int) -> float | None:
-        """Tokens a round at `budget` is expected to commit over its rows (None: no prediction
-        yet for a kind of row it has)."""
+    def calibration(self, key: SamplerKey) -> Calibration | None:
+        """The setting's calibration, else its kind's pooled one; None before any prediction."""
+        c = self.cal.get(key)
+        if c is not None and c.pred is not None:
+            return c
+        pooled = self.pooled[key == GREEDY]
+        return pooled if pooled.pred is not None else None
+
+    def expected_tokens(self, budget: int, rows: Counter[SamplerKey]) -> float | None:
+        """Tokens a round at `budget` is expected to commit over its rows, counted by sampler
+        setting (None: no prediction yet for a kind of row it has)."""
         if budget == 0:
-            return float(greedy_rows + sampled_rows)
+            return float(sum(rows.values()))
         i = self.budgets.index(budget)
         total = 0.0
-        for greedy, n in ((True, greedy_rows), (False, sampled_rows)):
-            c = self.cal[greedy]
-            if n == 0:
-                continue
-            if c.pred is None:
+        for key, n in rows.items():
+            c = self.calibration(key)
+            if c is None:
                 return None
             total += n * c.expected(i)
         return total
 
-    def choose(self, bucket: int, allowed: tuple[int, ...], greedy_rows: int, sampled_rows: int,
-               cap: int | None = None) -> int:
+    def choose(self, bucket: int, allowed: tuple[int, ...], rows: Counter[SamplerKey], cap: int | None = None) -> int:
         """The round's budget among `allowed` (spec.budgets_at, ascending, 0 first) and at most
-        `cap` (the smallest of the requests' max_budget)."""
+        `cap` (the smallest of the requests' max_budget), for rows counted by sampler setting."""
         options = [b for b in allowed if cap is None or b <= cap]
         self.rounds += 1
         if not self.adaptive or len(options) == 1:
             return options[-1]
-        speculative = options[1:]
-        tokens, seconds = {}, {}
-        for b in options:
-            tokens[b] = self.expected_tokens(b, greedy_rows, sampled_rows)
-            if tokens[b] is None:
-                return speculative[-1]   # no prediction for this kind of row yet: draft to get one
-            seconds[b] = self.round_seconds(bucket, b, sampled_rows > 0)
-        rank = lambda b: (tokens[b] / seconds[b], -b)
-        best = max(options, key=rank)
+        inputs = (bucket, tuple(options), tuple(sorted(rows.items())))
+        kept = self._kept
+        if kept is None or kept[0] != inputs or self.rounds - kept[1] >= REFRESH:
+            kept = self._kept = (inputs, self.rounds, *self._rank(bucket, options, rows))
+        best, probe, every = kept[2:]
         if best > 0:
             self.plain_rounds = 0
             return best
         self.plain_rounds += 1
-        probe = max(speculative, key=rank)
-        if self.plain_rounds < probe_every(tokens[probe], seconds[probe], tokens[0], seconds[0]):
+        if self.plain_rounds < every:
             return 0
         self.plain_rounds = 0
         return probe
 
-    def observe(self, greedy: bool, budget: int, tau: int, preds: list[int]) -> None:
-        """A row's drafting round at `budget` was read: its τ, and the predictions its draft made
-        (in 1/PRED_SCALE tokens, at every budget)."""
+    def _rank(self, bucket: int, options: list[int], rows: Counter[SamplerKey]) -> tuple[int, int, int]:
+        """(the best budget, the drafting budget a probe takes, plain rounds per probe)."""
+        speculative = options[1:]
+        tokens, seconds = {}, {}
+        sampled = any(key != GREEDY for key in rows)
+        for b in options:
+            tokens[b] = self.expected_tokens(b, rows)
+            if tokens[b] is None:   # no prediction for this kind of row yet: draft to get one
+                return speculative[-1], speculative[-1], 1
+            seconds[b] = self.round_seconds(bucket, b, sampled)
+        rank = lambda b: (tokens[b] / seconds[b], -b)
+        best = max(options, key=rank)
+        probe = max(speculative, key=rank)
+        return best, probe, probe_every(tokens[probe], seconds[probe], tokens[0], seconds[0])
+
+    def observe(self, key: SamplerKey, preds: list[float], seen: list[float]) -> None:
+        """A drafting round was read: for its rows of one sampler setting, the mean of their
+        predictions at every budget and of the expected τ their trees were seen to give (both in
+        1/PRED_SCALE tokens; seen 0 past the budget verified)."""
         p = [x / PRED_SCALE for x in preds]
-        self.cal[greedy].observe(tau, p[self.budgets.index(budget)], p, self.rounds)
+        o = [x / PRED_SCALE for x in seen]
+        if key not in self.cal and len(self.cal) >= SETTINGS_MAX:
+            self.cal.pop(next(iter(self.cal)))   # the oldest setting
+        self.cal.setdefault(key, Calibration()).observe(p, o, self.rounds)
+        self.pooled[key == GREEDY].observe(p, o, self.rounds)
+        self._kept = None
 
 
 def probe_every(tokens: float, seconds: float, plain_tokens: float, plain_seconds: float) -> int:

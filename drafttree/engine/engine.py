@@ -6,12 +6,13 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
 from drafttree.engine import prepare
-from drafttree.engine.budget import BudgetChooser
+from drafttree.engine.budget import BudgetChooser, sampler_key
 from drafttree.engine.config import EngineConfig
 from drafttree.engine.constrained import Constrained
 from drafttree.engine.inflight import Launched, RoundOutputs
@@ -98,6 +99,8 @@ class Engine:
         self._last_read = 0.0
         self._prefill_end = 0.0
         self._outputs = RoundOutputs(cfg.max_num_seqs, self.runner.state.out.shape[1], self.device)
+        self._rows: tuple | None = None                  # `_batch_rows`' last batch
+        self._reasons: dict[tuple, str] = {}             # `_plain_reason` by (bucket, allowed, cap)
         if setup.cuda_graphs:
             prepare.capture_graphs(setup, self.runner, sched.prefill if setup.prefill_graphs else None,
                                    self.startup, compiled)
@@ -345,16 +348,27 @@ class Engine:
 
     def _choose_budget(self, running: list[Sequence], mode: SampleMode) -> int:
         """The next round's budget (0: decode), within the requests' max_budget caps."""
-        B = len(running)
-        bucket = self.runner.cache_cfg.batch_bucket(B)
-        greedy = sum(s.params.greedy for s in running)
-        caps = [s.params.max_budget for s in running if s.params.max_budget is not None]
-        cap = min(caps, default=None)
+        bucket = self.runner.cache_cfg.batch_bucket(len(running))
+        rows, cap = self._batch_rows(running)
         allowed = self.spec.budgets_at(bucket, mode is SampleMode.GREEDY)
-        budget = self.chooser.choose(bucket, allowed, greedy, B - greedy, cap)
+        budget = self.chooser.choose(bucket, allowed, rows, cap)
         if budget == 0 and self.spec.speculative:
-            self.book.counts.plain_rounds[self._plain_reason(bucket, allowed, cap)] += 1
+            key = (bucket, allowed, cap)
+            if key not in self._reasons:
+                self._reasons[key] = self._plain_reason(bucket, allowed, cap)
+            self.book.counts.plain_rounds[self._reasons[key]] += 1
         return budget
+
+    def _batch_rows(self, running: list[Sequence]) -> tuple[Counter, int | None]:
+        """The running requests counted by sampler setting (for an adaptive spec) and their
+        smallest max_budget; kept while the same requests run, so that a round's host time does
+        not grow by a pass over the rows' parameters."""
+        kept = self._rows
+        if kept is None or len(kept[0]) != len(running) or any(a is not b for a, b in zip(kept[0], running)):
+            caps = [s.params.max_budget for s in running if s.params.max_budget is not None]
+            rows = Counter(sampler_key(s.params) for s in running) if self.spec.adaptive else Counter()
+            kept = self._rows = (list(running), rows, min(caps, default=None))
+        return kept[1], kept[2]
 
     def _plain_reason(self, bucket: int, allowed: tuple[int, ...], cap: int | None) -> str:
         """Why a round of a speculative engine decodes plainly (`EngineStats.plain_rounds`)."""
@@ -391,7 +405,10 @@ class Engine:
         counts.budget_hist[budget] += 1
         counts.method_rounds[method] += 1
         preds = 1 + self.spec.max_commit   # the predictions' first column in a row
+        seen = preds + len(self.spec.budgets)   # what the target's sampler gave the tree
         out, taus = [], []
+        # a constrained round leaves no predictions; a fixed spec's chooser weighs none
+        learn: dict | None = {} if budget and not launched.constrained and self.spec.adaptive else None
         for b, (seq, row) in enumerate(zip(launched.seqs, rows)):
             if seq.finished:
                 continue
@@ -399,10 +416,13 @@ class Engine:
             taus.append(k)
             seq.stats.rounds += 1
             seq.stats.accept_lengths.append(k)
-            if budget and not launched.constrained:   # a constrained round leaves no predictions
-                self.chooser.observe(seq.params.greedy, budget, k, row[preds:])
+            if learn is not None:
+                learn.setdefault(sampler_key(seq.params), []).append(row[preds:])
             lps = None if seq.logprobs is None else launched.logprobs(b, k, seq.params.logprobs)
             out.append((seq, self._emit(seq, row[1:1 + k], lps)))
+        for key, got in (learn or {}).items():   # one observation per setting a round, whatever the batch
+            mean = [sum(col) / len(got) for col in zip(*got)]
+            self.chooser.observe(key, mean[:seen - preds], mean[seen - preds:])
         if taus:   # the round's counters once, not per request: this loop is host time between rounds
             counts.accept_hist.update(taus)
             counts.method_rows[method] += len(taus)

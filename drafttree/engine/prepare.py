@@ -10,7 +10,7 @@ from drafttree.engine.plan import EngineSetup, graph_kv_lengths
 from drafttree.engine.startup import StartupTimes
 from drafttree.kernels import compile_cache
 from drafttree.parallel.group import TPGroup
-from drafttree.runner.cost import BUDGET_S, CostTable, measure
+from drafttree.runner.cost import BUDGET_S, KEEP_SPREAD, CostTable, measure
 from drafttree.runner.model_runner import ModelRunner
 from drafttree.runner.prefill_plan import PrefillLimits
 
@@ -67,7 +67,10 @@ def cost_model(setup: EngineSetup, runner: ModelRunner, tp: TPGroup | None, star
             estimated = len(table.estimated)
             note = f"measured {len(table.seconds) - estimated} entries" + \
                 (f", {estimated} scaled from them: its {BUDGET_S:g} s budget ran out" if estimated else "")
-            if tp is None or tp.leader:
+            if table.worst_spread() > KEEP_SPREAD:
+                # timed under a changing load: the next start measures again rather than read it
+                note += f"; not kept (an entry's spread {100 * table.worst_spread():.0f} %)"
+            elif tp is None or tp.leader:
                 try:
                     caches.save_costs(table, key)
                 except OSError as e:

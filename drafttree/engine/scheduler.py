@@ -26,12 +26,18 @@ from drafttree.runner.prefill_plan import PrefillLimits
 
 
 class RowOps(Protocol):
-    """What the scheduler asks of the runner's round state: rows move to stay packed, and running
-    requests' new pages enter their rows' block tables (`ModelRunner` does both)."""
+    """What the scheduler asks of the runner's round state: rows move to stay packed, running
+    requests' new pages enter their rows' block tables, and how far behind the committed length
+    the drafter's context may lag (`ModelRunner` does all three)."""
 
     def move_row(self, src: int, dst: int) -> None: ...
 
     def set_pages(self, row: int, first: int, pages: list[int]) -> None: ...
+
+    @property
+    def pending_bound(self) -> int:
+        """The most drafter features a row may hold unwritten (0 without a drafter)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,7 @@ class Scheduler:
         is short, preempt the newest request if `preempt`, else return False."""
         c = self.cfg.cache
         for seq in self.running:
-            self._offer(seq, seq.length - self.cfg.max_commit)
+            self._offer(seq, seq.length - max(self.cfg.max_commit, self.rows.pending_bound))
         for seq in sorted(self.running, key=lambda s: s.arrival_time):
             if seq.row < 0:
                 continue   # preempted above
@@ -250,9 +256,9 @@ class Scheduler:
     def _offer(self, seq: Sequence, final: int) -> None:
         """Offer seq's full pages of positions < `final` to the prefix cache: their K/V, the
         target's and the drafter's, are written and never rewritten. A running request's are
-        those below length - max_commit: an unread round commits at least one token, and the
-        drafter's pending context (rewritten by the next draft or context phase) is at most
-        max_commit positions before the committed length."""
+        those below length - max(max_commit, the runner's pending_bound): an unread round commits
+        at least one token, and the drafter's pending context (written by the next draft or
+        context phase) lies within pending_bound positions before the committed length."""
         if not self.pool.prefix_caching:
             return
         last = min(max(final, 0) // self.pool.page_size, len(seq.pages))

@@ -1,10 +1,12 @@
 """The measured cost model: seconds per (phase, batch bucket, width), timed at start-up.
 
-Every step of the phase table a round can run is timed through `ModelRunner.time_step`: on CUDA
+Every step of the phase table a round can run is timed through `ModelRunner.time_runs`: on CUDA
 its captured graph replayed a few times between CUDA events, on the CPU (no graphs) run eagerly
-a few times. The engine divides the tokens a round is expected to commit by these costs to
-choose its budget (`engine.budget`). Rows are parked while timing, and the round state is
-restored afterwards.
+until the median's relative standard error is under SPREAD (3 %), from CPU_REPS to
+CPU_MAX_REPS runs: one slow run under another process's load does not set an entry, and each
+entry keeps its spread (`drafttree graphs --costs` prints it). The engine divides the tokens a
+round is expected to commit by these costs to choose its budget (`engine.budget`). Rows are
+parked while timing, and the round state is restored afterwards.
 
 Its budget: measuring delays the first token by at most BUDGET_S (5 s) past the first entry
 (one decode or context forward at batch 1, run three times: what nothing can be predicted
@@ -16,6 +18,8 @@ starts of the same engine on the same machine (`engine.caches`: then nothing is 
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,9 +35,12 @@ from drafttree.sampling import SampleMode
 log = logging.getLogger(__name__)
 
 REPS = 3             # timed runs per entry (after one warm-up); the median is kept
-CPU_REPS = 2         # eager forwards of a large model take a while on a few cores
+CPU_REPS = 3         # eager runs per entry at least (after one warm-up) ...
+CPU_MAX_REPS = 9     # ... and at most, until the median's relative standard error is under SPREAD
+SPREAD = 0.03
 BUDGET_S = 5.0       # seconds of timing at most, past the first entry (see above)
-FORMAT = 1           # of `CostTable.to_dict`; a table kept in another is measured again
+KEEP_SPREAD = 0.10   # a table whose timed entries spread more is not kept for later starts
+FORMAT = 2           # of `CostTable.to_dict`; a table kept in another is measured again
 
 Key = tuple[Phase, int, int, bool]
 
@@ -48,6 +55,8 @@ class CostTable:
     spec: SpecConfig
     seconds: dict[Key, float] = field(default_factory=dict)
     estimated: set[Key] = field(default_factory=set)   # scaled, not timed
+    spread: dict[Key, float] = field(default_factory=dict)   # a timed entry's relative standard error
+    runs: dict[Key, int] = field(default_factory=dict)       # a timed entry's timed runs
     measure_s: float = 0.0
     source: str = "measured"   # or where it was read from
 
@@ -56,31 +65,40 @@ class CostTable:
 
     def round_seconds(self, bucket: int, budget: int, sampled: bool = False) -> float:
         """A round over a batch bucket at `budget`: draft + verify, or for 0 a decode step plus
-        its share of the drafter's context writes (one per max_commit - 1 decode steps)."""
+        its share of the drafter's context writes (one per width(CONTEXT) - 1 decode steps; the
+        catch-up before a draft that follows plain rounds writes what they left, so it is theirs)."""
         if budget == 0:
             s = self.get(Phase.DECODE, bucket, 1, sampled)
             if self.spec.speculative:
                 ctx = self.spec.width(Phase.CONTEXT, bucket)
-                s += self.get(Phase.CONTEXT, bucket, ctx) / max(self.spec.max_commit - 1, 1)
+                s += self.get(Phase.CONTEXT, bucket, ctx) / max(ctx - 1, 1)
             return s
         draft = self.get(Phase.DRAFT, bucket, self.spec.width(Phase.DRAFT, bucket))
         return draft + self.get(Phase.VERIFY, bucket, self.spec.width(Phase.VERIFY, bucket, budget), sampled)
 
     def format(self) -> str:
         how = f"{self.measure_s:.2f} s to measure" + ("" if self.source == "measured" else f", read from {self.source}")
-        lines = [f"cost model ({how}; ms per forward, * = scaled in proportion "
-                 f"to tokens from a timed entry):", f"{'phase':<8} {'bucket':>6} {'width':>6} {'pick':>7} {'ms':>9}"]
+        lines = [f"cost model ({how}; ms per forward, the median of its runs, +- its relative standard error; "
+                 f"* = scaled in proportion to tokens from a timed entry):",
+                 f"{'phase':<8} {'bucket':>6} {'width':>6} {'pick':>7} {'ms':>9} {'spread':>7} {'runs':>4}"]
         for k, s in sorted(self.seconds.items(), key=lambda kv: (kv[0][1], kv[0][0].value, kv[0][2], kv[0][3])):
             p, b, w, sampled = k
-            mark = "*" if k in self.estimated else ""
-            lines.append(f"{p.value:<8} {b:>6} {w:>6} {'sampled' if sampled else 'greedy':>7} {1e3 * s:>9.3f}{mark}")
+            row = f"{p.value:<8} {b:>6} {w:>6} {'sampled' if sampled else 'greedy':>7} {1e3 * s:>9.3f}"
+            if k in self.estimated:
+                lines.append(row + "*")
+            else:
+                lines.append(row + f" {'+-%.1f%%' % (100 * self.spread.get(k, 0.0)):>7} {self.runs.get(k, 0):>4}")
         return "\n".join(lines)
+
+    def worst_spread(self) -> float:
+        """The largest relative standard error of a timed entry (0 for none)."""
+        return max((v for k, v in self.spread.items() if k not in self.estimated), default=0.0)
 
     def to_dict(self) -> dict[str, Any]:
         """The entries, JSON-ready (the spec is the reader's: it is part of the table's key)."""
         return {"format": FORMAT, "measure_s": self.measure_s,
-                "entries": [[p.value, b, w, m, s, (p, b, w, m) in self.estimated]
-                            for (p, b, w, m), s in self.seconds.items()]}
+                "entries": [[p.value, b, w, m, s, k in self.estimated, self.spread.get(k, 0.0), self.runs.get(k, 0)]
+                            for k, s in self.seconds.items() for p, b, w, m in (k,)]}
 
     @classmethod
     def from_dict(cls, spec: SpecConfig, data: dict[str, Any], source: str) -> "CostTable":
@@ -88,11 +106,13 @@ class CostTable:
         if data.get("format") != FORMAT:
             raise ValueError(f"cost table format {data.get('format')!r}, expected {FORMAT}")
         t = cls(spec, measure_s=float(data["measure_s"]), source=source)
-        for p, b, w, m, s, est in data["entries"]:
+        for p, b, w, m, s, est, spread, runs in data["entries"]:
             key = (Phase(p), int(b), int(w), bool(m))
             t.seconds[key] = float(s)
             if est:
                 t.estimated.add(key)
+            else:
+                t.spread[key], t.runs[key] = float(spread), int(runs)
         return t
 
     def covers(self, buckets: list[int], drafter: bool = True) -> bool:
@@ -129,14 +149,16 @@ def measure(runner, reps: int = REPS, budget_s: float = BUDGET_S,
             modes: tuple[SampleMode, ...] = (SampleMode.GREEDY, SampleMode.SAMPLE),
             progress: Callable[[str], None] | None = None) -> CostTable:
     """Time every (phase, bucket, width) of the runner's spec in the picks of `modes`
-    (`ModelRunner.time_step`: graph replays where captured, eager forwards otherwise) within
+    (`ModelRunner.time_runs`: graph replays where captured, eager forwards otherwise) within
     `budget_s`, scaling the rest. Leaves the round state as it found it."""
     spec = runner.spec
     table = CostTable(spec)
     saved = runner.state.snapshot()
     graphed = runner.graphs is not None
     kv_len = runner.graphs.kv_lengths[0] if graphed else runner.round_kv_len(64)
-    reps = reps if graphed or runner.device.type == "cuda" else min(reps, CPU_REPS)
+    eager = not graphed and runner.device.type != "cuda"
+    most = CPU_MAX_REPS if eager else reps
+    reps = CPU_REPS if eager else reps
     pick = timing_modes(modes)
     if pick[False] is None and pick[True] is None:
         pick = {False: SampleMode.GREEDY, True: None}
@@ -146,6 +168,7 @@ def measure(runner, reps: int = REPS, budget_s: float = BUDGET_S,
     todo = [(B, st, sampled, pick[sampled] or any_mode) for B in runner.cache_cfg.batch_buckets
             for st, sampled in entries(spec, B, drafter)
             if pick[sampled] is not None or st.phase in (Phase.CONTEXT, Phase.DRAFT)]
+    todo.sort(key=lambda job: _timing_pass(spec, *job[:2]))   # stable: a round's order within a pass
     t0 = start = time.perf_counter()
     late = False
     for i, (B, st, sampled, mode) in enumerate(todo):
@@ -161,7 +184,14 @@ def measure(runner, reps: int = REPS, budget_s: float = BUDGET_S,
         if progress is not None:
             progress(f"{i + 1}/{len(todo)} entries, batch {B} {st.phase.value} x{st.width}"
                      f"{' sampled' if sampled else ''}")
-        table.seconds[key] = runner.time_step(st, B, mode, kv_len, reps)
+        runs = runner.time_runs(st, B, mode, kv_len, reps)
+        # more runs while the median is uncertain, as long as the next one ends within the budget
+        # (every tensor-parallel rank runs as many as rank 0)
+        while len(runs) < most and from_leader(
+                spread(runs) > SPREAD and time.perf_counter() - start + statistics.median(runs) <= budget_s,
+                runner.target.tp):
+            runs += runner.time_runs(st, B, mode, kv_len, 1, warmups=0)
+        table.seconds[key], table.spread[key], table.runs[key] = statistics.median(runs), spread(runs), len(runs)
         if not table.estimated and len(table.seconds) == 1:
             start = time.perf_counter()   # the budget counts from the first entry's end
     runner.state.restore(saved)
@@ -169,16 +199,50 @@ def measure(runner, reps: int = REPS, budget_s: float = BUDGET_S,
     return table
 
 
+def spread(runs: list[float]) -> float:
+    """The relative standard error of the median of `runs`: 1.2533 sigma / sqrt(n), sigma from the
+    median absolute deviation (a slow run under a passing load moves it little)."""
+    if len(runs) < 2:
+        return float("inf")
+    m = statistics.median(runs)
+    mad = statistics.median(abs(x - m) for x in runs)
+    return 1.2533 * 1.4826 * mad / math.sqrt(len(runs)) / max(m, 1e-12)
+
+
+def _timing_pass(spec: SpecConfig, bucket: int, st: PhaseStep) -> int:
+    """Which pass times an entry: first every bucket's plain round and its narrowest verify (the
+    choice between decoding and drafting a little, which every bucket makes), then the widest
+    verifies, then the rest; those a budget leaves untimed are scaled from these."""
+    if st.phase is not Phase.VERIFY:
+        return 0
+    widths = [spec.width(Phase.VERIFY, bucket, n) for n in spec.budgets_at(bucket) + spec.budgets_at(bucket, False)
+              if n]
+    return 0 if st.width == min(widths) else 1 if st.width == max(widths) else 2
+
+
 def _scaled(table: CostTable, key: Key) -> float:
-    """An entry's seconds from the nearest timed one, in proportion to tokens (the CPU is
-    compute-bound; on a GPU this overestimates larger forwards, so a budget running out there
-    errs on the side of timing less): of the same phase and pick if any, in the same bucket if
-    any, else of the nearest size."""
+    """An entry's seconds from the timed ones: a verify between (or beyond) two timed widths of
+    its bucket and pick (the decode step's among them, as width 1), along the line through them
+    (a forward's cost is about affine in its tokens: the weights read once, then each token; on
+    a CPU it grows slower, so a line from narrow widths errs high); else from the nearest timed entry, in
+    proportion to tokens (on a GPU this overestimates larger forwards, so a budget running out
+    there errs on the side of timing less): of the same model (the target's decode and verify,
+    the drafter's context and draft) if any, of the same phase and pick if any, in the same
+    bucket if any, else of the nearest size."""
     phase, B, width, sampled = key
     timed = [k for k in table.seconds if k not in table.estimated]
+    # a decode step is the target's forward of width 1 over the same rows: a point on a verify's line
+    points = phase is Phase.VERIFY and sorted(
+        (k for k in timed if k[0] in (Phase.VERIFY, Phase.DECODE) and k[1] == B and k[3] == sampled),
+        key=lambda k: (abs(k[2] - width), k[2]))[:2]
+    if points and len(points) == 2:
+        (w0, s0), (w1, s1) = sorted((k[2], table.seconds[k]) for k in points)
+        return max(s0 + (s1 - s0) * (width - w0) / (w1 - w0), min(s0, s1) * 0.5)
+
+    drafter = (Phase.CONTEXT, Phase.DRAFT)
 
     def rank(k: Key) -> tuple:
         p, b, w, m = k
-        return (p is not phase, m != sampled, b != B, abs(b * w - B * width))
+        return ((p in drafter) != (phase in drafter), p is not phase, m != sampled, b != B, abs(b * w - B * width))
     p0, b0, w0, m0 = min(timed, key=rank)
     return table.seconds[(p0, b0, w0, m0)] * (B * width) / (b0 * w0)

@@ -3,6 +3,7 @@ round functions and their CUDA graphs take), the CUDA graphs over them and the p
 runs prefill and rounds. Every step of a round comes from the phase table (`phase_table`)."""
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from drafttree.runner.phase_table import PROCESSED_MODES, PhaseStep, bucket_step
 from drafttree.runner.phase_timer import PhaseTimer
 from drafttree.runner.prefill_graph import PrefillGraphs
 from drafttree.runner.prefill_plan import PrefillLimits, at_offsets, reach
-from drafttree.runner.timing import median_seconds
+from drafttree.runner.timing import run_seconds
 from drafttree.sampling import MAX_LOGPROBS, SampleMode, SamplingParams, SamplingTensors, pick_tokens
 from drafttree.spec_decode.logits import LogitsBuffers, RowLogits
 from drafttree.spec_decode.rounds import prefill_forward
@@ -130,10 +131,11 @@ class ModelRunner:
             dkv = PagedKVCache.allocate(KVLayout.of(dc), pages, ps, dtype, device)
             capture_layers = drafter.cfg.target_layer_ids
             feat = len(capture_layers) * tc.hidden_size
-        # pending drafter features: what one context phase writes, at most what a verify commits;
-        # the draft tree: the widest verify of any batch bucket
-        state = RoundState.allocate(rows, spec.width(Phase.CONTEXT), feat, dtype, device, cache.pages_per_row,
-                                    len(spec.budgets), spec.verify_width_max if spec.speculative else 0)
+        # committed tokens: what a verify commits at most; pending drafter features: what one
+        # context phase writes; the draft tree: the widest verify of any batch bucket
+        state = RoundState.allocate(rows, spec.max_commit, feat, dtype, device, cache.pages_per_row,
+                                    len(spec.budgets), spec.verify_width_max if spec.speculative else 0,
+                                    pending=spec.width(Phase.CONTEXT))
         # structured output: token masks per row and node, and the draft step's candidates
         state.grammar = GrammarBuffers.allocate(rows, max(spec.verify_width_max, 1), (tc.vocab_size + 31) // 32,
                                                 spec.depth, min(tc.vocab_size, max(CANDIDATES, spec.verify_width_max - 1)),
@@ -146,7 +148,7 @@ class ModelRunner:
         self.round_ctx = RoundContext(target, drafter, spec, state, kv, dkv, capture_layers, rows)
         # Host-side bound on any row's pending drafter features (state.ctx_n), kept without a
         # sync: a verify leaves at most max_commit, a decode step adds one, a context phase
-        # leaves one (its decode step's). Prefill and parking set 1, within any bound.
+        # leaves one. Prefill and parking set 1, within any bound.
         self.ctx_bound = 1
         self.graphs: RoundGraphs | None = None            # `capture` makes them
         self.prefill_graphs: PrefillGraphs | None = None
@@ -401,9 +403,9 @@ class ModelRunner:
             self.eager_round(B, kv_len, mode, steps)
         if self.drafter is not None:
             phases = {st.phase for st in steps}
+            left = 1 if Phase.CONTEXT in phases else self.ctx_bound
             self.ctx_bound = (self.spec.max_commit if Phase.VERIFY in phases
-                              else self.ctx_bound if Phase.DRAFT in phases
-                              else 1 if Phase.CONTEXT in phases else self.ctx_bound + 1)
+                              else left + 1 if Phase.DECODE in phases else left)
 
     def round_steps(self, B: int, mode: SampleMode, budget: int | None = None, constrained: bool = False,
                     processed: bool = False) -> tuple[PhaseStep, ...]:
@@ -415,8 +417,20 @@ class ModelRunner:
         bucket = self.cache_cfg.batch_bucket(B)
         if budget is None:
             budget = max(self.spec.budgets_at(bucket, mode is SampleMode.GREEDY))
-        context = self.drafter is not None and self.ctx_bound >= self.spec.max_commit
-        return round_steps(self.spec, bucket, budget, context, constrained, processed)
+        return round_steps(self.spec, bucket, budget, self._context_first(budget > 0), constrained, processed)
+
+    @property
+    def pending_bound(self) -> int:
+        """The most drafter features any row may hold unwritten (0 without a drafter): its context
+        is written up to that many positions before each row's committed length."""
+        return self.ctx_bound if self.drafter is not None else 0
+
+    def _context_first(self, drafting: bool) -> bool:
+        """Whether the next round writes the pending drafter features first: a decode step's
+        would not fit their buffer, or a draft (which writes max_commit) follows plain rounds."""
+        if self.drafter is None:
+            return False
+        return self.ctx_bound > (self.spec.max_commit if drafting else self.spec.width(Phase.CONTEXT) - 1)
 
     # -- constrained rounds (structured output): the host builds the tree between draft and verify
     @command
@@ -440,7 +454,8 @@ class ModelRunner:
         bucket = self.cache_cfg.batch_bucket(B)
         if processed:
             mode = processed_mode(mode)
-        self._run_steps(B, mode, max_length, (step(self.spec, Phase.DRAFT, bucket, constrained=True),))
+        first = (step(self.spec, Phase.CONTEXT, bucket),) if self._context_first(True) else ()
+        self._run_steps(B, mode, max_length, first + (step(self.spec, Phase.DRAFT, bucket, constrained=True),))
 
     def candidates(self, B: int) -> tuple[Any, Any]:
         """The candidates of the draft just run, as numpy arrays [B, D, K] (log-probabilities,
@@ -494,9 +509,16 @@ class ModelRunner:
     @torch.inference_mode()
     def time_step(self, st: PhaseStep, B: int, mode: SampleMode, kv_len: int, reps: int) -> float:
         """Median seconds of `run_step` (after one untimed run), rows parked before each run."""
+        return statistics.median(self.time_runs(st, B, mode, kv_len, reps))
+
+    @torch.inference_mode()
+    def time_runs(self, st: PhaseStep, B: int, mode: SampleMode, kv_len: int, reps: int,
+                  warmups: int = 1) -> list[float]:
+        """Seconds of each of `reps` runs of `run_step` (after `warmups` untimed ones), rows parked
+        before each run."""
         g = None if self.graphs is None else self.graphs.get(st, B, mode, kv_len)
         fn = g.replay if g is not None else lambda: st.run(self.round_ctx, B, kv_len, mode)
-        return median_seconds(fn, lambda: self.state.park(0, B), self.device, reps)
+        return run_seconds(fn, lambda: self.state.park(0, B), self.device, reps, warmups)
 
     @command
     def move_row(self, src: int, dst: int) -> None:

@@ -3,9 +3,10 @@ buffers it reads and writes.
 
 The runner's eager rounds, the CUDA graphs (one per step), the cost model and `bench.phases` all
 take their steps from here: a step's function, its width (`SpecConfig.width`) and its buffers are
-written once. A round is a context phase (a drafter's pending features written, when they could
-fill their buffer) and a decode step, or a draft (at the batch bucket's largest budget: its tree
-is stored in the round state) and a verify of that tree's first budget + 1 nodes.
+written once. A round is a decode step, or a draft (at the batch bucket's largest budget: its tree
+is stored in the round state) and a verify of that tree's first budget + 1 nodes; either after a
+context phase where a drafter's pending features could fill their buffer, or more wait than the
+draft writes (after plain rounds).
 
 A constrained round (a batch with a structured-output request) has steps of its own: a decode
 step whose pick is masked, a draft step that leaves the drafter's candidates instead of a tree
@@ -43,7 +44,7 @@ TABLE: dict[Phase, tuple[Run, tuple[str, ...]]] = {
     Phase.DRAFT: (lambda rc, B, L, mode, n: draft_phase(rc, B, L),
                   ("pending features", "draft tree", "predictions", "block table")),
     Phase.VERIFY: (lambda rc, B, L, mode, n: verify_phase(rc, B, L, mode, n),
-                   ("draft tree", "pending features", "committed tokens", "block table")),
+                   ("draft tree", "pending features", "committed tokens", "observed acceptance", "block table")),
 }
 
 # the constrained round's steps (phase -> as TABLE)
@@ -129,16 +130,16 @@ def bucket_steps(spec: SpecConfig, bucket: int, mode: SampleMode, drafter: bool,
 
 def round_steps(spec: SpecConfig, bucket: int, budget: int, context: bool, constrained: bool = False,
                 processed: bool = False) -> tuple[PhaseStep, ...]:
-    """The steps of one round over the batch bucket at `budget` (0: a decode step, after a context
-    phase when `context`); the budget must be one the bucket may verify at. `constrained`: the
-    constrained round's steps (its draft and verify run apart: the host builds the tree between).
-    `processed`: a processed round's."""
+    """The steps of one round over the batch bucket at `budget` (0: a decode step; else a draft and
+    a verify), after a context phase when `context`; the budget must be one the bucket may verify
+    at. `constrained`: the constrained round's steps (its draft and verify run apart: the host
+    builds the tree between). `processed`: a processed round's."""
     c, p = constrained, processed
+    first = (step(spec, Phase.CONTEXT, bucket),) if context else ()
     if budget == 0:
-        first = (step(spec, Phase.CONTEXT, bucket),) if context else ()
         return first + (step(spec, Phase.DECODE, bucket, constrained=c, processed=p),)
-    return (step(spec, Phase.DRAFT, bucket, constrained=c),
-            step(spec, Phase.VERIFY, bucket, budget, constrained=c, processed=p))
+    return first + (step(spec, Phase.DRAFT, bucket, constrained=c),
+                    step(spec, Phase.VERIFY, bucket, budget, constrained=c, processed=p))
 
 
 def buffer_widths(rc: RoundContext, bucket: int, pages_per_row: int) -> dict[str, tuple[int, int]]:
@@ -149,6 +150,7 @@ def buffer_widths(rc: RoundContext, bucket: int, pages_per_row: int) -> dict[str
     s, spec = rc.state, rc.spec
     out = {"pending features": (s.ctx_feat.shape[1], spec.width(Phase.CONTEXT, bucket)),
            "committed tokens": (s.out_tokens.shape[1], spec.max_commit),
+           "observed acceptance": (s.out_seen.shape[1], len(spec.budgets)),
            "block table": (s.block_table.shape[1], pages_per_row),
            "predictions": (s.out_pred.shape[1], len(spec.budgets))}
     if spec.speculative:

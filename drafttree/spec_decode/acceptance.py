@@ -8,12 +8,22 @@ counts the bonus token) is 1 + the sum of those products over its nodes: the DDT
 The tree builder orders nodes best first and every parent precedes its children, so the first
 b nodes are the best tree of budget b, and the cumulative sum at column b is the prediction for
 budget b. A DFlash chain is a tree whose nodes are in depth order: the same sum gives its
-prefix products. The engine calibrates these against the τ it observes (`engine.budget`).
+prefix products.
+
+What the round then saw (`observed_accept`): the same sum over the verified tree with the
+target's own acceptance of each node, the probability that its pick at the node's parent is the
+node's token, under the row's sampler (temperature, top-k, top-p; for a greedy row 1 where the
+parent's argmax is the token, else 0, which gives the realised τ). Its column b is the expected τ
+the target's sampler gives the tree's first b nodes: an observation of every budget up to the one
+verified from one round, with none of a sampled τ's noise. The engine calibrates the
+predictions against these (`engine.budget`).
 """
 from __future__ import annotations
 
 import torch
 
+from drafttree.kernels.fused import fused
+from drafttree.sampling import SampleMode, SamplingTensors, at_temperature, filter_thresholds
 from drafttree.spec_decode.tree import DraftTree
 
 # Predictions travel to the host in the round's integer output buffer, in thousandths of a token.
@@ -29,6 +39,43 @@ def expected_accept(draft_logits: torch.Tensor, tree: DraftTree) -> torch.Tensor
     depth = (tree.depth[:, 1:] - 1).clamp(0, D - 1)                   # node i uses q_{depth(i)}
     flat = depth * V + tree.tokens[:, 1:]
     lp = logits.view(R, D * V).gather(1, flat) - lse.gather(1, depth)  # [R, N-1]
+    return _path_sums(lp, tree)
+
+
+def observed_accept(logits: torch.Tensor, tree: DraftTree, picks: torch.Tensor, st: SamplingTensors,
+                    mode: SampleMode) -> torch.Tensor:
+    """[R, N] float32: column n is the expected accepted length of the verified tree's first
+    n + 1 columns under the target's sampler (see the module's docstring); logits [R, N, V] are
+    the target's at the nodes, picks [R, N] its picks there."""
+    R, N, V = logits.shape
+    parent, tok = tree.parents[:, 1:], tree.tokens[:, 1:]
+    hit = torch.where(picks.gather(1, parent) == tok, 0.0, -1e4)   # a greedy row: the walk itself
+    if mode is SampleMode.GREEDY:
+        return _path_sums(hit, tree)
+    temp = st.temperature[:R]
+    thr = filter_thresholds(logits, temp, st.top_k[:R], st.top_p[:R]) if mode is SampleMode.FILTERED else None
+    lp = _sampled_log_probs(logits, temp, parent, tok, thr)
+    return _path_sums(torch.where((temp > 0)[:, None], lp, hit), tree)
+
+
+@fused
+def _sampled_log_probs(logits: torch.Tensor, temp: torch.Tensor, parent: torch.Tensor, tok: torch.Tensor,
+                       thr: torch.Tensor | None) -> torch.Tensor:
+    """log P(the pick at node parent[r, i] is tok[r, i]) under sampling at temp [R] (over the
+    logits >= thr, where given): [R, N - 1]. Compiled on CUDA into one reduction over the logits,
+    which are not copied at the temperature."""
+    R, N, V = logits.shape
+    scaled = at_temperature(logits, temp)
+    if thr is not None:
+        scaled = torch.where(logits >= thr[..., None], scaled, float("-inf"))
+    lse = torch.logsumexp(scaled, dim=-1)                                 # [R, N]
+    return scaled.reshape(R, N * V).gather(1, parent * V + tok) - lse.gather(1, parent)
+
+
+def _path_sums(lp: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+    """1, then 1 + the cumulative sum over nodes 1.. of exp(the sum of lp [R, N-1] down each
+    node's path): the expected accepted length at every column."""
+    R = lp.shape[0]
     # invalid nodes score nothing; a finite floor keeps 0 * floor finite in the path sums below
     lp = torch.where(tree.valid[:, 1:], lp, torch.full_like(lp, -1e4)).clamp(min=-1e4)
     path = torch.bmm(tree.visible[:, 1:, 1:].float(), lp[..., None])[..., 0]   # log P(path to node)
@@ -49,4 +96,12 @@ def predictions_at(values: torch.Tensor, budgets: tuple[int, ...]) -> torch.Tens
     # column slices, not an index tensor: a host-to-device copy cannot be captured in a graph
     last = values.shape[1] - 1
     picked = torch.stack([values[:, min(b, last)] for b in budgets], dim=1)
+    return (picked * PRED_SCALE).round().long()
+
+
+def observed_at(values: torch.Tensor, budgets: tuple[int, ...]) -> torch.Tensor:
+    """As `predictions_at`, 0 at budgets past the verified tree (nothing was seen there)."""
+    last = values.shape[1] - 1
+    zero = torch.zeros_like(values[:, 0])
+    picked = torch.stack([values[:, b] if b <= last else zero for b in budgets], dim=1)
     return (picked * PRED_SCALE).round().long()

@@ -3,7 +3,8 @@
 
 decode: target forward of width 1; with a drafter, the token's features join the pending ones,
 which a context phase writes into the drafter's cache before they could overflow their buffer
-(every max_commit - 1 decode steps, not every step: the runner decides, host-side).
+(every spec.width(CONTEXT) - 1 decode steps, not every step), or before a draft that follows more
+plain rounds than it writes itself (its catch-up): the runner decides, host-side.
 dflash / ddtree: draft (width block_size) -> chain or tree -> verify (width
 spec.width(VERIFY, bucket, budget)) -> target picks -> acceptance walk -> commit (KV compaction, drafter
 context, bonus). No host sync anywhere: the engine reads `out_tokens`/`out_n` afterwards.
@@ -18,9 +19,9 @@ from drafttree.models.dflash2 import DFlash2Drafter
 from drafttree.models.kv_cache import attn_meta, page_slots
 from drafttree.phases import Phase
 from drafttree.sampling import SampleMode, pick_tokens
-from drafttree.spec_decode.acceptance import expected_accept, predictions_at
-from drafttree.spec_decode.selector import selector_tree
+from drafttree.spec_decode.acceptance import expected_accept, observed_accept, observed_at, predictions_at
 from drafttree.spec_decode.logits import commit_output, path_logprobs, process_logits
+from drafttree.spec_decode.selector import selector_tree
 from drafttree.spec_decode.state import RoundContext
 from drafttree.spec_decode.tree import DraftTree, accept, build_tree, chain_tree
 from drafttree.structured.masks import apply_token_masks
@@ -70,19 +71,28 @@ def _append_pending(n: torch.Tensor, feat: torch.Tensor, new: torch.Tensor) -> N
 
 
 def context_phase(rc: RoundContext, B: int) -> None:
-    """Write rows 0..B-1's pending features into the drafter's cache; none wait after it, until
-    the decode step of the same round appends its token's (ctx_n is 0 only in between)."""
-    feat, pos = pending_context(rc, B)
-    slots = page_slots(rc.state.block_table[:B], pos, rc.page_size)
-    rc.drafter.write_context(feat, pos, rc.dkv.k, rc.dkv.v, slots, torch.zeros_like(pos[:, :1]))
-    rc.state.ctx_n[:B] = 0
-
-
-def pending_context(rc: RoundContext, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The features waiting for the drafter's cache and their positions, [B, C, F] and [B, C]:
-    padded to C entries by repeating the last real one (same slot, same value)."""
+    """Write rows 0..B-1's pending features into the drafter's cache. The last stays pending,
+    moved to the buffer's front (ctx_n 1): a draft writes it again (the same value into the same
+    slot) or a decode step appends after it, so ctx_n >= 1 always holds."""
     s = rc.state
-    return _pending(s.start[:B], s.ctx_n[:B], s.ctx_feat[:B])
+    feat, pos = pending_context(rc, B, s.ctx_feat.shape[1])
+    slots = page_slots(s.block_table[:B], pos, rc.page_size)
+    rc.drafter.write_context(feat, pos, rc.dkv.k, rc.dkv.v, slots, torch.zeros_like(pos[:, :1]))
+    _keep_last(s.ctx_n[:B], s.ctx_feat[:B])
+
+
+@fused
+def _keep_last(n: torch.Tensor, feat: torch.Tensor) -> None:
+    """feat[b, 0] = feat[b, n[b] - 1], n = 1, in place."""
+    feat[:, 0] = feat[torch.arange(n.shape[0], device=n.device), (n - 1).clamp(min=0)]
+    n.fill_(1)
+
+
+def pending_context(rc: RoundContext, B: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `width` features waiting for the drafter's cache and their positions, [B, width,
+    F] and [B, width]: padded by repeating the last real one (same slot, same value)."""
+    s = rc.state
+    return _pending(s.start[:B], s.ctx_n[:B], s.ctx_feat[:B, :width])
 
 
 @fused
@@ -114,7 +124,9 @@ def draft_hidden(rc: RoundContext, B: int, kv_len: int) -> torch.Tensor:
     """`draft` up to the drafter's final-normed hidden states of the block, [B, bs, D]."""
     s, spec, d = rc.state, rc.spec, rc.drafter
     start = s.start[:B]
-    ctx_feat, ctx_pos = pending_context(rc, B)
+    # a draft writes at most a verify's commits; more wait only after plain rounds, and then the
+    # runner runs a context phase first
+    ctx_feat, ctx_pos = pending_context(rc, B, spec.max_commit)
     block_ids, block_pos, slots, full = _block(start, s.bonus[:B], ctx_pos, spec.width(Phase.DRAFT),
                                                d.cfg.mask_token_id)
     meta = attn_meta(start, full, kv_len, slots=slots, block_table=s.block_table[:B], page_size=rc.page_size)
@@ -189,7 +201,10 @@ def verify_forward(rc: RoundContext, B: int, kv_len: int, tree: DraftTree, mode:
     if processed:
         logits = process_logits(logits, s.logits.rows(slice(0, B)), tree.tokens, tree.parents, tree.depth,
                                 tree.visible, s.sampling.temperature[:B])
-    return pick_tokens(logits, s.sampling, pos + 1, mode), aux, raw
+    picks = pick_tokens(logits, s.sampling, pos + 1, mode)
+    if s.out_seen.shape[1] and not masked:   # what the target's sampler gives the tree, for the budget choice
+        s.out_seen[:B] = observed_at(observed_accept(logits, tree, picks, s.sampling, mode), rc.spec.budgets)
+    return picks, aux, raw
 
 
 def accept_commit(rc: RoundContext, B: int, tree: DraftTree, picks: torch.Tensor, aux: torch.Tensor,
@@ -249,7 +264,7 @@ def commit(rc: RoundContext, B: int, path: torch.Tensor, tau: torch.Tensor, toke
     start, table = s.start[:B], s.block_table[:B]
     dst = start[:, None] + torch.arange(path.shape[1], device=path.device)
     rc.kv.compact(page_slots(table, start[:, None] + path, rc.page_size), page_slots(table, dst, rc.page_size))
-    s.ctx_feat[:B] = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[2])).to(s.ctx_feat.dtype)
+    s.ctx_feat[:B, :path.shape[1]] = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[2])).to(s.ctx_feat.dtype)
     s.ctx_n[:B] = tau
     s.out_tokens[:B] = tokens
     s.out_n[:B] = tau

@@ -22,16 +22,19 @@ class RoundState:
     the last ctx_n[b] committed positions (start-ctx_n .. start-1) wait in ctx_feat[b, :ctx_n]
     to be written into its context cache (ctx_n >= 1 between rounds, and start >= ctx_n: those
     slots exist; the cache kernels do no bounds checks, and a slot of -1 would write before the
-    row). A verify leaves up to C there, each decode step one more, a context phase none."""
+    row). A verify leaves up to C there, each decode step one more, a context phase one (the
+    last, which the next draft writes again: the same value into the same slot)."""
     start: torch.Tensor          # [R] long
     bonus: torch.Tensor          # [R] long
-    ctx_feat: torch.Tensor       # [R, C, n*D]; C = spec.width(CONTEXT) = max tokens committed per round
+    ctx_feat: torch.Tensor       # [R, K, n*D]; K = spec.width(CONTEXT): what one context phase writes
     ctx_n: torch.Tensor          # [R] long
     sampling: SamplingTensors
-    out: torch.Tensor            # [R, 1 + C + P] long: how many tokens the last round committed,
-                                 # those tokens, then the acceptance model's predictions at the P
-                                 # budgets of spec.budgets (a drafting round's; one buffer: the
-                                 # engine copies it to the host as is)
+    out: torch.Tensor            # [R, 1 + C + 2P] long: how many tokens the last round committed,
+                                 # those tokens (C = spec.max_commit), then the acceptance model's
+                                 # predictions at the P budgets of spec.budgets and the expected τ
+                                 # the target's sampler gave the verified tree at those budgets
+                                 # (a drafting round's; one buffer: the engine copies it to the
+                                 # host as is)
     block_table: torch.Tensor    # [R, N] long: row b's pages, position j in page block_table[b, j // page_size];
                                  # N = pages of max_model_len + kv_headroom; unused entries: the null page
     tree: DraftTree | None = None   # [R, T] (visible [R, T, T]): the draft phase's tree, which the verify
@@ -42,6 +45,7 @@ class RoundState:
     # written whole when a row's prefill ends, moved by the runner (not by copy_row, not in a snapshot:
     # only processed steps read it, and what capture leaves in parked rows is never read)
     logits: LogitsBuffers | None = None
+    commit: int = 0              # C: the committed tokens' columns of `out`
 
     @property
     def out_n(self) -> torch.Tensor:      # [R]
@@ -49,25 +53,34 @@ class RoundState:
 
     @property
     def out_tokens(self) -> torch.Tensor:  # [R, C]
-        return self.out[:, 1:1 + self.ctx_feat.shape[1]]
+        return self.out[:, 1:1 + self.commit]
 
     @property
     def out_pred(self) -> torch.Tensor:    # [R, P], in 1/acceptance.PRED_SCALE tokens
-        return self.out[:, 1 + self.ctx_feat.shape[1]:]
+        P = (self.out.shape[1] - 1 - self.commit) // 2
+        return self.out[:, 1 + self.commit:1 + self.commit + P]
+
+    @property
+    def out_seen(self) -> torch.Tensor:    # [R, P], as out_pred; 0 past the verified budget
+        P = (self.out.shape[1] - 1 - self.commit) // 2
+        return self.out[:, 1 + self.commit + P:]
 
     @classmethod
     def allocate(cls, rows: int, commit: int, feat_dim: int, dtype: torch.dtype,
                  device: torch.device | str, pages_per_row: int, predictions: int = 0,
-                 tree_width: int = 0) -> "RoundState":
+                 tree_width: int = 0, pending: int = 0) -> "RoundState":
+        """`commit`: tokens a round commits per row at most; `pending`: drafter features a row
+        may hold unwritten (default `commit`)."""
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
         tree = None
         if tree_width:
             T = tree_width
             flag = lambda *s: torch.zeros(*s, dtype=torch.bool, device=device)  # noqa: E731
             tree = DraftTree(z(rows, T), z(rows, T), z(rows, T), flag(rows, T), flag(rows, T, T))
-        state = cls(z(rows), z(rows), torch.zeros(rows, commit, max(feat_dim, 1), dtype=dtype, device=device),
-                    z(rows), SamplingTensors.empty(rows, device), z(rows, 1 + commit + predictions),
-                    z(rows, pages_per_row), tree)
+        pending = pending or commit
+        state = cls(z(rows), z(rows), torch.zeros(rows, pending, max(feat_dim, 1), dtype=dtype, device=device),
+                    z(rows), SamplingTensors.empty(rows, device), z(rows, 1 + commit + 2 * predictions),
+                    z(rows, pages_per_row), tree, commit=commit)
         state.park(0, rows)
         return state
 

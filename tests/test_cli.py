@@ -7,6 +7,7 @@ import json
 import pytest
 
 from drafttree.cli import main
+from drafttree.phases import CONTEXT_ROUNDS
 from tests.tiny import make_drafter, make_target, write_tokenizer
 
 
@@ -77,7 +78,8 @@ def test_bench_phases(pair, capsys, tmp_path):
     res = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == res
     assert (res["spec"], res["block_size"], res["budget"], res["batch"]) == ("ddtree", BLOCK, 8, 1)
-    assert res["widths"] == {"context": BLOCK, "decode": 1, "draft": BLOCK, "verify": 9}
+    # the context write holds CONTEXT_ROUNDS verifies' commits (max_commit = BLOCK here)
+    assert res["widths"] == {"context": CONTEXT_ROUNDS * BLOCK, "decode": 1, "draft": BLOCK, "verify": 9}
     ms = res["eager_ms"]
     assert {"decode", "context", "draft", "tree_build", "verify", "accept_commit", "round"} <= set(ms)
     assert ms["round_in_decode_steps"] == pytest.approx(ms["round"] / ms["decode"])

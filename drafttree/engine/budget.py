@@ -52,7 +52,7 @@ PROBE_MAX = 256
 EMA = 0.1           # weight of a new round in the calibration and the predictions
 DRIFT = EMA ** 2 / (1 - EMA)   # the level's variance added per round: a gain of EMA round after round
 REFRESH = 16        # rounds a choice is kept while nothing it depends on is observed
-LEVEL = 0.3         # weight of a round in the machine's level (`observe_round`)
+PLAIN_STALE = 64    # drafting rounds in a row after which one decodes, if plain rounds' price is that old
 SETTINGS_MAX = 64   # sampler settings calibrated apart; past them, the pooled calibration
 
 SamplerKey = tuple[float, float, int]   # temperature, top-p, top-k (greedy: 0, 1, 0)
@@ -127,37 +127,36 @@ class BudgetChooser:
     cal: dict[SamplerKey, Calibration] = field(default_factory=dict)
     pooled: dict[bool, Calibration] = field(default_factory=lambda: {True: Calibration(), False: Calibration()})
     plain_rounds: int = 0
-    # A round's price: its table cost x the machine's level (observed/measured over every round,
-    # each over its kind's factor) x its kind's (bucket, plain or drafting, pick) factor
-    cost_ratio: dict[tuple[int, bool, bool], float] = field(default_factory=dict)
-    any_ratio: float = 1.0            # the level
+    cost_ratio: dict[tuple[int, bool, bool], float] = field(default_factory=dict)   # observed/measured
+    any_ratio: float = 1.0            # the same over every round observed
+    timed: dict[tuple[int, bool, bool], int] = field(default_factory=dict)   # a kind's latest observed round
     rounds: int = 0                   # rounds chosen so far
     _kept: tuple | None = None        # (inputs, round, plain-or-drafting choice, probe, rounds per probe)
+    _plain_probed: dict[tuple[int, bool, bool], int] = field(default_factory=dict)   # a kind's latest plain probe
 
     def round_seconds(self, bucket: int, budget: int, sampled: bool) -> float:
-        ratio = self.any_ratio * self.cost_ratio.get((bucket, budget > 0, sampled), 1.0)
+        ratio = self.cost_ratio.get((bucket, budget > 0, sampled), self.any_ratio)
         return self.costs.round_seconds(bucket, budget, sampled) * ratio
 
     def observe_round(self, bucket: int, budget: int, sampled: bool, seconds: float) -> None:
         """A round's own seconds: launch (or the previous read, where rounds overlap) to read."""
         if self.costs is None or not self.adaptive:
             return
-        # Drafting rounds share a factor whatever their budget: the table times the budgets'
-        # relative costs well; with one per budget, a budget priced up by one slow round was never
-        # chosen again to be priced back down. The machine's load is common to every kind: it
-        # moves the level, which every price follows, and a kind's factor (what the table missed
-        # for it: the host's share, a sampler timed too cheaply) moves at half the weight. With a
-        # ratio per kind alone, a passing load on plain rounds priced them up for good while
-        # drafting ran (it is never observed then): 454 of 594 rounds at T = 1 on two CPU cores
-        # drafted at budget 31, at half plain decoding's speed.
+        # Drafting rounds share a ratio whatever their budget: the table times the budgets'
+        # relative costs well, and what it misses (the host's share, the machine's load) is
+        # common to them; with one per budget, a budget priced up by one slow round was never
+        # chosen again to be priced back down.
         key = (bucket, budget > 0, sampled)
-        rel = self.cost_ratio.get(key, 1.0)
-        prev = self.any_ratio * rel
+        prev = self.cost_ratio.get(key, self.any_ratio)
         # from the ratio so far, not from the first round, and by at most a factor of 2 a round:
         # a pause of the host (a collection, another process) is not the round's cost
         r = min(max(seconds / self.costs.round_seconds(bucket, budget, sampled), prev / 2), 2 * prev)
-        self.any_ratio += LEVEL * (r / rel - self.any_ratio)
-        self.cost_ratio[key] = rel + EMA / 2 * (r / self.any_ratio - rel)
+        # a kind not observed for a while (plain rounds while drafting ran) weighs its observation
+        # as the calibration's filter does: the machine's load may have moved meanwhile
+        var = EMA + DRIFT * max(self.rounds - self.timed.get(key, self.rounds) - 1, 0)
+        self.cost_ratio[key] = prev + var / (var + 1 - EMA) * (r - prev)   # EMA when observed a round ago
+        self.any_ratio += EMA * (r - self.any_ratio)
+        self.timed[key] = self.rounds
 
     def calibration(self, key: SamplerKey) -> Calibration | None:
         """The setting's calibration, else its kind's pooled one; None before any prediction."""
@@ -195,6 +194,14 @@ class BudgetChooser:
         best, probe, every = kept[2:]
         if best > 0:
             self.plain_rounds = 0
+            # Plain rounds' price is corrected only by plain rounds: one priced up by a passing
+            # load would keep drafting chosen for good, so where it has not been observed for
+            # PLAIN_STALE rounds, a round decodes (at most that round's gain lost in PLAIN_STALE).
+            plain = (bucket, False, any(key != GREEDY for key in rows))
+            last = max(self.timed.get(plain, -1), self._plain_probed.setdefault(plain, self.rounds))
+            if self.costs is not None and self.rounds - last >= PLAIN_STALE:
+                self._plain_probed[plain] = self.rounds
+                return 0
             return best
         self.plain_rounds += 1
         if self.plain_rounds < every:

@@ -79,7 +79,8 @@ class CostTable:
     def format(self) -> str:
         how = f"{self.measure_s:.2f} s to measure" + ("" if self.source == "measured" else f", read from {self.source}")
         lines = [f"cost model ({how}; ms per forward, the median of its runs, +- its relative standard error; "
-                 f"* = scaled in proportion to tokens from a timed entry):",
+                 f"* = scaled from the timed entries: a verify on the line through two of its bucket, else in "
+                 f"proportion to tokens):",
                  f"{'phase':<8} {'bucket':>6} {'width':>6} {'pick':>7} {'ms':>9} {'spread':>7} {'runs':>4}"]
         for k, s in sorted(self.seconds.items(), key=lambda kv: (kv[0][1], kv[0][0].value, kv[0][2], kv[0][3])):
             p, b, w, sampled = k

@@ -77,7 +77,7 @@ def test_bench_phases(pair, capsys, tmp_path):
     res = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == res
     assert (res["spec"], res["block_size"], res["budget"], res["batch"]) == ("ddtree", BLOCK, 8, 1)
-    assert res["widths"] == {"context": BLOCK, "decode": 1, "draft": BLOCK, "verify": 9}
+    assert res["widths"] == {"context": 4 * BLOCK, "decode": 1, "draft": BLOCK, "verify": 9}
     ms = res["eager_ms"]
     assert {"decode", "context", "draft", "tree_build", "verify", "accept_commit", "round"} <= set(ms)
     assert ms["round_in_decode_steps"] == pytest.approx(ms["round"] / ms["decode"])

@@ -276,7 +276,7 @@ def test_bench_phases_on_an_mla_target(moe_zoo, capsys, tmp_path):
                         "--dtype", "float32", "--spec", "ddtree", "--budget", "8", "--prompt-len", "8",
                         "--max-model-len", "64", "--iters", "1", "--tree-budgets", "", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["widths"] == {"context": 4, "decode": 1, "draft": 4, "verify": 9} and res["eager_ms"]["round"] > 0
+    assert res["widths"] == {"context": 16, "decode": 1, "draft": 4, "verify": 9} and res["eager_ms"]["round"] > 0
 
 
 @pytest.mark.parametrize("rows,width", [(1, 1), (2, 1), (2, 9), (1, 33)])

@@ -35,7 +35,11 @@ observed/measured, and one not yet observed by that of every round. Start-up tim
 shared machine, or a sampler the table timed too cheaply, would otherwise keep a losing budget
 chosen (on two shared cores a start-up under a passing load timed a decode step at 254 ms that
 then ran at 54, and the choice kept drafting at T = 1 at 0.68x plain); and the table times graph
-replays alone, where a round also pays the host's launch and read.
+replays alone, where a round also pays the host's launch and read. Plain rounds' price is
+corrected only by plain rounds, so while drafting wins, one round in PLAIN_STALE decodes where
+plain rounds were not observed for that long (a passing load that priced them up would otherwise
+keep drafting chosen for good), and a kind observed after a while weighs its round by the
+filter's gain.
 """
 from __future__ import annotations
 

@@ -67,7 +67,16 @@ class ToolParser:
         raise NotImplementedError
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content before the calls, or None; the calls) of a whole reply."""
+        """(content before the calls, or None; the calls) of a whole reply: the calls read from
+        where `begin` first stands; a reply with none readable is content whole."""
+        at = text.find(self.begin)
+        calls = self.calls(text[at:]) if at >= 0 else []
+        if not calls:
+            return (text or None), []
+        return (text[:at].strip() or None), calls
+
+    def calls(self, section: str) -> list[ToolCall]:
+        """The calls readable in `section` (the reply from `begin` on)."""
         raise NotImplementedError
 
     def content_end(self, text: str) -> int:
@@ -111,22 +120,16 @@ class HermesParser(ToolParser):
             lines.append(f"fn{i}: {head} %json {json.dumps(_schema(t))} \"}}\"")
         return "\n".join(lines)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        at = text.find(self.begin)
-        if at < 0:
-            return (text or None), []
+    def calls(self, section: str) -> list[ToolCall]:
         calls = []
-        for body in self._call.findall(text[at:]):
+        for body in self._call.findall(section):
             try:
                 obj = json.loads(body)
             except ValueError:
                 continue
             if isinstance(obj, dict) and isinstance(obj.get("name"), str):
                 calls.append(ToolCall(call_id(), obj["name"], _args_text(obj.get("arguments", {}))))
-        if not calls:
-            return (text or None), []
-        content = text[:at].strip()
-        return (content or None), calls
+        return calls
 
     def example(self) -> str:
         return '<tool_call>\n{"name": "NAME", "arguments": {ARGUMENTS}}\n</tool_call>'
@@ -149,19 +152,9 @@ class KimiK2Parser(ToolParser):
             lines.append(f"fn{i}: {head} /[0-9]+/ {L('<|tool_call_argument_begin|>')} %json {json.dumps(_schema(t))}")
         return "\n".join(lines)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        at = text.find(self.begin)
-        if at < 0:
-            return (text or None), []
-        calls = []
-        for ident, args in self._call.findall(text[at:]):
-            name = ident.split(":")[0].split(".", 1)[-1]
-            if name:
-                calls.append(ToolCall(ident, name, args))
-        if not calls:
-            return (text or None), []
-        content = text[:at].strip()
-        return (content or None), calls
+    def calls(self, section: str) -> list[ToolCall]:
+        return [ToolCall(ident, name, args) for ident, args in self._call.findall(section)
+                if (name := ident.split(":")[0].split(".", 1)[-1])]
 
     def example(self) -> str:
         return ("<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>"

@@ -164,3 +164,18 @@ def pool_gb(pair: Pair, spec: str, block_size: int | None, budget: int | None, p
     per_slot = sum((c.k[:, :, :, 0].numel() + c.v[:, :, :, 0].numel()) * c.k.element_size()
                    for c in (r.kv, r.dkv) if c is not None)
     return (pages * page_size * per_slot + 1) / 2**30
+
+
+def ref_rms(x, w, eps):
+    """RMSNorm written out, for reference forwards."""
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def ref_rope(x, pos, theta):
+    """Rotary embedding (rotate-half) of x [T, H, hd] at positions pos [T], written out."""
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
+    f = pos[:, None].float() * inv
+    emb = torch.cat([f, f], -1)[:, None]
+    rot = torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], -1)
+    return x * emb.cos() + rot * emb.sin()

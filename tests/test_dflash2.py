@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from drafttree import LLM, SamplingParams
 from drafttree.spec_decode import rounds
 from drafttree.spec_decode.selector import build_selector_tree, selector_chain
-from tests.helpers import check_lossless, gpu, make_prompts, taus_of
+from tests.helpers import check_lossless, gpu, make_prompts, ref_rms, ref_rope, taus_of
 from tests.tiny import copy_checkpoint, edit_config, edit_tensors, make_drafter, make_target
 
 VOCAB = 5    # small: the random drafters' chains and trees get accepted deep enough to matter
@@ -107,19 +107,6 @@ def test_missing_dflash2_field_and_tensor(pairs, tmp_path):
 
 # -- the reference ------------------------------------------------------------------------------
 
-def _rms(x, w, eps):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rope(x, pos, theta):
-    hd = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
-    f = pos[:, None].float() * inv
-    emb = torch.cat([f, f], -1)[:, None]
-    rot = torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], -1)
-    return x * emb.cos() + rot * emb.sin()
-
-
 def _conv(x, dyn, base, group):
     """The block convolution position by position: out[i] = sum_t (base[t] + dyn[i, t, group]) x[i - t]."""
     W, D = x.shape
@@ -147,7 +134,7 @@ def reference_dflash2(hf, drafter_dir, committed: list[int], bonus: int, bs: int
     with torch.no_grad():
         hs = hf(torch.tensor([committed]), output_hidden_states=True).hidden_states
         feats = torch.cat([hs[i + 1][0] for i in dc["target_layer_ids"]], -1)
-        ctx = _rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+        ctx = ref_rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
         P = len(committed)
         x = hf.get_input_embeddings()(torch.tensor([bonus] + [dc["mask_token_id"]] * (bs - 1)))
         x = x * dc.get("input_embedding_scale", 1.0)
@@ -169,12 +156,12 @@ def reference_dflash2(hf, drafter_dir, committed: list[int], bonus: int, bs: int
 
             def attention(h):
                 kv_in = torch.cat([ctx, h])
-                q = _rms((h @ w[p + "self_attn.q_proj.weight"].T).view(-1, H, hd), w[p + "self_attn.q_norm.weight"],
+                q = ref_rms((h @ w[p + "self_attn.q_proj.weight"].T).view(-1, H, hd), w[p + "self_attn.q_norm.weight"],
                          eps)
-                k = _rms((kv_in @ w[p + "self_attn.k_proj.weight"].T).view(-1, Hkv, hd),
+                k = ref_rms((kv_in @ w[p + "self_attn.k_proj.weight"].T).view(-1, Hkv, hd),
                          w[p + "self_attn.k_norm.weight"], eps)
                 v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(-1, Hkv, hd)
-                q, k = _rope(q, qpos, cfg["rope_theta"]), _rope(k, kpos, cfg["rope_theta"])
+                q, k = ref_rope(q, qpos, cfg["rope_theta"]), ref_rope(k, kpos, cfg["rope_theta"])
                 k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
                 s = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
                 att = s.masked_fill(~seen, float("-inf")).softmax(-1)
@@ -184,9 +171,9 @@ def reference_dflash2(hf, drafter_dir, committed: list[int], bonus: int, bs: int
                 return (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) \
                     @ w[p + "mlp.down_proj.weight"].T
 
-            x = x + wrapped(_rms(x, w[p + "input_layernorm.weight"], eps), p, "attention_conv", attention)
-            x = x + wrapped(_rms(x, w[p + "post_attention_layernorm.weight"], eps), p, "mlp_conv", mlp)
-        hidden = _rms(x, w["norm.weight"], eps)
+            x = x + wrapped(ref_rms(x, w[p + "input_layernorm.weight"], eps), p, "attention_conv", attention)
+            x = x + wrapped(ref_rms(x, w[p + "post_attention_layernorm.weight"], eps), p, "mlp_conv", mlp)
+        hidden = ref_rms(x, w["norm.weight"], eps)
         unary = hf.lm_head(hidden[1:1 + depth]).float() * dc.get("output_multiplier", 1.0)
         cap = dc.get("final_logit_softcapping")
         if cap:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from drafttree import LLM, SamplingParams
 from drafttree.models.dflash import DFlashConfig
+from tests.helpers import ref_rms, ref_rope
 from tests.tiny import copy_checkpoint, edit_config, edit_tensors, make_drafter, make_target
 
 VOCAB = 31
@@ -237,19 +238,6 @@ def test_config_fields_are_used(target, tmp_path):
     assert build(target, d, spec="none").engine.runner.drafter is None
 
 
-def _rms(x, w, eps):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rope(x, pos, theta):
-    hd = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
-    f = pos[:, None].float() * inv
-    emb = torch.cat([f, f], -1)[:, None]
-    rot = torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], -1)
-    return x * emb.cos() + rot * emb.sin()
-
-
 def reference_draft_logits(hf, drafter_dir, committed: list[int], bonus: int, block_size: int) -> torch.Tensor:
     """The DFlash drafter written out from its published config and tensors: context features
     are the target's hidden states after each of target_layer_ids (Hugging Face's
@@ -265,27 +253,27 @@ def reference_draft_logits(hf, drafter_dir, committed: list[int], bonus: int, bl
     eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
     with torch.no_grad():
         hs = hf(torch.tensor([committed]), output_hidden_states=True).hidden_states
-        ctx = _rms(torch.cat([hs[i + 1][0] for i in ids], -1) @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+        ctx = ref_rms(torch.cat([hs[i + 1][0] for i in ids], -1) @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
         P = len(committed)
         x = hf.get_input_embeddings()(torch.tensor([bonus] + [mask] * (block_size - 1)))
         qpos, kpos = torch.arange(P, P + block_size), torch.arange(P + block_size)
         for i in range(cfg["num_hidden_layers"]):
             p = f"layers.{i}."
-            h = _rms(x, w[p + "input_layernorm.weight"], eps)
+            h = ref_rms(x, w[p + "input_layernorm.weight"], eps)
             kv_in = torch.cat([ctx, h])
-            q = _rms((h @ w[p + "self_attn.q_proj.weight"].T).view(-1, H, hd), w[p + "self_attn.q_norm.weight"], eps)
-            k = _rms((kv_in @ w[p + "self_attn.k_proj.weight"].T).view(-1, Hkv, hd),
+            q = ref_rms((h @ w[p + "self_attn.q_proj.weight"].T).view(-1, H, hd), w[p + "self_attn.q_norm.weight"], eps)
+            k = ref_rms((kv_in @ w[p + "self_attn.k_proj.weight"].T).view(-1, Hkv, hd),
                      w[p + "self_attn.k_norm.weight"], eps)
             v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(-1, Hkv, hd)
-            q, k = _rope(q, qpos, theta), _rope(k, kpos, theta)
+            q, k = ref_rope(q, qpos, theta), ref_rope(k, kpos, theta)
             k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
             att = (torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)).softmax(-1)
             o = torch.einsum("hqk,khd->qhd", att, v).reshape(block_size, H * hd)
             x = x + o @ w[p + "self_attn.o_proj.weight"].T
-            h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+            h = ref_rms(x, w[p + "post_attention_layernorm.weight"], eps)
             x = x + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) \
                 @ w[p + "mlp.down_proj.weight"].T
-        return hf.lm_head(_rms(x, w["norm.weight"], eps))[1:].float()
+        return hf.lm_head(ref_rms(x, w["norm.weight"], eps))[1:].float()
 
 
 @pytest.mark.parametrize("ids,mask,block_size,budget", [([0, 1], 2, None, None), ([1], VOCAB - 1, 7, None),

@@ -305,10 +305,19 @@ class SampleMode(IntEnum):
         return cls.FILTERED if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else cls.SAMPLE
 
 
+def pick_thresholds(logits: torch.Tensor, st: SamplingTensors, mode: SampleMode) -> torch.Tensor | None:
+    """The top-k / top-p thresholds [R, N] the filtered mode picks by (None in the other modes)."""
+    if mode is not SampleMode.FILTERED:
+        return None
+    R = logits.shape[0]
+    return filter_thresholds(logits, st.temperature[:R], st.top_k[:R], st.top_p[:R])
+
+
 def pick_tokens(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor,
-                mode: SampleMode) -> torch.Tensor:
+                mode: SampleMode, thr: torch.Tensor | None = None) -> torch.Tensor:
     """The target's choice at every row/node. logits [R, N, V] float; positions [R, N] are the
-    absolute positions of the tokens being chosen. Greedy rows take the argmax."""
+    absolute positions of the tokens being chosen. Greedy rows take the argmax. `thr`: the
+    filtered mode's thresholds where the caller has them (`pick_thresholds`)."""
     if mode is SampleMode.GREEDY:
         return logits.argmax(dim=-1)
     R = logits.shape[0]
@@ -316,7 +325,7 @@ def pick_tokens(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tens
     if mode is SampleMode.SAMPLE:
         return sample_rows(logits, temp, seed, positions)
     # top-k / top-p: one threshold per row/node, ahead of the compiled piece, which masks by it
-    return sample_rows(logits, temp, seed, positions, filter_thresholds(logits, temp, st.top_k[:R], st.top_p[:R]))
+    return sample_rows(logits, temp, seed, positions, thr if thr is not None else pick_thresholds(logits, st, mode))
 
 
 def at_temperature(logits: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from drafttree.kernels.fused import fused
-from drafttree.sampling import SampleMode, SamplingTensors, at_temperature, filter_thresholds
+from drafttree.sampling import SampleMode, SamplingTensors, at_temperature, pick_thresholds
 from drafttree.spec_decode.tree import DraftTree
 
 # Predictions travel to the host in the round's integer output buffer, in thousandths of a token.
@@ -43,7 +43,7 @@ def expected_accept(draft_logits: torch.Tensor, tree: DraftTree) -> torch.Tensor
 
 
 def observed_accept(logits: torch.Tensor, tree: DraftTree, picks: torch.Tensor, st: SamplingTensors,
-                    mode: SampleMode) -> torch.Tensor:
+                    mode: SampleMode, thr: torch.Tensor | None = None) -> torch.Tensor:
     """[R, N] float32: column n is the expected accepted length of the verified tree's first
     n + 1 columns under the target's sampler (see the module's docstring); logits [R, N, V] are
     the target's at the nodes, picks [R, N] its picks there."""
@@ -53,7 +53,7 @@ def observed_accept(logits: torch.Tensor, tree: DraftTree, picks: torch.Tensor, 
     if mode is SampleMode.GREEDY:
         return _path_sums(hit, tree)
     temp = st.temperature[:R]
-    thr = filter_thresholds(logits, temp, st.top_k[:R], st.top_p[:R]) if mode is SampleMode.FILTERED else None
+    thr = thr if thr is not None else pick_thresholds(logits, st, mode)   # the pick's, where it passed them
     lp = _sampled_log_probs(logits, temp, parent, tok, thr)
     return _path_sums(torch.where((temp > 0)[:, None], lp, hit), tree)
 

@@ -18,7 +18,7 @@ from drafttree.kernels.fused import fused
 from drafttree.models.dflash2 import DFlash2Drafter
 from drafttree.models.kv_cache import attn_meta, page_slots
 from drafttree.phases import Phase
-from drafttree.sampling import SampleMode, pick_tokens
+from drafttree.sampling import SampleMode, pick_thresholds, pick_tokens
 from drafttree.spec_decode.acceptance import expected_accept, observed_accept, observed_at, predictions_at
 from drafttree.spec_decode.logits import commit_output, path_logprobs, process_logits
 from drafttree.spec_decode.selector import selector_tree
@@ -201,9 +201,11 @@ def verify_forward(rc: RoundContext, B: int, kv_len: int, tree: DraftTree, mode:
     if processed:
         logits = process_logits(logits, s.logits.rows(slice(0, B)), tree.tokens, tree.parents, tree.depth,
                                 tree.visible, s.sampling.temperature[:B])
-    picks = pick_tokens(logits, s.sampling, pos + 1, mode)
-    if s.out_seen.shape[1] and not masked:   # what the target's sampler gives the tree, for the budget choice
-        s.out_seen[:B] = observed_at(observed_accept(logits, tree, picks, s.sampling, mode), rc.spec.budgets)
+    observe = s.out_seen.shape[1] and not masked   # what the target's sampler gives the tree, for the budget choice
+    thr = pick_thresholds(logits, s.sampling, mode) if observe else None   # one top-k/top-p pass for both
+    picks = pick_tokens(logits, s.sampling, pos + 1, mode, thr)
+    if observe:
+        s.out_seen[:B] = observed_at(observed_accept(logits, tree, picks, s.sampling, mode, thr), rc.spec.budgets)
     return picks, aux, raw
 
 

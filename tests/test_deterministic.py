@@ -310,7 +310,7 @@ def test_moe_and_mla_targets_are_refused_before_loading(tmp_path):
     from tests.moe_tiny import make_moe_target
     target = make_moe_target(tmp_path / "q", "qwen3_moe")
     with pytest.raises(ValueError, match="deterministic mode covers dense Llama, Qwen2 and Qwen3 targets"):
-        LLM(model=str(target), device="cpu", deterministic=True)
+        LLM(model=str(target), device=DEVICE, deterministic=True)
 
 
 def _reduce_on_ranks(tp, shapes):

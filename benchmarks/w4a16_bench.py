@@ -8,7 +8,7 @@ together larger than L2, so that the weights come from HBM, as in a forward.
 
 Per row: µs per call, the int4 floor (the bytes of the packed words and scales the call must read:
 the whole weight, or the experts its routing hits, over --hbm-bytes-per-s) and each time's ratio
-to it. One row (decode) also times the tiles in the GEMV's place; the experts also time the blocks
+to it. One row (decode) also times the tiles in the GEMVs' place (dense and experts); the experts also time the blocks
 this rank's pairs alone would choose, where those differ from the code's (sized by all N·k). A configuration that fails is
 reported as its error and the rest still run. --sweep times candidate blocks per row and keeps
 the fastest (each candidate compiles anew: sweep a few rows at a time, e.g. --only experts --rows
@@ -162,10 +162,14 @@ def routing(M: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / w.sum(1, keepdim=True)).cuda(), idx.cuda()
 
 
-def expert_candidates(args: argparse.Namespace, code: int4_moe_kernel.Blocks) -> list[int4_moe_kernel.Blocks]:
-    """The sweep's blocks: slots per tile from --bm, else the code's and the next size up."""
+def expert_candidates(args: argparse.Namespace, code: int4_moe_kernel.Blocks,
+                      M: int) -> list[int4_moe_kernel.Blocks | int4_kernel.GemvBlocks]:
+    """The sweep's blocks: one token, the GEMVs' too; slots per tile from --bm, else the code's
+    and the next size up."""
+    gemv = [int4_kernel.GemvBlocks(*c) for c in itertools.product(
+        ints(args.gemv_bn), ints(args.gemv_bkw), ints(args.warps), ints(args.stages))] if M == 1 else []
     bm = ints(args.bm) if args.bm else sorted({code.bm, min(64, 2 * code.bm)})
-    return [int4_moe_kernel.Blocks(*c) for c in itertools.product(
+    return gemv + [int4_moe_kernel.Blocks(*c) for c in itertools.product(
         bm, ints(args.bn_up), ints(args.bn_down), ints(args.bkw), ints(args.warps), ints(args.stages))]
 
 
@@ -181,7 +185,7 @@ def bench_experts(rows: list[int], args: argparse.Namespace) -> list[dict]:
     print(f"\nexperts: {E_LOCAL} of {E_ROUTED} on this rank, top-{TOPK}, D {D}, I {I}, group {GROUP}; int4 "
           f"{expert / 1e6:.1f} MB an expert ({copies} layer copies); floor: the experts hit, at "
           f"{args.hbm_bytes_per_s / 1e12:.2f} TB/s")
-    print(f"{'rows':>5s} {'hit':>4s} {'floor':>7s} {'kernel':>9s} {'x floor':>7s} {'torch':>9s} {'torch all':>9s} "
+    print(f"{'rows':>5s} {'hit':>4s} {'floor':>7s} {'kernel':>9s} {'x floor':>7s} {'tiles@1':>9s} {'torch':>9s} {'torch all':>9s} "
           f"{'bf16':>9s}  err       blocks")
     out = []
     for M in rows:
@@ -196,6 +200,9 @@ def bench_experts(rows: list[int], args: argparse.Namespace) -> list[dict]:
         def kernel(ly, b=None):
             return int4_moe_kernel.fused_experts(x, w, idx, *ly, GROUP, b, dropless=False)
         attempt(row, "kernel_us", lambda: cycled(kernel, layers))
+        if M == 1:   # the tiles the GEMVs replace
+            attempt(row, "tiles_us", lambda: cycled(lambda ly: kernel(ly, int4_moe_kernel.blocks_for(TOPK, E_LOCAL)),
+                                                    layers))
         # The code sizes tiles by all N·k pairs (it cannot count this rank's without a read-back):
         # the tiles this rank's pairs alone would take, where they differ.
         local = int4_moe_kernel.blocks_for(max(1, row["local_pairs"]), E_LOCAL)
@@ -210,7 +217,7 @@ def bench_experts(rows: list[int], args: argparse.Namespace) -> list[dict]:
             lambda ly: moe_kernel.fused_experts(x, w, idx, ly[0], ly[1], dropless=False), dense))
         if args.sweep:
             best = None
-            for b in expert_candidates(args, int4_moe_kernel.blocks_for(M * TOPK, E_LOCAL)):
+            for b in expert_candidates(args, int4_moe_kernel.blocks_for(M * TOPK, E_LOCAL), M):
                 try:
                     us = cycled(lambda ly, b=b: kernel(ly, b), layers)
                 except Exception as e:   # noqa: BLE001  (a tile the GPU cannot hold)
@@ -219,7 +226,7 @@ def bench_experts(rows: list[int], args: argparse.Namespace) -> list[dict]:
                 if best is None or us < best[0]:
                     best = (us, b)
             if best is not None:
-                row["sweep_us"], row["sweep_blocks"] = best[0], list(best[1])
+                row["sweep_us"], row["sweep_blocks"] = best[0], [type(best[1]).__name__, *best[1]]
         try:
             got = kernel(layers[0]).float()
             want = int4_ops.experts_all(x, w, idx, *layers[0], GROUP).float()
@@ -227,8 +234,9 @@ def bench_experts(rows: list[int], args: argparse.Namespace) -> list[dict]:
         except Exception as e:   # noqa: BLE001
             row["err"] = None
             row.setdefault("errors", {})["err"] = f"{type(e).__name__}: {e}"
-        row["blocks"] = list(int4_moe_kernel.blocks_for(M * TOPK, E_LOCAL))
-        print_row(row, ["kernel_us", "torch_us", "torch_all_us", "bf16_us"], hit=True)
+        gemv = M == 1 and int4_moe_kernel.GEMV_ONE_TOKEN
+        row["blocks"] = list(int4_moe_kernel.GEMV if gemv else int4_moe_kernel.blocks_for(M * TOPK, E_LOCAL))
+        print_row(row, ["kernel_us", "tiles_us", "torch_us", "torch_all_us", "bf16_us"], hit=True)
         out.append(row)
     del layers, dense
     torch.cuda.empty_cache()

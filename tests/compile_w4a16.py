@@ -40,6 +40,13 @@ def variants():
                dict(common, TOPK=8, BN=b.bn_up), options)
         yield (f"experts down {b.bm} slots", int4_moe_kernel._down_kernel, ("P", "nib"), MOE,
                dict(common, BN=b.bn_down), options)
+    g = int4_moe_kernel.GEMV
+    common = dict(E=E, D=D, I=I, G=G, BN=g.bn, BKW=int4_kernel.step_words(g.bkw, G), STAGES=g.stages, PDL=1)
+    options = {"num_warps": g.warps, "num_stages": g.stages}
+    ids = {"ids_ptr": "*i64"}
+    yield ("experts gate/up GEMV", int4_moe_kernel._gate_up_gemv_kernel, ("nib",), {**MOE, **ids},
+           dict(common, TOPK=8), options)
+    yield ("experts down GEMV", int4_moe_kernel._down_gemv_kernel, ("nib",), {**MOE, **ids}, common, options)
 
 
 if __name__ == "__main__":

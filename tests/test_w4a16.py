@@ -140,7 +140,10 @@ def experts_case(N: int, k: int, E: int, D: int, I: int, G: int, dtype: torch.dt
 
 
 SMALL_MOE = int4_moe_kernel.Blocks(16, 16, 16, 16, 4, 2)
-EXPERTS = [pytest.param(1, 4, 6, 64, 32, 32, None, False, id="decode"),
+EXPERTS = [pytest.param(1, 4, 6, 64, 32, 32, None, False, id="decode-gemv"),
+           pytest.param(1, 8, 9, 256, 128, 128, int4_kernel.GemvBlocks(16, 16, 4, 2), True, id="gemv-steps-g128-dropped"),
+           pytest.param(1, 3, 5, 96, 48, 8, int4_kernel.GemvBlocks(32, 8, 2, 2), False, id="gemv-edges-g8"),
+           pytest.param(1, 4, 6, 64, 32, 32, SMALL_MOE, True, id="one-token-tiles-dropped"),
            pytest.param(6, 2, 7, 128, 64, 32, SMALL_MOE, True, id="6rows-dropped-small-blocks"),
            pytest.param(9, 3, 5, 128, 128, 128, int4_moe_kernel.Blocks(32, 16, 32, 16, 4, 2), False, id="bm32-g128"),
            pytest.param(12, 2, 3, 64, 32, 8, int4_moe_kernel.Blocks(64, 16, 16, 16, 4, 2), True, id="bm64-g8-dropped"),
@@ -151,8 +154,9 @@ EXPERTS = [pytest.param(1, 4, 6, 64, 32, 32, None, False, id="decode"),
                          ids=["fp32", "fp16"])
 @pytest.mark.parametrize("N,k,E,D,I,G,blocks,dropped", EXPERTS)
 def test_grouped_experts_match_the_torch_form(N, k, E, D, I, G, blocks, dropped, dtype, scale_dtype):
-    """The two grouped GEMMs give `int4_ops.experts` (each pair's expert unpacked, rounded at the
-    same points); pairs of id E add nothing and take no slot."""
+    """The two grouped GEMMs (one token: the two GEMVs) give `int4_ops.experts` (each pair's expert
+    unpacked, rounded at the same points; the GEMVs keep the weight unrounded, as the linear's);
+    pairs of id E add nothing and take no slot."""
     x, w, idx, gu, gus, dn, dns = experts_case(N, k, E, D, I, G, dtype, seed=N * 7 + E, dropped=dropped,
                                                scale_dtype=scale_dtype)
     with poisoned():

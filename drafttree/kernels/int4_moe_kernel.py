@@ -11,6 +11,13 @@ expert's down rows, scales each pair by its combine weight and writes the pair's
 `int4_ops.experts` rounds: the weights, gate and up, silu, their product, the expert's output, the
 combine weight and the weighted output. Sizes depend on N, k and the weights' shapes only, nothing
 is read back: a forward can be captured in a CUDA graph.
+
+One token (a decode) takes GEMVs instead, as `int4_kernel`'s one row does: its k pairs name k
+different experts, so the tiles would have one live slot of 16 and, spanning the whole reduction
+with 64 weight rows each, keep 32 programs of a hit expert busy on 132 SMs (165 µs against a
+5.2 µs floor for Kimi K2's expert on an H200). A GEMV program takes one pair and BN weight rows,
+so a hit expert spreads over I / BN (gate/up) and D / BN (down) programs; no layout is needed,
+and pairs of id E return at once (down writes their zero rows).
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import torch
 
 from drafttree.kernels import int4_ops, moe_align
 from drafttree.kernels.gemm_kernel import glu_out
-from drafttree.kernels.int4_kernel import NIBBLE, check_group, load_step, plane, scaled, step_words
+from drafttree.kernels.int4_kernel import NIBBLE, GemvBlocks, check_group, load_step, plane, scaled, step_words
 from drafttree.kernels.triton_jit import cdiv, interpreting, jit_kernel, pdl_options, pdl_wait
 
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
@@ -51,6 +58,85 @@ def blocks_for(pairs: int, num_experts: int) -> Blocks:
     if per_expert <= 64:
         return Blocks(64, 64, 128, 32, 4, 3)
     return Blocks(128, 128, 256, 16, 8, 3)
+
+
+# One token's pairs: BN weight rows a program. Whether one token takes the GEMVs: the tiles
+# remain for the bench to time against them.
+GEMV = GemvBlocks(16, 128, 4, 3)
+GEMV_ONE_TOKEN = True
+
+
+def _gate_up_gemv_kernel(x_ptr, p_ptr, s_ptr, ids_ptr, h_ptr, nib, E: tl.constexpr, TOPK: tl.constexpr,
+                         D: tl.constexpr, I: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+                         BKW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    KW: tl.constexpr = D // 8
+    KG: tl.constexpr = D // G
+    WPG: tl.constexpr = G // 8
+    BG: tl.constexpr = BKW // WPG
+    q, nb = tl.program_id(0), tl.program_id(1)
+    pdl_wait(PDL)   # the pair's expert is an earlier kernel's output
+    e = tl.load(ids_ptr + q)
+    if e >= E:
+        return
+    dt = h_ptr.dtype.element_ty
+    x_row = x_ptr + (q // TOPK).to(tl.int64) * D
+    n = nb * BN + tl.arange(0, BN)
+    pw = p_ptr + e.to(tl.int64) * (2 * I * KW)
+    sw = s_ptr + e.to(tl.int64) * (2 * I * KG)
+    gate = tl.zeros([BN, BG, WPG], tl.float32)   # summed across lanes once, after the loop
+    up = tl.zeros([BN, BG, WPG], tl.float32)
+    for g0 in tl.range(0, KG, BG, num_stages=STAGES):
+        g = g0 + tl.arange(0, BG)
+        wg, hg, sg = load_step(pw, sw, n, g, I, KW, KG, WPG)
+        wu, hu, su = load_step(pw + I * KW, sw + I * KG, n, g, I, KW, KG, WPG)
+        xw = (g[:, None] * WPG + tl.arange(0, WPG)[None, :]) * 8   # [BG, WPG]: each word's first input
+        x_ok = g[:, None] < KG
+        pg = tl.zeros([BN, BG, WPG], tl.float32)   # each word's eight products, unscaled
+        pu = tl.zeros([BN, BG, WPG], tl.float32)
+        for i in tl.static_range(8):
+            xi = tl.load(x_row + xw + i, mask=x_ok, other=0.0).to(tl.float32)[None, :, :]
+            pg += plane(wg, hg, i, nib) * xi
+            pu += plane(wu, hu, i, nib) * xi
+        gate += pg * sg.to(tl.float32)
+        up += pu * su.to(tl.float32)
+    h = glu_out(tl.sum(tl.sum(gate, axis=2), axis=1), tl.sum(tl.sum(up, axis=2), axis=1), dt)
+    tl.store(h_ptr + q.to(tl.int64) * I + n, h.to(dt), mask=n < I)
+
+
+def _down_gemv_kernel(h_ptr, p_ptr, s_ptr, ids_ptr, cw_ptr, y_ptr, nib, E: tl.constexpr, D: tl.constexpr,
+                      I: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+                      STAGES: tl.constexpr, PDL: tl.constexpr):
+    KW: tl.constexpr = I // 8
+    KG: tl.constexpr = I // G
+    WPG: tl.constexpr = G // 8
+    BG: tl.constexpr = BKW // WPG
+    q, nb = tl.program_id(0), tl.program_id(1)
+    dt = y_ptr.dtype.element_ty
+    n = nb * BN + tl.arange(0, BN)
+    y_at = y_ptr + q.to(tl.int64) * D + n
+    pdl_wait(PDL)
+    e = tl.load(ids_ptr + q)
+    if e >= E:   # another rank's expert: a zero row, so that the sum over k skips it
+        tl.store(y_at, tl.zeros([BN], tl.float32).to(dt), mask=n < D)
+        return
+    h_row = h_ptr + q.to(tl.int64) * I
+    pw = p_ptr + e.to(tl.int64) * (D * KW)
+    sw = s_ptr + e.to(tl.int64) * (D * KG)
+    acc = tl.zeros([BN, BG, WPG], tl.float32)
+    for g0 in tl.range(0, KG, BG, num_stages=STAGES):
+        g = g0 + tl.arange(0, BG)
+        wd, hd, sd = load_step(pw, sw, n, g, D, KW, KG, WPG)
+        hw = (g[:, None] * WPG + tl.arange(0, WPG)[None, :]) * 8
+        h_ok = g[:, None] < KG
+        part = tl.zeros([BN, BG, WPG], tl.float32)
+        for i in tl.static_range(8):
+            hv = tl.load(h_row + hw + i, mask=h_ok, other=0.0).to(tl.float32)[None, :, :]
+            part += plane(wd, hd, i, nib) * hv
+        acc += part * sd.to(tl.float32)
+    # rounded where the torch forms round: the expert's output, the weight, their product
+    cw = tl.load(cw_ptr + q).to(dt).to(tl.float32)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1).to(dt).to(tl.float32) * cw
+    tl.store(y_at, y.to(dt), mask=n < D)
 
 
 def _gate_up_kernel(x_ptr, p_ptr, s_ptr, pairs_ptr, tiles_ptr, h_ptr, P, nib, E: tl.constexpr,
@@ -147,17 +233,22 @@ def check(x: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor, gate_up_sca
 
 def fused_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
                   gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor, group_size: int,
-                  blocks: Blocks | None = None, dropless: bool = True) -> torch.Tensor:
+                  blocks: Blocks | GemvBlocks | None = None, dropless: bool = True) -> torch.Tensor:
     """Σ_k w[n, k] · expert_idx[n, k](x[n]) for x [N, D], w [N, k], idx [N, k] (ids in [0, E); with
     dropless=False also E: a pair that adds nothing and is not computed), int4 experts gate_up
     [E, 2I, D / 8] (+ scales [E, 2I, D / G]) and down [E, D, I / 8] (+ scales [E, D, I / G]).
-    -> [N, D] in x's dtype."""
+    -> [N, D] in x's dtype. One token takes the GEMVs where GEMV_ONE_TOKEN; `blocks` (GemvBlocks
+    for the GEMVs at one token, Blocks for the tiles at any) overrides the tables."""
     E, D, I = check(x, idx, gate_up, gate_up_scale, down, down_scale, group_size)
     N, k = idx.shape
     P = N * k
     if P == 0:
         return torch.zeros(N, D, dtype=x.dtype, device=x.device)
-    b = blocks or blocks_for(P, E)
+    gemv = isinstance(blocks, GemvBlocks) or (blocks is None and GEMV_ONE_TOKEN)
+    if N == 1 and gemv:
+        return _gemv_experts(x, w, idx, gate_up, gate_up_scale, down, down_scale, group_size,
+                             blocks if isinstance(blocks, GemvBlocks) else GEMV)
+    b = blocks if isinstance(blocks, Blocks) else blocks_for(P, E)
     lay = moe_align.layout(idx, E, b.bm)
     T = lay.tile_expert.numel()
     x = x.contiguous()
@@ -175,4 +266,28 @@ def fused_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: 
         h, down, down_scale, lay.pairs, lay.tile_expert, w.reshape(-1).float().contiguous(), y, P, NIBBLE, E=E, D=D,
         I=I, G=group_size, SCALE_DT=down_scale.dtype == x.dtype, BM=b.bm, BN=b.bn_down,
         BKW=step_words(b.bkw, group_size), STAGES=b.stages, num_warps=b.warps, **pdl)
+    return y.view(N, k, D).sum(dim=1)
+
+
+def _gemv_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
+                  gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor, group_size: int,
+                  g: GemvBlocks) -> torch.Tensor:
+    """`fused_experts` for one token's pairs: a GEMV program per (pair, BN weight rows)."""
+    E, two_i = gate_up.shape[:2]
+    I, D = two_i // 2, x.shape[-1]
+    N, k = idx.shape
+    P = N * k
+    x = x.contiguous()
+    ids = idx.reshape(-1).contiguous()
+    gate_up, gate_up_scale = gate_up.contiguous(), gate_up_scale.contiguous()
+    down, down_scale = down.contiguous(), down_scale.contiguous()
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(P, D, dtype=x.dtype, device=x.device)
+    pdl = pdl_options(x.device)
+    common = dict(E=E, D=D, I=I, G=group_size, BN=g.bn, BKW=step_words(g.bkw, group_size), STAGES=g.stages,
+                  num_warps=g.warps, **pdl)
+    jit_kernel(_gate_up_gemv_kernel, interpreting(), ("nib",))[(P, cdiv(I, g.bn))](
+        x, gate_up, gate_up_scale, ids, h, NIBBLE, TOPK=k, **common)
+    jit_kernel(_down_gemv_kernel, interpreting(), ("nib",))[(P, cdiv(D, g.bn))](
+        h, down, down_scale, ids, w.reshape(-1).float().contiguous(), y, NIBBLE, **common)
     return y.view(N, k, D).sum(dim=1)

@@ -99,7 +99,7 @@ def bench_json(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("rank") / "rank.json"
     assert rank_bench.main(["--random-weights", TINY, "--simulate-rank", "1", "--tensor-parallel-size", "2",
                             "--batch", "1,4", "--budgets", "4,8", "--prompt-len", "20", "--max-model-len", "200",
-                            "--iters", "1", "--device", "cpu", "--out", str(out)]) == 0
+                            "--iters", "1", "--device", "cpu", "--profile", "5", "--out", str(out)]) == 0
     assert not dist.is_initialized()
     return json.loads(out.read_text())
 
@@ -114,6 +114,10 @@ def test_bench_rank_reports_every_field(bench_json):
     cfg = shape_config(TINY)[0]
     for b in res["batches"]:
         d = b["decode"]
+        k = d["kernels"]   # --profile 5: the decode step's ops by name (on the CPU, their CPU time)
+        assert 0 < len(k["top"]) <= 5 and k["count_per_step"] >= len(k["top"]) and k["us_per_step"] > 0
+        assert all(x["name"] and x["per_step"] > 0 for x in k["top"])
+        assert [x["us"] for x in k["top"]] == sorted((x["us"] for x in k["top"]), reverse=True)
         assert d["ms"] > 0 and d["weight_floor_ms"] > 0
         assert d["over_floor"] == pytest.approx(d["ms"] / d["weight_floor_ms"])
         assert d["collectives"]["by_kind"] == {"all_reduce": 1 + 2 * cfg.num_layers, "all_gather": 1}

@@ -3,7 +3,7 @@ its weight-read floor, and its DDTree rounds by budget.
 
 Usage: python -m drafttree.bench.rank --random-weights kimi-k2:int4 --simulate-rank 0 --tensor-parallel-size 8
            [--num-layers N] [--batch 1,16] [--budgets 4,8,16,32] [--max-model-len N] [--prompt-len 512]
-           [--gpu-memory-utilization 0.9] [--acceptance 4:2.37,8:2.61,16:2.85,32:3.09] [--out rank.json]
+           [--gpu-memory-utilization 0.9] [--acceptance 4:2.37,8:2.61,16:2.85,32:3.09] [--profile 25] [--out rank.json]
 
 The rank is built as rank r of N builds itself (`random_model` over a group: its attention heads
 and MLP rows, the E/N routed experts expert parallelism gives it, MLA's latent path and the router
@@ -83,6 +83,7 @@ class Options:
     latency_s: float
     acceptance: dict[int, float]
     skew: float
+    profile: int = 0      # kernels listed from a profile of the decode step (0: no profile)
 
 
 @dataclass
@@ -316,7 +317,38 @@ class Batch:
                                                                 o.acceptance)
         if o.skew and self.num_experts:
             out["skewed"] = self.skewed(spread)
+        if o.profile:
+            out["decode"]["kernels"] = self.kernels(self.decode, o.profile)
         return out
+
+    def kernels(self, st: PhaseStep, top: int) -> dict:
+        """The device kernels of one step (its graph's replay where captured), by name: how many
+        run per step and their time per step, the `top` longest; from `torch.profiler`, whose
+        timings of back-to-back kernels leave out the gaps between them."""
+        from torch.profiler import ProfilerActivity, profile
+        r, reps = self.r, 5
+        graph = r.graphs.get(st, self.bucket, GREEDY, self.kv_len) if r.graphs is not None else None
+        run = graph.replay if graph is not None else (lambda: st.run(r.round_ctx, self.bucket, self.kv_len, GREEDY))
+        cuda = r.device.type == "cuda"
+        self.reset()
+        run()
+        activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+        with profile(activities=[activity]) as prof:
+            for _ in range(reps):
+                self.reset()
+                run()
+            if cuda:
+                torch.cuda.synchronize(r.device)
+        rows = []
+        for ev in prof.key_averages():
+            us = (ev.device_time_total if cuda else ev.self_cpu_time_total) / reps
+            if us > 0 and (not cuda or ev.device_type == torch.autograd.DeviceType.CUDA):
+                rows.append({"name": ev.key, "per_step": ev.count / reps, "us": us})
+        rows.sort(key=lambda k: -k["us"])
+        return {"source": "torch.profiler over %d %s, the state reset before each (its copies included)"
+                % (reps, "graph replays" if graph is not None else "eager runs"),
+                "count_per_step": sum(k["per_step"] for k in rows), "us_per_step": sum(k["us"] for k in rows),
+                "top": rows[:top]}
 
     def skewed(self, spread: dict[int, float]) -> dict:
         """The decode step and each round again under a skewed routing (`rank_costs.skewed_routing`)."""
@@ -366,6 +398,11 @@ def format_report(res: dict) -> str:
             lines.append(f"  {n:>6} {v['verify_ms']:>10.3f} {v['round_ms']:>10.3f} {v['round_in_decode_steps']:>13.2f} "
                          f"{v['round_with_collectives_in_decode_steps']:>8.2f} {e.get('per_layer_mean', 0):>14.2f} "
                          f"{e.get('uniform_expected', 0):>8.2f} {v['round_floor_in_decode_floors']:>19.2f}")
+        if "kernels" in d:
+            k = d["kernels"]
+            lines.append(f"  decode kernels: {k['count_per_step']:.0f} a step, {k['us_per_step'] / 1e3:.3f} ms of "
+                         f"kernel time ({k['source']}); the longest:")
+            lines += [f"    {x['us']:9.1f} us {x['per_step']:6.1f}x  {x['name'][:100]}" for x in k["top"]]
         c, cl = b["choice"], b["choice_with_collectives"]
         lines.append(f"  the cost model picks {c['picked']} (expected tokens/s: "
                      + ", ".join(f"{k}: {x}" for k, x in c["tokens_per_s"].items())
@@ -425,6 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure under a skewed routing: the selection bias gains SKEW x the router scores' "
                         "spread x N(0, 1) per expert (sigmoid routers: DeepSeek-V3, Kimi K2; default 1 for them, "
                         "0 (off) for other models)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile the decode step (torch.profiler) and list its N longest kernels by name")
     p.add_argument("--out", default=None, help="also write the results (JSON) to this file")
     return p
 
@@ -460,6 +499,8 @@ def config_of(a: argparse.Namespace) -> tuple[EngineConfig, Options]:
     missing = [b for b in budgets if b not in acceptance]
     if missing:
         raise ValueError(f"--acceptance gives no expected tokens for budgets {missing}")
+    if a.profile < 0:
+        raise ValueError(f"--profile must be >= 0, got {a.profile}")
     for flag, v in (("--prompt-len", a.prompt_len), ("--iters", a.iters)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
@@ -483,7 +524,7 @@ def config_of(a: argparse.Namespace) -> tuple[EngineConfig, Options]:
         raise ValueError("--skew moves the selection bias of sigmoid routers (DeepSeek-V3, Kimi K2); this model's "
                          "routers have none: give --skew 0")
     o = Options(a.simulate_rank, batches, budgets, a.prompt_len, a.iters, a.hbm_bandwidth, a.nvlink_bandwidth,
-                a.collective_latency_us / 1e6, acceptance, skew)
+                a.collective_latency_us / 1e6, acceptance, skew, a.profile)
     return cfg, o
 
 

@@ -1,8 +1,10 @@
 """Structured output against free decoding on one engine: tokens/s, τ and the constrained rounds'
-host seconds (the candidates' read, the tree build), at batch 1 and 16, and whether every
-constrained output equals plain constrained decoding's (spec none) at T = 0.
+host seconds (the candidates' read, the tree build), at each batch size, free and schema runs
+alternated --repeats times (the ratio's median and spread), and whether every constrained output
+equals plain constrained decoding's (spec none) at T = 0.
 
     python benchmarks/structured_bench.py [--model DIR] [--draft-model DIR] [--budget 32] [--max-tokens 128]
+        [--batches 1,16] [--repeats 3] [--device cpu|cuda] [--out structured.json]
 """
 from __future__ import annotations
 
@@ -53,22 +55,41 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--repeats", type=int, default=3, help="free and schema runs, alternated")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", default=None, help="also write the report (JSON) here")
     a = ap.parse_args()
+    if a.repeats < 1:
+        ap.error("--repeats must be >= 1")
     batches = [int(b) for b in a.batches.split(",")]
-    spec = LLM(model=a.model, draft_model=a.draft_model, spec="ddtree", budget=a.budget, max_num_seqs=max(batches))
-    plain = LLM(model=a.model, spec="none", max_num_seqs=max(batches))
-    report = {}
+    common = dict(max_num_seqs=max(batches), **({"device": a.device} if a.device else {}))
+    spec = LLM(model=a.model, draft_model=a.draft_model, spec="ddtree", budget=a.budget, **common)
+    plain = LLM(model=a.model, spec="none", **common)
+    report: dict = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
+                             "device": spec.engine.runner.device.type, "budget": a.budget,
+                             "max_tokens": a.max_tokens, "repeats": a.repeats, "schema": SCHEMA}}
+    if spec.engine.runner.device.type == "cuda":
+        import torch
+        report["meta"]["gpu"] = torch.cuda.get_device_name()
     for B in batches:
         texts = prompts(spec, B)
         run(spec, texts, True, 8)   # warm both paths
         run(spec, texts, False, 8)
-        free, con = run(spec, texts, False, a.max_tokens), run(spec, texts, True, a.max_tokens)
+        free, con = [], []
+        for _ in range(a.repeats):
+            free.append(run(spec, texts, False, a.max_tokens))
+            con.append(run(spec, texts, True, a.max_tokens))
         ref = run(plain, texts, True, a.max_tokens)
-        report[B] = {"free": {k: v for k, v in free.items() if k != "tokens"},
-                     "schema": {k: v for k, v in con.items() if k != "tokens"},
-                     "schema/free tok/s": con["tok_s"] / free["tok_s"],
-                     "schema outputs equal spec none": con["tokens"] == ref["tokens"]}
+        ratios = sorted(c["tok_s"] / f["tok_s"] for f, c in zip(free, con))
+        report[str(B)] = {"free": [{k: v for k, v in f.items() if k != "tokens"} for f in free],
+                          "schema": [{k: v for k, v in c.items() if k != "tokens"} for c in con],
+                          "schema/free tok/s": {"median": ratios[len(ratios) // 2], "min": ratios[0],
+                                                "max": ratios[-1]},
+                          "tau free": [f["tau"] for f in free], "tau schema": [c["tau"] for c in con],
+                          "schema outputs equal spec none": all(c["tokens"] == ref["tokens"] for c in con)}
     print(json.dumps(report, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ pytest.importorskip("llguidance", reason="structured outputs run on llguidance (
 
 from drafttree import LLM, SamplingParams  # noqa: E402
 from drafttree.structured.grammar import GrammarCompiler  # noqa: E402
+from drafttree.structured.masks import apply_token_masks  # noqa: E402
 from drafttree.structured.params import StructuredOutputs  # noqa: E402
 from drafttree.structured.tree import build_trees, grow  # noqa: E402
 from tests.tiny import make_drafter, make_target, write_tokenizer  # noqa: E402
@@ -227,3 +228,20 @@ def test_constrained_rounds_replay_their_graphs_or_run_eagerly(pair, plain, fake
         assert any(k.constrained for k in gr.graphs) == structured
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
         assert (gr.fallbacks > 0) != structured
+
+
+def test_token_masks_forbid_exactly_the_cleared_bits():
+    """Bit t % 32 of word t // 32 allows token t: every other token's logit becomes -inf, the
+    allowed ones keep theirs (a vocabulary that ends mid-word, words with the sign bit set)."""
+    g = torch.Generator().manual_seed(3)
+    R, N, V = 2, 3, 70
+    logits = torch.randn(R, N, V, generator=g)
+    masks = torch.randint(-2**31, 2**31 - 1, (R, N, (V + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    masks[0, 0, 0] = -2**31   # token 31 alone in the first word
+    got = apply_token_masks(logits, masks)
+    for r in range(R):
+        for n in range(N):
+            for t in range(V):
+                allowed = (int(masks[r, n, t // 32]) >> (t % 32)) & 1
+                assert got[r, n, t] == (logits[r, n, t] if allowed else float("-inf")), (r, n, t)
+    assert torch.isinf(got[0, 0, :31]).all() and got[0, 0, 31] == logits[0, 0, 31]

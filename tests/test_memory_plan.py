@@ -24,6 +24,7 @@ from drafttree.engine.memory_plan import (CONTEXT_GIB, KINDS, NCCL_GIB, Device, 
 from drafttree.models.kv_cache import KVLayout
 from drafttree.phases import SpecConfig
 from drafttree.runner.cuda_graph import graph_plan
+from drafttree.runner.round_buffers import allocate_round_state, round_buffer_bytes
 from tests.moe_tiny import SHAPES as MOE_SHAPES
 
 KIMI = Path(__file__).parent / "fixtures" / "kimi-k2.6"
@@ -81,9 +82,11 @@ def test_kimi_k26_fits_on_eight_h200s(utilization):
     weights = sum(want.values())
     bpt = 61 * (512 + 64) * 2                      # MLA: the latent and the roped key, every rank whole
     graphs = max(e.est_bytes for e in graph_plan(SpecConfig(), cfg, None, 16, [262144], 8))
+    buffers = round_buffer_bytes(cfg, SpecConfig(), 0, 16, 262144, 16, torch.bfloat16)
+    assert buffers >= 16 * 9 * cfg.vocab_size   # the logits processing's counts, prompt flags and bias
     total = plan.device.total_bytes
     assert total == 139 * GiB and "assumed: an H200" in plan.format()
-    budget = int(utilization * total) - weights - int((CONTEXT_GIB + NCCL_GIB) * GiB) - graphs
+    budget = int(utilization * total) - weights - int((CONTEXT_GIB + NCCL_GIB) * GiB) - graphs - buffers
     tokens = (budget // (bpt * 16) - 1) * 16
     assert plan.ranks[0].kv_bytes_per_token == bpt and plan.kv_tokens == tokens
     assert plan.requests_at_max_len == tokens // 16 // math.ceil((262144 + 1) / 16) >= 1
@@ -287,3 +290,24 @@ def test_planned_weights_are_what_cuda_allocates(shape):
           f"outside the allocator {(total - free - torch.cuda.memory_reserved()) / GiB:.2f} GiB "
           f"(allowance {CONTEXT_GIB} GiB)")
     del model
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig("ddtree", 8, 32), SpecConfig("dflash", 16)],
+                         ids=["none", "ddtree", "dflash"])
+def test_round_buffers_counted_as_allocated(spec):
+    """The plan's round buffers are the bytes the runner's allocation takes (counted on the meta
+    device; here against the same allocation on the CPU, every storage once)."""
+    cfg = ModelConfig("llama", 1000, 64, 128, 2, 4, 2, 16)
+    layers = 2 if spec.speculative else 0
+    state = allocate_round_state(cfg, spec, 5, -(-(300 + spec.kv_headroom) // 16), layers * cfg.hidden_size,
+                                 torch.float32, "cpu")
+    storages: dict[int, int] = {}
+
+    def walk(x: object) -> None:
+        if isinstance(x, torch.Tensor):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif hasattr(x, "__dataclass_fields__"):
+            for name in x.__dataclass_fields__:
+                walk(getattr(x, name))
+    walk(state)
+    assert round_buffer_bytes(cfg, spec, layers, 5, 300, 16, torch.float32) == sum(storages.values())

@@ -39,6 +39,7 @@ from drafttree.parallel.layers import vocab_shard
 from drafttree.parallel.shard import check_size, expert_span, kv_heads_per_rank, q_span, valid_sizes
 from drafttree.phases import SpecConfig
 from drafttree.runner.cuda_graph import graph_plan
+from drafttree.runner.round_buffers import round_buffer_bytes
 
 if TYPE_CHECKING:
     from drafttree.engine.plan import EngineSetup
@@ -320,6 +321,7 @@ class MemoryPlan:
     weight_format: str               # how the weights are stored, in words
     context_bytes: int               # the allowance beside the weights
     graph_bytes: int                 # the CUDA graphs' activation pools (estimate)
+    buffer_bytes: int                # the rounds' per-row buffers (`runner.round_buffers`), exact
     budget_source: str
     page_size: int
     max_model_len: int
@@ -371,8 +373,8 @@ class MemoryPlan:
     def overcommitted(self) -> bool:
         """Whether weights, allowance, graphs and the KV pool together exceed the device (a
         kv_cache_memory_gb larger than what is left)."""
-        return any(r.weight_bytes + self.context_bytes + self.graph_bytes + r.kv_budget > self.device.total_bytes
-                   for r in self.ranks)
+        return any(r.weight_bytes + self.context_bytes + self.graph_bytes + self.buffer_bytes + r.kv_budget
+                   > self.device.total_bytes for r in self.ranks)
 
     def fits(self) -> bool:
         return self.weights_fit() and not self.overcommitted() and self.requests_at_max_len >= 1
@@ -431,6 +433,8 @@ class MemoryPlan:
                   row("CUDA context, workspaces", [gib(self.context_bytes)] * len(rs), "allowance"),
                   row("CUDA graph pools", [gib(self.graph_bytes) if self.graph_bytes else "-"] * len(rs),
                       "estimate (graph_plan)" if self.graph_bytes else "no CUDA graphs"),
+                  row("round buffers", [gib(self.buffer_bytes)] * len(rs),
+                      f"{self.max_num_seqs} rows: round state, grammar masks, logits processing"),
                   row("KV budget", [gib(r.kv_budget) for r in rs], self.budget_source),
                   row("KV bytes per token", [f"{r.kv_bytes_per_token:,}" for r in rs],
                       "target + drafter" if any(r.kv_bytes_per_token != r.target_kv_bytes_per_token for r in rs)
@@ -497,6 +501,8 @@ def plan_memory(target: ModelConfig, raw: dict[str, Any] | None = None, drafter:
     if cuda_graphs:
         entries = graph_plan(spec, target, drafter.model if drafter else None, max_num_seqs, [max_len], world)
         graphs = max((e.est_bytes for e in entries), default=0)   # the graphs share one pool
+    buffers = round_buffer_bytes(target, spec, len(drafter.target_layer_ids) if drafter is not None else 0,
+                                 max_num_seqs, max_len, page_size, dtype)
     draft_kv = KVLayout.of(drafter.model).bytes_per_token(dtype) if drafter is not None else 0
     shares: dict[tuple, list[int]] = {}
     for rank in range(world):
@@ -515,7 +521,7 @@ def plan_memory(target: ModelConfig, raw: dict[str, Any] | None = None, drafter:
         if kv_cache_memory_gb is not None:
             budget = int(kv_cache_memory_gb * GiB)
         elif gpu_memory_utilization is not None:
-            budget = max(int(gpu_memory_utilization * total) - used - graphs, 0)
+            budget = max(int(gpu_memory_utilization * total) - used - graphs - buffers, 0)
         else:
             budget = max(int(DEFAULT_FREE_SHARE * (total - used)), 0)
         bpt = kv + draft_kv
@@ -527,8 +533,8 @@ def plan_memory(target: ModelConfig, raw: dict[str, Any] | None = None, drafter:
     stored += f"{str(dtype).removeprefix('torch.')}" + ("; routers fp32" if target.moe is not None else "")
     if draft_quantization and drafter is not None:
         stored += "; drafter fp8 (a fp32 scale per row) with an fp8 copy of the LM head rows"
-    plan = MemoryPlan(what, world, dtype, device, stored, context, graphs, source, page_size, max_len, max_num_seqs,
-                      spec.kv_headroom, tuple(ranks), max_model_len_given=max_model_len is not None)
+    plan = MemoryPlan(what, world, dtype, device, stored, context, graphs, buffers, source, page_size, max_len,
+                      max_num_seqs, spec.kv_headroom, tuple(ranks), max_model_len_given=max_model_len is not None)
     if plan.weights_fit():
         return plan
     return dataclasses.replace(plan, suggestions=_other_sizes(target, fmt, dtype, world, drafter, draft_quantization,

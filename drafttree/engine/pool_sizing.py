@@ -79,12 +79,16 @@ def kv_budget(setup: EngineSetup) -> tuple[int, str]:
     # what the weights (and anything else) took is gone from `free`; the graphs' activations
     # are captured after the pool is allocated, so they are set aside by the plan's estimate
     graphs = 0
+    wanted = cfg.max_model_len or setup.target.max_position_embeddings
     if setup.cuda_graphs:
         from drafttree.runner.cuda_graph import graph_plan
-        wanted = cfg.max_model_len or setup.target.max_position_embeddings
         drafter = setup.drafter.model if setup.drafter is not None else None
         plan = graph_plan(setup.spec, setup.target, drafter, cfg.max_num_seqs, [wanted], setup.world)
         graphs = max((e.est_bytes for e in plan), default=0)   # the graphs share one memory pool
-    budget = int(util * total) - (total - free) - graphs
+    # the rounds' per-row buffers are allocated after the pool, as are the graphs
+    from drafttree.runner.round_buffers import round_buffer_bytes
+    layers = len(setup.drafter.target_layer_ids) if setup.drafter is not None else 0
+    buffers = round_buffer_bytes(setup.target, setup.spec, layers, cfg.max_num_seqs, wanted, cfg.page_size, setup.dtype)
+    budget = int(util * total) - (total - free) - graphs - buffers
     return max(budget, 0), f"gpu_memory_utilization {util}: of {total / 2**30:.1f} GiB, less what is in use" + \
-        (" and the CUDA graphs' estimate" if graphs else "")
+        (", the CUDA graphs' estimate" if graphs else "") + " and the rounds' buffers"

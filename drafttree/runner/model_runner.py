@@ -32,11 +32,12 @@ from drafttree.runner.phase_table import PROCESSED_MODES, PhaseStep, bucket_step
 from drafttree.runner.phase_timer import PhaseTimer
 from drafttree.runner.prefill_graph import PrefillGraphs
 from drafttree.runner.prefill_plan import PrefillLimits, at_offsets, reach
+from drafttree.runner.round_buffers import allocate_round_state
 from drafttree.runner.timing import run_seconds
-from drafttree.sampling import MAX_LOGPROBS, SampleMode, SamplingParams, SamplingTensors, pick_tokens
-from drafttree.spec_decode.logits import LogitsBuffers, RowLogits
+from drafttree.sampling import SampleMode, SamplingParams, SamplingTensors, pick_tokens
+from drafttree.spec_decode.logits import RowLogits
 from drafttree.spec_decode.rounds import prefill_forward
-from drafttree.spec_decode.state import GrammarBuffers, RoundContext, RoundState
+from drafttree.spec_decode.state import RoundContext, RoundState
 from drafttree.structured.masks import apply_token_masks
 from drafttree.structured.tree import HostTrees
 
@@ -46,9 +47,6 @@ from drafttree.structured.tree import HostTrees
 # the block tables stay small (a 32k context is 2,048 entries). A gather per attention read costs
 # the same per token whatever the page size on the torch path.
 DEFAULT_PAGE_SIZE = 16
-# Candidates per drafted position a constrained round's draft leaves for the host's tree (at least
-# the widest tree's nodes): where the grammar forbids the drafter's best, the next ones stand in.
-CANDIDATES = 32
 
 
 @dataclass
@@ -131,17 +129,7 @@ class ModelRunner:
             dkv = PagedKVCache.allocate(KVLayout.of(dc), pages, ps, dtype, device)
             capture_layers = drafter.cfg.target_layer_ids
             feat = len(capture_layers) * tc.hidden_size
-        # committed tokens: what a verify commits at most; pending drafter features: what one
-        # context phase writes; the draft tree: the widest verify of any batch bucket
-        state = RoundState.allocate(rows, spec.max_commit, feat, dtype, device, cache.pages_per_row,
-                                    len(spec.budgets), spec.verify_width_max if spec.speculative else 0,
-                                    pending=spec.width(Phase.CONTEXT))
-        # structured output: token masks per row and node, and the draft step's candidates
-        state.grammar = GrammarBuffers.allocate(rows, max(spec.verify_width_max, 1), (tc.vocab_size + 31) // 32,
-                                                spec.depth, min(tc.vocab_size, max(CANDIDATES, spec.verify_width_max - 1)),
-                                                device)
-        # processed rounds: per-row penalties, bias, banned sequences; committed tokens' log-probabilities
-        state.logits = LogitsBuffers.allocate(rows, tc.vocab_size, spec.max_commit, MAX_LOGPROBS, device)
+        state = allocate_round_state(tc, spec, rows, cache.pages_per_row, feat, dtype, device)
         self.logit_rows = LogitRows(state.logits)
         # what the last prefill gave besides its tokens (log-probabilities), for the engine to read
         self.prefill_logprobs = PrefillLogprobs()

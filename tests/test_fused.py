@@ -254,3 +254,25 @@ def test_compiled_pieces_are_cached_with_the_converted_models(set_settings, monk
     assert seen == [str(base / "inductor")] and os.environ["TRITON_CACHE_DIR"] == str(base / "triton")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert fused_mod.persist_compile_cache() == str(tmp_path / "mine")
+
+
+@needs_cc
+@pytest.mark.parametrize("groups", [(1, 1), (4, 2)], ids=["one-group", "grouped"])
+def test_routing_pieces_compile_and_match_eager(set_settings, groups):
+    """DeepSeek-V3's sigmoid routing and a rank's pair renumbering, compiled, against eager: the
+    same experts, the same weights."""
+    from drafttree.kernels.torch_ops import local_pairs, sigmoid_route
+    n_group, topk_group = groups
+    g = torch.Generator().manual_seed(4)
+    for rows in (1, 5, 33):
+        logits, bias = torch.randn(rows, 32, generator=g), torch.randn(32, generator=g) * 0.1
+        outs = {}
+        for mode in ("0", "cpu"):
+            set_settings(compile=mode)
+            w, idx = sigmoid_route(logits, bias, 4, n_group, topk_group, True, 2.5)
+            outs[mode] = (w, idx, *local_pairs(w, idx, 8, 8))
+        (w0, i0, lw0, li0), (w1, i1, lw1, li1) = outs["0"], outs["cpu"]
+        assert torch.equal(i0, i1) and torch.equal(li0, li1)
+        torch.testing.assert_close(w1, w0, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(lw1, lw0, atol=1e-6, rtol=1e-6)
+        assert ((li0 == 8) == ((i0 < 8) | (i0 >= 16))).all() and (lw0[li0 == 8] == 0).all()

@@ -201,3 +201,39 @@ def thresholds_by_sort(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Te
     thr_p = x.gather(-1, (kept - 1).clamp(min=0))
     use_p = (sampled & (top_p < 1.0))[:, None, None] & (top > float("-inf"))
     return torch.where(use_p, thr_p, thr_k).squeeze(-1)
+
+
+# -- MoE routing ------------------------------------------------------------------------------------
+
+
+@fused
+def sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                  norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing from the router's fp32 logits [N, E]: sigmoid scores; the correction
+    bias moves the selection only (keep `topk_group` of `n_group` groups by their best two, then
+    top-k inside); the weights are the unbiased scores (normalised if `norm`) times `scale`.
+    -> (weights [N, k] fp32, ids [N, k] long). At a decode's rows these are a dozen tiny kernels
+    a layer, which compile into a few."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    if topk_group < n_group:
+        N, E = choice.shape
+        grouped = choice.view(N, n_group, E // n_group)
+        group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)              # [N, G]
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(topk_group, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(N, E)
+    idx = choice.topk(top_k, dim=-1).indices
+    w = scores.gather(1, idx)
+    if norm:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scale, idx
+
+
+@fused
+def local_pairs(w: torch.Tensor, idx: torch.Tensor, first: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, k) pairs of one rank's experts first .. first + num_local - 1 renumbered from 0;
+    another rank's pair gets id num_local and weight 0 (static shapes: every pair stays)."""
+    rel = idx - first
+    mine = (rel >= 0) & (rel < num_local)
+    return w.masked_fill(~mine, 0.0), torch.where(mine, rel, num_local)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafttree.kernels import dispatch
-from drafttree.kernels.torch_ops import silu_mul
+from drafttree.kernels.torch_ops import local_pairs, sigmoid_route, silu_mul
 from drafttree.models.layers import MLP
 from drafttree.moe_config import MoEConfig
 from drafttree.parallel.comm import all_reduce
@@ -64,20 +64,8 @@ class Router(nn.Module):
             if m.norm_topk_prob:
                 w = w / w.sum(dim=-1, keepdim=True)
             return w, idx
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = scores + self.bias.float()
-        if m.topk_group < m.n_group:
-            N, per = x.shape[0], m.num_experts // m.n_group
-            grouped = choice.view(N, m.n_group, per)
-            group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)              # [N, G]
-            keep = torch.zeros_like(group_score, dtype=torch.bool)
-            keep.scatter_(1, group_score.topk(m.topk_group, dim=-1).indices, True)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(N, m.num_experts)
-        idx = choice.topk(m.top_k, dim=-1).indices
-        w = scores.gather(1, idx)
-        if m.norm_topk_prob:
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * m.routed_scaling_factor, idx
+        return sigmoid_route(F.linear(x.float(), self.weight.float()), self.bias.float(), m.top_k, m.n_group,
+                             m.topk_group, m.norm_topk_prob, m.routed_scaling_factor)
 
 
 class Experts(nn.Module):
@@ -111,10 +99,7 @@ class Experts(nn.Module):
         so the forms below keep their graph-captured shapes. Unsharded: as given."""
         if not self.sharded:
             return w, idx
-        E = self.gate_up.shape[0]
-        rel = idx - self.first
-        mine = (rel >= 0) & (rel < E)
-        return w.masked_fill(~mine, 0.0), torch.where(mine, rel, E)
+        return local_pairs(w, idx, self.first, self.gate_up.shape[0])
 
     def grouped(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The pairs sorted by expert on the device, each expert over its own pairs in grouped

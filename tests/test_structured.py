@@ -117,6 +117,24 @@ def test_decode_and_drafting_rounds_alternate(pair, plain):
     assert 1 in got[0].metrics["accept_lengths"] and max(got[0].metrics["accept_lengths"]) > 1
 
 
+def test_auto_prices_constrained_rounds_apart(pair, plain):
+    """With `budget auto`, the rounds of a batch holding a constrained request are observed as a
+    kind of their own (their host work is theirs), the free rounds as theirs; the tokens stay plain
+    constrained decoding's."""
+    prompts, params = batch()
+    llm = engine(pair, "ddtree")
+    seen: list[bool] = []
+    observe = llm.engine.chooser.observe_round
+    llm.engine.chooser.observe_round = lambda *a, **kw: (seen.append(bool(a[4] if len(a) > 4 else kw.get(
+        "constrained", False))), observe(*a, **kw))[1]
+    got = llm.generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, params)]
+    llm.generate(prompts[2:3], params[2:3])    # a free request alone
+    assert True in seen and False in seen
+    assert any(k[3] for k in llm.engine.chooser.cost_ratio) and any(not k[3] for k in llm.engine.chooser.cost_ratio)
+    llm.shutdown()
+
+
 def masked_greedy(target, tok, compiler: GrammarCompiler, so: StructuredOutputs, prompt: str, n: int) -> list[int]:
     """Plain constrained greedy decoding with transformers' forward of the same checkpoint."""
     from transformers import AutoModelForCausalLM

@@ -131,18 +131,29 @@ class BudgetChooser:
     cal: dict[SamplerKey, Calibration] = field(default_factory=dict)
     pooled: dict[bool, Calibration] = field(default_factory=lambda: {True: Calibration(), False: Calibration()})
     plain_rounds: int = 0
-    cost_ratio: dict[tuple[int, bool, bool], float] = field(default_factory=dict)   # observed/measured
-    any_ratio: float = 1.0            # the same over every round observed
-    timed: dict[tuple[int, bool, bool], int] = field(default_factory=dict)   # a kind's latest observed round
+    # observed/measured per kind of round: (bucket, drafting, sampled, constrained)
+    cost_ratio: dict[tuple[int, bool, bool, bool], float] = field(default_factory=dict)
+    any_ratio: float = 1.0            # the same over every free round observed
+    timed: dict[tuple[int, bool, bool, bool], int] = field(default_factory=dict)   # a kind's latest observed round
     rounds: int = 0                   # rounds chosen so far
     _kept: tuple | None = None        # (inputs, round, plain-or-drafting choice, probe, rounds per probe)
-    _plain_probed: dict[tuple[int, bool, bool], int] = field(default_factory=dict)   # a kind's latest plain probe
+    _plain_probed: dict[tuple[int, bool, bool, bool], int] = field(default_factory=dict)   # a kind's latest plain probe
 
-    def round_seconds(self, bucket: int, budget: int, sampled: bool) -> float:
-        ratio = self.cost_ratio.get((bucket, budget > 0, sampled), self.any_ratio)
-        return self.costs.round_seconds(bucket, budget, sampled) * ratio
+    def _ratio(self, key: tuple[int, bool, bool, bool]) -> float:
+        """A kind's observed/measured ratio; a constrained kind not yet observed starts from its
+        free twin's."""
+        r = self.cost_ratio.get(key)
+        if r is None and key[3]:
+            r = self.cost_ratio.get(key[:3] + (False,))
+        return self.any_ratio if r is None else r
 
-    def observe_round(self, bucket: int, budget: int, sampled: bool, seconds: float) -> None:
+    def round_seconds(self, bucket: int, budget: int, sampled: bool, constrained: bool = False) -> float:
+        """A round's price: the measured cost times its kind's observed ratio. A constrained round
+        (structured output) is a kind of its own: the host grows its trees and their masks
+        between the draft and the verify, which the measured table does not hold."""
+        return self.costs.round_seconds(bucket, budget, sampled) * self._ratio((bucket, budget > 0, sampled, constrained))
+
+    def observe_round(self, bucket: int, budget: int, sampled: bool, seconds: float, constrained: bool = False) -> None:
         """A round's own seconds: launch (or the previous read, where rounds overlap) to read."""
         if self.costs is None or not self.adaptive:
             return
@@ -150,8 +161,8 @@ class BudgetChooser:
         # relative costs well, and what it misses (the host's share, the machine's load) is
         # common to them; with one per budget, a budget priced up by one slow round was never
         # chosen again to be priced back down.
-        key = (bucket, budget > 0, sampled)
-        prev = self.cost_ratio.get(key, self.any_ratio)
+        key = (bucket, budget > 0, sampled, constrained)
+        prev = self._ratio(key)
         # from the ratio so far, not from the first round, and by at most a factor of 2 a round:
         # a pause of the host (a collection, another process) is not the round's cost
         r = min(max(seconds / self.costs.round_seconds(bucket, budget, sampled), prev / 2), 2 * prev)
@@ -159,7 +170,8 @@ class BudgetChooser:
         # as the calibration's filter does: the machine's load may have moved meanwhile
         var = EMA + DRIFT * max(self.rounds - self.timed.get(key, self.rounds) - 1, 0)
         self.cost_ratio[key] = prev + var / (var + 1 - EMA) * (r - prev)   # EMA when observed a round ago
-        self.any_ratio += EMA * (r - self.any_ratio)
+        if not constrained:
+            self.any_ratio += EMA * (r - self.any_ratio)
         self.timed[key] = self.rounds
 
     def calibration(self, key: SamplerKey) -> Calibration | None:
@@ -184,24 +196,26 @@ class BudgetChooser:
             total += n * c.expected(i)
         return total
 
-    def choose(self, bucket: int, allowed: tuple[int, ...], rows: Counter[SamplerKey], cap: int | None = None) -> int:
+    def choose(self, bucket: int, allowed: tuple[int, ...], rows: Counter[SamplerKey], cap: int | None = None,
+               constrained: bool = False) -> int:
         """The round's budget among `allowed` (spec.budgets_at, ascending, 0 first) and at most
-        `cap` (the smallest of the requests' max_budget), for rows counted by sampler setting."""
+        `cap` (the smallest of the requests' max_budget), for rows counted by sampler setting;
+        `constrained`: a round with structured-output rows, priced as its own kind."""
         options = [b for b in allowed if cap is None or b <= cap]
         self.rounds += 1
         if not self.adaptive or len(options) == 1:
             return options[-1]
-        inputs = (bucket, tuple(options), tuple(sorted(rows.items())))
+        inputs = (bucket, tuple(options), tuple(sorted(rows.items())), constrained)
         kept = self._kept
         if kept is None or kept[0] != inputs or self.rounds - kept[1] >= REFRESH:
-            kept = self._kept = (inputs, self.rounds, *self._rank(bucket, options, rows))
+            kept = self._kept = (inputs, self.rounds, *self._rank(bucket, options, rows, constrained))
         best, probe, every = kept[2:]
         if best > 0:
             self.plain_rounds = 0
             # Plain rounds' price is corrected only by plain rounds: one priced up by a passing
             # load would keep drafting chosen for good, so where it has not been observed for
             # PLAIN_STALE rounds, a round decodes (at most that round's gain lost in PLAIN_STALE).
-            plain = (bucket, False, any(key != GREEDY for key in rows))
+            plain = (bucket, False, any(key != GREEDY for key in rows), constrained)
             last = max(self.timed.get(plain, -1), self._plain_probed.setdefault(plain, self.rounds))
             if self.costs is not None and self.rounds - last >= PLAIN_STALE:
                 self._plain_probed[plain] = self.rounds
@@ -213,7 +227,8 @@ class BudgetChooser:
         self.plain_rounds = 0
         return probe
 
-    def _rank(self, bucket: int, options: list[int], rows: Counter[SamplerKey]) -> tuple[int, int, int]:
+    def _rank(self, bucket: int, options: list[int], rows: Counter[SamplerKey],
+              constrained: bool = False) -> tuple[int, int, int]:
         """(the best budget, the drafting budget a probe takes, plain rounds per probe)."""
         speculative = options[1:]
         tokens, seconds = {}, {}
@@ -222,7 +237,7 @@ class BudgetChooser:
             tokens[b] = self.expected_tokens(b, rows)
             if tokens[b] is None:   # no prediction for this kind of row yet: draft to get one
                 return speculative[-1], speculative[-1], 1
-            seconds[b] = self.round_seconds(bucket, b, sampled)
+            seconds[b] = self.round_seconds(bucket, b, sampled, constrained)
         rank = lambda b: (tokens[b] / seconds[b], -b)
         best = max(options, key=rank)
         probe = max(speculative, key=rank)

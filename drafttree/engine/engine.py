@@ -351,7 +351,7 @@ class Engine:
         bucket = self.runner.cache_cfg.batch_bucket(len(running))
         rows, cap = self._batch_rows(running)
         allowed = self.spec.budgets_at(bucket, mode is SampleMode.GREEDY)
-        budget = self.chooser.choose(bucket, allowed, rows, cap)
+        budget = self.chooser.choose(bucket, allowed, rows, cap, any(s.grammar is not None for s in running))
         if budget == 0 and self.spec.speculative:
             key = (bucket, allowed, cap)
             if key not in self._reasons:
@@ -390,12 +390,13 @@ class Engine:
         # one, while the host read, emitted and launched (overlapped rounds counted once); the
         # choice (an adaptive spec's cost table) learns from them, except across a prefill
         start = max(launched.t0, self._last_read)
-        # (a constrained or processed round's seconds hold its own extra work: not a price of plain ones)
-        if self.costs is not None and self._prefill_end <= start and not launched.constrained \
-                and not launched.processed:
+        # (a processed round's seconds hold its own extra work: not a price of plain ones; a
+        # constrained round's are priced as a kind of their own)
+        if self.costs is not None and self._prefill_end <= start and not launched.processed:
             B = len(launched.seqs)
             self.chooser.observe_round(self.runner.cache_cfg.batch_bucket(B), launched.budget,
-                                       not all(s.params.greedy for s in launched.seqs), now - start)
+                                       not all(s.params.greedy for s in launched.seqs), now - start,
+                                       launched.constrained)
         counts = self.book.counts
         counts.round_seconds += now - start
         self._last_read = now

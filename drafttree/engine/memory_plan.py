@@ -457,6 +457,20 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def after_pool_bytes(target: ModelConfig, drafter: DFlashConfig | None, spec: SpecConfig, max_num_seqs: int,
+                     max_len: int, page_size: int, dtype: torch.dtype, world: int,
+                     cuda_graphs: bool) -> tuple[int, int]:
+    """(the CUDA graphs' pool, estimated; the rounds' per-row buffers, exact): what the engine
+    allocates after its KV pool, so that a budget of the device's memory sets them aside first
+    (the plan here, `pool_sizing.kv_budget` at start-up)."""
+    graphs = 0
+    if cuda_graphs:
+        entries = graph_plan(spec, target, drafter.model if drafter else None, max_num_seqs, [max_len], world)
+        graphs = max((e.est_bytes for e in entries), default=0)   # the graphs share one pool
+    layers = len(drafter.target_layer_ids) if drafter is not None else 0
+    return graphs, round_buffer_bytes(target, spec, layers, max_num_seqs, max_len, page_size, dtype)
+
+
 def plan_memory(target: ModelConfig, raw: dict[str, Any] | None = None, drafter: DFlashConfig | None = None, *,
                 spec: SpecConfig | None = None, tensor_parallel_size: int = 1, max_model_len: int | None = None,
                 max_num_seqs: int = 256, page_size: int = 16, dtype: torch.dtype = torch.bfloat16,
@@ -497,12 +511,8 @@ def plan_memory(target: ModelConfig, raw: dict[str, Any] | None = None, drafter:
     if context_gib is None:
         context_gib = CONTEXT_GIB + (NCCL_GIB if world > 1 else 0.0)
     context = int(context_gib * GiB)
-    graphs = 0
-    if cuda_graphs:
-        entries = graph_plan(spec, target, drafter.model if drafter else None, max_num_seqs, [max_len], world)
-        graphs = max((e.est_bytes for e in entries), default=0)   # the graphs share one pool
-    buffers = round_buffer_bytes(target, spec, len(drafter.target_layer_ids) if drafter is not None else 0,
-                                 max_num_seqs, max_len, page_size, dtype)
+    graphs, buffers = after_pool_bytes(target, drafter, spec, max_num_seqs, max_len, page_size, dtype, world,
+                                       cuda_graphs)
     draft_kv = KVLayout.of(drafter.model).bytes_per_token(dtype) if drafter is not None else 0
     shares: dict[tuple, list[int]] = {}
     for rank in range(world):

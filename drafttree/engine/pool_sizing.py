@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from drafttree.engine.memory_plan import after_pool_bytes
 from drafttree.engine.plan import EngineSetup
 from drafttree.models.kv_cache import KVLayout
 from drafttree.parallel.comm import smallest
@@ -76,19 +77,11 @@ def kv_budget(setup: EngineSetup) -> tuple[int, str]:
     util = cfg.gpu_memory_utilization
     if not 0 < util <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
-    # what the weights (and anything else) took is gone from `free`; the graphs' activations
-    # are captured after the pool is allocated, so they are set aside by the plan's estimate
-    graphs = 0
-    wanted = cfg.max_model_len or setup.target.max_position_embeddings
-    if setup.cuda_graphs:
-        from drafttree.runner.cuda_graph import graph_plan
-        drafter = setup.drafter.model if setup.drafter is not None else None
-        plan = graph_plan(setup.spec, setup.target, drafter, cfg.max_num_seqs, [wanted], setup.world)
-        graphs = max((e.est_bytes for e in plan), default=0)   # the graphs share one memory pool
-    # the rounds' per-row buffers are allocated after the pool, as are the graphs
-    from drafttree.runner.round_buffers import round_buffer_bytes
-    layers = len(setup.drafter.target_layer_ids) if setup.drafter is not None else 0
-    buffers = round_buffer_bytes(setup.target, setup.spec, layers, cfg.max_num_seqs, wanted, cfg.page_size, setup.dtype)
+    # what the weights (and anything else) took is gone from `free`; the graphs' activations and
+    # the rounds' buffers are allocated after the pool, so they are set aside as the plan does
+    graphs, buffers = after_pool_bytes(setup.target, setup.drafter, setup.spec, cfg.max_num_seqs,
+                                       cfg.max_model_len or setup.target.max_position_embeddings, cfg.page_size,
+                                       setup.dtype, setup.world, setup.cuda_graphs)
     budget = int(util * total) - (total - free) - graphs - buffers
     return max(budget, 0), f"gpu_memory_utilization {util}: of {total / 2**30:.1f} GiB, less what is in use" + \
         (", the CUDA graphs' estimate" if graphs else "") + " and the rounds' buffers"

@@ -244,50 +244,36 @@ def fused_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: 
     P = N * k
     if P == 0:
         return torch.zeros(N, D, dtype=x.dtype, device=x.device)
-    gemv = isinstance(blocks, GemvBlocks) or (blocks is None and GEMV_ONE_TOKEN)
-    if N == 1 and gemv:
-        return _gemv_experts(x, w, idx, gate_up, gate_up_scale, down, down_scale, group_size,
-                             blocks if isinstance(blocks, GemvBlocks) else GEMV)
-    b = blocks if isinstance(blocks, Blocks) else blocks_for(P, E)
-    lay = moe_align.layout(idx, E, b.bm)
-    T = lay.tile_expert.numel()
     x = x.contiguous()
     gate_up, gate_up_scale = gate_up.contiguous(), gate_up_scale.contiguous()
     down, down_scale = down.contiguous(), down_scale.contiguous()
+    cw = w.reshape(-1).float().contiguous()
+    pdl = pdl_options(x.device)
+    if N == 1 and (isinstance(blocks, GemvBlocks) or (blocks is None and GEMV_ONE_TOKEN)):
+        # a program per (pair, BN weight rows); pairs of id E write zero rows
+        g = blocks if isinstance(blocks, GemvBlocks) else GEMV
+        ids = idx.reshape(-1).contiguous()
+        h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+        y = torch.empty(P, D, dtype=x.dtype, device=x.device)
+        common = dict(E=E, D=D, I=I, G=group_size, BN=g.bn, BKW=step_words(g.bkw, group_size), STAGES=g.stages,
+                      num_warps=g.warps, **pdl)
+        jit_kernel(_gate_up_gemv_kernel, interpreting(), ("nib",))[(P, cdiv(I, g.bn))](
+            x, gate_up, gate_up_scale, ids, h, NIBBLE, TOPK=k, **common)
+        jit_kernel(_down_gemv_kernel, interpreting(), ("nib",))[(P, cdiv(D, g.bn))](
+            h, down, down_scale, ids, cw, y, NIBBLE, **common)
+        return y.view(N, k, D).sum(dim=1)
+    b = blocks if isinstance(blocks, Blocks) else blocks_for(P, E)
+    lay = moe_align.layout(idx, E, b.bm)
+    T = lay.tile_expert.numel()
     h = torch.empty(T * b.bm, I, dtype=x.dtype, device=x.device)
     # a pair with no slot (id E) is never written: zeros, so that the sum over k skips it
     y = (torch.empty if dropless else torch.zeros)(P, D, dtype=x.dtype, device=x.device)
-    pdl = pdl_options(x.device)
     jit_kernel(_gate_up_kernel, interpreting(), ("P", "nib"))[(T, cdiv(I, b.bn_up))](
         x, gate_up, gate_up_scale, lay.pairs, lay.tile_expert, h, P, NIBBLE, E=E, TOPK=k, D=D, I=I, G=group_size,
         SCALE_DT=gate_up_scale.dtype == x.dtype, BM=b.bm, BN=b.bn_up, BKW=step_words(b.bkw, group_size),
         STAGES=b.stages, num_warps=b.warps, **pdl)
     jit_kernel(_down_kernel, interpreting(), ("P", "nib"))[(T, cdiv(D, b.bn_down))](
-        h, down, down_scale, lay.pairs, lay.tile_expert, w.reshape(-1).float().contiguous(), y, P, NIBBLE, E=E, D=D,
-        I=I, G=group_size, SCALE_DT=down_scale.dtype == x.dtype, BM=b.bm, BN=b.bn_down,
-        BKW=step_words(b.bkw, group_size), STAGES=b.stages, num_warps=b.warps, **pdl)
-    return y.view(N, k, D).sum(dim=1)
-
-
-def _gemv_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
-                  gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor, group_size: int,
-                  g: GemvBlocks) -> torch.Tensor:
-    """`fused_experts` for one token's pairs: a GEMV program per (pair, BN weight rows)."""
-    E, two_i = gate_up.shape[:2]
-    I, D = two_i // 2, x.shape[-1]
-    N, k = idx.shape
-    P = N * k
-    x = x.contiguous()
-    ids = idx.reshape(-1).contiguous()
-    gate_up, gate_up_scale = gate_up.contiguous(), gate_up_scale.contiguous()
-    down, down_scale = down.contiguous(), down_scale.contiguous()
-    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(P, D, dtype=x.dtype, device=x.device)
-    pdl = pdl_options(x.device)
-    common = dict(E=E, D=D, I=I, G=group_size, BN=g.bn, BKW=step_words(g.bkw, group_size), STAGES=g.stages,
-                  num_warps=g.warps, **pdl)
-    jit_kernel(_gate_up_gemv_kernel, interpreting(), ("nib",))[(P, cdiv(I, g.bn))](
-        x, gate_up, gate_up_scale, ids, h, NIBBLE, TOPK=k, **common)
-    jit_kernel(_down_gemv_kernel, interpreting(), ("nib",))[(P, cdiv(D, g.bn))](
-        h, down, down_scale, ids, w.reshape(-1).float().contiguous(), y, NIBBLE, **common)
+        h, down, down_scale, lay.pairs, lay.tile_expert, cw, y, P, NIBBLE, E=E, D=D, I=I, G=group_size,
+        SCALE_DT=down_scale.dtype == x.dtype, BM=b.bm, BN=b.bn_down, BKW=step_words(b.bkw, group_size),
+        STAGES=b.stages, num_warps=b.warps, **pdl)
     return y.view(N, k, D).sum(dim=1)

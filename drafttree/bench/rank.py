@@ -250,16 +250,18 @@ class Batch:
             st.run(self.r.round_ctx, self.bucket, self.kv_len, GREEDY)
         return list(ops), (rank_costs.count_experts(self.target, picks) if picks else None)
 
+    def runner_of(self, st: PhaseStep) -> tuple[Callable[[], object], bool]:
+        """(a call that runs the step: its graph's replay where captured, else eagerly; graphed)."""
+        r = self.r
+        graph = r.graphs.get(st, self.bucket, GREEDY, self.kv_len) if r.graphs is not None else None
+        if graph is not None:
+            return graph.replay, True
+        return (lambda: st.run(r.round_ctx, self.bucket, self.kv_len, GREEDY)), False
+
     def ms(self, *steps: PhaseStep) -> float:
         """Median milliseconds of the steps run in turn (their graphs on CUDA, else eagerly)."""
-        r = self.r
-
-        def runner_of(st: PhaseStep) -> Callable[[], object]:
-            graph = r.graphs.get(st, self.bucket, GREEDY, self.kv_len) if r.graphs is not None else None
-            return graph.replay if graph is not None else (lambda: st.run(r.round_ctx, self.bucket, self.kv_len,
-                                                                          GREEDY))
-        fns = [runner_of(st) for st in steps]
-        return 1e3 * median_seconds(lambda: [f() for f in fns], self.reset, r.device, self.o.iters, warmups=2)
+        fns = [self.runner_of(st)[0] for st in steps]
+        return 1e3 * median_seconds(lambda: [f() for f in fns], self.reset, self.r.device, self.o.iters, warmups=2)
 
     def floor_ms(self, tokens: int, count: rank_costs.ExpertCount | None) -> float:
         return 1e3 * self.read_bytes(tokens, count) / self.o.hbm_bandwidth
@@ -327,8 +329,7 @@ class Batch:
         timings of back-to-back kernels leave out the gaps between them."""
         from torch.profiler import ProfilerActivity, profile
         r, reps = self.r, 5
-        graph = r.graphs.get(st, self.bucket, GREEDY, self.kv_len) if r.graphs is not None else None
-        run = graph.replay if graph is not None else (lambda: st.run(r.round_ctx, self.bucket, self.kv_len, GREEDY))
+        run, graphed = self.runner_of(st)
         cuda = r.device.type == "cuda"
         self.reset()
         run()
@@ -346,7 +347,7 @@ class Batch:
                 rows.append({"name": ev.key, "per_step": ev.count / reps, "us": us})
         rows.sort(key=lambda k: -k["us"])
         return {"source": "torch.profiler over %d %s, the state reset before each (its copies included)"
-                % (reps, "graph replays" if graph is not None else "eager runs"),
+                % (reps, "graph replays" if graphed else "eager runs"),
                 "count_per_step": sum(k["per_step"] for k in rows), "us_per_step": sum(k["us"] for k in rows),
                 "top": rows[:top]}
 

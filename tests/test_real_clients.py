@@ -122,6 +122,19 @@ metric_list:
 """
 
 
+def lm_eval(tmp_path: Path, model: str, task: str, model_args: str, *extra: str) -> tuple[dict, Path]:
+    """One lm_eval run offline of `task` (its YAML under tmp_path/tasks) against the server: the
+    task's results and the path of its logged samples."""
+    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", task,
+           "--include_path", str(tmp_path / "tasks"), *extra, "--output_path", str(tmp_path / "out"), "--log_samples"]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    [results] = (tmp_path / "out").rglob("results_*.json")
+    [samples] = (tmp_path / "out").rglob(f"samples_{task}_*.jsonl")
+    return json.loads(results.read_text())["results"][task], samples
+
+
 @pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
                     reason='the lm-evaluation-harness is not installed (pip install "lm-eval[api]")')
 def test_lm_eval_local_chat_completions(server, tmp_path):
@@ -131,16 +144,10 @@ def test_lm_eval_local_chat_completions(server, tmp_path):
     data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QUESTIONS))
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "tiny_qa.yaml").write_text(TASK.format(data=data))
-    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-chat-completions", "--model_args",
-           f"model={NAME},base_url={server}/v1/chat/completions,num_concurrent=1,max_retries=1",
-           "--tasks", "drafttree_tiny_qa", "--include_path", str(tmp_path / "tasks"), "--apply_chat_template",
-           "--output_path", str(tmp_path / "out"), "--log_samples"]
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    [results] = (tmp_path / "out").rglob("results_*.json")
-    assert "exact_match,none" in json.loads(results.read_text())["results"]["drafttree_tiny_qa"]
-    [samples] = (tmp_path / "out").rglob("samples_drafttree_tiny_qa_*.jsonl")
+    results, samples = lm_eval(tmp_path, "local-chat-completions", "drafttree_tiny_qa",
+                               f"model={NAME},base_url={server}/v1/chat/completions,num_concurrent=1,max_retries=1",
+                               "--apply_chat_template")
+    assert "exact_match,none" in results
     got = {json.loads(line)["doc"]["question"]: json.loads(line)["resps"][0][0] for line in samples.open()}
     assert got == {q: answer(server, q) for q, _ in QUESTIONS}
 
@@ -193,19 +200,12 @@ def test_lm_eval_local_completions_loglikelihood(server, tmp_path):
     data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in CHOICES))
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "tiny_mc.yaml").write_text(CHOICE_TASK.format(data=data))
-    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
-           f"model={NAME},base_url={server}/v1/completions,tokenizer={model_dir},tokenizer_backend=huggingface,"
-           "tokenized_requests=True,num_concurrent=1,max_retries=1",
-           "--tasks", "drafttree_tiny_mc", "--include_path", str(tmp_path / "tasks"),
-           "--output_path", str(tmp_path / "out"), "--log_samples"]
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    [results] = (tmp_path / "out").rglob("results_*.json")
-    assert "acc,none" in json.loads(results.read_text())["results"]["drafttree_tiny_mc"]
+    results, samples = lm_eval(tmp_path, "local-completions", "drafttree_tiny_mc",
+                               f"model={NAME},base_url={server}/v1/completions,tokenizer={model_dir},"
+                               "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1")
+    assert "acc,none" in results
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    [samples] = (tmp_path / "out").rglob("samples_drafttree_tiny_mc_*.jsonl")
     scored = 0
     for line in samples.open():
         sample = json.loads(line)

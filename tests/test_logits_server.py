@@ -28,14 +28,8 @@ HI = [{"role": "user", "content": "Say it!"}]
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    from transformers import AutoTokenizer
-
     root = tmp_path_factory.mktemp("logits-server")
-    t = make_target(root / "target", "qwen3", vocab=V, scale=3.0)
-    write_tokenizer(t, V)
-    tok = AutoTokenizer.from_pretrained(str(t))
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(t))
+    t = write_tokenizer(make_target(root / "target", "qwen3", vocab=V, scale=3.0), V, chat_template=TEMPLATE)
     return t, make_drafter(root / "drafter", t, block_size=4)
 
 

@@ -35,12 +35,8 @@ def pair(tmp_path_factory):
     from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("structured")
-    target = make_target(root / "target", "qwen3", vocab=VOCAB, scale=3.0)
-    write_tokenizer(target, VOCAB)
-    tok = AutoTokenizer.from_pretrained(str(target))
-    tok.eos_token = EOS
-    tok.save_pretrained(str(target))
-    return target, make_drafter(root / "drafter", target, block_size=4), tok
+    target = write_tokenizer(make_target(root / "target", "qwen3", vocab=VOCAB, scale=3.0), VOCAB, eos_token=EOS)
+    return target, make_drafter(root / "drafter", target, block_size=4), AutoTokenizer.from_pretrained(str(target))
 
 
 def engine(pair, spec: str, budget: int | None = None) -> LLM:

@@ -89,10 +89,10 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
-def write_tokenizer(path: Path, vocab: int) -> Path:
+def write_tokenizer(path: Path, vocab: int, eos_token: str | None = None, chat_template: str | None = None) -> Path:
     """A character-level tokenizer of `vocab` ids beside a tiny checkpoint, so that text prompts
-    (the CLI's) reach it: id 0 unknown, then printable ASCII, then fillers. No EOS token and no
-    chat template, so a prompt is its characters and only max_tokens ends a generation."""
+    (the CLI's) reach it: id 0 unknown, then printable ASCII, then fillers. By default no EOS token
+    and no chat template, so a prompt is its characters and only max_tokens ends a generation."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -101,5 +101,10 @@ def write_tokenizer(path: Path, vocab: int) -> Path:
     tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(str(path))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    if eos_token is not None:
+        fast.eos_token = eos_token
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(path))
     return path

@@ -409,7 +409,7 @@ def test_max_budget_caps_the_rounds_a_request_is_in(zoo):
               dtype="float32", max_num_seqs=3, max_model_len=128)
     runner, budgets = llm.engine.runner, []
     run_round = runner.run_round
-    runner.run_round = lambda B, mode, n, b=None: budgets.append((B, b)) or run_round(B, mode, n, b)
+    runner.run_round = lambda B, mode, n, b=None, **kw: budgets.append((B, b)) or run_round(B, mode, n, b, **kw)
     prompts = make_prompts(pair.vocab)
     with pytest.raises(ValueError, match="max_budget"):
         SamplingParams(max_budget=-1)

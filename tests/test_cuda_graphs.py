@@ -449,9 +449,9 @@ def test_sampled_rounds_decode_plainly_when_asked(pair, fake_cuda_graphs, spec, 
     runner.drafter.register_forward_hook(lambda *_: drafts.__setitem__(0, drafts[0] + 1))
     run_round = runner.run_round
 
-    def spy(B, mode, max_length, budget=None):
+    def spy(B, mode, max_length, budget=None, **kw):
         before = drafts[0]
-        run_round(B, mode, max_length, budget)
+        run_round(B, mode, max_length, budget, **kw)
         rounds.append((mode, drafts[0] > before))
     runner.run_round = spy
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
@@ -529,7 +529,7 @@ def test_speculation_off_writes_the_drafter_context_prefill_would(pair, device):
     off = LLM(**kw, budget_schedule="1:0")
     r = off.engine.runner
     phases, run_round = [], r.run_round
-    r.run_round = lambda B, mode, n, b=None: phases.append(tuple(st.phase for st in r.round_steps(B, mode, b))) or run_round(B, mode, n, b)
+    r.run_round = lambda B, mode, n, b=None, **kw: phases.append(tuple(st.phase for st in r.round_steps(B, mode, b))) or run_round(B, mode, n, b, **kw)
     out = off.generate([prompt], SamplingParams(temperature=0.0, max_tokens=72, ignore_eos=True))[0].token_ids
     C = off.engine.spec.width(Phase.CONTEXT)
     contexts = sum(Phase.CONTEXT in p for p in phases)

@@ -41,9 +41,9 @@ def _force(llm: LLM, pattern: list[int]) -> list[tuple]:
     eng.chooser.choose = lambda bucket, allowed, rows, cap=None, constrained=False: (lambda b: b if b in allowed else 0)(next(it))
     r, run_round = eng.runner, eng.runner.run_round
 
-    def run(B, mode, n, b=None):
+    def run(B, mode, n, b=None, **kw):
         ran.append((tuple(st.phase for st in r.round_steps(B, mode, b)), b, int(r.state.start[0])))
-        return run_round(B, mode, n, b)
+        return run_round(B, mode, n, b, **kw)
     r.run_round = run
     return ran
 

@@ -339,10 +339,7 @@ class Engine:
             self.constrained.launch(running, mode, max_length, budget, processed)
             return self._outputs.launch(self.runner.state, list(running), t0, budget, constrained=True,
                                         processed=processed, logprobs=logprobs)
-        if processed:
-            self.runner.run_round(len(running), mode, max_length, budget, processed=True)
-        else:
-            self.runner.run_round(len(running), mode, max_length, budget)
+        self.runner.run_round(len(running), mode, max_length, budget, processed=processed)
         return self._outputs.launch(self.runner.state, list(running), t0, budget, processed=processed,
                                     logprobs=logprobs)
 

@@ -3,7 +3,6 @@ round functions and their CUDA graphs take), the CUDA graphs over them and the p
 runs prefill and rounds. Every step of a round comes from the phase table (`phase_table`)."""
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -493,11 +492,6 @@ class ModelRunner:
             g.replay()
         else:
             st.run(self.round_ctx, B, kv_len, mode)
-
-    @torch.inference_mode()
-    def time_step(self, st: PhaseStep, B: int, mode: SampleMode, kv_len: int, reps: int) -> float:
-        """Median seconds of `run_step` (after one untimed run), rows parked before each run."""
-        return statistics.median(self.time_runs(st, B, mode, kv_len, reps))
 
     @torch.inference_mode()
     def time_runs(self, st: PhaseStep, B: int, mode: SampleMode, kv_len: int, reps: int,

@@ -44,8 +44,8 @@ def decode_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, masked
     raw = logits = rc.target.logits(hidden)
     if masked:
         logits = apply_token_masks(logits, s.grammar.masks[:B, :1])
-    zero = torch.zeros(B, 1, dtype=torch.long, device=start.device)
     if processed:   # the root alone: a tree of one node at depth 0
+        zero = torch.zeros(B, 1, dtype=torch.long, device=start.device)
         logits = process_logits(logits, s.logits.rows(slice(0, B)), bonus[:, None], zero, zero, ones,
                                 s.sampling.temperature[:B])
     picks = pick_tokens(logits, s.sampling, start[:, None] + 1, mode)[:, 0]

@@ -311,3 +311,17 @@ def test_round_buffers_counted_as_allocated(spec):
                 walk(getattr(x, name))
     walk(state)
     assert round_buffer_bytes(cfg, spec, layers, 5, 300, 16, torch.float32) == sum(storages.values())
+
+
+def test_graph_pool_set_aside_for_the_graphs_captured():
+    """The graphs' estimate counts what the engine captures: without the processed rounds' graphs
+    (as `generate` runs), or within a shorter graph length, less memory is set aside."""
+    cfg, raw = kimi()
+    kw = dict(tensor_parallel_size=8, max_num_seqs=16, gpu_memory_utilization=0.9)
+    full = plan_memory(cfg, raw, **kw)
+    free = plan_memory(cfg, raw, processed_graphs=False, **kw)
+    short = plan_memory(cfg, raw, graph_len=4096, **kw)
+    assert free.graph_bytes == max(e.est_bytes for e in graph_plan(SpecConfig(), cfg, None, 16, [262144], 8,
+                                                                   processed=False))
+    assert free.graph_bytes < full.graph_bytes and short.graph_bytes < full.graph_bytes
+    assert free.kv_tokens > full.kv_tokens

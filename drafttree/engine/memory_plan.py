@@ -39,7 +39,9 @@ from drafttree.parallel.layers import vocab_shard
 from drafttree.parallel.shard import check_size, expert_span, kv_heads_per_rank, q_span, valid_sizes
 from drafttree.phases import SpecConfig
 from drafttree.runner.cuda_graph import graph_plan
+from drafttree.runner.phase_table import CAPTURED_MODES
 from drafttree.runner.round_buffers import round_buffer_bytes
+from drafttree.sampling import SampleMode
 
 if TYPE_CHECKING:
     from drafttree.engine.plan import EngineSetup
@@ -458,17 +460,30 @@ class MemoryPlan:
 
 
 def after_pool_bytes(target: ModelConfig, drafter: DFlashConfig | None, spec: SpecConfig, max_num_seqs: int,
-                     max_len: int, page_size: int, dtype: torch.dtype, world: int,
-                     cuda_graphs: bool) -> tuple[int, int]:
+                     max_len: int, page_size: int, dtype: torch.dtype, world: int, cuda_graphs: bool,
+                     graph_modes: tuple[SampleMode, ...] = CAPTURED_MODES, structured_graphs: bool = True,
+                     processed_graphs: bool = True, graph_len: int | None = None) -> tuple[int, int]:
     """(the CUDA graphs' pool, estimated; the rounds' per-row buffers, exact): what the engine
     allocates after its KV pool, so that a budget of the device's memory sets them aside first
-    (the plan here, `pool_sizing.kv_budget` at start-up)."""
+    (the plan here, `pool_sizing.kv_budget` at start-up). The graphs are those the engine
+    captures: its sampler modes, the constrained and processed rounds' if it captures them, its
+    KV buckets up to `graph_len` tokens (default: max_len)."""
     graphs = 0
     if cuda_graphs:
-        entries = graph_plan(spec, target, drafter.model if drafter else None, max_num_seqs, [max_len], world)
+        entries = graph_plan(spec, target, drafter.model if drafter else None, max_num_seqs,
+                             [min(graph_len or max_len, max_len)], world, graph_modes, structured_graphs,
+                             processed_graphs)
         graphs = max((e.est_bytes for e in entries), default=0)   # the graphs share one pool
     layers = len(drafter.target_layer_ids) if drafter is not None else 0
     return graphs, round_buffer_bytes(target, spec, layers, max_num_seqs, max_len, page_size, dtype)
+
+
+def setup_graphs(setup: EngineSetup) -> dict[str, Any]:
+    """`after_pool_bytes`' graph choices of an engine's setup (what `prepare.capture_graphs` captures)."""
+    cfg = setup.cfg
+    return {"cuda_graphs": setup.cuda_graphs, "graph_modes": setup.sampler_modes,
+            "structured_graphs": setup.structured_graphs, "processed_graphs": setup.processed_graphs,
+            "graph_len": None if cfg.max_graph_len is None else cfg.max_graph_len + setup.spec.kv_headroom}
 
 
 def plan_memory(target: ModelConfig, raw: dict[str, Any] | None = None, drafter: DFlashConfig | None = None, *,
@@ -476,7 +491,9 @@ def plan_memory(target: ModelConfig, raw: dict[str, Any] | None = None, drafter:
                 max_num_seqs: int = 256, page_size: int = 16, dtype: torch.dtype = torch.bfloat16,
                 device: Device = ASSUMED_DEVICE, gpu_memory_utilization: float | None = None,
                 kv_cache_memory_gb: float | None = None, draft_quantization: str | None = None,
-                cuda_graphs: bool = True, context_gib: float | None = None) -> MemoryPlan:
+                cuda_graphs: bool = True, context_gib: float | None = None,
+                graph_modes: tuple[SampleMode, ...] = CAPTURED_MODES, structured_graphs: bool = True,
+                processed_graphs: bool = True, graph_len: int | None = None) -> MemoryPlan:
     """The plan of every rank, from the engine's resolved sizes: the target's config (and its
     config.json as written, `raw`, for the quantization), the drafter's with its `spec` (a spec
     that does not speculate drops the drafter, as the engine does), and the pool's sizes. The KV
@@ -512,7 +529,7 @@ def plan_memory(target: ModelConfig, raw: dict[str, Any] | None = None, drafter:
         context_gib = CONTEXT_GIB + (NCCL_GIB if world > 1 else 0.0)
     context = int(context_gib * GiB)
     graphs, buffers = after_pool_bytes(target, drafter, spec, max_num_seqs, max_len, page_size, dtype, world,
-                                       cuda_graphs)
+                                       cuda_graphs, graph_modes, structured_graphs, processed_graphs, graph_len)
     draft_kv = KVLayout.of(drafter.model).bytes_per_token(dtype) if drafter is not None else 0
     shares: dict[tuple, list[int]] = {}
     for rank in range(world):
@@ -617,7 +634,7 @@ def plan_for_setup(setup: EngineSetup, device: Device) -> MemoryPlan:
     return plan_memory(setup.target, raw, setup.drafter, spec=setup.spec, tensor_parallel_size=setup.world,
                        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, page_size=cfg.page_size,
                        dtype=setup.dtype, device=device, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                       kv_cache_memory_gb=kv_gb, cuda_graphs=setup.cuda_graphs,
+                       kv_cache_memory_gb=kv_gb, **setup_graphs(setup),
                        draft_quantization=cfg.draft_quantization if setup.drafter is not None else None)
 
 

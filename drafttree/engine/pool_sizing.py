@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafttree.engine.memory_plan import after_pool_bytes
+from drafttree.engine.memory_plan import after_pool_bytes, setup_graphs
 from drafttree.engine.plan import EngineSetup
 from drafttree.models.kv_cache import KVLayout
 from drafttree.parallel.comm import smallest
@@ -81,7 +81,7 @@ def kv_budget(setup: EngineSetup) -> tuple[int, str]:
     # the rounds' buffers are allocated after the pool, so they are set aside as the plan does
     graphs, buffers = after_pool_bytes(setup.target, setup.drafter, setup.spec, cfg.max_num_seqs,
                                        cfg.max_model_len or setup.target.max_position_embeddings, cfg.page_size,
-                                       setup.dtype, setup.world, setup.cuda_graphs)
+                                       setup.dtype, setup.world, **setup_graphs(setup))
     budget = int(util * total) - (total - free) - graphs - buffers
     return max(budget, 0), f"gpu_memory_utilization {util}: of {total / 2**30:.1f} GiB, less what is in use" + \
         (", the CUDA graphs' estimate" if graphs else "") + " and the rounds' buffers"

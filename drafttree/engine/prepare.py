@@ -38,7 +38,8 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
     before = _compiled(dirs)
     with startup.stage("kernels"):
         startup.progress("one eager round of each step")
-        n = runner.warm_kernels(setup.sampler_modes, cache.batch_buckets[:2], kv_lengths[0])
+        n = runner.warm_kernels(setup.sampler_modes, cache.batch_buckets[:2], kv_lengths[0],
+                                setup.structured_graphs, setup.processed_graphs)
         startup.note("kernels", f"{n} steps run, {_compiled(dirs) - before} files compiled into the cache")
     before = _compiled(dirs)
     with startup.running("graphs"):

@@ -161,8 +161,7 @@ class ModelRunner:
         cc = self.cache_cfg
         self.graphs = RoundGraphs(self.round_ctx, self.timer, batch_sizes or cc.batch_buckets,
                                   kv_lengths or cc.kv_buckets, modes, cc.pages_per_row,
-                                  constrained and self.state.grammar is not None,
-                                  processed and self.state.logits is not None)
+                                  constrained, processed)
         out = {f"graphs {k}": v for k, v in self.graphs.capture(progress).items()}
         if prefill is not None:
             t0 = time.perf_counter()
@@ -174,17 +173,19 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def warm_kernels(self, modes: tuple[SampleMode, ...], batch_sizes: list[int], kv_len: int) -> int:
+    def warm_kernels(self, modes: tuple[SampleMode, ...], batch_sizes: list[int], kv_len: int,
+                     constrained: bool = True, processed: bool = True) -> int:
         """Run every step of a round once, eagerly, at each of `batch_sizes` in each of `modes`
-        over rows parked at KV length `kv_len`: what compiles (Triton's kernels, the compiled
+        over rows parked at KV length `kv_len` (with `constrained` / `processed`, those rounds'
+        steps too, as `capture` takes them): what compiles (Triton's kernels, the compiled
         pieces, at one row and at several: torch.compile specializes on 1) does so here, or is
         read from its cache, before any capture. Leaves the round state as it found it; returns
         the steps run."""
         saved, n = self.state.snapshot(), 0
         for B in batch_sizes:
             for mode in modes:
-                for st in bucket_steps(self.spec, B, mode, self.drafter is not None, self.state.grammar is not None,
-                                       self.state.logits is not None and mode in PROCESSED_MODES):
+                for st in bucket_steps(self.spec, B, mode, self.drafter is not None, constrained,
+                                       processed and mode in PROCESSED_MODES):
                     self.state.park(0, B)
                     st.run(self.round_ctx, B, kv_len, mode)
                     n += 1

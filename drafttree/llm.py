@@ -5,7 +5,6 @@ Each returns RequestOutputs whose `.outputs` hold CompletionOutputs, as vLLM's d
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence as Seq
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -88,10 +87,9 @@ class RequestOutput:
         """The request of `seq` (any of its choices): every choice's output; text and the
         log-probabilities' tokens decoded with `tokenizer` (None: no text)."""
         metrics: dict[str, Any] = dict(seq.timings())
-        taus = [t for c in seq.choices for t in c.stats.accept_lengths]
-        metrics.update(rounds=sum(c.stats.rounds for c in seq.choices),
-                       mean_accept_length=sum(taus) / len(taus) if taus else 0.0, accept_lengths=taus,
-                       accept_histogram=dict(sorted(Counter(taus).items())))
+        st = seq.request_stats
+        metrics.update(rounds=st.rounds, mean_accept_length=st.mean_accept_length, accept_lengths=st.accept_lengths,
+                       accept_histogram=st.histogram)
         text = _Decoded(tokenizer)
         outs = [CompletionOutput(c.index, c.text if tokenizer is not None else None, list(c.output_ids),
                                  c.cumulative_logprob, None if c.logprobs is None else

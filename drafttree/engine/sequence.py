@@ -86,6 +86,12 @@ class Sequence:
         return self.params.processes_logits
 
     @property
+    def request_stats(self) -> SpecStats:
+        """The request's rounds and τ per round over all its choices."""
+        return SpecStats(sum(c.stats.rounds for c in self.choices),
+                         [t for c in self.choices for t in c.stats.accept_lengths])
+
+    @property
     def all_finished(self) -> bool:
         """Every choice of its request finished."""
         return all(c.finished for c in self.choices)

@@ -112,9 +112,10 @@ class Snapshot:
             ids = tuple(c.output_ids) if with_ids or c.logprobs is not None else None
             out.append(ChoiceSnapshot(c.index, c.text, len(c.output_ids), (c.finish_reason or "stop") if c.finished
                                       else None, ids, None if c.logprobs is None else tuple(c.logprobs)))
-        taus = [t for c in seq.choices for t in c.stats.accept_lengths]
+        # the statistics are read once the request ends: not counted at every step of a long one
+        st = seq.request_stats if seq.all_finished else None
         first = seq.choices[0]
-        return cls(tuple(out), sum(c.stats.rounds for c in seq.choices), sum(taus) / len(taus) if taus else 0.0,
+        return cls(tuple(out), 0 if st is None else st.rounds, 0.0 if st is None else st.mean_accept_length,
                    None if first.prompt_logprobs is None else tuple(first.prompt_logprobs))
 
 

@@ -166,6 +166,12 @@ class SpecConfig:
         return tuple(sorted({n for b in batches for n in self.budgets_at(b)} - {0}))
 
     @property
+    def predicted_budgets(self) -> tuple[int, ...]:
+        """The budgets a drafting round predicts (and its verify observes) τ at: what the
+        adaptive choice reads; a fixed spec reads none, so its rounds compute none."""
+        return self.budgets if self.adaptive else ()
+
+    @property
     def speculative(self) -> bool:
         return self.method != "none"
 

@@ -403,7 +403,7 @@ class Engine:
         counts.budget_hist[budget] += 1
         counts.method_rounds[method] += 1
         preds = 1 + self.spec.max_commit   # the predictions' first column in a row
-        seen = preds + len(self.spec.budgets)   # what the target's sampler gave the tree
+        seen = preds + len(self.spec.predicted_budgets)   # what the target's sampler gave the tree
         out, taus = [], []
         # a constrained round leaves no predictions; a fixed spec's chooser weighs none
         learn: dict | None = {} if budget and not launched.constrained and self.spec.adaptive else None

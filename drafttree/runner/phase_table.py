@@ -146,13 +146,13 @@ def buffer_widths(rc: RoundContext, bucket: int, pages_per_row: int) -> dict[str
     """(have, want) per static buffer of the round state, want from the spec: pending drafter
     features and committed tokens per row, the block table's pages (max_model_len plus the widest
     round's writes: `pages_per_row`), the draft tree (the widest verify of any bucket) and the
-    acceptance model's predictions (one per budget). Host-known shapes: no sync."""
+    acceptance model's predictions (one per predicted budget). Host-known shapes: no sync."""
     s, spec = rc.state, rc.spec
     out = {"pending features": (s.ctx_feat.shape[1], spec.width(Phase.CONTEXT, bucket)),
            "committed tokens": (s.out_tokens.shape[1], spec.max_commit),
-           "observed acceptance": (s.out_seen.shape[1], len(spec.budgets)),
+           "observed acceptance": (s.out_seen.shape[1], len(spec.predicted_budgets)),
            "block table": (s.block_table.shape[1], pages_per_row),
-           "predictions": (s.out_pred.shape[1], len(spec.budgets))}
+           "predictions": (s.out_pred.shape[1], len(spec.predicted_budgets))}
     if spec.speculative:
         have = s.tree.num_nodes if s.tree is not None else 0
         out["draft tree"] = (have, spec.verify_width_max)

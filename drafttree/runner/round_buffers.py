@@ -26,7 +26,7 @@ def allocate_round_state(target: ModelConfig, spec: SpecConfig, rows: int, pages
     # committed tokens: what a verify commits at most; pending drafter features: what one
     # context phase writes; the draft tree: the widest verify of any batch bucket
     state = RoundState.allocate(rows, spec.max_commit, feat, dtype, device, pages_per_row,
-                                len(spec.budgets), spec.verify_width_max if spec.speculative else 0,
+                                len(spec.predicted_budgets), spec.verify_width_max if spec.speculative else 0,
                                 pending=spec.width(Phase.CONTEXT))
     V = target.vocab_size
     # structured output: token masks per row and node, and the draft step's candidates

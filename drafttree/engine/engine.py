@@ -8,7 +8,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from drafttree.engine import prepare
@@ -45,6 +45,19 @@ def _in_own_settings(method: Callable[..., T]) -> Callable[..., T]:
         with scope(self.settings):
             return method(self, *args, **kwargs)
     return run
+
+
+@dataclass
+class BatchRows:
+    """A batch's rows (`Engine._batch_rows`): counted by sampler setting (an adaptive spec's
+    choice), their smallest max_budget, and whether any row has its logits processed or its
+    log-probabilities read (processed steps) or follows a grammar (a constrained round)."""
+    seqs: list[Sequence]
+    rows: Counter
+    cap: int | None
+    processed: bool
+    logprobs: bool
+    constrained: bool
 
 
 class Engine:
@@ -99,7 +112,7 @@ class Engine:
         self._last_read = 0.0
         self._prefill_end = 0.0
         self._outputs = RoundOutputs(cfg.max_num_seqs, self.runner.state.out.shape[1], self.device)
-        self._rows: tuple | None = None                  # `_batch_rows`' last batch
+        self._rows: BatchRows | None = None              # `_batch_rows`' last batch
         self._reasons: dict[tuple, str] = {}             # `_plain_reason` by (bucket, allowed, cap)
         if setup.cuda_graphs:
             prepare.capture_graphs(setup, self.runner, sched.prefill if setup.prefill_graphs else None,
@@ -330,12 +343,12 @@ class Engine:
         running = self.scheduler.running
         self.scheduler.check_reserved(self._pending())
         mode = SampleMode.of([s.params for s in running])
-        budget = self._choose_budget(running, mode)
+        batch = self._batch_rows(running)
+        budget = self._choose_budget(running, mode, batch)
         max_length = max(s.length for s in running) + self._pending()
-        # a row whose logits are processed or whose log-probabilities are read: processed steps
-        processed = any(s.processes for s in running)
-        logprobs = self.runner.state.logits if any(s.logprobs is not None for s in running) else None
-        if any(s.grammar is not None for s in running):   # structured output: masked picks, host-built trees
+        processed = batch.processed
+        logprobs = self.runner.state.logits if batch.logprobs else None
+        if batch.constrained:   # structured output: masked picks, host-built trees
             self.constrained.launch(running, mode, max_length, budget, processed)
             return self._outputs.launch(self.runner.state, list(running), t0, budget, constrained=True,
                                         processed=processed, logprobs=logprobs)
@@ -343,12 +356,12 @@ class Engine:
         return self._outputs.launch(self.runner.state, list(running), t0, budget, processed=processed,
                                     logprobs=logprobs)
 
-    def _choose_budget(self, running: list[Sequence], mode: SampleMode) -> int:
+    def _choose_budget(self, running: list[Sequence], mode: SampleMode, batch: BatchRows) -> int:
         """The next round's budget (0: decode), within the requests' max_budget caps."""
         bucket = self.runner.cache_cfg.batch_bucket(len(running))
-        rows, cap = self._batch_rows(running)
+        cap = batch.cap
         allowed = self.spec.budgets_at(bucket, mode is SampleMode.GREEDY)
-        budget = self.chooser.choose(bucket, allowed, rows, cap, any(s.grammar is not None for s in running))
+        budget = self.chooser.choose(bucket, allowed, batch.rows, cap, batch.constrained)
         if budget == 0 and self.spec.speculative:
             key = (bucket, allowed, cap)
             if key not in self._reasons:
@@ -356,16 +369,17 @@ class Engine:
             self.book.counts.plain_rounds[self._reasons[key]] += 1
         return budget
 
-    def _batch_rows(self, running: list[Sequence]) -> tuple[Counter, int | None]:
-        """The running requests counted by sampler setting (for an adaptive spec) and their
-        smallest max_budget; kept while the same requests run, so that a round's host time does
-        not grow by a pass over the rows' parameters."""
+    def _batch_rows(self, running: list[Sequence]) -> BatchRows:
+        """What the round needs to know of its rows' parameters, kept while the same requests
+        run, so that a round's host time does not grow by passes over them."""
         kept = self._rows
-        if kept is None or len(kept[0]) != len(running) or any(a is not b for a, b in zip(kept[0], running)):
+        if kept is None or len(kept.seqs) != len(running) or any(a is not b for a, b in zip(kept.seqs, running)):
             caps = [s.params.max_budget for s in running if s.params.max_budget is not None]
-            rows = Counter(sampler_key(s.params) for s in running) if self.spec.adaptive else Counter()
-            kept = self._rows = (list(running), rows, min(caps, default=None))
-        return kept[1], kept[2]
+            kept = self._rows = BatchRows(
+                list(running), Counter(sampler_key(s.params) for s in running) if self.spec.adaptive else Counter(),
+                min(caps, default=None), any(s.processes for s in running),
+                any(s.logprobs is not None for s in running), any(s.grammar is not None for s in running))
+        return kept
 
     def _plain_reason(self, bucket: int, allowed: tuple[int, ...], cap: int | None) -> str:
         """Why a round of a speculative engine decodes plainly (`EngineStats.plain_rounds`)."""

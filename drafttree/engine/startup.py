@@ -94,10 +94,6 @@ class StartupTimes:
                 "parts": {k: {p: round(s, 4) for p, s in v.items()} for k, v in self.parts.items()},
                 "total_s": round(self.total, 4)}
 
-    def close(self) -> None:
-        """Stop the progress thread (it also ends by itself once no stage runs)."""
-        self._wake.set()
-
     # -- progress lines ------------------------------------------------------------------------
     def _line(self, text: str) -> None:
         self._last_line = time.perf_counter()

@@ -88,7 +88,11 @@ def compiled_dir(device: torch.device | str | None = None, root: Path | None = N
 
 def install(device: torch.device | str | None = None) -> dict[str, str]:
     """Point Triton and Inductor at this platform's directories (unless the environment names
-    their own), before anything compiles; returns the two directories in force."""
+    their own), before anything compiles; returns the two directories in force. Once both are
+    set (by an earlier call or by the user), nothing is computed again: every compiled piece's
+    first compilation calls here."""
+    if TRITON_ENV in os.environ and INDUCTOR_ENV in os.environ:
+        return {"triton": os.environ[TRITON_ENV], "inductor": os.environ[INDUCTOR_ENV]}
     base = compiled_dir(device)
     triton_dir = os.environ.setdefault(TRITON_ENV, str(base / "triton"))
     inductor_dir = os.environ.setdefault(INDUCTOR_ENV, str(base / "inductor"))

@@ -76,7 +76,7 @@ class Calibration:
     of the drafted tokens the target's sampler accepts in expectation (τ - 1) and of those the
     drafter predicted in the same rounds, whose ratio calibrates it; and the latest predictions
     at every budget (a moving average too)."""
-    observed: list[float | None] = field(default_factory=list)
+    observed: list[float] = field(default_factory=list)
     predicted: list[float] = field(default_factory=list)
     pred: list[float] | None = None    # expected τ at spec.budgets[i], uncalibrated
     seen: int = 0                      # the chooser's round at the latest observation
@@ -97,9 +97,9 @@ class Calibration:
         its tree at every budget up to the one verified (0 past it)."""
         # A local-level filter: the level drifts by DRIFT a round; an observation's weight is the
         # filter's gain: one a round weighs EMA, one after n rounds without, (EMA + n DRIFT) / (1 + EMA + n DRIFT).
-        if self.pred is None:
+        if self.pred is None:   # the first observation: taken whole
             w = 1.0
-            self.observed, self.predicted = [None] * len(preds), [0.0] * len(preds)
+            self.observed, self.predicted = [0.0] * len(preds), [0.0] * len(preds)
         else:
             self.var += DRIFT * max(round_ - self.seen, 1)
             w = self.var / (self.var + 1.0)
@@ -113,11 +113,8 @@ class Calibration:
                 # past the verified budget: as if its ratio were the largest verified one's, so
                 # that a budget not verified lately follows those that were
                 o = 1 + ratio * (p - 1)
-            first = self.observed[i] is None
-            old = 0.0 if first else self.observed[i]
-            k = 1.0 if first else w
-            self.observed[i] = old + k * (o - 1 - old)
-            self.predicted[i] += k * (p - 1 - self.predicted[i])
+            self.observed[i] += w * (o - 1 - self.observed[i])
+            self.predicted[i] += w * (p - 1 - self.predicted[i])
         self.pred = list(preds) if self.pred is None else [p + w * (q - p) for p, q in zip(self.pred, preds)]
 
 

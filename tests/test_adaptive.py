@@ -192,7 +192,7 @@ def test_observed_round_times_correct_the_table():
         c.observe_round(1, 16, False, 3 * 2.1)
         c.observe_round(1, 31, False, 3 * 3.0)
         c.observe_round(1, 0, False, 1.0 + 1.26 / 63)   # decode steps as timed
-    assert c.cost_ratio[(1, True, False, False)] == pytest.approx(3.0, rel=0.05)
+    assert c.cost_ratio[(1, True, False, ())] == pytest.approx(3.0, rel=0.05)
     assert c.choose(1, allowed, ONE) == 0
     # a machine three times slower than at start-up in every round drafted: the decode step, never
     # observed, is priced by the rounds that were, so drafting at 8 still wins
@@ -216,17 +216,17 @@ def test_constrained_rounds_are_priced_as_their_own_kind():
     c = _chooser([2.0, 2.5, 2.8, 3.0])
     for _ in range(40):
         c.observe_round(1, 8, False, 1.7)                        # free drafting rounds as timed
-        c.observe_round(1, 8, False, 3 * 1.7, constrained=True)
-        c.observe_round(1, 0, False, 1.0 + 1.26 / 63, constrained=True)
-    assert c.cost_ratio[(1, True, False, True)] == pytest.approx(3.0, rel=0.05)
+        c.observe_round(1, 8, False, 3 * 1.7, extra=("constrained",))
+        c.observe_round(1, 0, False, 1.0 + 1.26 / 63, extra=("constrained",))
+    assert c.cost_ratio[(1, True, False, ("constrained",))] == pytest.approx(3.0, rel=0.05)
     assert c.any_ratio == pytest.approx(1.0, rel=0.02)           # free rounds' fallback untouched
-    assert c.round_seconds(1, 8, False, constrained=True) == pytest.approx(3 * c.round_seconds(1, 8, False), rel=0.05)
-    assert c.choose(1, allowed, ONE, constrained=True) == 0
+    assert c.round_seconds(1, 8, False, extra=("constrained",)) == pytest.approx(3 * c.round_seconds(1, 8, False), rel=0.05)
+    assert c.choose(1, allowed, ONE, extra=("constrained",)) == 0
     assert c.choose(1, allowed, ONE) == 8
     c = _chooser([2.0, 2.5, 2.8, 3.0])
     for _ in range(40):
         c.observe_round(1, 8, False, 2 * 1.7)
-    assert c.round_seconds(1, 8, False, constrained=True) == pytest.approx(c.round_seconds(1, 8, False))
+    assert c.round_seconds(1, 8, False, extra=("constrained",)) == pytest.approx(c.round_seconds(1, 8, False))
 
 
 def test_one_slow_round_does_not_price_its_budget_out():
@@ -242,12 +242,12 @@ def test_one_slow_round_does_not_price_its_budget_out():
     assert c.choose(1, allowed, ONE) == 31
     c.observe_round(1, 0, False, t.round_seconds(1, 0))   # plain rounds priced as timed
     c.observe_round(1, 31, False, 10 * t.round_seconds(1, 31))
-    assert c.cost_ratio[(1, True, False, False)] == pytest.approx(1.1)
+    assert c.cost_ratio[(1, True, False, ())] == pytest.approx(1.1)
     for _ in range(20):
         b = c.choose(1, allowed, ONE)
         assert b == 31
         c.observe_round(1, b, False, t.round_seconds(1, b))
-    assert c.cost_ratio[(1, True, False, False)] == pytest.approx(1.0, abs=0.02)
+    assert c.cost_ratio[(1, True, False, ())] == pytest.approx(1.0, abs=0.02)
 
 
 def test_a_plain_price_a_passing_load_raised_is_observed_again():
@@ -317,7 +317,7 @@ def _forced(llm: LLM, pattern: list[int]) -> list[int]:
     at it, else 0); returns the budgets chosen."""
     chooser, chosen, i = llm.engine.chooser, [], itertools.count()
 
-    def choose(bucket, allowed, rows, cap=None, constrained=False):
+    def choose(bucket, allowed, rows, cap=None, extra=()):
         want = pattern[next(i) % len(pattern)]
         b = want if want in allowed and (cap is None or want <= cap) else 0
         chosen.append(b)

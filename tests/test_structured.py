@@ -121,13 +121,14 @@ def test_auto_prices_constrained_rounds_apart(pair, plain):
     llm = engine(pair, "ddtree")
     seen: list[bool] = []
     observe = llm.engine.chooser.observe_round
-    llm.engine.chooser.observe_round = lambda *a, **kw: (seen.append(bool(a[4] if len(a) > 4 else kw.get(
-        "constrained", False))), observe(*a, **kw))[1]
+    llm.engine.chooser.observe_round = lambda *a, **kw: (seen.append("constrained" in (a[4] if len(a) > 4 else kw.get(
+        "extra", ()))), observe(*a, **kw))[1]
     got = llm.generate(prompts, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, params)]
     llm.generate(prompts[2:3], params[2:3])    # a free request alone
     assert True in seen and False in seen
-    assert any(k[3] for k in llm.engine.chooser.cost_ratio) and any(not k[3] for k in llm.engine.chooser.cost_ratio)
+    assert any("constrained" in k[3] for k in llm.engine.chooser.cost_ratio)
+    assert any(not k[3] for k in llm.engine.chooser.cost_ratio)
     llm.shutdown()
 
 

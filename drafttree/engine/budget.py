@@ -60,6 +60,13 @@ PLAIN_STALE = 64    # drafting rounds in a row after which one decodes, if plain
 SETTINGS_MAX = 64   # sampler settings calibrated apart; past them, the pooled calibration
 
 SamplerKey = tuple[float, float, int]   # temperature, top-p, top-k (greedy: 0, 1, 0)
+Extra = tuple[str, ...]                 # a round's extra work: () or of "constrained", "processed"
+Kind = tuple[int, bool, bool, Extra]    # batch bucket, drafting, sampled pick, extra work
+
+
+def extra_work(constrained: bool, processed: bool) -> Extra:
+    """A round's extra work, which the measured table does not time: its kind apart."""
+    return ("constrained",) * constrained + ("processed",) * processed
 GREEDY: SamplerKey = (0.0, 1.0, 0)
 
 
@@ -128,29 +135,29 @@ class BudgetChooser:
     cal: dict[SamplerKey, Calibration] = field(default_factory=dict)
     pooled: dict[bool, Calibration] = field(default_factory=lambda: {True: Calibration(), False: Calibration()})
     plain_rounds: int = 0
-    # observed/measured per kind of round: (bucket, drafting, sampled, constrained)
-    cost_ratio: dict[tuple[int, bool, bool, bool], float] = field(default_factory=dict)
+    # observed/measured per kind of round: (bucket, drafting, sampled, extra work)
+    cost_ratio: dict[Kind, float] = field(default_factory=dict)
     any_ratio: float = 1.0            # the same over every free round observed
-    timed: dict[tuple[int, bool, bool, bool], int] = field(default_factory=dict)   # a kind's latest observed round
+    timed: dict[Kind, int] = field(default_factory=dict)   # a kind's latest observed round
     rounds: int = 0                   # rounds chosen so far
     _kept: tuple | None = None        # (inputs, round, plain-or-drafting choice, probe, rounds per probe)
-    _plain_probed: dict[tuple[int, bool, bool, bool], int] = field(default_factory=dict)   # a kind's latest plain probe
+    _plain_probed: dict[Kind, int] = field(default_factory=dict)   # a kind's latest plain probe
 
-    def _ratio(self, key: tuple[int, bool, bool, bool]) -> float:
-        """A kind's observed/measured ratio; a constrained kind not yet observed starts from its
-        free twin's."""
+    def _ratio(self, key: Kind) -> float:
+        """A kind's observed/measured ratio; a kind with extra work not yet observed starts from
+        its free twin's."""
         r = self.cost_ratio.get(key)
         if r is None and key[3]:
-            r = self.cost_ratio.get(key[:3] + (False,))
+            r = self.cost_ratio.get(key[:3] + ((),))
         return self.any_ratio if r is None else r
 
-    def round_seconds(self, bucket: int, budget: int, sampled: bool, constrained: bool = False) -> float:
-        """A round's price: the measured cost times its kind's observed ratio. A constrained round
-        (structured output) is a kind of its own: the host grows its trees and their masks
-        between the draft and the verify, which the measured table does not hold."""
-        return self.costs.round_seconds(bucket, budget, sampled) * self._ratio((bucket, budget > 0, sampled, constrained))
+    def round_seconds(self, bucket: int, budget: int, sampled: bool, extra: Extra = ()) -> float:
+        """A round's price: the measured cost times its kind's observed ratio. A round with extra
+        work is a kind of its own: a constrained one's host grows its trees and masks between
+        draft and verify, a processed one's steps process logits; the table times neither."""
+        return self.costs.round_seconds(bucket, budget, sampled) * self._ratio((bucket, budget > 0, sampled, extra))
 
-    def observe_round(self, bucket: int, budget: int, sampled: bool, seconds: float, constrained: bool = False) -> None:
+    def observe_round(self, bucket: int, budget: int, sampled: bool, seconds: float, extra: Extra = ()) -> None:
         """A round's own seconds: launch (or the previous read, where rounds overlap) to read."""
         if self.costs is None or not self.adaptive:
             return
@@ -158,7 +165,7 @@ class BudgetChooser:
         # relative costs well, and what it misses (the host's share, the machine's load) is
         # common to them; with one per budget, a budget priced up by one slow round was never
         # chosen again to be priced back down.
-        key = (bucket, budget > 0, sampled, constrained)
+        key = (bucket, budget > 0, sampled, extra)
         prev = self._ratio(key)
         # from the ratio so far, not from the first round, and by at most a factor of 2 a round:
         # a pause of the host (a collection, another process) is not the round's cost
@@ -167,7 +174,7 @@ class BudgetChooser:
         # as the calibration's filter does: the machine's load may have moved meanwhile
         var = EMA + DRIFT * max(self.rounds - self.timed.get(key, self.rounds) - 1, 0)
         self.cost_ratio[key] = prev + var / (var + 1 - EMA) * (r - prev)   # EMA when observed a round ago
-        if not constrained:
+        if not extra:
             self.any_ratio += EMA * (r - self.any_ratio)
         self.timed[key] = self.rounds
 
@@ -194,25 +201,25 @@ class BudgetChooser:
         return total
 
     def choose(self, bucket: int, allowed: tuple[int, ...], rows: Counter[SamplerKey], cap: int | None = None,
-               constrained: bool = False) -> int:
+               extra: Extra = ()) -> int:
         """The round's budget among `allowed` (spec.budgets_at, ascending, 0 first) and at most
         `cap` (the smallest of the requests' max_budget), for rows counted by sampler setting;
-        `constrained`: a round with structured-output rows, priced as its own kind."""
+        `extra`: the round's extra work ("constrained", "processed"), priced as its own kind."""
         options = [b for b in allowed if cap is None or b <= cap]
         self.rounds += 1
         if not self.adaptive or len(options) == 1:
             return options[-1]
-        inputs = (bucket, tuple(options), tuple(sorted(rows.items())), constrained)
+        inputs = (bucket, tuple(options), tuple(sorted(rows.items())), extra)
         kept = self._kept
         if kept is None or kept[0] != inputs or self.rounds - kept[1] >= REFRESH:
-            kept = self._kept = (inputs, self.rounds, *self._rank(bucket, options, rows, constrained))
+            kept = self._kept = (inputs, self.rounds, *self._rank(bucket, options, rows, extra))
         best, probe, every = kept[2:]
         if best > 0:
             self.plain_rounds = 0
             # Plain rounds' price is corrected only by plain rounds: one priced up by a passing
             # load would keep drafting chosen for good, so where it has not been observed for
             # PLAIN_STALE rounds, a round decodes (at most that round's gain lost in PLAIN_STALE).
-            plain = (bucket, False, any(key != GREEDY for key in rows), constrained)
+            plain = (bucket, False, any(key != GREEDY for key in rows), extra)
             last = max(self.timed.get(plain, -1), self._plain_probed.setdefault(plain, self.rounds))
             if self.costs is not None and self.rounds - last >= PLAIN_STALE:
                 self._plain_probed[plain] = self.rounds
@@ -225,7 +232,7 @@ class BudgetChooser:
         return probe
 
     def _rank(self, bucket: int, options: list[int], rows: Counter[SamplerKey],
-              constrained: bool = False) -> tuple[int, int, int]:
+              extra: Extra = ()) -> tuple[int, int, int]:
         """(the best budget, the drafting budget a probe takes, plain rounds per probe)."""
         speculative = options[1:]
         tokens, seconds = {}, {}
@@ -234,7 +241,7 @@ class BudgetChooser:
             tokens[b] = self.expected_tokens(b, rows)
             if tokens[b] is None:   # no prediction for this kind of row yet: draft to get one
                 return speculative[-1], speculative[-1], 1
-            seconds[b] = self.round_seconds(bucket, b, sampled, constrained)
+            seconds[b] = self.round_seconds(bucket, b, sampled, extra)
         rank = lambda b: (tokens[b] / seconds[b], -b)
         best = max(options, key=rank)
         probe = max(speculative, key=rank)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from drafttree.engine import prepare
-from drafttree.engine.budget import BudgetChooser, sampler_key
+from drafttree.engine.budget import BudgetChooser, extra_work, sampler_key
 from drafttree.engine.config import EngineConfig
 from drafttree.engine.constrained import Constrained
 from drafttree.engine.inflight import Launched, RoundOutputs
@@ -58,6 +58,11 @@ class BatchRows:
     processed: bool
     logprobs: bool
     constrained: bool
+
+    @property
+    def extra(self) -> tuple[str, ...]:
+        """The rounds' extra work, a kind of round the budget choice prices apart."""
+        return extra_work(self.constrained, self.processed)
 
 
 class Engine:
@@ -361,7 +366,7 @@ class Engine:
         bucket = self.runner.cache_cfg.batch_bucket(len(running))
         cap = batch.cap
         allowed = self.spec.budgets_at(bucket, mode is SampleMode.GREEDY)
-        budget = self.chooser.choose(bucket, allowed, batch.rows, cap, batch.constrained)
+        budget = self.chooser.choose(bucket, allowed, batch.rows, cap, batch.extra)
         if budget == 0 and self.spec.speculative:
             key = (bucket, allowed, cap)
             if key not in self._reasons:
@@ -401,13 +406,12 @@ class Engine:
         # one, while the host read, emitted and launched (overlapped rounds counted once); the
         # choice (an adaptive spec's cost table) learns from them, except across a prefill
         start = max(launched.t0, self._last_read)
-        # (a processed round's seconds hold its own extra work: not a price of plain ones; a
-        # constrained round's are priced as a kind of their own)
-        if self.costs is not None and self._prefill_end <= start and not launched.processed:
+        # (a constrained or processed round's seconds hold its extra work: its own kind's price)
+        if self.costs is not None and self._prefill_end <= start:
             B = len(launched.seqs)
             self.chooser.observe_round(self.runner.cache_cfg.batch_bucket(B), launched.budget,
                                        not all(s.params.greedy for s in launched.seqs), now - start,
-                                       launched.constrained)
+                                       extra_work(launched.constrained, launched.processed))
         counts = self.book.counts
         counts.round_seconds += now - start
         self._last_read = now

@@ -27,7 +27,8 @@ PHASE_KEYS = ("round", "decode", "draft", "verify", "context")
 
 
 def run(tree: Path, args: list[str], timeout: float) -> tuple[int, float, str]:
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    # the tree first; what the caller put on the path (extra packages, the default model) stays after it
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p))
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, *args], cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
     return p.returncode, time.perf_counter() - t0, (p.stdout + p.stderr)[-2000:]

@@ -550,3 +550,18 @@ def test_bench_serve_reports_errors(live: Live, tmp_path: Path) -> None:
     [(message, count)] = s["errors"].items()
     assert count == 2 and message.startswith("HTTP 400: this model's context holds 512 tokens")
     assert s["ttft_ms"]["p50"] is None
+
+
+def test_a_snapshot_holds_a_prefix_of_the_growing_output():
+    """A snapshot's token ids and log-probabilities are views of the first n items of lists the
+    engine thread keeps appending to (no copy per step): what was appended later is not in them."""
+    from drafttree.server.worker import Prefix
+
+    items = [1, 2, 3]
+    p = Prefix(items)
+    items += [4, 5]
+    assert len(p) == 3 and list(p) == [1, 2, 3] and p == (1, 2, 3) and p != (1, 2, 3, 4)
+    assert p[1:] == [2, 3] and p[-1] == 3 and p[0] == 1 and p[5:] == [] and p[::-1] == [3, 2, 1]
+    with pytest.raises(IndexError):
+        p[3]
+    assert Prefix([]) == () and not Prefix([])

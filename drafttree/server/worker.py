@@ -10,6 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import abc
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -22,6 +23,40 @@ from drafttree.server.metrics import ServerMetrics
 from drafttree.settings import scope
 
 log = logging.getLogger(__name__)
+
+
+class Prefix(abc.Sequence):
+    """The first n items of a list that only grows (a request's output ids, its log-probabilities),
+    as a snapshot holds it: taken in O(1) where a copy would cost O(n) at every step of a long
+    request. Read on the event loop while the engine thread appends: a list's slice is atomic."""
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list, n: int | None = None) -> None:
+        self._items, self._n = items, len(items) if n is None else n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._n)
+            if step == 1:
+                return self._items[start:stop]
+            return [self._items[j] for j in range(start, stop, step)]
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        return self._items[i % self._n]
+
+    def __iter__(self):
+        return iter(self._items[:self._n])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, abc.Sequence) and len(other) == self._n and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Prefix({self._items[:self._n]!r})"
 
 
 @dataclass(frozen=True)
@@ -77,8 +112,8 @@ class ChoiceSnapshot:
     text: str
     completion_tokens: int
     finish_reason: str | None = None
-    token_ids: tuple[int, ...] | None = None   # the output's ids, for requests that asked (tool calls, logprobs)
-    logprobs: tuple[Logprobs, ...] | None = None
+    token_ids: Prefix | None = None   # the output's ids, for requests that asked (tool calls, logprobs)
+    logprobs: Prefix | None = None    # of Logprobs
 
     @property
     def finished(self) -> bool:
@@ -109,9 +144,9 @@ class Snapshot:
         token ids (always where log-probabilities were asked: their tokens)."""
         out = []
         for c in seq.choices:
-            ids = tuple(c.output_ids) if with_ids or c.logprobs is not None else None
+            ids = Prefix(c.output_ids) if with_ids or c.logprobs is not None else None
             out.append(ChoiceSnapshot(c.index, c.text, len(c.output_ids), (c.finish_reason or "stop") if c.finished
-                                      else None, ids, None if c.logprobs is None else tuple(c.logprobs)))
+                                      else None, ids, None if c.logprobs is None else Prefix(c.logprobs)))
         # the statistics are read once the request ends: not counted at every step of a long one
         st = seq.request_stats if seq.all_finished else None
         first = seq.choices[0]

@@ -3,7 +3,7 @@ host seconds (the candidates' read, the tree build), at each batch size, free an
 alternated --repeats times (the ratio's median and spread), and whether every constrained output
 equals plain constrained decoding's (spec none) at T = 0.
 
-    python benchmarks/structured_bench.py [--model DIR] [--draft-model DIR] [--budget 32] [--max-tokens 128]
+    python benchmarks/structured_bench.py [--model DIR] [--draft-model DIR] [--budget 32|auto] [--max-tokens 128]
         [--batches 1,16] [--repeats 3] [--device cpu|cuda] [--out structured.json]
 """
 from __future__ import annotations
@@ -37,14 +37,18 @@ def run(llm: LLM, texts: list[str], constrained: bool, max_tokens: int) -> dict:
     so = StructuredOutputs(json=SCHEMA) if constrained else None
     params = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so)
     llm.engine.constrained.reset()
+    hist = dict(llm.engine.book.counts.budget_hist)
     t0 = time.perf_counter()
     outs = llm.generate(texts, params)
     dt = time.perf_counter() - t0
+    rounds = {str(b): n - hist.get(b, 0) for b, n in sorted(llm.engine.book.counts.budget_hist.items())
+              if n > hist.get(b, 0)}
     taus = [t for o in outs for t in o.metrics["accept_lengths"]]
     times = llm.engine.constrained.times
     return {"tok_s": sum(len(o.token_ids) for o in outs) / dt, "tau": sum(taus) / max(len(taus), 1),
             "constrained_rounds": times.rounds, "candidates_wait_ms_per_round": 1e3 * times.candidates_wait_s / max(times.rounds, 1),
             "tree_build_ms_per_round": 1e3 * times.tree_build_s / max(times.rounds, 1),
+            "tree_build_us_per_node": 1e6 * times.tree_build_s / max(times.tree_nodes, 1), "rounds_per_budget": rounds,
             "tokens": [o.token_ids for o in outs]}
 
 
@@ -52,7 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
     ap.add_argument("--draft-model")
-    ap.add_argument("--budget", type=int, default=32)
+    ap.add_argument("--budget", default="32", help="DDTree's budget, or auto (the per-round choice)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--repeats", type=int, default=3, help="free and schema runs, alternated")
@@ -63,7 +67,8 @@ def main() -> None:
         ap.error("--repeats must be >= 1")
     batches = [int(b) for b in a.batches.split(",")]
     common = dict(max_num_seqs=max(batches), **({"device": a.device} if a.device else {}))
-    spec = LLM(model=a.model, draft_model=a.draft_model, spec="ddtree", budget=a.budget, **common)
+    budget = None if a.budget == "auto" else int(a.budget)
+    spec = LLM(model=a.model, draft_model=a.draft_model, spec="ddtree", budget=budget, **common)
     plain = LLM(model=a.model, spec="none", **common)
     report: dict = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
                              "device": spec.engine.runner.device.type, "budget": a.budget,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from drafttree import LLM, SamplingParams
-from drafttree.engine.budget import GREEDY, PLAIN_STALE, PROBE_MAX, PROBE_SHARE, BudgetChooser
+from drafttree.engine.budget import DRIFT, EMA, GREEDY, PLAIN_STALE, PROBE_MAX, PROBE_SHARE, BudgetChooser
 from drafttree.phases import Phase, SpecConfig
 from drafttree.runner import cost
 from drafttree.runner.cost import CostTable
@@ -78,7 +78,7 @@ def _table() -> CostTable:
 
 
 ONE = Counter({GREEDY: 1})   # a round's rows by sampler setting: one greedy row
-T1 = (1.0, 1.0, 0)           # the sampler setting of temperature 1, no filter
+T1 = (1.0, 1.0, 0, False)   # the sampler setting of temperature 1, no filter
 
 
 def _milli(xs) -> list[int]:
@@ -144,13 +144,21 @@ def test_a_probe_weighs_the_rounds_it_was_stale_for():
         if b:
             c.observe(GREEDY, right, _seen((2.0, 3.0, 3.0, 3.0), b))
     assert picks[-2:] == [8, 8] and sum(b > 0 for b in picks) == 3, picks   # one probe, then 8
-    assert c.cal[GREEDY].var < 0.25   # consecutive rounds bring the gain back toward EMA
-    # consecutive drafting rounds keep one round's weight each
+    assert c.cal[GREEDY].var < 0.3   # consecutive rounds bring the gain back toward EMA
+    # consecutive drafting rounds weigh by the filter's gain: about a half after the drafter's own
+    # prediction (which stands as one observation), then falling toward EMA
     c = _chooser([2.0, 2.5, 2.8, 3.0])
+    var, want, gains = 1.0, 2.5, []
+    for k in range(4):
+        var += DRIFT
+        var = var / (var + 1)
+        gains.append(var)
+        want += var * ((2.5 if k == 0 else 1.5) - want)
     for _ in range(3):
         c.choose(1, allowed, ONE)
         c.observe(GREEDY, _milli((1.0, 1.5, 1.5, 1.5)), _seen((1.0, 2.0, 2.0, 2.0), 8))
-    assert c.cal[GREEDY].pred[1] == pytest.approx(1.5 + 0.9 ** 3 * (2.5 - 1.5), abs=0.01)
+    assert c.cal[GREEDY].pred[1] == pytest.approx(want, abs=0.01)
+    assert gains[0] == pytest.approx(0.5, abs=0.01) and gains[0] > gains[1] > gains[2] > gains[3] > EMA
 
 
 def test_a_probe_drafts_at_the_budget_the_estimate_ranks_best():
@@ -227,6 +235,27 @@ def test_constrained_rounds_are_priced_as_their_own_kind():
     for _ in range(40):
         c.observe_round(1, 8, False, 2 * 1.7)
     assert c.round_seconds(1, 8, False, extra=("constrained",)) == pytest.approx(c.round_seconds(1, 8, False))
+
+
+def test_a_constrained_rounds_host_time_is_priced_per_node():
+    """Constrained rounds at budget 31 whose host grows trees for 0.1 s a node (3.1 s a round on top
+    of the table's 3.0): the host time is priced per drafted node, apart from the device's ratio, so
+    budget 4 (0.4 s of trees) still beats plain decoding where one ratio for every budget (2x)
+    would have priced every drafting round out."""
+    allowed = _table().spec.budgets_at(1)
+    c = _chooser([2.0, 2.5, 2.8, 3.0])
+    con = ("constrained",)
+    for _ in range(40):
+        c.observe_round(1, 31, False, 3.0 + 3.1, extra=con, host_s=3.1, rows=1)
+        c.observe_round(1, 0, False, 1.0 + 1.26 / 63, extra=con)
+    assert c.host_node[con] == pytest.approx(0.1)
+    assert c.cost_ratio[(1, True, False, con)] == pytest.approx(1.0, rel=0.02)
+    assert c.round_seconds(1, 4, False, extra=con) == pytest.approx(c.round_seconds(1, 4, False) + 0.4, rel=0.02)
+    assert c.round_seconds(1, 4, False, extra=con, rows=2) == pytest.approx(c.round_seconds(1, 4, False) + 0.8,
+                                                                             rel=0.02)
+    assert c.choose(1, allowed, ONE, extra=con) == 4
+    assert c.choose(1, allowed, ONE) == 8                        # free rounds: no host time
+    assert () not in c.host_node
 
 
 def test_one_slow_round_does_not_price_its_budget_out():

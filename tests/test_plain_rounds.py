@@ -139,3 +139,22 @@ def test_a_plain_stretch_ranks_the_budgets_once_per_refresh():
     c.choose(1, allowed, one)
     c.choose(1, allowed, Counter({GREEDY: 2}))
     assert len(ranked) == -(-100 // REFRESH) + 2
+
+
+def test_a_constrained_setting_is_calibrated_apart():
+    """A constrained request's acceptance is calibrated apart: before its first observation the
+    free setting's does not stand in for it (the chooser drafts to observe it), after it its own
+    does, and the free one is untouched."""
+    t = _table()
+    c = BudgetChooser(t, t.spec.budgets)
+    con = GREEDY[:3] + (True,)
+    free = [int(p * PRED_SCALE) for p in (1.5, 2.0, 2.5, 3.0)]
+    c.observe(GREEDY, free, free)
+    assert c.calibration(con) is None
+    assert c.choose(1, t.spec.budgets_at(1), Counter({con: 1})) == t.spec.budgets[-1]
+    seen = [int(p * PRED_SCALE) for p in (1.9, 2.8, 3.7, 4.6)]    # forced tokens: more than predicted
+    c.observe(con, free, seen)
+    assert c.calibration(con) is c.cal[con] and c.calibration(GREEDY) is c.cal[GREEDY]
+    assert c.cal[con].expected(3) > c.cal[GREEDY].expected(3) == 3.0
+    one = Counter({con: 1})
+    assert c.expected_tokens(t.spec.budgets[-1], one) == c.cal[con].expected(3)

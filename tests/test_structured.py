@@ -69,7 +69,7 @@ def check_valid(outs) -> None:
     assert regex_out.finish_reason == "stop" and re.fullmatch(REGEX, regex_out.text), regex_out.text
 
 
-@pytest.mark.parametrize("spec,budget", [("ddtree", 8), ("dflash", None)])
+@pytest.mark.parametrize("spec,budget", [("ddtree", 8), ("dflash", 3)])
 def test_speculative_constrained_equals_plain(pair, plain, spec, budget):
     prompts, params = batch()
     want = plain.generate(prompts, params)
@@ -129,6 +129,28 @@ def test_auto_prices_constrained_rounds_apart(pair, plain):
     assert True in seen and False in seen
     assert any("constrained" in k[3] for k in llm.engine.chooser.cost_ratio)
     assert any(not k[3] for k in llm.engine.chooser.cost_ratio)
+    llm.shutdown()
+
+
+def test_constrained_rounds_calibrate_their_own_acceptance(pair, plain):
+    """With `budget auto`, an engine serving only constrained requests learns their acceptance
+    from their own rounds (the free tree's prediction against what the masked verify of the
+    grammar's tree gave), calibrated apart from free requests', instead of drafting uncalibrated."""
+    from drafttree.engine.budget import sampler_key
+
+    prompts, params = batch()
+    llm = engine(pair, "ddtree")
+    chooser = llm.engine.chooser
+    con = [i for i, p in enumerate(params) if p.structured_outputs is not None]
+    got = llm.generate([prompts[i] for i in con], [params[i] for i in con])
+    assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate([prompts[i] for i in con],
+                                                                             [params[i] for i in con])]
+    keys = {sampler_key(params[i], True) for i in con}
+    assert keys <= {k for k, c in chooser.cal.items() if c.pred is not None}
+    assert not any(not k[3] for k in chooser.cal)          # no free request ran: no free setting observed
+    assert chooser.pooled[(True, False)].pred is None and chooser.pooled[(True, True)].pred is not None
+    greedy = sampler_key(params[0], True)
+    assert chooser.calibration(greedy) is chooser.cal[greedy]
     llm.shutdown()
 
 

@@ -8,7 +8,8 @@ row's temperature, top-k and top-p: for a greedy row the realised τ), kept per 
 (temperature, top-p, top-k): a probe at T = 1 measures the acceptance a T = 1 round will see,
 not a noisy sample of it, and a tree's deep nodes, which the target's sampling accepts far less
 often than its argmax does, are calibrated apart from its shallow ones. A setting not seen yet
-starts from the pooled calibration of its kind (greedy or sampled). Rows read in one round are
+starts from the pooled calibration of its kind (greedy or sampled, free or constrained: a
+constrained request's acceptance is calibrated apart, `sampler_key`). Rows read in one round are
 one observation per setting, whatever the batch size. Seconds come from the measured cost table
 (`runner.cost`). Budget 0 is a decode round: one token per row, and the drafter's context still
 fed, so speculation resumes losslessly whenever the choice changes.
@@ -59,7 +60,7 @@ REFRESH = 16        # rounds a choice is kept while nothing it depends on is obs
 PLAIN_STALE = 64    # drafting rounds in a row after which one decodes, if plain rounds' price is that old
 SETTINGS_MAX = 64   # sampler settings calibrated apart; past them, the pooled calibration
 
-SamplerKey = tuple[float, float, int]   # temperature, top-p, top-k (greedy: 0, 1, 0)
+SamplerKey = tuple[float, float, int, bool]   # temperature, top-p, top-k, constrained (greedy: 0, 1, 0)
 Extra = tuple[str, ...]                 # a round's extra work: () or of "constrained", "processed"
 Kind = tuple[int, bool, bool, Extra]    # batch bucket, drafting, sampled pick, extra work
 
@@ -67,14 +68,26 @@ Kind = tuple[int, bool, bool, Extra]    # batch bucket, drafting, sampled pick, 
 def extra_work(constrained: bool, processed: bool) -> Extra:
     """A round's extra work, which the measured table does not time: its kind apart."""
     return ("constrained",) * constrained + ("processed",) * processed
-GREEDY: SamplerKey = (0.0, 1.0, 0)
+GREEDY: SamplerKey = (0.0, 1.0, 0, False)
 
 
-def sampler_key(p: SamplingParams) -> SamplerKey:
-    """The sampler setting a request's acceptance is calibrated under."""
+def sampler_key(p: SamplingParams, constrained: bool = False) -> SamplerKey:
+    """The setting a request's acceptance is calibrated under: its sampler, and whether a grammar
+    constrains it (its tree grows along the grammar and its picks are masked: forced tokens are
+    always accepted, forbidden drafts never enter, so the drafter's free prediction is calibrated
+    apart for it)."""
     if p.greedy:
-        return GREEDY
-    return round(p.temperature, 2), round(p.top_p, 2), max(p.top_k, 0)
+        return GREEDY[:3] + (constrained,)
+    return round(p.temperature, 2), round(p.top_p, 2), max(p.top_k, 0), constrained
+
+
+def is_greedy(key: SamplerKey) -> bool:
+    return key[:3] == GREEDY[:3]
+
+
+def pool_of(key: SamplerKey) -> tuple[bool, bool]:
+    """The pooled calibration a setting falls back to: its kind's (greedy or sampled, constrained or free)."""
+    return is_greedy(key), key[3]
 
 
 @dataclass
@@ -88,6 +101,13 @@ class Calibration:
     pred: list[float] | None = None    # expected τ at spec.budgets[i], uncalibrated
     seen: int = 0                      # the chooser's round at the latest observation
     var: float = EMA                   # the averages' uncertainty, in one observation's variance
+
+    @classmethod
+    def seeded(cls, prior: "Calibration", round_: int) -> "Calibration":
+        """A new setting's calibration, starting from its stand-in's (`BudgetChooser.observe`) as
+        if that were one observation: its own first one then weighs about half, so one unlucky
+        round (a first tree the target rejects whole) does not price drafting out for good."""
+        return cls(list(prior.observed), list(prior.predicted), list(prior.pred), round_, 1.0)
 
     def ratio(self, i: int) -> float:
         """Observed over predicted at budgets[i] (1 before any observation)."""
@@ -104,13 +124,14 @@ class Calibration:
         its tree at every budget up to the one verified (0 past it)."""
         # A local-level filter: the level drifts by DRIFT a round; an observation's weight is the
         # filter's gain: one a round weighs EMA, one after n rounds without, (EMA + n DRIFT) / (1 + EMA + n DRIFT).
-        if self.pred is None:   # the first observation: taken whole
-            w = 1.0
-            self.observed, self.predicted = [0.0] * len(preds), [0.0] * len(preds)
-        else:
-            self.var += DRIFT * max(round_ - self.seen, 1)
-            w = self.var / (self.var + 1.0)
-            self.var = w
+        if self.pred is None:
+            # before any observation (and no stand-in, `seeded`): the drafter's own prediction, as
+            # if observed once, so that the first round weighs about half, not whole
+            self.observed, self.predicted = [p - 1 for p in preds], [p - 1 for p in preds]
+            self.pred, self.var, self.seen = list(preds), 1.0, round_
+        self.var += DRIFT * max(round_ - self.seen, 1)
+        w = self.var / (self.var + 1.0)
+        self.var = w
         self.seen = round_
         ratio = 1.0
         for i, (p, o) in enumerate(zip(preds, seen)):
@@ -122,7 +143,7 @@ class Calibration:
                 o = 1 + ratio * (p - 1)
             self.observed[i] += w * (o - 1 - self.observed[i])
             self.predicted[i] += w * (p - 1 - self.predicted[i])
-        self.pred = list(preds) if self.pred is None else [p + w * (q - p) for p, q in zip(self.pred, preds)]
+        self.pred = [p + w * (q - p) for p, q in zip(self.pred, preds)]
 
 
 @dataclass
@@ -133,12 +154,17 @@ class BudgetChooser:
     budgets: tuple[int, ...]          # spec.budgets: the columns of a round's predictions
     adaptive: bool = True
     cal: dict[SamplerKey, Calibration] = field(default_factory=dict)
-    pooled: dict[bool, Calibration] = field(default_factory=lambda: {True: Calibration(), False: Calibration()})
+    pooled: dict[tuple[bool, bool], Calibration] = field(
+        default_factory=lambda: {(g, c): Calibration() for g in (True, False) for c in (False, True)})
     plain_rounds: int = 0
     # observed/measured per kind of round: (bucket, drafting, sampled, extra work)
     cost_ratio: dict[Kind, float] = field(default_factory=dict)
     any_ratio: float = 1.0            # the same over every free round observed
     timed: dict[Kind, int] = field(default_factory=dict)   # a kind's latest observed round
+    # host seconds per drafted node that a kind's round spends between its draft and its verify
+    # (a constrained round grows its trees along the grammar there): priced per node, apart from
+    # the ratio, since a round at budget 4 grows an eighth of what one at 32 does
+    host_node: dict[Extra, float] = field(default_factory=dict)
     rounds: int = 0                   # rounds chosen so far
     _kept: tuple | None = None        # (inputs, round, plain-or-drafting choice, probe, rounds per probe)
     _plain_probed: dict[Kind, int] = field(default_factory=dict)   # a kind's latest plain probe
@@ -151,16 +177,27 @@ class BudgetChooser:
             r = self.cost_ratio.get(key[:3] + ((),))
         return self.any_ratio if r is None else r
 
-    def round_seconds(self, bucket: int, budget: int, sampled: bool, extra: Extra = ()) -> float:
-        """A round's price: the measured cost times its kind's observed ratio. A round with extra
-        work is a kind of its own: a constrained one's host grows its trees and masks between
-        draft and verify, a processed one's steps process logits; the table times neither."""
-        return self.costs.round_seconds(bucket, budget, sampled) * self._ratio((bucket, budget > 0, sampled, extra))
+    def round_seconds(self, bucket: int, budget: int, sampled: bool, extra: Extra = (), rows: int = 0) -> float:
+        """A round's price over `rows` rows (0: the bucket's): the measured cost times its kind's
+        observed ratio, plus its host seconds per drafted node. A round with extra work is a kind
+        of its own: a constrained one's host grows its trees and masks between draft and verify, a
+        processed one's steps process logits; the table times neither."""
+        s = self.costs.round_seconds(bucket, budget, sampled) * self._ratio((bucket, budget > 0, sampled, extra))
+        if budget and extra in self.host_node:
+            s += self.host_node[extra] * (rows or bucket) * budget
+        return s
 
-    def observe_round(self, bucket: int, budget: int, sampled: bool, seconds: float, extra: Extra = ()) -> None:
-        """A round's own seconds: launch (or the previous read, where rounds overlap) to read."""
+    def observe_round(self, bucket: int, budget: int, sampled: bool, seconds: float, extra: Extra = (),
+                      host_s: float = 0.0, rows: int = 0) -> None:
+        """A round's own seconds: launch (or the previous read, where rounds overlap) to read;
+        `host_s` of them the host spent between its draft and its verify over `rows` rows."""
         if self.costs is None or not self.adaptive:
             return
+        if budget and host_s > 0:
+            per = host_s / ((rows or bucket) * budget)
+            prev = self.host_node.get(extra)
+            self.host_node[extra] = per if prev is None else prev + EMA * (per - prev)
+            seconds -= host_s
         # Drafting rounds share a ratio whatever their budget: the table times the budgets'
         # relative costs well, and what it misses (the host's share, the machine's load) is
         # common to them; with one per budget, a budget priced up by one slow round was never
@@ -179,11 +216,13 @@ class BudgetChooser:
         self.timed[key] = self.rounds
 
     def calibration(self, key: SamplerKey) -> Calibration | None:
-        """The setting's calibration, else its kind's pooled one; None before any prediction."""
+        """The setting's calibration, else its kind's pooled one; None before any prediction (the
+        chooser then drafts to get one: a constrained kind's first round, whose acceptance and
+        host time no free round tells)."""
         c = self.cal.get(key)
         if c is not None and c.pred is not None:
             return c
-        pooled = self.pooled[key == GREEDY]
+        pooled = self.pooled[pool_of(key)]
         return pooled if pooled.pred is not None else None
 
     def expected_tokens(self, budget: int, rows: Counter[SamplerKey]) -> float | None:
@@ -219,7 +258,7 @@ class BudgetChooser:
             # Plain rounds' price is corrected only by plain rounds: one priced up by a passing
             # load would keep drafting chosen for good, so where it has not been observed for
             # PLAIN_STALE rounds, a round decodes (at most that round's gain lost in PLAIN_STALE).
-            plain = (bucket, False, any(key != GREEDY for key in rows), extra)
+            plain = (bucket, False, any(not is_greedy(key) for key in rows), extra)
             last = max(self.timed.get(plain, -1), self._plain_probed.setdefault(plain, self.rounds))
             if self.costs is not None and self.rounds - last >= PLAIN_STALE:
                 self._plain_probed[plain] = self.rounds
@@ -236,12 +275,12 @@ class BudgetChooser:
         """(the best budget, the drafting budget a probe takes, plain rounds per probe)."""
         speculative = options[1:]
         tokens, seconds = {}, {}
-        sampled = any(key != GREEDY for key in rows)
+        sampled = any(not is_greedy(key) for key in rows)
         for b in options:
             tokens[b] = self.expected_tokens(b, rows)
             if tokens[b] is None:   # no prediction for this kind of row yet: draft to get one
                 return speculative[-1], speculative[-1], 1
-            seconds[b] = self.round_seconds(bucket, b, sampled, extra)
+            seconds[b] = self.round_seconds(bucket, b, sampled, extra, sum(rows.values()))
         rank = lambda b: (tokens[b] / seconds[b], -b)
         best = max(options, key=rank)
         probe = max(speculative, key=rank)
@@ -253,10 +292,15 @@ class BudgetChooser:
         1/PRED_SCALE tokens; seen 0 past the budget verified)."""
         p = [x / PRED_SCALE for x in preds]
         o = [x / PRED_SCALE for x in seen]
-        if key not in self.cal and len(self.cal) >= SETTINGS_MAX:
-            self.cal.pop(next(iter(self.cal)))   # the oldest setting
-        self.cal.setdefault(key, Calibration()).observe(p, o, self.rounds)
-        self.pooled[key == GREEDY].observe(p, o, self.rounds)
+        c = self.cal.get(key)
+        if c is None:
+            if len(self.cal) >= SETTINGS_MAX:
+                self.cal.pop(next(iter(self.cal)))   # the oldest setting
+            # its stand-in: its kind's pooled calibration, else (a constrained setting) the free one's
+            prior = self.calibration(key) or (self.calibration(key[:3] + (False,)) if key[3] else None)
+            c = self.cal[key] = Calibration() if prior is None else Calibration.seeded(prior, self.rounds)
+        c.observe(p, o, self.rounds)
+        self.pooled[pool_of(key)].observe(p, o, self.rounds)
         self._kept = None
 
 

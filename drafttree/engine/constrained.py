@@ -33,7 +33,7 @@ class ConstrainedTimes:
     candidates_wait_s: float = 0.0
     tree_build_s: float = 0.0
     decode_masks_s: float = 0.0
-    per_round: list[float] = field(default_factory=list)
+    tree_nodes: int = 0           # nodes grown (roots excluded)
 
 
 class Constrained:
@@ -74,12 +74,14 @@ class Constrained:
         return out
 
     def launch(self, running: list[Sequence], mode: SampleMode, max_length: int, budget: int,
-               processed: bool = False) -> None:
+               processed: bool = False) -> float:
         """Run a constrained round over rows 0..B-1 (`running`) at `budget` (0: a masked decode step);
-        `processed`: a processed round (`ModelRunner.run_round`)."""
+        `processed`: a processed round (`ModelRunner.run_round`). Returns the host seconds spent
+        between its draft and its verify (growing the trees with their masks)."""
         r, B = self.runner, len(running)
         spec = r.spec
         t0 = time.perf_counter()
+        host_s = 0.0
         if budget == 0:
             r.run_masked_decode(B, mode, max_length, self.masks(running), processed=processed)
         else:
@@ -94,7 +96,10 @@ class Constrained:
             r.run_masked_verify(B, mode, max_length, budget, trees, processed=processed)
             self.times.candidates_wait_s += t1 - t0
             self.times.tree_build_s += t2 - t1
+            host_s = t2 - t1
+            self.times.tree_nodes += int(trees.valid[:B, 1:].sum())
         self.times.rounds += 1
+        return host_s
 
     def advance(self, seq: Sequence, kept: list[int]) -> None:
         """Move the request's matcher over the tokens it committed; a grammar that is complete ends

@@ -354,9 +354,9 @@ class Engine:
         processed = batch.processed
         logprobs = self.runner.state.logits if batch.logprobs else None
         if batch.constrained:   # structured output: masked picks, host-built trees
-            self.constrained.launch(running, mode, max_length, budget, processed)
+            host_s = self.constrained.launch(running, mode, max_length, budget, processed)
             return self._outputs.launch(self.runner.state, list(running), t0, budget, constrained=True,
-                                        processed=processed, logprobs=logprobs)
+                                        processed=processed, logprobs=logprobs, host_s=host_s)
         self.runner.run_round(len(running), mode, max_length, budget, processed=processed)
         return self._outputs.launch(self.runner.state, list(running), t0, budget, processed=processed,
                                     logprobs=logprobs)
@@ -381,7 +381,7 @@ class Engine:
         if kept is None or len(kept.seqs) != len(running) or any(a is not b for a, b in zip(kept.seqs, running)):
             caps = [s.params.max_budget for s in running if s.params.max_budget is not None]
             kept = self._rows = BatchRows(
-                list(running), Counter(sampler_key(s.params) for s in running) if self.spec.adaptive else Counter(),
+                list(running), Counter(sampler_key(s.params, s.grammar is not None) for s in running) if self.spec.adaptive else Counter(),
                 min(caps, default=None), any(s.processes for s in running),
                 any(s.logprobs is not None for s in running), any(s.grammar is not None for s in running))
         return kept
@@ -411,7 +411,7 @@ class Engine:
             B = len(launched.seqs)
             self.chooser.observe_round(self.runner.cache_cfg.batch_bucket(B), launched.budget,
                                        not all(s.params.greedy for s in launched.seqs), now - start,
-                                       extra_work(launched.constrained, launched.processed))
+                                       extra_work(launched.constrained, launched.processed), launched.host_s, B)
         counts = self.book.counts
         counts.round_seconds += now - start
         self._last_read = now
@@ -423,8 +423,8 @@ class Engine:
         preds = 1 + self.spec.max_commit   # the predictions' first column in a row
         seen = preds + len(self.spec.predicted_budgets)   # what the target's sampler gave the tree
         out, taus = [], []
-        # a constrained round leaves no predictions; a fixed spec's chooser weighs none
-        learn: dict | None = {} if budget and not launched.constrained and self.spec.adaptive else None
+        # a fixed spec's chooser weighs no predictions
+        learn: dict | None = {} if budget and self.spec.adaptive else None
         for b, (seq, row) in enumerate(zip(launched.seqs, rows)):
             if seq.finished:
                 continue
@@ -433,7 +433,7 @@ class Engine:
             seq.stats.rounds += 1
             seq.stats.accept_lengths.append(k)
             if learn is not None:
-                learn.setdefault(sampler_key(seq.params), []).append(row[preds:])
+                learn.setdefault(sampler_key(seq.params, seq.grammar is not None), []).append(row[preds:])
             lps = None if seq.logprobs is None else launched.logprobs(b, k, seq.params.logprobs)
             out.append((seq, self._emit(seq, row[1:1 + k], lps)))
         for key, got in (learn or {}).items():   # one observation per setting a round, whatever the batch

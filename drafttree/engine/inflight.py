@@ -29,6 +29,7 @@ class Launched:
     constrained: bool = False           # a constrained round (structured output): read before the next launch
     processed: bool = False             # a processed round (logits processing, log-probabilities)
     lp_host: tuple[torch.Tensor, torch.Tensor] | None = None   # [B, C, 1 + K] each: the committed tokens' log-probabilities
+    host_s: float = 0.0                 # host seconds between its draft and its verify (a constrained round's trees)
 
     def logprobs(self, b: int, k: int, top: int) -> list[tuple[list[float], list[int]]] | None:
         """Row b's first k committed tokens' log-probabilities, each ([logprob, then the top
@@ -65,8 +66,8 @@ class RoundOutputs:
         self.next = 0
 
     def launch(self, state: RoundState, seqs: list[Sequence], t0: float, budget: int = 0,
-               constrained: bool = False, processed: bool = False, logprobs: LogitsBuffers | None = None
-               ) -> Launched:
+               constrained: bool = False, processed: bool = False, logprobs: LogitsBuffers | None = None,
+               host_s: float = 0.0) -> Launched:
         """Queue the copy of the round just launched over len(seqs) rows at `budget` (no host
         sync), and of its log-probabilities where `logprobs` (the round state's) is given; t0: the
         host time before its launch."""
@@ -84,7 +85,7 @@ class RoundOutputs:
         dev = state.out[:B]
         host, done = self.bufs[i][:B], self.events[i]
         if done is None:
-            return Launched(seqs, host.copy_(dev), None, t0, budget, constrained, processed, lp_host)
+            return Launched(seqs, host.copy_(dev), None, t0, budget, constrained, processed, lp_host, host_s)
         host.copy_(dev, non_blocking=True)
         done.record()
-        return Launched(seqs, host, done, t0, budget, constrained, processed, lp_host)
+        return Launched(seqs, host, done, t0, budget, constrained, processed, lp_host, host_s)

@@ -175,13 +175,18 @@ def draft_phase(rc: RoundContext, B: int, kv_len: int) -> DraftTree:
 def candidates_phase(rc: RoundContext, B: int, kv_len: int) -> None:
     """A constrained round's draft: one block drafted (context written as `draft` does), and the
     top K tokens of each drafted position with their log-probabilities left in the grammar
-    buffers, from which the host grows the tree along each path's grammar state."""
+    buffers, from which the host grows the tree along each path's grammar state; the acceptance
+    model's predictions (of the free tree) go to state.out_pred."""
     g = rc.state.grammar
     logits = draft(rc, B, kv_len)
     D, K = logits.shape[1], g.cand_idx.shape[2]
     lp, idx = dispatch.top_log_probs(logits, K)
     g.cand_lp[:B, :D] = lp.float()
     g.cand_idx[:B, :D] = idx
+    if rc.state.out_pred.shape[1]:
+        # the predictions of the free tree: a constrained row's are calibrated apart
+        # (`engine.budget.sampler_key`), so the grammar's share of the acceptance is observed, not modelled
+        make_tree(rc, logits, B)
 
 
 def verify_forward(rc: RoundContext, B: int, kv_len: int, tree: DraftTree, mode: SampleMode, masked: bool = False,
@@ -201,7 +206,7 @@ def verify_forward(rc: RoundContext, B: int, kv_len: int, tree: DraftTree, mode:
     if processed:
         logits = process_logits(logits, s.logits.rows(slice(0, B)), tree.tokens, tree.parents, tree.depth,
                                 tree.visible, s.sampling.temperature[:B])
-    observe = s.out_seen.shape[1] and not masked   # what the target's sampler gives the tree, for the budget choice
+    observe = s.out_seen.shape[1]   # what the target's sampler gives the tree, for the budget choice
     thr = pick_thresholds(logits, s.sampling, mode) if observe else None   # one top-k/top-p pass for both
     picks = pick_tokens(logits, s.sampling, pos + 1, mode, thr)
     if observe:

@@ -127,10 +127,14 @@ class GrammarCompiler:
     def fill_masks(self, states: list[tuple["Matcher", int]], out: np.ndarray) -> None:
         """Row i of out [N, words] int32 := the mask of each (matcher, i), computed in parallel;
         a state that allows nothing (a matcher in error) gets its end-of-sequence ids."""
+        self.fill_raw_masks([(m.m, i) for m, i in states], out)
+
+    def fill_raw_masks(self, states: list[tuple[Any, int]], out: np.ndarray) -> None:
+        """`fill_masks` for llguidance's own matchers (`Matcher.m`)."""
         if not states:
             return
-        self.executor.unsafe_compute_mask_ptr([(m.m, i) for m, i in states], out.ctypes.data, self.words * 4,
-                                              out.shape[0])
+        assert out.dtype == np.int32 and out.flags.c_contiguous and out.shape[1] == self.words
+        self.executor.unsafe_compute_mask_ptr(states, out.ctypes.data, self.words * 4, out.shape[0])
         empty = [i for _, i in states if not out[i].any()]
         for i in empty:
             out[i] = 0 if self.eos_ids else ALL_ALLOWED

@@ -13,6 +13,8 @@ DFlash's chain is the same walk with one child per node.
 from __future__ import annotations
 
 import heapq
+import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,59 +58,63 @@ class HostTrees:
 
 
 def grow(top_lp: np.ndarray, top_idx: np.ndarray, nodes: int, root: Matcher | None, chain: bool,
-         eos_ids: set[int]) -> tuple[list[int], list[int], list[int], list[Matcher | None]]:
+         eos_ids: set[int]) -> tuple[list[int], list[int], list[int], list]:
     """One row's tree below its root: (tokens, parents, depths, states) of up to `nodes` nodes
     (column 0, the root, excluded), best first. top_lp / top_idx [D, K]: the drafter's candidates
     at depths 1..D, log-probabilities descending. `root`: the grammar state after the committed
-    tokens (None: unconstrained). `chain`: at most one child per node."""
+    tokens (None: unconstrained). `chain`: at most one child per node. `states`: each column's
+    llguidance matcher (the root's included; None where unconstrained)."""
+    # This loop runs per node of every constrained round on the host, between draft and verify:
+    # plain lists and the matchers' own methods, not numpy scalars and wrappers.
     D, K = top_lp.shape
-    tokens, parents, depths, states = [0], [0], [0], [root]
+    lps, ids = top_lp.tolist(), top_idx.tolist()
+    tokens, parents, depths = [0], [0], [0]
+    states: list = [root.m if root is not None else None]
     scores = [0.0]
     children: list[set[int]] = [set()]
     heap: list[tuple[float, int, int, int]] = []   # (-score, order, node, rank or FORCED)
-    order = 0
+    order = itertools.count()
+    push, pop, isfinite = heapq.heappush, heapq.heappop, math.isfinite
 
     def offer(node: int) -> None:
-        nonlocal order
         d = depths[node]
-        if d >= D or (tokens[node] in eos_ids and node > 0):
+        if d >= D or (node > 0 and tokens[node] in eos_ids):
             return
-        heapq.heappush(heap, (-(scores[node] + float(top_lp[d, 0])), order, node, 0))
-        order += 1
+        push(heap, (-(scores[node] + lps[d][0]), next(order), node, 0))
         st = states[node]
         if st is not None:
-            forced = st.forced()
+            forced = st.compute_ff_tokens()
             if forced:
-                heapq.heappush(heap, (-scores[node], order, node, FORCED - forced[0]))
-                order += 1
+                push(heap, (-scores[node], next(order), node, FORCED - forced[0]))
 
     offer(0)
     while heap and len(tokens) <= nodes:
-        neg, _, node, rank = heapq.heappop(heap)
+        neg, _, node, rank = pop(heap)
         d = depths[node]
+        kids = children[node]
         if rank >= 0:
-            tok = int(top_idx[d, rank])
-            if rank + 1 < K and not (chain and children[node]):
-                heapq.heappush(heap, (-(scores[node] + float(top_lp[d, rank + 1])), order, node, rank + 1))
-                order += 1
-            if not np.isfinite(top_lp[d, rank]):
+            lp_d = lps[d]
+            tok = ids[d][rank]
+            if rank + 1 < K and not (chain and kids):
+                push(heap, (-(scores[node] + lp_d[rank + 1]), next(order), node, rank + 1))
+            if not isfinite(lp_d[rank]):
                 continue
         else:
             tok = FORCED - rank
-        if tok in children[node] or (chain and children[node]):
+        if tok in kids or (chain and kids):
             continue
         st = states[node]
-        child_state = None
+        child = None
         if st is not None:
-            if not st.allows(tok):
+            if st.validate_tokens([tok]) != 1:
                 continue
-            child_state = st.fork()
-            child_state.consume(tok)
-        children[node].add(tok)
+            child = st.deep_copy()
+            child.consume_token(tok)
+        kids.add(tok)
         tokens.append(tok)
         parents.append(node)
         depths.append(d + 1)
-        states.append(child_state)
+        states.append(child)
         scores.append(-neg)
         children.append(set())
         offer(len(tokens) - 1)
@@ -125,7 +131,7 @@ def build_trees(top_lp: np.ndarray, top_idx: np.ndarray, roots: list[int], width
     B = len(roots)
     words = compiler.words if compiler is not None else 1
     out = HostTrees.empty(rows or B, width, words)
-    jobs: list[tuple[Matcher, int]] = []
+    jobs: list[tuple[object, int]] = []   # (llguidance matcher, mask row)
     for b in range(B):
         toks, pars, deps, states = grow(top_lp[b], top_idx[b], width - 1, matchers[b], chain, eos_ids)
         n = len(toks)
@@ -137,6 +143,5 @@ def build_trees(top_lp: np.ndarray, top_idx: np.ndarray, roots: list[int], width
         if matchers[b] is not None:
             jobs += [(st, b * width + i) for i, st in enumerate(states) if st is not None]
     if jobs:
-        flat = out.masks.reshape(-1, words)
-        compiler.fill_masks(jobs, flat)
+        compiler.fill_raw_masks(jobs, out.masks.reshape(-1, words))
     return out

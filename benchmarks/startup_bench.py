@@ -158,6 +158,14 @@ def run_serve(tree: Path, cache: Path, args: list[str], a: argparse.Namespace) -
     metrics = _get(url + "/metrics")[1] if r["ready"] else ""
     r["metrics_stages"] = {m.group(1): float(m.group(2)) for m in
                            re.finditer(r'drafttree_startup_seconds\{stage="([^"]+)"\} ([\d.e+-]+)', metrics)}
+    # graph sets left for after /ready (defer_graphs): when the idle server had them all
+    r["graphs_done_s"] = None
+    while r["ready"] and proc.poll() is None and time.perf_counter() - t0 < a.graphs_wait_s:
+        m = re.search(r"^drafttree_cuda_graph_sets_pending ([\d.e+-]+)", _get(url + "/metrics")[1], re.M)
+        if m is None or float(m.group(1)) == 0:
+            r["graphs_done_s"] = time.perf_counter() - t0 if m is not None else None
+            break
+        time.sleep(0.25)
     proc.terminate()
     try:
         proc.wait(timeout=30)
@@ -177,7 +185,10 @@ def main() -> int:
     p.add_argument("--configs", default="default,seed,none", help=f"of {', '.join(CONFIGS)}")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--reps", type=int, default=2, help="warm runs after the cold one")
-    p.add_argument("--serve", action="store_true", help="also time `drafttree serve` to /ready")
+    p.add_argument("--serve", action="store_true", help="also time `drafttree serve` to /ready (and to the "
+                   "last graph set it captures after /ready, while idle: graphs_done_s)")
+    p.add_argument("--graphs-wait-s", type=float, default=180.0, help="with --serve: how long after launch to wait "
+                   "for the graph sets left for after /ready")
     p.add_argument("--no-generate", action="store_true", help="time serve only")
     p.add_argument("--prompt", default="Write quicksort in Python.")
     p.add_argument("--max-tokens", type=int, default=32)

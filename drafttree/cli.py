@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import sys
+from typing import Any
 
 from drafttree.engine.cli_args import add_engine_args, config_from_args, serving_fields
 from drafttree.engine.engine import Engine, EngineConfig
@@ -39,7 +40,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 def cmd_generate(a: argparse.Namespace) -> int:
     from drafttree.engine.launch import follow, start_engine
 
-    eng = start_engine(generate_config(engine_config(a), a))
+    eng = start_engine(*generate_config(engine_config(a), a))
     if not eng.leader:   # a torchrun rank other than 0
         return follow(eng)
     try:
@@ -62,10 +63,11 @@ def _prompt(a: argparse.Namespace, tok) -> str:
     return a.prompt
 
 
-def generate_config(cfg: EngineConfig, a: argparse.Namespace) -> EngineConfig:
+def generate_config(cfg: EngineConfig, a: argparse.Namespace) -> tuple[EngineConfig, Any]:
     """`generate`'s engine: graphs for its request's sampler mode and, with CUDA graphs, its
-    length only (counted with the model's tokenizer, then handed to the engine); no prefill
-    graphs. A flag given says otherwise."""
+    length only (counted with the model's tokenizer); no prefill graphs. A flag given says
+    otherwise. Returns the config and the tokenizer it loaded to count (None: none), which the
+    engine then takes instead of loading its own."""
     from drafttree.config import resolve_device
     from drafttree.sampling import SampleMode
 
@@ -79,25 +81,18 @@ def generate_config(cfg: EngineConfig, a: argparse.Namespace) -> EngineConfig:
     if cfg.processed_graphs is None:
         changes["processed_graphs"] = False
     graphed = cfg.cuda_graphs is not False and resolve_device(cfg.device).type == "cuda"
+    tok = None
     if cfg.max_graph_len is None and graphed:
-        n = _prompt_tokens(cfg, a)
-        if n is not None:
-            changes["max_graph_len"] = n + a.max_tokens
-    return dataclasses.replace(cfg, **changes)
+        tok = _tokenizer(cfg)
+        if tok is not None:
+            changes["max_graph_len"] = len(tok.encode(_prompt(a, tok), add_special_tokens=False)) + a.max_tokens
+    return dataclasses.replace(cfg, **changes), tok
 
 
-def _prompt_tokens(cfg: EngineConfig, a: argparse.Namespace) -> int | None:
-    """The prompt's tokens (None without a tokenizer); the tokenizer goes on to the engine."""
-    from drafttree.engine.startup import hand_tokenizer
+def _tokenizer(cfg: EngineConfig) -> Any:
     from drafttree.engine.text import load_tokenizer
     from drafttree.loader.default_model import resolve_model
-
-    path = resolve_model(cfg.model)
-    tok = load_tokenizer(path)
-    if tok is None:
-        return None
-    hand_tokenizer(path, tok)
-    return len(tok.encode(_prompt(a, tok), add_special_tokens=False))
+    return load_tokenizer(resolve_model(cfg.model))
 
 
 def _generate(a: argparse.Namespace, eng: Engine) -> int:

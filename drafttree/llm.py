@@ -160,7 +160,12 @@ class LLM:
         One tensor-parallel engine per process at a time: shut one down (`shutdown`, or `with
         LLM(...) as llm:`) before starting another. Use the LLM as a context manager to release
         its engine (and ranks) on exit."""
-        self._engine: Engine | None = start_engine(engine_config(model, engine_args))
+        cfg = engine_config(model, engine_args)
+        if cfg.defer_graphs:
+            raise ValueError("defer_graphs is the server's: an LLM has no idle time to capture graphs in, so its "
+                             "constrained and processed rounds would run eagerly for good (structured_graphs=False, "
+                             "processed_graphs=False skip those graphs)")
+        self._engine: Engine | None = start_engine(cfg)
         if not self._engine.leader:
             raise SystemExit(follow(self._engine))
 

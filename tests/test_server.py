@@ -244,7 +244,8 @@ def test_metrics(live: Live, client) -> None:
                  "drafttree_prefill_seconds_total", "drafttree_round_seconds_total",
                  "drafttree_round_duration_seconds_count", "drafttree_requests_running",
                  "drafttree_prefix_cache_queries_total", "drafttree_prefix_cache_hits_total",
-                 "drafttree_prefix_cache_hit_rate", "drafttree_preemptions_total", "drafttree_kv_free_pages"):
+                 "drafttree_prefix_cache_hit_rate", "drafttree_preemptions_total", "drafttree_kv_free_pages",
+                 "drafttree_cuda_graph_sets_pending"):
         assert name in r.text, name
     assert metric(live, "drafttree_prefix_cache_queries_total") > 0
     assert metric(live, "drafttree_generation_tokens_total") >= 4 and metric(live, "drafttree_rounds_total") >= 3

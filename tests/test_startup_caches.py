@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from drafttree import LLM, SamplingParams
+from drafttree.engine.engine import Engine, EngineConfig
 from drafttree.engine import caches, prepare
 from drafttree.engine.plan import graph_kv_lengths
-from drafttree.engine.startup import Background, StartupTimes, hand_tokenizer, tokenizer_for
+from drafttree.engine.startup import Background, StartupTimes
 from drafttree.kernels import compile_cache
 from drafttree.phases import Phase
 from drafttree.runner import cost
@@ -78,14 +79,6 @@ def test_background_work_returns_or_raises_where_it_is_waited_for():
     bad = Background(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         bad.result()
-
-
-def test_a_handed_tokenizer_is_taken_once(tmp_path):
-    loads = []
-    hand_tokenizer(tmp_path, "counted")
-    assert tokenizer_for(tmp_path, loads.append) == "counted" and not loads
-    tokenizer_for(tmp_path, loads.append)
-    assert loads == [tmp_path]
 
 
 # -- the cost table kept between runs ------------------------------------------------------------
@@ -214,25 +207,39 @@ def test_generate_captures_what_its_one_request_can_use(pair, monkeypatch):
     from drafttree.cli import generate_config
     t, _ = pair
     a, cfg = _generate_args("--model", str(t), "--device", "cpu")
-    got = generate_config(cfg, a)
+    got, tok = generate_config(cfg, a)
     assert (got.max_num_seqs, got.sampler_modes, got.prefill_graphs, got.max_graph_len) == (1, ("greedy",), False, None)
+    assert tok is None   # no graphs, no count: the engine loads its tokenizer alongside the weights
     for flags, mode in ((("--temperature", "0.7"), "sample"), (("--temperature", "0.7", "--top-p", "0.9"), "filtered")):
         a, cfg = _generate_args("--model", str(t), "--device", "cpu", *flags)
-        assert generate_config(cfg, a).sampler_modes == (mode,)
+        assert generate_config(cfg, a)[0].sampler_modes == (mode,)
     # flags given win
     a, cfg = _generate_args("--model", str(t), "--device", "cpu", "--max-num-seqs", "4", "--sampler-modes",
                             "greedy,sample", "--prefill-graphs")
-    got = generate_config(cfg, a)
+    got, _ = generate_config(cfg, a)
     assert (got.max_num_seqs, got.sampler_modes, got.prefill_graphs) == (4, ("greedy", "sample"), True)
     # with CUDA graphs, the KV buckets its prompt and --max-tokens reach; the tokenizer that
-    # counted the prompt goes on to the engine
+    # counted the prompt is returned for the engine
     monkeypatch.setattr(config_mod, "resolve_device", lambda device=None: torch.device("cuda"))
     a, cfg = _generate_args("--model", str(t), "--max-tokens", "20")
-    assert generate_config(cfg, a).max_graph_len == len("Hello") + 20
-    loads = []
-    assert tokenizer_for(t, loads.append) is not None and not loads
+    got, tok = generate_config(cfg, a)
+    assert got.max_graph_len == len("Hello") + 20 and tok is not None and tok.encode("Hello") is not None
     a, cfg = _generate_args("--model", str(t), "--max-graph-len", "99")
-    assert generate_config(cfg, a).max_graph_len == 99
+    assert generate_config(cfg, a)[0].max_graph_len == 99
+
+
+def test_an_engine_takes_the_tokenizer_it_is_given(pair, monkeypatch):
+    """A tokenizer the caller loaded already (the command line counted its prompt with it) is the
+    engine's: not loaded a second time."""
+    import drafttree.engine.engine as engine_mod
+    from drafttree.engine.text import load_tokenizer
+    t, _ = pair
+    tok = load_tokenizer(t)
+    loads = []
+    monkeypatch.setattr(engine_mod, "load_tokenizer", lambda path: loads.append(path))
+    eng = Engine(EngineConfig(model=str(t), device="cpu", spec="none", max_model_len=64), tokenizer=tok)
+    assert eng.tokenizer is tok and not loads
+    eng.shutdown()
 
 
 def test_graph_kv_lengths_up_to_max_graph_len():
@@ -273,3 +280,14 @@ def test_compiled_kernels_go_under_the_cache_in_a_directory_of_the_platform(set_
     assert dirs == {"triton": str(base / "triton"), "inductor": str(tmp_path / "mine")}
     info = compile_cache.platform("cpu")
     assert info["device"].startswith("cpu: ") and info["threads"] == torch.get_num_threads() and info["torch"]
+
+
+def test_a_server_captures_the_constrained_and_processed_graphs_after_ready():
+    """`serve` defers the constrained and processed rounds' graphs where it captures graphs (CUDA),
+    unless told otherwise; elsewhere the setting is left as given."""
+    pytest.importorskip("fastapi")
+    from drafttree.server.app import serve_config
+    assert serve_config(EngineConfig(device="cuda")).defer_graphs is True
+    assert serve_config(EngineConfig(device="cuda", defer_graphs=False)).defer_graphs is False
+    assert serve_config(EngineConfig(device="cuda", cuda_graphs=False)).defer_graphs is None
+    assert serve_config(EngineConfig(device="cpu")).defer_graphs is None

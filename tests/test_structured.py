@@ -282,3 +282,52 @@ def test_token_masks_forbid_exactly_the_cleared_bits():
                 allowed = (int(masks[r, n, t // 32]) >> (t % 32)) & 1
                 assert got[r, n, t] == (logits[r, n, t] if allowed else float("-inf")), (r, n, t)
     assert torch.isinf(got[0, 0, :31]).all() and got[0, 0, 31] == logits[0, 0, 31]
+
+
+def test_graphs_left_for_later_are_captured_while_idle(pair, plain, fake_cuda_graphs):
+    """defer_graphs: the engine starts with the free rounds' graphs only; until their sets are
+    captured, constrained and processed rounds run eagerly (not counted as fallbacks) to the same
+    tokens; a server's engine thread captures the sets while no request runs, one at a time."""
+    import time
+
+    from drafttree.engine.engine import Engine, EngineConfig
+    from drafttree.server.worker import EngineWorker
+
+    target, drafter, _ = pair
+    prompts, params = batch()
+    prompts, params = prompts + ["xyz"], params + [SamplingParams(temperature=0, max_tokens=12, logprobs=2,
+                                                                  presence_penalty=0.5)]   # a processed request
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    kw = dict(model=str(target), draft_model=str(drafter), spec="ddtree", budget=8, device="cpu", dtype="float32",
+              max_num_seqs=8, max_model_len=160, cuda_graphs=True, prefill_graphs=False, defer_graphs=True)
+    eng = Engine(EngineConfig(**kw))
+
+    def generate() -> list[list[int]]:
+        seqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while eng.has_unfinished():
+            eng.step()
+        return [s.output_ids for s in seqs]
+
+    gr = eng.runner.graphs
+    sets = len(gr.set_seconds)
+    assert eng.graphs_pending == sets > 0
+    assert not any(k.constrained or k.processed for k in gr.graphs)
+    assert generate() == want
+    assert gr.fallbacks == 0
+    assert eng.capture_later() and eng.graphs_pending == sets - 1   # one set a call
+    worker = EngineWorker(eng)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while eng.graphs_pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker.stop()
+    assert eng.graphs_pending == 0 and gr.later == (False, False)
+    assert any(k.constrained for k in gr.graphs) and any(k.processed for k in gr.graphs)
+    n = len(gr.graphs)
+    assert generate() == want
+    assert gr.fallbacks == 0 and len(gr.graphs) == n   # replayed: nothing captured on a request's path
+    eng.shutdown()
+    with pytest.raises(ValueError, match="defer_graphs needs CUDA graphs"):
+        Engine(EngineConfig(**{**kw, "cuda_graphs": False}))
+    with pytest.raises(ValueError, match="defer_graphs is the server's"):
+        LLM(**kw)

@@ -23,7 +23,7 @@ from drafttree.engine.pool_sizing import size_pool
 from drafttree.engine.processing import choice_params, row_logits
 from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
-from drafttree.engine.startup import Background, StartupTimes, tokenizer_for
+from drafttree.engine.startup import Background, StartupTimes
 from drafttree.engine.stats import EngineStats, Stats
 from drafttree.engine.text import TextCodec, load_tokenizer
 from drafttree.parallel.comm import explain
@@ -66,17 +66,18 @@ class BatchRows:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, tp: TPGroup | None = None, tokenizer: Any = None) -> None:
         """One engine; over a tensor-parallel group `tp` (given by `engine.launch.start_engine`),
         this rank's: every rank builds the same engine, and rank 0 steps it while the others
         follow its commands (`engine.launch.follow`). Its settings (`drafttree.settings`: the
         process's, with cfg's choices) are in force while it runs model code: here, in `step`
-        and in `agree`; other engines in the process keep theirs."""
+        and in `agree`; other engines in the process keep theirs. `tokenizer`: the model's, where
+        the caller has loaded it already (None: loaded here, alongside the weights)."""
         self.settings: Settings = settings_of(cfg)
         with scope(self.settings):
-            self._start(cfg, tp)
+            self._start(cfg, tp, tokenizer)
 
-    def _start(self, cfg: EngineConfig, tp: TPGroup | None) -> None:
+    def _start(self, cfg: EngineConfig, tp: TPGroup | None, given_tokenizer: Any) -> None:
         self.cfg = cfg
         self.tp = tp
         self.dead: str | None = None       # why a tensor-parallel engine stopped (it steps no more)
@@ -93,7 +94,8 @@ class Engine:
         self.device, self.dtype, self.spec = setup.device, setup.dtype, setup.spec
         self.model_dir, self.model_cfg = setup.model_dir, setup.target
         compiled = prepare.compile_caches(setup)
-        tokenizer = Background(lambda: tokenizer_for(self.model_dir, load_tokenizer))   # alongside the weights
+        tokenizer = Background(   # alongside the weights
+            lambda: given_tokenizer if given_tokenizer is not None else load_tokenizer(self.model_dir))
         with self.startup.stage("load weights"):
             target, drafter = load_models(setup, tp)
         size = size_pool(setup, tp)
@@ -247,6 +249,25 @@ class Engine:
     def has_unfinished(self) -> bool:
         sc = self.scheduler
         return bool(sc.waiting or sc.prefilling or sc.running)
+
+    @property
+    def graphs_pending(self) -> int:
+        """Graph sets left for `capture_later` (`EngineConfig.defer_graphs`)."""
+        return self.runner.graphs_pending
+
+    @_in_own_settings
+    def capture_later(self) -> bool:
+        """Capture one graph set of those left for later, while no request runs (a round of one
+        would find its rows parked); True while more are left."""
+        if self.has_unfinished():
+            raise RuntimeError("graphs are captured later only while no request runs")
+        try:
+            self.runner.capture_next()
+        except TensorParallelError:
+            raise
+        except Exception:   # the rounds it was for run eagerly instead (counted as fallbacks): said, not fatal
+            log.exception("capturing a graph set left for later failed; no more are captured")
+        return self.runner.graphs_pending > 0
 
     # -- the loop ----------------------------------------------------------------------------
     @_in_own_settings

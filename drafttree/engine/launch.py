@@ -94,11 +94,12 @@ def check_launch(cfg: EngineConfig) -> Launch | None:
     return run
 
 
-def start_engine(cfg: EngineConfig) -> Engine:
-    """The engine for `cfg` on this process (rank 0's, or under torchrun this rank's: see `follow`)."""
+def start_engine(cfg: EngineConfig, tokenizer: Any = None) -> Engine:
+    """The engine for `cfg` on this process (rank 0's, or under torchrun this rank's: see `follow`);
+    `tokenizer`: the model's, already loaded (`Engine`)."""
     run = check_launch(cfg)
     if cfg.tensor_parallel_size == 1:
-        return Engine(cfg)
+        return Engine(cfg, tokenizer=tokenizer)
     device = resolve_device(cfg.device)
     workers: list[mp.process.BaseProcess] = []
     if run is None:
@@ -109,7 +110,7 @@ def start_engine(cfg: EngineConfig) -> Engine:
     tp = None
     try:
         tp = init_group(run, device, cfg.distributed_timeout_s)
-        engine = Engine(cfg, tp)
+        engine = Engine(cfg, tp, tokenizer)
     except BaseException:
         stop_processes(workers, 0.0)
         if tp is not None:   # init_group leaves no group behind when it fails

@@ -148,6 +148,7 @@ class EngineSetup:
     structured_graphs: bool         # the constrained round's graphs captured too
     processed_graphs: bool          # the processed round's graphs captured too
     overlap: bool                   # launch each round before reading the previous one's tokens
+    defer_graphs: bool = False      # the structured and processed graphs captured after start-up, while idle
 
 
 def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
@@ -206,10 +207,13 @@ def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
     for name in ("structured_graphs", "processed_graphs"):
         if getattr(cfg, name) and not graphs:
             raise ValueError(f"{name} needs CUDA graphs (a CUDA device, cuda_graphs not False)")
+    if cfg.defer_graphs and not graphs:
+        raise ValueError("defer_graphs needs CUDA graphs (a CUDA device, cuda_graphs not False)")
     overlap = cfg.overlap if cfg.overlap is not None else device.type == "cuda"
+    structured, processed = graphs and cfg.structured_graphs is not False, graphs and cfg.processed_graphs is not False
     return EngineSetup(cfg, model_dir, tcfg, drafter_dir, dcfg, spec, settings, device, dtype,
                        1 if tp is None else tp.world, graphs, graphs and cfg.prefill_graphs is not False, modes,
-                       graphs and cfg.structured_graphs is not False, graphs and cfg.processed_graphs is not False, overlap)
+                       structured, processed, overlap, bool(cfg.defer_graphs) and (structured or processed))
 
 
 def graph_kv_lengths(cache: CacheConfig, max_graph_len: int | None) -> list[int]:
@@ -292,7 +296,9 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
     off = [n for n, on in (("structured_graphs", structured), ("processed_graphs", processed)) if not on]
     text = head + format_plan(plan, setup.sampler_modes) + (
         f"\nround graphs for rounds with neither structured output nor logits processing: {n_plain}; with both "
-        f"kinds captured: {n_all}" + (f"; not captured: {', '.join(off)}" if off else ""))
+        f"kinds captured: {n_all}" + (f"; not captured: {', '.join(off)}" if off else "")
+        + (f"; the {n_all - n_plain} more are captured after start-up, while idle (defer_graphs)"
+           if cfg.defer_graphs and len(off) < 2 else ""))
 
     # -- the memory plan of each GPU (engine/memory_plan.py), from the same setup
     if setup.model_dir is None:   # a random shape: no checkpoint config to plan from

@@ -42,13 +42,17 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
                                 setup.structured_graphs, setup.processed_graphs)
         startup.note("kernels", f"{n} steps run, {_compiled(dirs) - before} files compiled into the cache")
     before = _compiled(dirs)
+    now = not setup.defer_graphs
     with startup.running("graphs"):
         stages = runner.capture(setup.sampler_modes, prefill, cache.batch_buckets, kv_lengths, startup.progress,
-                                constrained=setup.structured_graphs, processed=setup.processed_graphs)
+                                constrained=setup.structured_graphs and now, processed=setup.processed_graphs and now,
+                                later=(setup.structured_graphs and not now, setup.processed_graphs and not now))
     graphs, compiled = runner.graphs, _compiled(dirs) - before
     startup.parts["graph sets"] = {k.describe(): v for k, v in graphs.set_seconds.items()}
+    later = f"; the constrained and processed rounds' steps of {len(graphs.pending)} sets later, while idle" \
+        if graphs.pending else ""
     startup.note("graphs warm-up", f"{len(graphs.graphs)} round graphs in {len(graphs.set_seconds)} sets"
-                                   + (f", {compiled} files compiled" if compiled else ""))
+                                   + (f", {compiled} files compiled" if compiled else "") + later)
     for stage, seconds in stages.items():
         startup.add(stage, seconds)
 

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 log = logging.getLogger(__name__)
@@ -138,25 +137,3 @@ class Background(Generic[T]):
         if self._error is not None:
             raise self._error
         return self._value   # type: ignore[return-value]
-
-
-# A tokenizer loaded before its engine (the command line counts a prompt's tokens to choose the
-# graphs it captures), handed to the engine of that model once instead of loaded again.
-_HANDED: dict[Path, Any] = {}
-_HANDED_LOCK = threading.Lock()
-
-
-def hand_tokenizer(path: Path, tokenizer: Any) -> None:
-    """Keep `tokenizer` of the model at `path` for the next engine of that model to take."""
-    with _HANDED_LOCK:
-        _HANDED[Path(path).resolve()] = tokenizer
-
-
-def tokenizer_for(path: Path | None, load: Callable[[Path | None], Any]) -> Any:
-    """The tokenizer handed over for `path`, taken (the next engine loads its own), else load(path)."""
-    if path is not None:
-        with _HANDED_LOCK:
-            tok = _HANDED.pop(Path(path).resolve(), None)
-        if tok is not None:
-            return tok
-    return load(path)

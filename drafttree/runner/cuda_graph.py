@@ -151,10 +151,14 @@ class RoundGraphs:
 
     def __init__(self, rc: RoundContext, timer: PhaseTimer, batch_sizes: list[int], kv_lengths: list[int],
                  modes: tuple[SampleMode, ...], pages_per_row: int, constrained: bool = False,
-                 processed: bool = False) -> None:
+                 processed: bool = False, later: tuple[bool, bool] = (False, False)) -> None:
         self.rc, self.timer = rc, timer
         self.constrained = constrained   # the constrained round's steps captured too
         self.processed = processed       # the processed round's steps too (in PROCESSED_MODES)
+        # (constrained, processed) steps captured after `capture`, a set at a time (`capture_next`)
+        self.later = later
+        self.pending: list[GraphSet] = []   # the sets `capture_next` has still to capture
+        self.later_seconds = 0.0            # host seconds `capture_next` took
         self.batch_sizes, self.kv_lengths, self.modes = list(batch_sizes), list(kv_lengths), modes
         self.pages_per_row = pages_per_row
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -167,10 +171,14 @@ class RoundGraphs:
     def keys(self) -> set[GraphKey]:
         return set(self.graphs)
 
-    def steps(self, bucket: int, mode: SampleMode) -> tuple[PhaseStep, ...]:
+    def steps(self, bucket: int, mode: SampleMode, later: bool = False) -> tuple[PhaseStep, ...]:
+        """The steps a set captures (`later`: with those left for `capture_next`)."""
         rc = self.rc
-        return bucket_steps(rc.spec, bucket, mode, rc.drafter is not None, self.constrained,
-                            self.processed and mode in PROCESSED_MODES)
+        constrained, processed = self.constrained, self.processed
+        if later:
+            constrained, processed = constrained or self.later[0], processed or self.later[1]
+        return bucket_steps(rc.spec, bucket, mode, rc.drafter is not None, constrained,
+                            processed and mode in PROCESSED_MODES)
 
     def sets(self) -> list[GraphSet]:
         """What `capture` captures, in its order: the largest first (later, smaller graphs reuse
@@ -188,30 +196,62 @@ class RoundGraphs:
         jobs = self.sets()
         self.pool = torch.cuda.graph_pool_handle()
         saved = rc.state.snapshot()
-        tp = rc.target.tp is not None
         with collector_paused():
             for i, job in enumerate(jobs):
                 if progress is not None:
                     progress(f"graph set {i + 1}/{len(jobs)} ({job.describe()}), {len(self.graphs)} graphs")
                 t0 = time.perf_counter()
-                B, mode, L = job
-                steps = self.steps(B, mode)
-                check_widths(rc, steps, B, self.pages_per_row)
-                for st in steps:
-                    key = key_of(st, B, mode, L)
-                    if key in self.graphs:
-                        continue
-                    g = capture_graph(lambda st=st, B=B, L=L, mode=mode: st.run(rc, B, L, mode), self.pool,
-                                      collectives=tp, reset=lambda B=B: rc.state.park(0, B),
-                                      seconds=self.capture_seconds, label=st.phase.value)
-                    self.graphs[key] = g
+                self._capture_set(job, self.steps(job.batch, job.mode))
                 self.set_seconds[job] = time.perf_counter() - t0
         rc.state.restore(saved)
         torch.cuda.synchronize()
         slow = sorted(self.set_seconds.items(), key=lambda kv: -kv[1])[:3]
         log.info("captured %d round graphs in %d sets (%.2f s); slowest sets: %s", len(self.graphs), len(jobs),
                  sum(self.set_seconds.values()), ", ".join(f"{k.describe()} {v:.2f} s" for k, v in slow))
+        self.pending = jobs if any(self.later) else []
         return dict(self.capture_seconds)
+
+    def _capture_set(self, job: GraphSet, steps: tuple[PhaseStep, ...]) -> None:
+        """Capture the steps of one (bucket, mode, KV length) not captured yet, a graph shared by
+        several keys once."""
+        rc, (B, mode, L) = self.rc, job
+        check_widths(rc, steps, B, self.pages_per_row)
+        for st in steps:
+            key = key_of(st, B, mode, L)
+            if key in self.graphs:
+                continue
+            self.graphs[key] = capture_graph(lambda st=st: st.run(rc, B, L, mode), self.pool,
+                                             collectives=rc.target.tp is not None, reset=lambda: rc.state.park(0, B),
+                                             seconds=self.capture_seconds, label=st.phase.value)
+
+    @torch.inference_mode()
+    def capture_next(self) -> bool:
+        """Capture the next set's steps left for later (`later`) into the same pool; False once
+        none is left. Run between engine steps while no request runs (its rows are parked and the
+        round state put back as `capture` does), so that a server fills them in while idle."""
+        if not self.pending:
+            return False
+        job = self.pending.pop(0)
+        saved = self.rc.state.snapshot()
+        t0 = time.perf_counter()
+        try:
+            with collector_paused():
+                self._capture_set(job, self.steps(job.batch, job.mode, later=True))
+        except Exception:
+            self.pending.clear()   # the rest would fail alike: their rounds run eagerly
+            raise
+        finally:
+            self.rc.state.restore(saved)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        self.set_seconds[job] = self.set_seconds.get(job, 0.0) + seconds
+        self.later_seconds += seconds
+        if not self.pending:
+            self.constrained, self.processed = self.constrained or self.later[0], self.processed or self.later[1]
+            self.later = (False, False)
+            log.info("captured the constrained and processed rounds' graphs left for later in %.2f s: %d round "
+                     "graphs in all", self.later_seconds, len(self.graphs))
+        return True
 
     def get(self, st: PhaseStep, bucket: int, mode: SampleMode, kv_len: int) -> torch.cuda.CUDAGraph | None:
         return self.graphs.get(key_of(st, bucket, mode, kv_len))
@@ -222,6 +262,8 @@ class RoundGraphs:
         B = self.bucket(b)
         graphs = [self.get(st, B, mode, kv_len) for st in steps]
         if any(g is None for g in graphs):
+            if self.pending and any(st.constrained or st.processed for st in steps):
+                return False   # its set is still to come (`capture_next`): eager meanwhile, as planned
             self.fallbacks += 1
             if (b, mode, kv_len) not in self._warned:
                 self._warned.add((b, mode, kv_len))

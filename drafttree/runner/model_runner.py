@@ -152,16 +152,18 @@ class ModelRunner:
     def capture(self, modes: tuple[SampleMode, ...], prefill: PrefillLimits | None = None,
                 batch_sizes: list[int] | None = None, kv_lengths: list[int] | None = None,
                 progress: Callable[[str], None] | None = None, constrained: bool = True,
-                processed: bool = True) -> dict[str, float]:
+                processed: bool = True, later: tuple[bool, bool] = (False, False)) -> dict[str, float]:
         """Capture the round graphs of every batch bucket, KV bucket and sampler mode in `modes`
         (or the `batch_sizes` and `kv_lengths` given), and with `prefill` the prefill graphs of
         every shape its limits allow; with `constrained` the constrained round's graphs too, with
-        `processed` the processed round's (logits processing, log-probabilities). Returns host seconds per stage ("graphs <phase>", "graphs
-        warm-up", "prefill graphs"); `progress(text)` hears of each graph set."""
+        `processed` the processed round's (logits processing, log-probabilities); `later`: the
+        (constrained, processed) rounds' graphs left for `capture_next`. Returns host seconds
+        per stage ("graphs <phase>", "graphs warm-up", "prefill graphs"); `progress(text)` hears
+        of each graph set."""
         cc = self.cache_cfg
         self.graphs = RoundGraphs(self.round_ctx, self.timer, batch_sizes or cc.batch_buckets,
                                   kv_lengths or cc.kv_buckets, modes, cc.pages_per_row,
-                                  constrained, processed)
+                                  constrained, processed, later)
         out = {f"graphs {k}": v for k, v in self.graphs.capture(progress).items()}
         if prefill is not None:
             t0 = time.perf_counter()
@@ -171,6 +173,17 @@ class ModelRunner:
             self.prefill_graphs.capture()
             out["prefill graphs"] = time.perf_counter() - t0
         return out
+
+    @command
+    def capture_next(self) -> bool:
+        """One more graph set of those `capture` left for later (`RoundGraphs.capture_next`);
+        False once none is left. Every rank captures it (its collectives are captured too)."""
+        return self.graphs is not None and self.graphs.capture_next()
+
+    @property
+    def graphs_pending(self) -> int:
+        """Graph sets left for `capture_next`."""
+        return 0 if self.graphs is None else len(self.graphs.pending)
 
     @torch.inference_mode()
     def warm_kernels(self, modes: tuple[SampleMode, ...], batch_sizes: list[int], kv_len: int,

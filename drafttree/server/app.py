@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: `create_app` for an engine, `run_server` from a config."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -167,6 +168,15 @@ def create_app(engine: Engine | Callable[[], Engine], model_name: str, limits: S
     return app
 
 
+def serve_config(cfg: EngineConfig) -> EngineConfig:
+    """The server's engine: with CUDA graphs, the constrained and processed rounds' graphs are
+    captured after `/ready`, while idle (`EngineConfig.defer_graphs`), unless the flag says otherwise."""
+    from drafttree.config import resolve_device
+    if cfg.defer_graphs is None and cfg.cuda_graphs is not False and resolve_device(cfg.device).type == "cuda":
+        return dataclasses.replace(cfg, defer_graphs=True)
+    return cfg
+
+
 def run_server(cfg: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                model_name: str | None = None, limits: ServerLimits | None = None) -> None:
     """Listen at once, build and warm the engine behind /ready, and serve until interrupted.
@@ -176,6 +186,7 @@ def run_server(cfg: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
 
     from drafttree.loader.default_model import DEFAULT_MODEL_NAME
 
+    cfg = serve_config(cfg)
     # a size the model or the host cannot take is refused before the server listens
     run = check_launch(cfg)
     if run is not None and run.rank != 0:   # a torchrun rank other than 0: the server is rank 0's

@@ -87,6 +87,9 @@ class ServerMetrics:
         self.preemptions = Counter("drafttree_preemptions", "Requests preempted (pages freed, recomputed later)",
                                    registry=r)
         self.free_pages = Gauge("drafttree_kv_free_pages", "KV pages free (cached prefix pages included)", registry=r)
+        self.graph_sets_pending = Gauge("drafttree_cuda_graph_sets_pending",
+                                        "Graph sets of the constrained and processed rounds still to capture while "
+                                        "idle (defer_graphs); their rounds run eagerly meanwhile", registry=r)
         self.total_pages = Gauge("drafttree_kv_total_pages", "KV pages requests may hold (the pool, less the null page)",
                                  registry=r)
         self.kv_usage = Gauge("drafttree_kv_usage", "KV pages held by requests / KV pages in all (1: full)", registry=r)
@@ -172,6 +175,7 @@ class ServerMetrics:
         self.prefix_hit_rate.set(s.prefix_cache_hit_rate)
         self.preemptions.inc(s.preemptions - seen.preemptions)
         self.free_pages.set(engine.free_pages)
+        self.graph_sets_pending.set(engine.graphs_pending)
         self._sync_vllm(engine, s, seen)
         self._seen = s   # a snapshot already: later steps do not change it
 

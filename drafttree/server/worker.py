@@ -293,7 +293,15 @@ class EngineWorker:
     def _loop(self) -> None:
         eng = self.engine
         while True:
-            cmds = [] if eng.has_unfinished() else self._wait()
+            if eng.has_unfinished():
+                cmds = []
+            elif eng.graphs_pending and self._cmds.empty():
+                # idle: one graph set left for later (a request arriving meanwhile waits for it)
+                if not self._capture_later():
+                    return
+                cmds = []
+            else:
+                cmds = self._wait()
             if eng.failure is not None:   # a tensor-parallel rank was lost while idle
                 self._stop_for_good(eng.failure)
                 return
@@ -353,6 +361,15 @@ class EngineWorker:
         self._fail_all(message)
         if self.on_fatal is not None:
             self.on_fatal(message)
+
+    def _capture_later(self) -> bool:
+        """One graph set left for later; False when the engine stopped for good."""
+        try:
+            self.engine.capture_later()
+        except TensorParallelError as e:
+            self._stop_for_good(str(e))
+            return False
+        return True
 
     def _step(self) -> bool:
         """One engine step and its snapshots; False when the engine stopped for good."""

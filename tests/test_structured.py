@@ -331,3 +331,35 @@ def test_graphs_left_for_later_are_captured_while_idle(pair, plain, fake_cuda_gr
         Engine(EngineConfig(**{**kw, "cuda_graphs": False}))
     with pytest.raises(ValueError, match="defer_graphs is the server's"):
         LLM(**kw)
+
+
+@pytest.mark.gpu
+def test_graphs_captured_later_replay_what_eager_rounds_ran_on_the_gpu(pair):
+    """On CUDA, with graphs captured for real: the constrained and processed rounds run eagerly
+    while their sets are pending, then from the graphs captured after serving began, to the same
+    tokens (fp32), with no fallback."""
+    from drafttree.engine.engine import Engine, EngineConfig
+
+    target, drafter, _ = pair
+    prompts, params = batch()
+    prompts, params = prompts + ["xyz"], params + [SamplingParams(temperature=0, max_tokens=12, logprobs=2,
+                                                                  presence_penalty=0.5)]
+    eng = Engine(EngineConfig(model=str(target), draft_model=str(drafter), spec="ddtree", budget=8, device="cuda",
+                              dtype="float32", max_num_seqs=8, max_model_len=160, defer_graphs=True))
+
+    def generate() -> list[list[int]]:
+        seqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while eng.has_unfinished():
+            eng.step()
+        return [s.output_ids for s in seqs]
+
+    gr = eng.runner.graphs
+    assert eng.graphs_pending > 0 and not any(k.constrained or k.processed for k in gr.graphs)
+    eager = generate()
+    assert all(eager)
+    while eng.capture_later():
+        pass
+    assert eng.graphs_pending == 0 and any(k.constrained for k in gr.graphs) and any(k.processed for k in gr.graphs)
+    assert generate() == eager
+    assert gr.fallbacks == 0
+    eng.shutdown()

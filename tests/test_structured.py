@@ -284,6 +284,28 @@ def test_token_masks_forbid_exactly_the_cleared_bits():
     assert torch.isinf(got[0, 0, :31]).all() and got[0, 0, 31] == logits[0, 0, 31]
 
 
+def deferred(pair, **kw):
+    """An engine whose constrained and processed rounds' graphs are left for later (`kw`: its
+    config), the batch's prompts and parameters (a processed request added) and a function that
+    decodes them on it."""
+    from drafttree.engine.engine import Engine, EngineConfig
+
+    target, drafter, _ = pair
+    prompts, params = batch()
+    prompts, params = prompts + ["xyz"], params + [SamplingParams(temperature=0, max_tokens=12, logprobs=2,
+                                                                  presence_penalty=0.5)]
+    cfg = dict(model=str(target), draft_model=str(drafter), spec="ddtree", budget=8, dtype="float32",
+               max_num_seqs=8, max_model_len=160, defer_graphs=True, **kw)
+    eng = Engine(EngineConfig(**cfg))
+
+    def generate() -> list[list[int]]:
+        seqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while eng.has_unfinished():
+            eng.step()
+        return [s.output_ids for s in seqs]
+    return eng, cfg, (prompts, params), generate
+
+
 def test_graphs_left_for_later_are_captured_while_idle(pair, plain, fake_cuda_graphs):
     """defer_graphs: the engine starts with the free rounds' graphs only; until their sets are
     captured, constrained and processed rounds run eagerly (not counted as fallbacks) to the same
@@ -293,21 +315,8 @@ def test_graphs_left_for_later_are_captured_while_idle(pair, plain, fake_cuda_gr
     from drafttree.engine.engine import Engine, EngineConfig
     from drafttree.server.worker import EngineWorker
 
-    target, drafter, _ = pair
-    prompts, params = batch()
-    prompts, params = prompts + ["xyz"], params + [SamplingParams(temperature=0, max_tokens=12, logprobs=2,
-                                                                  presence_penalty=0.5)]   # a processed request
+    eng, cfg, (prompts, params), generate = deferred(pair, device="cpu", cuda_graphs=True, prefill_graphs=False)
     want = [o.token_ids for o in plain.generate(prompts, params)]
-    kw = dict(model=str(target), draft_model=str(drafter), spec="ddtree", budget=8, device="cpu", dtype="float32",
-              max_num_seqs=8, max_model_len=160, cuda_graphs=True, prefill_graphs=False, defer_graphs=True)
-    eng = Engine(EngineConfig(**kw))
-
-    def generate() -> list[list[int]]:
-        seqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-        while eng.has_unfinished():
-            eng.step()
-        return [s.output_ids for s in seqs]
-
     gr = eng.runner.graphs
     sets = len(gr.set_seconds)
     assert eng.graphs_pending == sets > 0
@@ -328,9 +337,9 @@ def test_graphs_left_for_later_are_captured_while_idle(pair, plain, fake_cuda_gr
     assert gr.fallbacks == 0 and len(gr.graphs) == n   # replayed: nothing captured on a request's path
     eng.shutdown()
     with pytest.raises(ValueError, match="defer_graphs needs CUDA graphs"):
-        Engine(EngineConfig(**{**kw, "cuda_graphs": False}))
+        Engine(EngineConfig(**{**cfg, "cuda_graphs": False}))
     with pytest.raises(ValueError, match="defer_graphs is the server's"):
-        LLM(**kw)
+        LLM(**cfg)
 
 
 @pytest.mark.gpu
@@ -338,21 +347,7 @@ def test_graphs_captured_later_replay_what_eager_rounds_ran_on_the_gpu(pair):
     """On CUDA, with graphs captured for real: the constrained and processed rounds run eagerly
     while their sets are pending, then from the graphs captured after serving began, to the same
     tokens (fp32), with no fallback."""
-    from drafttree.engine.engine import Engine, EngineConfig
-
-    target, drafter, _ = pair
-    prompts, params = batch()
-    prompts, params = prompts + ["xyz"], params + [SamplingParams(temperature=0, max_tokens=12, logprobs=2,
-                                                                  presence_penalty=0.5)]
-    eng = Engine(EngineConfig(model=str(target), draft_model=str(drafter), spec="ddtree", budget=8, device="cuda",
-                              dtype="float32", max_num_seqs=8, max_model_len=160, defer_graphs=True))
-
-    def generate() -> list[list[int]]:
-        seqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-        while eng.has_unfinished():
-            eng.step()
-        return [s.output_ids for s in seqs]
-
+    eng, _, _, generate = deferred(pair, device="cuda")
     gr = eng.runner.graphs
     assert eng.graphs_pending > 0 and not any(k.constrained or k.processed for k in gr.graphs)
     eager = generate()

@@ -117,6 +117,7 @@ def test_bench_rank_reports_every_field(bench_json):
         k = d["kernels"]   # --profile 5: the decode step's ops by name (on the CPU, their CPU time)
         assert 0 < len(k["top"]) <= 5 and k["count_per_step"] >= len(k["top"]) and k["us_per_step"] > 0
         assert all(x["name"] and x["per_step"] > 0 for x in k["top"])
+        assert k["per_layer"] == pytest.approx(k["count_per_step"] / cfg.num_layers) and k["share_of_step"] > 0
         assert [x["us"] for x in k["top"]] == sorted((x["us"] for x in k["top"]), reverse=True)
         assert d["ms"] > 0 and d["weight_floor_ms"] > 0
         assert d["over_floor"] == pytest.approx(d["ms"] / d["weight_floor_ms"])

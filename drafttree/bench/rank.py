@@ -320,7 +320,10 @@ class Batch:
         if o.skew and self.num_experts:
             out["skewed"] = self.skewed(spread)
         if o.profile:
-            out["decode"]["kernels"] = self.kernels(self.decode, o.profile)
+            k = out["decode"]["kernels"] = self.kernels(self.decode, o.profile)
+            # what the kernels' own time leaves of the step: launches and the gaps between kernels
+            k["per_layer"] = k["count_per_step"] / self.target.cfg.num_layers
+            k["share_of_step"] = k["us_per_step"] / 1e3 / dec_ms
         return out
 
     def kernels(self, st: PhaseStep, top: int) -> dict:
@@ -401,8 +404,9 @@ def format_report(res: dict) -> str:
                          f"{e.get('uniform_expected', 0):>8.2f} {v['round_floor_in_decode_floors']:>19.2f}")
         if "kernels" in d:
             k = d["kernels"]
-            lines.append(f"  decode kernels: {k['count_per_step']:.0f} a step, {k['us_per_step'] / 1e3:.3f} ms of "
-                         f"kernel time ({k['source']}); the longest:")
+            lines.append(f"  decode kernels: {k['count_per_step']:.0f} a step ({k['per_layer']:.1f} a layer), "
+                         f"{k['us_per_step'] / 1e3:.3f} ms of kernel time, {100 * k['share_of_step']:.0f} % of the "
+                         f"step ({k['source']}); the longest:")
             lines += [f"    {x['us']:9.1f} us {x['per_step']:6.1f}x  {x['name'][:100]}" for x in k["top"]]
         c, cl = b["choice"], b["choice_with_collectives"]
         lines.append(f"  the cost model picks {c['picked']} (expected tokens/s: "

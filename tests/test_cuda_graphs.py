@@ -815,9 +815,10 @@ def test_startup_stages_and_warm_up_with_graphs_on_cpu(pair, fake_cuda_graphs):
         n = warm_up(eng)
     finally:
         eng.device = torch.device("cpu")
-    # 3 modes x (1 + 2 prompts); 17, 18 and 32 tokens in chunks of 16, 2 x 17; a 48-token prompt,
-    # then 33, 34 and 48 tokens of it again, alone and 33 and 34 together
-    assert n == 3 * 3 + 3 + 2 + 1 + 3 + 2
+    # 3 modes and a processed request x (1 + 2 prompts) (no tokenizer: no constrained one); 17, 18
+    # and 32 tokens in chunks of 16, 2 x 17; a 48-token prompt, then 33, 34 and 48 tokens of it
+    # again, alone and 33 and 34 together
+    assert n == 4 * 3 + 3 + 2 + 1 + 3 + 2
     assert {shape for shape, _ in replays} == set(pg.graphs) and not starts and max(hits) == 2
     assert any(at > 0 for _, at in replays) and all(L > 0 for (_, _, L), at in replays if at > 0)
     assert eng.stats.requests == 0 and eng.stats.generated_tokens == 0 and not eng.runner.timer.totals

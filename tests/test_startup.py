@@ -171,13 +171,17 @@ def test_scheduler_and_graphs_share_one_rule():
 def plan(**kw):
     kw = {"cuda": True, "graphed_len": 2048, "page_size": 16, "prefix_caching": True, **kw}
     return warmup_batches(kw.pop("cuda"), kw.pop("limits"), kw.pop("graphed_len"), kw.pop("page_size"),
-                          kw.pop("prefix_caching"), kw.pop("max_prompt_len", None))
+                          kw.pop("prefix_caching"), kw.pop("max_prompt_len", None), kw.pop("constrained", False))
 
 
 def test_warmup_plan_covers_modes_rows_offsets_and_prefix_hits():
     batches = plan(limits=PrefillLimits(8, 2048, 8192, 3999, 4100, kv_buckets(4100)))
     seen = {(SampleMode.of([b.params]), len(b.prompt_lens)) for b in batches}
     assert seen >= {(m, n) for m in SampleMode for n in (1, 2)}
+    assert {len(b.prompt_lens) for b in batches if b.params.processes_logits} == {1, 2}
+    assert not any(b.params.structured_outputs for b in batches)   # no tokenizer, no constrained request
+    with_grammar = plan(limits=PrefillLimits(8, 2048, 8192, 3999, 4100, kv_buckets(4100)), constrained=True)
+    assert {len(b.prompt_lens) for b in with_grammar if b.params.structured_outputs} == {1, 2}
     past = sorted(n for b in batches for n in b.prompt_lens if n > 2048)
     assert {(n - 2048) % 16 for n in past} >= {0, 1, 2}   # the chunk past 2048 at an offset: 1, 2, 16 tokens
     assert any(len(b.prompt_lens) == 2 and min(b.prompt_lens) > 2048 for b in batches)
@@ -206,6 +210,9 @@ def test_warmup_plan_stays_within_the_context_the_pool_and_rows():
     assert max(n for b in small_pool for n in b.prompt_lens) == 40
     cpu = plan(cuda=False, limits=PrefillLimits(8, 2048, 8192, 3999, 4100, kv_buckets(4100)), graphed_len=0)
     assert len(cpu) == 1 and len(cpu[0].prompt_lens) == 1   # a short dummy generate
+    cpu = plan(cuda=False, limits=PrefillLimits(8, 2048, 8192, 3999, 4100, kv_buckets(4100)), graphed_len=0,
+               constrained=True)
+    assert [bool(b.params.structured_outputs) for b in cpu] == [False, True]   # and a constrained one
 
 
 def test_ready_line_counts_prefill_graphs_from_zero_and_at_offsets():

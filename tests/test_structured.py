@@ -284,6 +284,26 @@ def test_token_masks_forbid_exactly_the_cleared_bits():
     assert torch.isinf(got[0, 0, :31]).all() and got[0, 0, 31] == logits[0, 0, 31]
 
 
+def test_warm_up_builds_the_grammar_engine_and_forgets_what_it_taught_the_choice(pair):
+    """A server's warm-up runs a constrained request too (the grammar engine is built then, not at
+    the first real one), and afterwards the budget choice holds nothing its synthetic prompts
+    taught it: acceptance and round prices are learned from real requests."""
+    from drafttree.engine.warmup import warm_up
+
+    eng = engine(pair, "ddtree").engine
+    assert eng.spec.adaptive and eng.constrained._compiler is None
+    assert warm_up(eng) == 2
+    assert eng.constrained._compiler is not None
+    c = eng.chooser
+    assert not c.cal and not c.cost_ratio and not c.host_node and all(p.pred is None for p in c.pooled.values())
+    prompts, params = batch()
+    assert eng.add_request(prompts[0], params[0]) is not None
+    while eng.has_unfinished():
+        eng.step()
+    assert c.cal or c.cost_ratio   # learning again, from the request
+    eng.shutdown()
+
+
 def deferred(pair, **kw):
     """An engine whose constrained and processed rounds' graphs are left for later (`kw`: its
     config), the batch's prompts and parameters (a processed request added) and a function that

@@ -127,7 +127,7 @@ class Engine:
         self.costs = prepare.cost_model(setup, self.runner, tp, self.startup) if self.spec.adaptive else None
         if self.costs is not None:
             log.info("%s", self.costs.format())
-        self.chooser = BudgetChooser(self.costs, self.spec.budgets, self.spec.adaptive)
+        self.reset_choice()
 
     # -- what the engine holds ---------------------------------------------------------------------
     @property
@@ -146,6 +146,12 @@ class Engine:
     def reset_stats(self) -> None:
         """Zero every counter: the engine's, the prefix cache's, the scheduler's and the runner's."""
         self.book.reset()
+
+    def reset_choice(self) -> None:
+        """Forget what the budget choice learned (acceptance per sampler setting, the rounds'
+        observed prices): what warm-up requests taught it is not what real requests will see."""
+        self.chooser = BudgetChooser(self.costs, self.spec.budgets, self.spec.adaptive)
+        self._rows = None
 
     def attach_ranks(self, ranks: Any) -> None:
         """Rank 0 of a tensor-parallel engine: `ranks` (`engine.launch.Ranks`) holds the others;

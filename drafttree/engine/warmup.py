@@ -6,8 +6,12 @@ and, for prefills without graphs (none captured, or a capture out of memory), ch
 (a continuing chunk, the rest of a prompt after a prefix-cache hit); each with a chunk of 1 token,
 of a multiple of 16 and of neither, the integer cases Triton specializes on; and the host's
 reading and detokenizing. With prefill graphs the chunks at offsets replay the offset graphs (the
-same batches then run the host's side of them). The graphs themselves are captured when the
-engine is built. On CPU there is nothing to compile: one short request."""
+same batches then run the host's side of them); a processed request (log-probabilities) and a
+constrained one (a JSON object; with a tokenizer), whose rounds run eagerly where their graphs are
+left for later, and whose grammar engine is built at the first such request. The graphs
+themselves are captured when the engine is built. On CPU there is nothing to compile: one short
+request, and a constrained one. What the requests taught the budget choice is forgotten after
+them: their prompts are not the traffic's."""
 from __future__ import annotations
 
 import logging
@@ -18,12 +22,15 @@ from drafttree.engine.engine import Engine
 from drafttree.runner.prefill_plan import PrefillLimits
 from drafttree.sampling import SamplingParams
 from drafttree.settings import scope
+from drafttree.structured.params import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 4   # per request: the prefill's token and a few rounds
 MODES = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0),
          SamplingParams(temperature=1.0, top_p=0.9, seed=0))   # greedy, sampled, sampled with top-p
+PROCESSED = SamplingParams(temperature=0.0, logprobs=1)
+CONSTRAINED = SamplingParams(temperature=0.0, structured_outputs=StructuredOutputs(json_object=True))
 
 
 @dataclass(frozen=True)
@@ -35,9 +42,11 @@ class WarmupBatch:
 
 
 def warmup_batches(cuda: bool, limits: PrefillLimits, graphed_len: int, page_size: int,
-                   prefix_caching: bool, max_prompt_len: int | None = None) -> list[WarmupBatch]:
+                   prefix_caching: bool, max_prompt_len: int | None = None,
+                   constrained: bool = False) -> list[WarmupBatch]:
     """What `warm_up` runs, batch after batch. `graphed_len`: the widest chunk a prefill graph
-    takes (0: none); `max_prompt_len`: the longest prompt the context and the pool hold."""
+    takes (0: none); `max_prompt_len`: the longest prompt the context and the pool hold;
+    `constrained`: a constrained request too (the engine has a tokenizer)."""
     longest = limits.max_prompt_len if max_prompt_len is None else max(1, min(max_prompt_len, limits.max_prompt_len))
     count = [0]
 
@@ -51,10 +60,10 @@ def warmup_batches(cuda: bool, limits: PrefillLimits, graphed_len: int, page_siz
         return WarmupBatch(lens, replace(params, max_tokens=WARMUP_TOKENS if cuda else 2), variants)
 
     if not cuda:
-        return [batch(MODES[0], 7)]
+        return [batch(MODES[0], 7)] + ([batch(CONSTRAINED, 7)] if constrained else [])
     rows = limits.max_num_seqs
     out = []
-    for mode in MODES:
+    for mode in MODES + (PROCESSED,) + ((CONSTRAINED,) if constrained else ()):
         out.append(batch(mode, 7))
         if rows >= 2:
             out.append(batch(mode, 16, 7))
@@ -99,7 +108,7 @@ def _warm_up(engine: Engine, progress: Callable[[str], None] | None) -> int:
     # a warm-up request must fit the pool alone: its prompt, its tokens and a round's writes
     room = engine.pool.usable * cc.page_size - cc.headroom - engine.spec.max_commit - WARMUP_TOKENS
     batches = warmup_batches(engine.device.type == "cuda", sched.cfg.prefill, graphed, cc.page_size,
-                             engine.pool.prefix_caching, room)
+                             engine.pool.prefix_caching, room, engine.tokenizer is not None)
     vocab = engine.model_cfg.vocab_size
     for i, b in enumerate(batches):
         if progress is not None:
@@ -113,4 +122,5 @@ def _warm_up(engine: Engine, progress: Callable[[str], None] | None) -> int:
     if fallbacks:
         log.warning("warm-up: %d rounds or prefills ran eagerly although graphs were captured", fallbacks)
     engine.reset_stats()
+    engine.reset_choice()
     return sum(len(b.prompt_lens) for b in batches)

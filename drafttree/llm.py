@@ -14,6 +14,7 @@ from tqdm import tqdm
 from drafttree.engine.engine import Engine, EngineConfig
 from drafttree.engine.launch import follow, start_engine
 from drafttree.engine.sequence import Sequence
+from drafttree.engine.text import TokenTexts
 from drafttree.loader.chat_template import apply_chat_template
 from drafttree.sampling import SamplingParams, check_text
 
@@ -90,15 +91,15 @@ class RequestOutput:
         st = seq.request_stats
         metrics.update(rounds=st.rounds, mean_accept_length=st.mean_accept_length, accept_lengths=st.accept_lengths,
                        accept_histogram=st.histogram)
-        text = _Decoded(tokenizer)
+        text = TokenTexts(tokenizer, missing=lambda t: None)
         outs = [CompletionOutput(c.index, c.text if tokenizer is not None else None, list(c.output_ids),
                                  c.cumulative_logprob, None if c.logprobs is None else
-                                 [text.logprobs(lp, ids, t) for t, (lp, ids) in zip(c.output_ids, c.logprobs)],
+                                 [_entry(text, lp, ids, t) for t, (lp, ids) in zip(c.output_ids, c.logprobs)],
                                  c.finish_reason, c.stop_reason) for c in seq.choices]
         first = seq.choices[0]
         prompt_lps = None
         if first.prompt_logprobs is not None:
-            prompt_lps = [None] + [text.logprobs(lp, ids, t)
+            prompt_lps = [None] + [_entry(text, lp, ids, t)
                                    for t, (lp, ids) in zip(first.prompt_ids[1:], first.prompt_logprobs)]
         return cls(seq.request_id, seq.prompt, list(seq.prompt_ids), outs, seq.all_finished, metrics, prompt_lps)
 
@@ -106,26 +107,13 @@ class RequestOutput:
         return asdict(self)
 
 
-class _Decoded:
-    """Tokens' texts for Logprob.decoded_token (each id decoded alone, as vLLM does), remembered."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer, self.texts = tokenizer, {}
-
-    def __call__(self, token: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        if token not in self.texts:
-            self.texts[token] = self.tokenizer.decode([token])
-        return self.texts[token]
-
-    def logprobs(self, lp: list[float], ids: list[int], token: int) -> TokenLogprobs:
-        """One token's entry: the token first, then the most likely ones (the token among them once)."""
-        out = {token: Logprob(lp[0], ids[0], self(token))}
-        for rank, (t, v) in enumerate(zip(ids[1:], lp[1:]), start=1):
-            if t >= 0 and t not in out:   # (-1: past a vocabulary smaller than the count asked)
-                out[t] = Logprob(v, rank, self(t))
-        return out
+def _entry(text: TokenTexts, lp: list[float], ids: list[int], token: int) -> TokenLogprobs:
+    """One token's entry: the token first, then the most likely ones (the token among them once)."""
+    out = {token: Logprob(lp[0], ids[0], text(token))}
+    for rank, (t, v) in enumerate(zip(ids[1:], lp[1:]), start=1):
+        if t >= 0 and t not in out:   # (-1: past a vocabulary smaller than the count asked)
+            out[t] = Logprob(v, rank, text(t))
+    return out
 
 
 def engine_config(model: str | None, engine_args: dict[str, Any]) -> EngineConfig:

@@ -3,6 +3,7 @@ incrementally, with its stop strings."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from drafttree.engine.sequence import Sequence
@@ -31,6 +32,20 @@ def _tokenizer_class(path: Path) -> str | None:
         return json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+class TokenTexts:
+    """Each token's text decoded alone, as vLLM decodes a log-probability's token, remembered;
+    without a tokenizer `missing(token)` (the server: "token_id:<id>", vLLM's form; the Python
+    API: None)."""
+
+    def __init__(self, tokenizer, missing: Callable[[int], str | None] = lambda t: f"token_id:{t}") -> None:
+        self.tokenizer, self.missing, self.texts = tokenizer, missing, {}
+
+    def __call__(self, token: int) -> str | None:
+        if token not in self.texts:
+            self.texts[token] = self.missing(token) if self.tokenizer is None else self.tokenizer.decode([token])
+        return self.texts[token]
 
 
 class TextCodec:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from drafttree.engine.text import TokenTexts
 from drafttree.runner.logit_rows import Logprobs
 
 # JSON has no -inf: the floor OpenAI's and vLLM's servers answer for a token of no probability
@@ -19,19 +20,6 @@ FLOOR = -9999.0
 
 def _value(lp: float) -> float:
     return max(lp, FLOOR)
-
-
-class TokenTexts:
-    """Each token's text, decoded alone as vLLM decodes a log-probability's token (remembered);
-    without a tokenizer "token_id:<id>", vLLM's form for token ids."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer, self.texts = tokenizer, {}
-
-    def __call__(self, token: int) -> str:
-        if token not in self.texts:
-            self.texts[token] = f"token_id:{token}" if self.tokenizer is None else self.tokenizer.decode([token])
-        return self.texts[token]
 
 
 def _top(entry: Logprobs, k: int) -> list[tuple[int, float]]:

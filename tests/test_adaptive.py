@@ -78,7 +78,7 @@ def _table() -> CostTable:
 
 
 ONE = Counter({GREEDY: 1})   # a round's rows by sampler setting: one greedy row
-T1 = (1.0, 1.0, 0, False)   # the sampler setting of temperature 1, no filter
+T1 = (1.0, 1.0, 0)   # the sampler setting of temperature 1, no filter
 
 
 def _milli(xs) -> list[int]:

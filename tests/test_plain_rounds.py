@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from drafttree import LLM, SamplingParams
-from drafttree.engine.budget import GREEDY, REFRESH, BudgetChooser
+from drafttree.engine.budget import DRIFT, GREEDY, REFRESH, BudgetChooser
 from drafttree.phases import Phase, SpecConfig
 from drafttree.runner.cost import CostTable
 from drafttree.spec_decode.acceptance import PRED_SCALE
@@ -141,20 +141,24 @@ def test_a_plain_stretch_ranks_the_budgets_once_per_refresh():
     assert len(ranked) == -(-100 // REFRESH) + 2
 
 
-def test_a_constrained_setting_is_calibrated_apart():
-    """A constrained request's acceptance is calibrated apart: before its first observation the
-    free setting's does not stand in for it (the chooser drafts to observe it), after it its own
-    does, and the free one is untouched."""
+def test_a_new_setting_starts_from_its_kind_with_the_kinds_certainty():
+    """A sampler setting first seen after others of its kind starts from their pooled calibration,
+    as certain as that one is: one round that accepts nothing moves it by the filter's gain, not
+    to nothing; the very first setting starts from the drafter's own prediction, counted as one
+    observation: its first round weighs about half."""
     t = _table()
     c = BudgetChooser(t, t.spec.budgets)
-    con = GREEDY[:3] + (True,)
-    free = [int(p * PRED_SCALE) for p in (1.5, 2.0, 2.5, 3.0)]
-    c.observe(GREEDY, free, free)
-    assert c.calibration(con) is None
-    assert c.choose(1, t.spec.budgets_at(1), Counter({con: 1})) == t.spec.budgets[-1]
-    seen = [int(p * PRED_SCALE) for p in (1.9, 2.8, 3.7, 4.6)]    # forced tokens: more than predicted
-    c.observe(con, free, seen)
-    assert c.calibration(con) is c.cal[con] and c.calibration(GREEDY) is c.cal[GREEDY]
-    assert c.cal[con].expected(3) > c.cal[GREEDY].expected(3) == 3.0
-    one = Counter({con: 1})
-    assert c.expected_tokens(t.spec.budgets[-1], one) == c.cal[con].expected(3)
+    preds = [int(p * PRED_SCALE) for p in (1.5, 2.0, 2.5, 3.0)]
+    nothing = [PRED_SCALE] * 4
+    c.observe(GREEDY, preds, nothing)                    # the first ever: half way to nothing
+    assert c.cal[GREEDY].ratio(3) == pytest.approx(0.5, abs=0.01)
+    warm, hot = (0.7, 1.0, 0), (1.0, 1.0, 0)
+    for _ in range(40):
+        c.choose(1, t.spec.budgets_at(1), Counter({warm: 1}))
+        c.observe(warm, preds, preds)
+    assert c.cal[warm].ratio(3) == pytest.approx(1.0, abs=0.02)
+    pooled = c.pooled[False]
+    gain = (pooled.var + DRIFT) / (pooled.var + DRIFT + 1)
+    assert pooled.ratio(3) == pytest.approx(1.0) and gain < 0.15
+    c.observe(hot, preds, nothing)                       # a new sampled setting's unlucky first round
+    assert c.cal[hot].ratio(3) == pytest.approx(1 - gain, abs=0.01)

@@ -88,11 +88,11 @@ def test_the_engine_observes_what_its_sampler_accepts(small_vocab_pair):
     outs = llm.generate([[1, 2, 3], [3, 1], [2, 2, 5], [4]], sp)
     taus = torch.tensor([float(k) for o in outs for k in o.metrics["accept_lengths"][:-1]])   # the last is cut short
     i = eng.spec.budgets.index(budget)
-    assert {k for k, _ in seen} == {(1.0, 1.0, 0, False)} and len(seen) >= 30
+    assert {k for k, _ in seen} == {(1.0, 1.0, 0)} and len(seen) >= 30
     mean_seen = sum(s[i] for _, s in seen) / len(seen) / PRED_SCALE
     se = taus.std().item() / len(taus) ** 0.5
     assert 1.2 < taus.mean().item() and mean_seen == pytest.approx(taus.mean().item(), abs=4 * se), (mean_seen, se)
-    cal = eng.chooser.cal[(1.0, 1.0, 0, False)]
+    cal = eng.chooser.cal[(1.0, 1.0, 0)]
     assert cal.expected(i) == pytest.approx(1 + cal.observed[i], rel=0.02)
 
 
@@ -113,10 +113,10 @@ def test_sampler_settings_are_calibrated_apart():
     t = _table()
     c = BudgetChooser(t, t.spec.budgets)
     preds = [int(p * PRED_SCALE) for p in (2.5, 3.0, 3.3, 3.5)]
-    warm, hot = (0.3, 1.0, 0, False), (1.0, 1.0, 0, False)
+    warm, hot = (0.3, 1.0, 0), (1.0, 1.0, 0)
     assert sampler_key(SamplingParams(temperature=0.3)) == warm and sampler_key(SamplingParams(temperature=0)) == GREEDY
-    assert sampler_key(SamplingParams(temperature=1.0, top_k=5, top_p=0.9)) == (1.0, 0.9, 5, False)
-    for _ in range(30):
+    assert sampler_key(SamplingParams(temperature=1.0, top_k=5, top_p=0.9)) == (1.0, 0.9, 5)
+    for _ in range(60):
         c.observe(warm, preds, preds)
         c.observe(hot, preds, [int((1 + (p / PRED_SCALE - 1) / 3) * PRED_SCALE) for p in preds])
     allowed = t.spec.budgets_at(1, greedy=False)
@@ -124,8 +124,8 @@ def test_sampler_settings_are_calibrated_apart():
     assert c.choose(1, allowed, Counter({hot: 1})) == 0
     assert c.cal[hot].expected(3) == pytest.approx(1 + 2.5 / 3, rel=0.01)
     assert c.cal[warm].expected(3) == pytest.approx(3.5, rel=0.01)
-    pooled = c.calibration((0.7, 1.0, 0, False))
-    assert pooled is c.pooled[(False, False)] and c.cal[hot].expected(3) < pooled.expected(3) < c.cal[warm].expected(3)
+    pooled = c.calibration((0.7, 1.0, 0))
+    assert pooled is c.pooled[False] and c.cal[hot].expected(3) < pooled.expected(3) < c.cal[warm].expected(3)
     mixed = c.expected_tokens(31, Counter({warm: 1, hot: 1}))
     assert mixed == pytest.approx(c.cal[warm].expected(3) + c.cal[hot].expected(3))
     assert c.calibration(GREEDY) is None   # nothing greedy seen: a greedy row drafts to learn

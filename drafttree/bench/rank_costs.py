@@ -269,7 +269,7 @@ def pick_budget(spec: SpecConfig, bucket: int, rows: int, budgets: list[int], se
     for (phase, width), s in seconds.items():
         table.seconds[(phase, bucket, width, False)] = s
     chooser = BudgetChooser(table, tuple(budgets))
-    chooser.pooled[(True, False)].pred = [acceptance[b] for b in budgets]
+    chooser.pooled[True].pred = [acceptance[b] for b in budgets]
     options = [0, *budgets]
     greedy = Counter({GREEDY: rows})
     rate = {b: chooser.expected_tokens(b, greedy) / chooser.round_seconds(bucket, b, False) for b in options}

@@ -8,8 +8,9 @@ row's temperature, top-k and top-p: for a greedy row the realised τ), kept per 
 (temperature, top-p, top-k): a probe at T = 1 measures the acceptance a T = 1 round will see,
 not a noisy sample of it, and a tree's deep nodes, which the target's sampling accepts far less
 often than its argmax does, are calibrated apart from its shallow ones. A setting not seen yet
-starts from the pooled calibration of its kind (greedy or sampled, free or constrained: a
-constrained request's acceptance is calibrated apart, `sampler_key`). Rows read in one round are
+starts from the pooled calibration of its kind (greedy or sampled). A constrained request's rounds
+(its tree grown along the grammar, its picks masked) are observed under its sampler setting too,
+pooled with free ones (docs/decisions.md). Rows read in one round are
 one observation per setting, whatever the batch size. Seconds come from the measured cost table
 (`runner.cost`). Budget 0 is a decode round: one token per row, and the drafter's context still
 fed, so speculation resumes losslessly whenever the choice changes.
@@ -60,7 +61,7 @@ REFRESH = 16        # rounds a choice is kept while nothing it depends on is obs
 PLAIN_STALE = 64    # drafting rounds in a row after which one decodes, if plain rounds' price is that old
 SETTINGS_MAX = 64   # sampler settings calibrated apart; past them, the pooled calibration
 
-SamplerKey = tuple[float, float, int, bool]   # temperature, top-p, top-k, constrained (greedy: 0, 1, 0)
+SamplerKey = tuple[float, float, int]   # temperature, top-p, top-k (greedy: 0, 1, 0)
 Extra = tuple[str, ...]                 # a round's extra work: () or of "constrained", "processed"
 Kind = tuple[int, bool, bool, Extra]    # batch bucket, drafting, sampled pick, extra work
 
@@ -68,26 +69,14 @@ Kind = tuple[int, bool, bool, Extra]    # batch bucket, drafting, sampled pick, 
 def extra_work(constrained: bool, processed: bool) -> Extra:
     """A round's extra work, which the measured table does not time: its kind apart."""
     return ("constrained",) * constrained + ("processed",) * processed
-GREEDY: SamplerKey = (0.0, 1.0, 0, False)
+GREEDY: SamplerKey = (0.0, 1.0, 0)
 
 
-def sampler_key(p: SamplingParams, constrained: bool = False) -> SamplerKey:
-    """The setting a request's acceptance is calibrated under: its sampler, and whether a grammar
-    constrains it (its tree grows along the grammar and its picks are masked: forced tokens are
-    always accepted, forbidden drafts never enter, so the drafter's free prediction is calibrated
-    apart for it)."""
+def sampler_key(p: SamplingParams) -> SamplerKey:
+    """The sampler setting a request's acceptance is calibrated under."""
     if p.greedy:
-        return GREEDY[:3] + (constrained,)
-    return round(p.temperature, 2), round(p.top_p, 2), max(p.top_k, 0), constrained
-
-
-def is_greedy(key: SamplerKey) -> bool:
-    return key[:3] == GREEDY[:3]
-
-
-def pool_of(key: SamplerKey) -> tuple[bool, bool]:
-    """The pooled calibration a setting falls back to: its kind's (greedy or sampled, constrained or free)."""
-    return is_greedy(key), key[3]
+        return GREEDY
+    return round(p.temperature, 2), round(p.top_p, 2), max(p.top_k, 0)
 
 
 @dataclass
@@ -104,10 +93,11 @@ class Calibration:
 
     @classmethod
     def seeded(cls, prior: "Calibration", round_: int) -> "Calibration":
-        """A new setting's calibration, starting from its stand-in's (`BudgetChooser.observe`) as
-        if that were one observation: its own first one then weighs about half, so one unlucky
-        round (a first tree the target rejects whole) does not price drafting out for good."""
-        return cls(list(prior.observed), list(prior.predicted), list(prior.pred), round_, 1.0)
+        """A new setting's calibration, starting from its stand-in's (`BudgetChooser.observe`) with
+        the stand-in's certainty: a well-observed one moves by the filter's gain a round (one
+        unlucky round, a first tree the target rejects whole, does not price drafting out for the
+        hundreds of rounds between probes), while the new setting's own rounds accumulate."""
+        return cls(list(prior.observed), list(prior.predicted), list(prior.pred), round_, prior.var)
 
     def ratio(self, i: int) -> float:
         """Observed over predicted at budgets[i] (1 before any observation)."""
@@ -154,8 +144,7 @@ class BudgetChooser:
     budgets: tuple[int, ...]          # spec.budgets: the columns of a round's predictions
     adaptive: bool = True
     cal: dict[SamplerKey, Calibration] = field(default_factory=dict)
-    pooled: dict[tuple[bool, bool], Calibration] = field(
-        default_factory=lambda: {(g, c): Calibration() for g in (True, False) for c in (False, True)})
+    pooled: dict[bool, Calibration] = field(default_factory=lambda: {True: Calibration(), False: Calibration()})
     plain_rounds: int = 0
     # observed/measured per kind of round: (bucket, drafting, sampled, extra work)
     cost_ratio: dict[Kind, float] = field(default_factory=dict)
@@ -216,13 +205,11 @@ class BudgetChooser:
         self.timed[key] = self.rounds
 
     def calibration(self, key: SamplerKey) -> Calibration | None:
-        """The setting's calibration, else its kind's pooled one; None before any prediction (the
-        chooser then drafts to get one: a constrained kind's first round, whose acceptance and
-        host time no free round tells)."""
+        """The setting's calibration, else its kind's pooled one; None before any prediction."""
         c = self.cal.get(key)
         if c is not None and c.pred is not None:
             return c
-        pooled = self.pooled[pool_of(key)]
+        pooled = self.pooled[key == GREEDY]
         return pooled if pooled.pred is not None else None
 
     def expected_tokens(self, budget: int, rows: Counter[SamplerKey]) -> float | None:
@@ -258,7 +245,7 @@ class BudgetChooser:
             # Plain rounds' price is corrected only by plain rounds: one priced up by a passing
             # load would keep drafting chosen for good, so where it has not been observed for
             # PLAIN_STALE rounds, a round decodes (at most that round's gain lost in PLAIN_STALE).
-            plain = (bucket, False, any(not is_greedy(key) for key in rows), extra)
+            plain = (bucket, False, any(key != GREEDY for key in rows), extra)
             last = max(self.timed.get(plain, -1), self._plain_probed.setdefault(plain, self.rounds))
             if self.costs is not None and self.rounds - last >= PLAIN_STALE:
                 self._plain_probed[plain] = self.rounds
@@ -270,12 +257,17 @@ class BudgetChooser:
         self.plain_rounds = 0
         return probe
 
+    def drafting(self) -> bool:
+        """Whether the latest choice ranked a drafting round best (not a probe, not a plain stretch;
+        a fixed spec always drafts): the next round will likely draft too."""
+        return not self.adaptive or (self._kept is not None and self._kept[2] > 0)
+
     def _rank(self, bucket: int, options: list[int], rows: Counter[SamplerKey],
               extra: Extra = ()) -> tuple[int, int, int]:
         """(the best budget, the drafting budget a probe takes, plain rounds per probe)."""
         speculative = options[1:]
         tokens, seconds = {}, {}
-        sampled = any(not is_greedy(key) for key in rows)
+        sampled = any(key != GREEDY for key in rows)
         for b in options:
             tokens[b] = self.expected_tokens(b, rows)
             if tokens[b] is None:   # no prediction for this kind of row yet: draft to get one
@@ -296,11 +288,10 @@ class BudgetChooser:
         if c is None:
             if len(self.cal) >= SETTINGS_MAX:
                 self.cal.pop(next(iter(self.cal)))   # the oldest setting
-            # its stand-in: its kind's pooled calibration, else (a constrained setting) the free one's
-            prior = self.calibration(key) or (self.calibration(key[:3] + (False,)) if key[3] else None)
+            prior = self.calibration(key)   # its stand-in: its kind's pooled calibration
             c = self.cal[key] = Calibration() if prior is None else Calibration.seeded(prior, self.rounds)
         c.observe(p, o, self.rounds)
-        self.pooled[pool_of(key)].observe(p, o, self.rounds)
+        self.pooled[key == GREEDY].observe(p, o, self.rounds)
         self._kept = None
 
 

@@ -5,6 +5,10 @@ path's grammar state, then the masked verify) and the matchers advanced over com
 
 A constrained round is read before the next one launches (its trees need the tokens it commits),
 so batches holding a constrained request do not overlap their rounds; others keep overlapping.
+What the next round needs from the device alone, its draft, is queued right behind a drafting
+round (`draft_ahead`), so the device drafts while the host reads, emits and advances the matchers;
+the next launch takes those candidates if its rows are the same, else drafts again (a draft only
+rewrites the drafter's context slots with the same values, and scratch past each row's end).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ class ConstrainedTimes:
     tree_build_s: float = 0.0
     decode_masks_s: float = 0.0
     tree_nodes: int = 0           # nodes grown (roots excluded)
+    drafted_ahead: int = 0        # rounds whose draft was queued behind the previous round
 
 
 class Constrained:
@@ -43,6 +48,7 @@ class Constrained:
         self.runner, self.tokenizer, self.vocab, self.eos_ids = runner, tokenizer, vocab, set(eos_ids)
         self._compiler: GrammarCompiler | None = None
         self.times = ConstrainedTimes()
+        self.ahead: tuple | None = None   # the rows, mode and processing of the draft queued ahead
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -82,10 +88,14 @@ class Constrained:
         spec = r.spec
         t0 = time.perf_counter()
         host_s = 0.0
+        ahead, self.ahead = self.ahead, None
         if budget == 0:
             r.run_masked_decode(B, mode, max_length, self.masks(running), processed=processed)
         else:
-            r.run_candidates(B, mode, max_length, processed=processed)
+            if ahead != _rows_key(running, mode, processed):
+                r.run_candidates(B, mode, max_length, processed=processed)
+            else:
+                self.times.drafted_ahead += 1
             lp, idx = r.candidates(B)
             t1 = time.perf_counter()
             bucket = r.cache_cfg.batch_bucket(B)
@@ -100,6 +110,13 @@ class Constrained:
             self.times.tree_nodes += int(trees.valid[:B, 1:].sum())
         self.times.rounds += 1
         return host_s
+
+    def draft_ahead(self, running: list[Sequence], mode: SampleMode, max_length: int, processed: bool) -> None:
+        """Queue the next round's draft behind the round just launched (and its outputs' copy):
+        `max_length` bounds the rows' committed lengths after it. The next `launch` over the same
+        rows takes its candidates."""
+        self.runner.run_candidates(len(running), mode, max_length, processed=processed)
+        self.ahead = _rows_key(running, mode, processed)
 
     def advance(self, seq: Sequence, kept: list[int]) -> None:
         """Move the request's matcher over the tokens it committed; a grammar that is complete ends
@@ -117,3 +134,7 @@ class Constrained:
 
     def reset(self) -> None:
         self.times = ConstrainedTimes()
+
+
+def _rows_key(running: list[Sequence], mode: SampleMode, processed: bool) -> tuple:
+    return tuple((id(s), s.row) for s in running), mode, processed

@@ -365,9 +365,20 @@ class Engine:
         its max_tokens in the unread round (the next would be wasted on it), nor come so near the
         context's end that the next round, starting up to `_pending()` tokens later, writes past
         the cache (whose rows hold max_model_len + kv_headroom slots)."""
-        c = self._pending()
+        running = self.scheduler.running
+        return self._run_on(self._pending()) and all(s.grammar is None for s in running)
+
+    def _run_on(self, c: int) -> bool:
+        """Whether every running request, `c` unread commits later, still has tokens to make and
+        context to make them in."""
         return all(len(s.output_ids) + c < s.params.max_tokens and s.length + c <= self.max_model_len
-                   and s.grammar is None for s in self.scheduler.running)
+                   for s in self.scheduler.running)
+
+    def _room_ahead(self, c: int) -> bool:
+        """Whether the next round's draft may run before this round's `c` commits per request are
+        read (`_run_on`), every request holding the pages that draft writes (reserved now if the
+        pool has them)."""
+        return self._run_on(c) and self.scheduler.reserve(c, preempt=False)
 
     def _launch(self) -> Launched:
         """Launch one round over the running requests (no host sync)."""
@@ -382,8 +393,14 @@ class Engine:
         logprobs = self.runner.state.logits if batch.logprobs else None
         if batch.constrained:   # structured output: masked picks, host-built trees
             host_s = self.constrained.launch(running, mode, max_length, budget, processed)
-            return self._outputs.launch(self.runner.state, list(running), t0, budget, constrained=True,
-                                        processed=processed, logprobs=logprobs, host_s=host_s)
+            launched = self._outputs.launch(self.runner.state, list(running), t0, budget, constrained=True,
+                                            processed=processed, logprobs=logprobs, host_s=host_s)
+            c = self.spec.commit_bound(budget)
+            if budget and self.chooser.drafting() and self._room_ahead(c):
+                # behind this round's outputs' copy, so that reading them waits for this round alone
+                self.constrained.draft_ahead(running, mode, max_length + c, processed)
+            return launched
+        self.constrained.ahead = None
         self.runner.run_round(len(running), mode, max_length, budget, processed=processed)
         return self._outputs.launch(self.runner.state, list(running), t0, budget, processed=processed,
                                     logprobs=logprobs)
@@ -408,7 +425,7 @@ class Engine:
         if kept is None or len(kept.seqs) != len(running) or any(a is not b for a, b in zip(kept.seqs, running)):
             caps = [s.params.max_budget for s in running if s.params.max_budget is not None]
             kept = self._rows = BatchRows(
-                list(running), Counter(sampler_key(s.params, s.grammar is not None) for s in running) if self.spec.adaptive else Counter(),
+                list(running), Counter(sampler_key(s.params) for s in running) if self.spec.adaptive else Counter(),
                 min(caps, default=None), any(s.processes for s in running),
                 any(s.logprobs is not None for s in running), any(s.grammar is not None for s in running))
         return kept
@@ -460,7 +477,7 @@ class Engine:
             seq.stats.rounds += 1
             seq.stats.accept_lengths.append(k)
             if learn is not None:
-                learn.setdefault(sampler_key(seq.params, seq.grammar is not None), []).append(row[preds:])
+                learn.setdefault(sampler_key(seq.params), []).append(row[preds:])
             lps = None if seq.logprobs is None else launched.logprobs(b, k, seq.params.logprobs)
             out.append((seq, self._emit(seq, row[1:1 + k], lps)))
         for key, got in (learn or {}).items():   # one observation per setting a round, whatever the batch

@@ -48,7 +48,7 @@ class Constrained:
         self.runner, self.tokenizer, self.vocab, self.eos_ids = runner, tokenizer, vocab, set(eos_ids)
         self._compiler: GrammarCompiler | None = None
         self.times = ConstrainedTimes()
-        self.ahead: tuple | None = None   # the rows, mode and processing of the draft queued ahead
+        self.ahead: _Rows | None = None   # the rows, mode and processing of the draft queued ahead
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -92,7 +92,7 @@ class Constrained:
         if budget == 0:
             r.run_masked_decode(B, mode, max_length, self.masks(running), processed=processed)
         else:
-            if ahead != _rows_key(running, mode, processed):
+            if ahead is None or not ahead.same(running, mode, processed):
                 r.run_candidates(B, mode, max_length, processed=processed)
             else:
                 self.times.drafted_ahead += 1
@@ -116,7 +116,7 @@ class Constrained:
         `max_length` bounds the rows' committed lengths after it. The next `launch` over the same
         rows takes its candidates."""
         self.runner.run_candidates(len(running), mode, max_length, processed=processed)
-        self.ahead = _rows_key(running, mode, processed)
+        self.ahead = _Rows(list(running), [s.row for s in running], mode, processed)
 
     def advance(self, seq: Sequence, kept: list[int]) -> None:
         """Move the request's matcher over the tokens it committed; a grammar that is complete ends
@@ -136,5 +136,15 @@ class Constrained:
         self.times = ConstrainedTimes()
 
 
-def _rows_key(running: list[Sequence], mode: SampleMode, processed: bool) -> tuple:
-    return tuple((id(s), s.row) for s in running), mode, processed
+@dataclass
+class _Rows:
+    """The requests a draft ran over (held, so that no other can be taken for one of them), their
+    rows, its sampler mode and processing."""
+    seqs: list[Sequence]
+    rows: list[int]
+    mode: SampleMode
+    processed: bool
+
+    def same(self, running: list[Sequence], mode: SampleMode, processed: bool) -> bool:
+        return (mode is self.mode and processed == self.processed and len(running) == len(self.seqs)
+                and all(a is b and a.row == r for a, b, r in zip(running, self.seqs, self.rows)))

@@ -161,7 +161,7 @@ def run_serve(tree: Path, cache: Path, args: list[str], a: argparse.Namespace) -
     # graph sets left for after /ready (defer_graphs): when the idle server had them all
     r["graphs_done_s"] = None
     while r["ready"] and proc.poll() is None and time.perf_counter() - t0 < a.graphs_wait_s:
-        m = re.search(r"^drafttree_cuda_graph_sets_pending ([\d.e+-]+)", _get(url + "/metrics")[1], re.M)
+        m = re.search(r"^drafttree_cuda_graph_sets_pending ([\d.e+-]+)", _get(url + "/metrics")[1], re.MULTILINE)
         if m is None or float(m.group(1)) == 0:
             r["graphs_done_s"] = time.perf_counter() - t0 if m is not None else None
             break

@@ -92,7 +92,7 @@ class Calibration:
     var: float = EMA                   # the averages' uncertainty, in one observation's variance
 
     @classmethod
-    def seeded(cls, prior: "Calibration", round_: int) -> "Calibration":
+    def seeded(cls, prior: Calibration, round_: int) -> Calibration:
         """A new setting's calibration, starting from its stand-in's (`BudgetChooser.observe`) with
         the stand-in's certainty: a well-observed one moves by the filter's gain a round (one
         unlucky round, a first tree the target rejects whole, does not price drafting out for the

@@ -49,6 +49,7 @@ def run(llm: LLM, texts: list[str], constrained: bool, max_tokens: int) -> dict:
             "constrained_rounds": times.rounds, "candidates_wait_ms_per_round": 1e3 * times.candidates_wait_s / max(times.rounds, 1),
             "tree_build_ms_per_round": 1e3 * times.tree_build_s / max(times.rounds, 1),
             "tree_build_us_per_node": 1e6 * times.tree_build_s / max(times.tree_nodes, 1), "rounds_per_budget": rounds,
+            "drafted_ahead": times.drafted_ahead,
             "tokens": [o.token_ids for o in outs]}
 
 

@@ -379,3 +379,21 @@ def test_graphs_captured_later_replay_what_eager_rounds_ran_on_the_gpu(pair):
     assert generate() == eager
     assert gr.fallbacks == 0
     eng.shutdown()
+
+
+def test_constrained_rounds_over_two_ranks_give_one_ranks_tokens(pair, plain):
+    """Tensor parallel (two gloo ranks on the CPU): constrained rounds, their drafts queued ahead
+    (each a command the other rank runs too, behind the pages the scheduler reserved for it) and
+    the masked verifies give plain constrained decoding's tokens, and the ranks agree after."""
+    target, drafter, _ = pair
+    prompts, params = batch()
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(model=str(target), draft_model=str(drafter), spec="ddtree", budget=8, device="cpu", dtype="float32",
+              max_num_seqs=4, max_model_len=160, tensor_parallel_size=2)
+    try:
+        got = llm.generate(prompts, params)
+        assert llm.engine.agree()
+        assert llm.engine.constrained.times.drafted_ahead > 0
+    finally:
+        llm.shutdown()
+    assert [g.token_ids for g in got] == want

@@ -184,8 +184,8 @@ def candidates_phase(rc: RoundContext, B: int, kv_len: int) -> None:
     g.cand_lp[:B, :D] = lp.float()
     g.cand_idx[:B, :D] = idx
     if rc.state.out_pred.shape[1]:
-        # the predictions of the free tree: a constrained row's are calibrated apart
-        # (`engine.budget.sampler_key`), so the grammar's share of the acceptance is observed, not modelled
+        # the free tree's predictions: the grammar's effect on the acceptance (forced tokens
+        # accepted, forbidden drafts gone) is left to the calibration, which observes the masked verify
         make_tree(rc, logits, B)
 
 

@@ -144,24 +144,11 @@ class GrammarCompiler:
 
 
 class Matcher:
-    """A request's grammar state on the host: it advances over committed tokens only; drafting
-    works on copies (`fork`)."""
+    """A request's grammar state on the host: it advances over committed tokens only; a draft
+    tree grows copies of its llguidance matcher (`structured.tree.grow`)."""
 
     def __init__(self, m: Any, compiler: GrammarCompiler) -> None:
         self.m, self.compiler = m, compiler
-
-    def fork(self) -> "Matcher":
-        return Matcher(self.m.deep_copy(), self.compiler)
-
-    def allows(self, token: int) -> bool:
-        return self.m.validate_tokens([token]) == 1
-
-    def forced(self) -> list[int]:
-        """Tokens the grammar forces next (its only continuation, tokenized canonically)."""
-        return self.m.compute_ff_tokens()
-
-    def consume(self, token: int) -> bool:
-        return self.m.consume_token(token)
 
     def advance(self, tokens: list[int]) -> int:
         """Consume committed tokens; returns how many the grammar took (all, unless one was

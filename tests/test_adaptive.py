@@ -117,8 +117,13 @@ def test_chooser_takes_the_most_tokens_per_second():
     c = _calibrated([1.1, 1.15, 1.2, 1.25])
     every = math.ceil((1.5 - 1.1 * 1.02) / (PROBE_SHARE * 1.02))
     assert every == 38
-    picks = [c.choose(1, allowed, ONE) for _ in range(3 * every)]
+    picks, probed = [], []
+    for _ in range(3 * every):
+        picks.append(c.choose(1, allowed, ONE))
+        probed.append(c.probed)
     assert picks == ([0] * (every - 1) + [4]) * 3
+    assert probed == [b > 0 for b in picks]   # each drafting round here a probe
+    assert c.choose(1, allowed, ONE, cap=20) == 0 and not c.probed
     # one further below plain is probed less often, one that never pays at most every PROBE_MAX
     c = _calibrated([1.02, 1.03, 1.04, 1.05])
     assert [c.choose(1, allowed, ONE) for _ in range(46)] == [0] * 45 + [4]   # (1.5 - 1.0404) / 0.0102

@@ -305,6 +305,31 @@ def test_warm_up_builds_the_grammar_engine_and_forgets_what_it_taught_the_choice
     eng.shutdown()
 
 
+def test_a_prefill_between_drops_the_draft_queued_ahead(pair, plain):
+    """A draft queued ahead serves the next round only when no prefill ran between: a request
+    preempted and admitted again holds its old row, with its state written anew, and the draft
+    made before is not its draft any more. Its tokens stay plain constrained decoding's."""
+    from drafttree.engine.engine import Engine, EngineConfig
+
+    target, drafter, _ = pair
+    prompts, params = batch()
+    eng = Engine(EngineConfig(model=str(target), draft_model=str(drafter), spec="ddtree", budget=8, device="cpu",
+                              dtype="float32", max_num_seqs=4, max_model_len=160))
+    seq = eng.add_request(prompts[0], params[0])
+    while eng.constrained.ahead is None:
+        eng.step()
+    before, row = eng.constrained.times.drafted_ahead, seq.row
+    eng.scheduler.preempt(seq)
+    eng.step()   # admitted again into the same row: its prefill, then a round that drafts anew
+    assert seq.row == row and eng.constrained.times.drafted_ahead == before
+    eng.step()   # nothing written since: the draft queued ahead is taken
+    assert eng.constrained.times.drafted_ahead == before + 1
+    while eng.has_unfinished():
+        eng.step()
+    assert seq.output_ids == plain.generate(prompts[:1], params[:1])[0].token_ids
+    eng.shutdown()
+
+
 def deferred(pair, **kw):
     """An engine whose constrained and processed rounds' graphs are left for later (`kw`: its
     config), the batch's prompts and parameters (a processed request added) and a function that

@@ -146,6 +146,7 @@ class BudgetChooser:
     cal: dict[SamplerKey, Calibration] = field(default_factory=dict)
     pooled: dict[bool, Calibration] = field(default_factory=lambda: {True: Calibration(), False: Calibration()})
     plain_rounds: int = 0
+    probed: bool = False              # the latest choice was a probe: a drafting round amid plain ones
     # observed/measured per kind of round: (bucket, drafting, sampled, extra work)
     cost_ratio: dict[Kind, float] = field(default_factory=dict)
     any_ratio: float = 1.0            # the same over every free round observed
@@ -233,6 +234,7 @@ class BudgetChooser:
         `extra`: the round's extra work ("constrained", "processed"), priced as its own kind."""
         options = [b for b in allowed if cap is None or b <= cap]
         self.rounds += 1
+        self.probed = False
         if not self.adaptive or len(options) == 1:
             return options[-1]
         inputs = (bucket, tuple(options), tuple(sorted(rows.items())), extra)
@@ -255,12 +257,8 @@ class BudgetChooser:
         if self.plain_rounds < every:
             return 0
         self.plain_rounds = 0
+        self.probed = True
         return probe
-
-    def drafting(self) -> bool:
-        """Whether the latest choice ranked a drafting round best (not a probe, not a plain stretch;
-        a fixed spec always drafts): the next round will likely draft too."""
-        return not self.adaptive or (self._kept is not None and self._kept[2] > 0)
 
     def _rank(self, bucket: int, options: list[int], rows: Counter[SamplerKey],
               extra: Extra = ()) -> tuple[int, int, int]:

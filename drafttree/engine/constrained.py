@@ -7,8 +7,9 @@ A constrained round is read before the next one launches (its trees need the tok
 so batches holding a constrained request do not overlap their rounds; others keep overlapping.
 What the next round needs from the device alone, its draft, is queued right behind a drafting
 round (`draft_ahead`), so the device drafts while the host reads, emits and advances the matchers;
-the next launch takes those candidates if its rows are the same, else drafts again (a draft only
-rewrites the drafter's context slots with the same values, and scratch past each row's end).
+the next launch takes those candidates if its rows are the same and no prefill ran between, else
+drafts again (a draft only rewrites the drafter's context slots with the same values, and scratch
+past each row's end).
 """
 from __future__ import annotations
 
@@ -117,6 +118,10 @@ class Constrained:
         rows takes its candidates."""
         self.runner.run_candidates(len(running), mode, max_length, processed=processed)
         self.ahead = _Rows(list(running), [s.row for s in running], mode, processed)
+
+    def drop_ahead(self) -> None:
+        """Forget the draft queued ahead: its rows' state is being written anew."""
+        self.ahead = None
 
     def advance(self, seq: Sequence, kept: list[int]) -> None:
         """Move the request's matcher over the tokens it committed; a grammar that is complete ends

@@ -335,6 +335,8 @@ class Engine:
         if not chunks:
             return []
         t0 = time.perf_counter()
+        # a prefill writes rows: a request preempted and admitted again may hold its old row
+        self.constrained.drop_ahead()
         self.constrained.first_masks(chunks)
         firsts = self.runner.prefill([c for _, c in chunks])
         self._prefill_end = time.perf_counter()
@@ -396,11 +398,11 @@ class Engine:
             launched = self._outputs.launch(self.runner.state, list(running), t0, budget, constrained=True,
                                             processed=processed, logprobs=logprobs, host_s=host_s)
             c = self.spec.commit_bound(budget)
-            if budget and self.chooser.drafting() and self._room_ahead(c):
-                # behind this round's outputs' copy, so that reading them waits for this round alone
+            if budget and not self.chooser.probed and self._room_ahead(c):
+                # (a probe's next round is likely plain) behind this round's outputs' copy, so that
+                # reading them waits for this round alone
                 self.constrained.draft_ahead(running, mode, max_length + c, processed)
             return launched
-        self.constrained.ahead = None
         self.runner.run_round(len(running), mode, max_length, budget, processed=processed)
         return self._outputs.launch(self.runner.state, list(running), t0, budget, processed=processed,
                                     logprobs=logprobs)

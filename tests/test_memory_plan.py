@@ -24,6 +24,7 @@ from drafttree.engine.memory_plan import (CONTEXT_GIB, KINDS, NCCL_GIB, Device, 
 from drafttree.models.kv_cache import KVLayout
 from drafttree.phases import SpecConfig
 from drafttree.runner.cuda_graph import graph_plan
+from drafttree.runner.model_runner import CacheConfig
 from drafttree.runner.round_buffers import allocate_round_state, round_buffer_bytes
 from tests.moe_tiny import SHAPES as MOE_SHAPES
 
@@ -82,7 +83,8 @@ def test_kimi_k26_fits_on_eight_h200s(utilization):
     weights = sum(want.values())
     bpt = 61 * (512 + 64) * 2                      # MLA: the latent and the roped key, every rank whole
     graphs = max(e.est_bytes for e in graph_plan(SpecConfig(), cfg, None, 16, [262144], 8))
-    buffers = round_buffer_bytes(cfg, SpecConfig(), 0, 16, 262144, 16, torch.bfloat16)
+    pages = CacheConfig(16, 262144, SpecConfig().kv_headroom).pages_per_row
+    buffers = round_buffer_bytes(cfg, SpecConfig(), 0, 16, pages, torch.bfloat16)
     assert buffers >= 16 * 9 * cfg.vocab_size   # the logits processing's counts, prompt flags and bias
     total = plan.device.total_bytes
     assert total == 139 * GiB and "assumed: an H200" in plan.format()
@@ -299,8 +301,8 @@ def test_round_buffers_counted_as_allocated(spec):
     device; here against the same allocation on the CPU, every storage once)."""
     cfg = ModelConfig("llama", 1000, 64, 128, 2, 4, 2, 16)
     layers = 2 if spec.speculative else 0
-    state = allocate_round_state(cfg, spec, 5, -(-(300 + spec.kv_headroom) // 16), layers * cfg.hidden_size,
-                                 torch.float32, "cpu")
+    pages_per_row = CacheConfig(5, 300, spec.kv_headroom, 16).pages_per_row
+    state = allocate_round_state(cfg, spec, 5, pages_per_row, layers * cfg.hidden_size, torch.float32, "cpu")
     storages: dict[int, int] = {}
 
     def walk(x: object) -> None:
@@ -310,7 +312,7 @@ def test_round_buffers_counted_as_allocated(spec):
             for name in x.__dataclass_fields__:
                 walk(getattr(x, name))
     walk(state)
-    assert round_buffer_bytes(cfg, spec, layers, 5, 300, 16, torch.float32) == sum(storages.values())
+    assert round_buffer_bytes(cfg, spec, layers, 5, pages_per_row, torch.float32) == sum(storages.values())
 
 
 def test_graph_pool_set_aside_for_the_graphs_captured():

@@ -39,6 +39,7 @@ from drafttree.parallel.layers import vocab_shard
 from drafttree.parallel.shard import check_size, expert_span, kv_heads_per_rank, q_span, valid_sizes
 from drafttree.phases import SpecConfig
 from drafttree.runner.cuda_graph import graph_plan
+from drafttree.runner.model_runner import CacheConfig
 from drafttree.runner.phase_table import CAPTURED_MODES
 from drafttree.runner.round_buffers import round_buffer_bytes
 from drafttree.sampling import SampleMode
@@ -475,7 +476,8 @@ def after_pool_bytes(target: ModelConfig, drafter: DFlashConfig | None, spec: Sp
                              processed_graphs)
         graphs = max((e.est_bytes for e in entries), default=0)   # the graphs share one pool
     layers = len(drafter.target_layer_ids) if drafter is not None else 0
-    return graphs, round_buffer_bytes(target, spec, layers, max_num_seqs, max_len, page_size, dtype)
+    pages_per_row = CacheConfig(max_num_seqs, max_len, spec.kv_headroom, page_size).pages_per_row
+    return graphs, round_buffer_bytes(target, spec, layers, max_num_seqs, pages_per_row, dtype)
 
 
 def setup_graphs(setup: EngineSetup) -> dict[str, Any]:

@@ -37,12 +37,11 @@ def allocate_round_state(target: ModelConfig, spec: SpecConfig, rows: int, pages
     return state
 
 
-def round_buffer_bytes(target: ModelConfig, spec: SpecConfig, context_layers: int, rows: int, max_model_len: int,
-                       page_size: int, dtype: torch.dtype) -> int:
-    """Bytes the runner's `allocate_round_state` takes for `rows` rows of `max_model_len` tokens
-    (counted on the meta device). `context_layers`: the target layers whose features the drafter
-    reads (0 without one)."""
-    pages_per_row = -(-(max_model_len + spec.kv_headroom) // page_size)
+def round_buffer_bytes(target: ModelConfig, spec: SpecConfig, context_layers: int, rows: int, pages_per_row: int,
+                       dtype: torch.dtype) -> int:
+    """Bytes the runner's `allocate_round_state` takes for `rows` rows of block tables
+    `pages_per_row` wide (`CacheConfig.pages_per_row`), counted on the meta device.
+    `context_layers`: the target layers whose features the drafter reads (0 without one)."""
     feat = context_layers * target.hidden_size
     seen: set[int] = set()
 

@@ -168,7 +168,7 @@ def measure(runner, reps: int = REPS, budget_s: float = BUDGET_S,
     drafter = runner.drafter is not None
     todo = [(B, st, sampled, pick[sampled] or any_mode) for B in runner.cache_cfg.batch_buckets
             for st, sampled in entries(spec, B, drafter)
-            if pick[sampled] is not None or st.phase in (Phase.CONTEXT, Phase.DRAFT)]
+            if pick[sampled] is not None or not st.picks]
     todo.sort(key=lambda job: _timing_pass(spec, *job[:2]))   # stable: a round's order within a pass
     t0 = start = time.perf_counter()
     late = False

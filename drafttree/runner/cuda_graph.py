@@ -24,7 +24,8 @@ import torch
 from drafttree.config import ModelConfig
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
 from drafttree.runner.capture import capture_graph, collector_paused
-from drafttree.runner.phase_table import CAPTURED_MODES, PROCESSED_MODES, PhaseStep, bucket_steps, check_widths
+from drafttree.runner.phase_table import (CAPTURED_MODES, LENGTHLESS, PROCESSED_MODES, PhaseStep, bucket_steps,
+                                          check_widths)
 from drafttree.runner.phase_timer import PhaseTimer
 from drafttree.sampling import SampleMode
 from drafttree.spec_decode.state import RoundContext
@@ -42,13 +43,9 @@ class GraphKey(NamedTuple):
     processed: bool = False    # a processed round's step (logits processing, log-probabilities)
 
 
-MODELESS = (Phase.CONTEXT, Phase.DRAFT)   # no token picked: one graph serves every sampler mode
-LENGTHLESS = (Phase.CONTEXT,)             # writes K/V, attends over nothing: one graph for every KV bucket
-
-
 def key_of(st: PhaseStep, bucket: int, mode: SampleMode, kv_len: int) -> GraphKey:
-    return GraphKey(st.phase, bucket, None if st.phase in MODELESS else mode,
-                    0 if st.phase in LENGTHLESS else kv_len, st.budget, st.constrained, st.processed)
+    return GraphKey(st.phase, bucket, mode if st.picks else None, kv_len if st.attends else 0,
+                    st.budget, st.constrained, st.processed)
 
 
 class GraphSet(NamedTuple):

@@ -47,6 +47,11 @@ TABLE: dict[Phase, tuple[Run, tuple[str, ...]]] = {
                    ("draft tree", "pending features", "committed tokens", "observed acceptance", "block table")),
 }
 
+# phases that pick no token (one graph serves every sampler mode), and those that attend over
+# nothing (they write K/V only: one graph serves every KV length)
+MODELESS = (Phase.CONTEXT, Phase.DRAFT)
+LENGTHLESS = (Phase.CONTEXT,)
+
 # the constrained round's steps (phase -> as TABLE)
 CONSTRAINED: dict[Phase, tuple[Run, tuple[str, ...]]] = {
     Phase.CONTEXT: TABLE[Phase.CONTEXT],
@@ -97,6 +102,16 @@ class PhaseStep:
     @property
     def buffers(self) -> tuple[str, ...]:
         return TABLES[self.constrained, self.processed][self.phase][1]
+
+    @property
+    def picks(self) -> bool:
+        """Picks tokens: its graphs differ by sampler mode."""
+        return self.phase not in MODELESS
+
+    @property
+    def attends(self) -> bool:
+        """Attends over the cache: its graphs differ by KV length."""
+        return self.phase not in LENGTHLESS
 
 
 def step(spec: SpecConfig, phase: Phase, bucket: int, budget: int = 0, constrained: bool = False,

@@ -135,8 +135,8 @@ class GrammarCompiler:
             return
         assert out.dtype == np.int32 and out.flags.c_contiguous and out.shape[1] == self.words
         self.executor.unsafe_compute_mask_ptr(states, out.ctypes.data, self.words * 4, out.shape[0])
-        empty = [i for _, i in states if not out[i].any()]
-        for i in empty:
+        rows = np.fromiter((i for _, i in states), dtype=np.int64, count=len(states))
+        for i in rows[~out[rows].any(axis=1)].tolist():
             out[i] = 0 if self.eos_ids else ALL_ALLOWED
             words = out[i].view(np.uint32)
             for e in self.eos_ids:

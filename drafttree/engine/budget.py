@@ -56,7 +56,9 @@ from drafttree.spec_decode.acceptance import PRED_SCALE
 PROBE_SHARE = 0.01   # of the plain rounds' time, at most, lost to probes (as estimated)
 PROBE_MAX = 256
 EMA = 0.1           # weight of a new round in the calibration and the predictions
-DRIFT = EMA ** 2 / (1 - EMA)   # the level's variance added per round: a gain of EMA round after round
+# the level's variance added per round (in one observation's): with an observation every round the
+# level's variance after each is EMA and its gain EMA
+DRIFT = EMA ** 2 / (1 - EMA)
 REFRESH = 16        # rounds a choice is kept while nothing it depends on is observed
 PLAIN_STALE = 64    # drafting rounds in a row after which one decodes, if plain rounds' price is that old
 SETTINGS_MAX = 64   # sampler settings calibrated apart; past them, the pooled calibration
@@ -120,7 +122,7 @@ class Calibration:
             self.observed, self.predicted = [p - 1 for p in preds], [p - 1 for p in preds]
             self.pred, self.var, self.seen = list(preds), 1.0, round_
         self.var += DRIFT * max(round_ - self.seen, 1)
-        w = self.var / (self.var + 1.0)
+        w = gain(self.var)
         self.var = w
         self.seen = round_
         ratio = 1.0
@@ -199,8 +201,8 @@ class BudgetChooser:
         r = min(max(seconds / self.costs.round_seconds(bucket, budget, sampled), prev / 2), 2 * prev)
         # a kind not observed for a while (plain rounds while drafting ran) weighs its observation
         # as the calibration's filter does: the machine's load may have moved meanwhile
-        var = EMA + DRIFT * max(self.rounds - self.timed.get(key, self.rounds) - 1, 0)
-        self.cost_ratio[key] = prev + var / (var + 1 - EMA) * (r - prev)   # EMA when observed a round ago
+        var = EMA + DRIFT * max(self.rounds - self.timed.get(key, self.rounds), 1)
+        self.cost_ratio[key] = prev + gain(var) * (r - prev)   # EMA when observed a round ago
         if not extra:
             self.any_ratio += EMA * (r - self.any_ratio)
         self.timed[key] = self.rounds
@@ -291,6 +293,12 @@ class BudgetChooser:
         c.observe(p, o, self.rounds)
         self.pooled[key == GREEDY].observe(p, o, self.rounds)
         self._kept = None
+
+
+def gain(var: float) -> float:
+    """The local-level filter's weight of an observation, its level's variance `var` (in one
+    observation's): EMA a round after the last, (EMA + n DRIFT) / (1 + EMA + n DRIFT) n rounds after."""
+    return var / (var + 1.0)
 
 
 def probe_every(tokens: float, seconds: float, plain_tokens: float, plain_seconds: float) -> int:

@@ -422,3 +422,32 @@ def test_constrained_rounds_over_two_ranks_give_one_ranks_tokens(pair, plain):
     finally:
         llm.shutdown()
     assert [g.token_ids for g in got] == want
+
+
+@pytest.mark.parametrize("where", ["midway", "near the context's end"])
+def test_a_constrained_request_admitted_while_a_plain_round_is_unread(pair, plain, where):
+    """Overlapped plain rounds, then a constrained request arrives: the constrained round reads
+    the round in flight before it launches (its host grows the trees from every row's last
+    token, and its draft ahead starts where those commits end), so the free request's tokens stay
+    plain decoding's, up to the context's end, and the constrained one's plain constrained
+    decoding's."""
+    from drafttree.engine.engine import Engine, EngineConfig
+
+    target, drafter, _ = pair
+    M = 160
+    eng = Engine(EngineConfig(model=str(target), draft_model=str(drafter), spec="ddtree", budget=8, device="cpu",
+                              dtype="float32", max_num_seqs=4, max_model_len=M, overlap=True))
+    c = eng.spec.commit_bound(8)
+    lo, hi = (50, 60) if where == "midway" else (M - 2 * c, M - c)
+    x = eng.add_request("hello world " * 3, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    while not (eng._inflight is not None and lo < x.length <= hi):
+        assert x.length <= hi, "the plain request passed the window this test needs"
+        eng.step()
+    regex = SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputs(regex=REGEX))
+    y = eng.add_request("q", regex)
+    while eng.has_unfinished():
+        eng.step()
+    assert y.output_ids == plain.generate(["q"], [regex])[0].token_ids
+    to_the_end = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    assert x.output_ids == plain.generate(["hello world " * 3], [to_the_end])[0].token_ids
+    eng.shutdown()

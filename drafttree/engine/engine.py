@@ -305,6 +305,11 @@ class Engine:
             out += self._drain()
             prev = None
         out += self._prefill()
+        if prev is not None and not self._may_overlap():
+            # a request just admitted follows a grammar: a constrained round reads what every row
+            # committed before it launches (its host grows the trees from the rows' last tokens)
+            out += self._drain()
+            prev = None
         sc = self.scheduler
         if sc.running and not sc.reserve(self._pending(), preempt=False):
             out += self._drain()      # preemption frees pages: no unread round may still commit to them
@@ -390,10 +395,12 @@ class Engine:
         mode = SampleMode.of([s.params for s in running])
         batch = self._batch_rows(running)
         budget = self._choose_budget(running, mode, batch)
-        max_length = max(s.length for s in running) + self._pending()
+        pending = self._pending()
+        max_length = max(s.length for s in running) + pending
         processed = batch.processed
         logprobs = self.runner.state.logits if batch.logprobs else None
         if batch.constrained:   # structured output: masked picks, host-built trees
+            assert pending == 0, "a constrained round launched before the round it follows was read"
             host_s = self.constrained.launch(running, mode, max_length, budget, processed)
             launched = self._outputs.launch(self.runner.state, list(running), t0, budget, constrained=True,
                                             processed=processed, logprobs=logprobs, host_s=host_s)

@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("llguidance", reason="structured outputs run on llguidance (a dependency)")
 
 from drafttree import LLM, SamplingParams  # noqa: E402
+from drafttree.sampling import SampleMode  # noqa: E402
 from drafttree.structured.grammar import GrammarCompiler  # noqa: E402
 from drafttree.structured.masks import apply_token_masks  # noqa: E402
 from drafttree.structured.params import StructuredOutputs  # noqa: E402
@@ -369,6 +370,10 @@ def test_graphs_left_for_later_are_captured_while_idle(pair, plain, fake_cuda_gr
     assert not any(k.constrained or k.processed for k in gr.graphs)
     assert generate() == want
     assert gr.fallbacks == 0
+    # a constrained round at a length no set was planned for falls back, counted, pending or not
+    masked = eng.runner.round_steps(1, SampleMode.GREEDY, 0, constrained=True)
+    assert not gr.replay(1, SampleMode.GREEDY, max(gr.kv_lengths) + 1, masked) and gr.fallbacks == 1
+    gr.fallbacks = 0
     assert eng.capture_later() and eng.graphs_pending == sets - 1   # one set a call
     worker = EngineWorker(eng)
     worker.start()

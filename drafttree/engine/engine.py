@@ -268,7 +268,7 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("graphs are captured later only while no request runs")
         try:
-            self.runner.capture_next()
+            self._on_ranks(self.runner.capture_next)   # its warm-up and capture run collectives
         except TensorParallelError:
             raise
         except Exception:   # the rounds it was for run eagerly instead (counted as fallbacks): said, not fatal
@@ -283,14 +283,20 @@ class Engine:
         round is launched first, so the device computes it while the host reads and emits).
         Tensor-parallel: any failure (a rank lost, a collective timed out) stops the engine with
         a TensorParallelError, and every later step raises it again."""
+        return self._on_ranks(self._step)
+
+    def _on_ranks(self, work: Callable[[], T]) -> T:
+        """Run `work`, which the other tensor-parallel ranks run with this one: while it runs, a
+        rank lost ends the process (it would wait in a collective for good); any failure stops
+        the engine with a TensorParallelError."""
         if self.tp is None:
-            return self._step()
+            return work()
         self.dead = self.failure
         if self.dead is not None:
             raise TensorParallelError(self.dead)
         self.in_step = True
         try:
-            return self._step()
+            return work()
         except Exception as e:
             self.dead = explain(e, self.tp, self.ranks.lost() if self.ranks is not None else None)
             raise TensorParallelError(self.dead) from e

@@ -259,7 +259,7 @@ class RoundGraphs:
         B = self.bucket(b)
         graphs = [self.get(st, B, mode, kv_len) for st in steps]
         if any(g is None for g in graphs):
-            if self.pending and any(st.constrained or st.processed for st in steps):
+            if GraphSet(B, mode, kv_len) in self.pending and any(st.constrained or st.processed for st in steps):
                 return False   # its set is still to come (`capture_next`): eager meanwhile, as planned
             self.fallbacks += 1
             if (b, mode, kv_len) not in self._warned:

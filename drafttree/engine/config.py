@@ -117,7 +117,7 @@ class EngineConfig:
               "off: such a round runs eagerly (counted as a graph fallback)", "on with CUDA graphs")
     defer_graphs: bool | None = _opt(
         None, "the constrained and processed rounds' graphs (structured_graphs, processed_graphs) captured after "
-              "start-up, one graph set at a time while the engine is idle, instead of before it serves: such a "
+              "start-up, one graph at a time while the engine is idle, instead of before it serves: such a "
               "round runs eagerly until its set is in", "on for `drafttree serve`, off elsewhere")
     prefill_graphs: bool | None = _opt(
         None, "graphed prefill per (rows, length bucket, attention length): from position 0, or at an offset "

@@ -263,8 +263,8 @@ class Engine:
 
     @_in_own_settings
     def capture_later(self) -> bool:
-        """Capture one graph set of those left for later, while no request runs (a round of one
-        would find its rows parked); True while more are left."""
+        """Capture one graph of those left for later, while no request runs (a round of one would
+        find its rows parked); True while more are left."""
         if self.has_unfinished():
             raise RuntimeError("graphs are captured later only while no request runs")
         try:

@@ -152,7 +152,7 @@ class RoundGraphs:
         self.rc, self.timer = rc, timer
         self.constrained = constrained   # the constrained round's steps captured too
         self.processed = processed       # the processed round's steps too (in PROCESSED_MODES)
-        # (constrained, processed) steps captured after `capture`, a set at a time (`capture_next`)
+        # (constrained, processed) steps captured after `capture`, a graph at a time (`capture_next`)
         self.later = later
         self.pending: list[GraphSet] = []   # the sets `capture_next` has still to capture
         self.later_seconds = 0.0            # host seconds `capture_next` took
@@ -223,17 +223,20 @@ class RoundGraphs:
 
     @torch.inference_mode()
     def capture_next(self) -> bool:
-        """Capture the next set's steps left for later (`later`) into the same pool; False once
-        none is left. Run between engine steps while no request runs (its rows are parked and the
-        round state put back as `capture` does), so that a server fills them in while idle."""
+        """Capture one more graph of the first set's steps left for later (`later`) into the same
+        pool; False once none is left. Run between engine steps while no request runs (its rows
+        are parked and the round state put back as `capture` does), so that a server fills them
+        in while idle: one graph a call, so that a request arriving meanwhile waits for one
+        capture at most. A set stays pending until its last graph is in."""
         if not self.pending:
             return False
-        job = self.pending.pop(0)
+        job = self.pending[0]
+        todo = [st for st in self.steps(job.batch, job.mode, later=True) if key_of(st, *job) not in self.graphs]
         saved = self.rc.state.snapshot()
         t0 = time.perf_counter()
         try:
             with collector_paused():
-                self._capture_set(job, self.steps(job.batch, job.mode, later=True))
+                self._capture_set(job, tuple(todo[:1]))
         except Exception:
             self.pending.clear()   # the rest would fail alike: their rounds run eagerly
             raise
@@ -243,6 +246,8 @@ class RoundGraphs:
         seconds = time.perf_counter() - t0
         self.set_seconds[job] = self.set_seconds.get(job, 0.0) + seconds
         self.later_seconds += seconds
+        if len(todo) <= 1:
+            self.pending.pop(0)
         if not self.pending:
             self.constrained, self.processed = self.constrained or self.later[0], self.processed or self.later[1]
             self.later = (False, False)

@@ -176,7 +176,7 @@ class ModelRunner:
 
     @command
     def capture_next(self) -> bool:
-        """One more graph set of those `capture` left for later (`RoundGraphs.capture_next`);
+        """One more graph of those `capture` left for later (`RoundGraphs.capture_next`);
         False once none is left. Every rank captures it (its collectives are captured too)."""
         return self.graphs is not None and self.graphs.capture_next()
 

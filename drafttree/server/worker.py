@@ -296,7 +296,7 @@ class EngineWorker:
             if eng.has_unfinished():
                 cmds = []
             elif eng.graphs_pending and self._cmds.empty():
-                # idle: one graph set left for later (a request arriving meanwhile waits for it)
+                # idle: one graph left for later (a request arriving meanwhile waits for that capture)
                 if not self._capture_later():
                     return
                 cmds = []

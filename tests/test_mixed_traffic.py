@@ -2,7 +2,8 @@
 seeded, penalised, with log-probabilities, a stop token, a regex or a JSON schema, some aborted
 mid-way, in a KV pool small enough to preempt, with overlapped rounds and without. Every request
 that was not aborted equals what plain decoding gives it alone, token for token (up to where a
-shortened context ends it)."""
+shortened context ends it). On a GPU (bf16, CUDA graphs, overlapped rounds) in deterministic mode,
+where plain decoding's tokens are speculative decoding's bit for bit."""
 from __future__ import annotations
 
 import random
@@ -14,6 +15,7 @@ pytest.importorskip("llguidance", reason="structured outputs run on llguidance (
 from drafttree import LLM, SamplingParams  # noqa: E402
 from drafttree.engine.engine import Engine, EngineConfig  # noqa: E402
 from drafttree.structured.params import StructuredOutputs  # noqa: E402
+from tests.helpers import gpu  # noqa: E402
 from tests.tiny import make_drafter, make_target, write_tokenizer  # noqa: E402
 
 VOCAB = 128
@@ -32,8 +34,19 @@ def pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain(pair):
-    return LLM(model=str(pair[0]), spec="none", device="cpu", dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN)
+def plains(pair):
+    """Plain decoding per device: the CPU's fp32, the GPU's bf16 in deterministic mode."""
+    made: dict[str, LLM] = {}
+
+    def plain(device: str) -> LLM:
+        if device not in made:
+            made[device] = LLM(model=str(pair[0]), spec="none", max_num_seqs=4, max_model_len=MAX_LEN,
+                               **DEVICES[device])
+        return made[device]
+    return plain
+
+
+DEVICES = {"cpu": dict(device="cpu", dtype="float32"), "cuda": dict(device="cuda", dtype="bfloat16", deterministic=True)}
 
 
 def request(rng: random.Random) -> tuple[str, SamplingParams]:
@@ -56,13 +69,14 @@ def request(rng: random.Random) -> tuple[str, SamplingParams]:
 
 
 @pytest.mark.parametrize("spec,budget", [("ddtree", 8), ("ddtree", "auto"), ("dflash", None)])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_requests_arriving_while_others_decode_equal_plain_decoding(pair, plain, spec, budget, seed):
+@pytest.mark.parametrize("device,seed", [("cpu", 0), ("cpu", 1), gpu("cuda", 2)])
+def test_requests_arriving_while_others_decode_equal_plain_decoding(pair, plains, spec, budget, device, seed):
     rng = random.Random(seed)
     target, drafter = pair
-    eng = Engine(EngineConfig(model=str(target), draft_model=str(drafter), spec=spec, budget=budget, device="cpu",
-                              dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN, overlap=seed == 0,
-                              kv_cache_memory_gb=0.0002))
+    plain = plains(device)
+    eng = Engine(EngineConfig(model=str(target), draft_model=str(drafter), spec=spec, budget=budget,
+                              max_num_seqs=4, max_model_len=MAX_LEN, overlap=seed != 1, kv_cache_memory_gb=0.0002,
+                              **DEVICES[device]))
     arrivals = sorted(rng.randrange(60) for _ in range(10))
     added, aborts, aborted, step = [], [], set(), 0
     while arrivals or eng.has_unfinished():

@@ -5,6 +5,7 @@ Each returns RequestOutputs whose `.outputs` hold CompletionOutputs, as vLLM's d
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence as Seq
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -154,6 +155,7 @@ class LLM:
                              "constrained and processed rounds would run eagerly for good (structured_graphs=False, "
                              "processed_graphs=False skip those graphs)")
         self._engine: Engine | None = start_engine(cfg)
+        self._busy = threading.Lock()   # one generate() drives the engine at a time
         if not self._engine.leader:
             raise SystemExit(follow(self._engine))
 
@@ -221,7 +223,8 @@ class LLM:
 
         Every prompt and its parameters are checked before any is queued (a bad one loses nothing):
         a prompt that is empty or fills the context, or a max_tokens past the room its prompt leaves
-        (None: up to the context's end) raises ValueError naming the prompt."""
+        (None: up to the context's end) raises ValueError naming the prompt. Calls from several
+        threads run one after another (each steps the engine until its own requests are done)."""
         engine = self.engine
         if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts
                                                    and isinstance(prompts[0], int)):
@@ -250,20 +253,21 @@ class LLM:
                                  f"most {room} (or None: up to the context's end) or shorten the prompt")
             engine.check_params(ids, sp)
             requests.append((ids, text, sp))
-        seqs = [engine.add_request(ids, dataclasses.replace(sp))
-                for ids, _, sp in requests]
-        for seq, (_, text, _) in zip(seqs, requests):
-            for c in seq.choices:
-                c.prompt = text
-        make_bar = use_tqdm if callable(use_tqdm) else tqdm
-        bar = make_bar(total=len(seqs), disable=not use_tqdm, desc="generate")
-        done = 0
-        while engine.has_unfinished():
-            engine.step()
-            now = sum(s.all_finished for s in seqs)
-            bar.update(now - done)
-            done = now
-        bar.close()
+        with self._busy:
+            seqs = [engine.add_request(ids, dataclasses.replace(sp))
+                    for ids, _, sp in requests]
+            for seq, (_, text, _) in zip(seqs, requests):
+                for c in seq.choices:
+                    c.prompt = text
+            make_bar = use_tqdm if callable(use_tqdm) else tqdm
+            bar = make_bar(total=len(seqs), disable=not use_tqdm, desc="generate")
+            done = 0
+            while engine.has_unfinished():
+                engine.step()
+                now = sum(s.all_finished for s in seqs)
+                bar.update(now - done)
+                done = now
+            bar.close()
         return [RequestOutput.from_seq(s, engine.tokenizer) for s in seqs]
 
     def _prompt(self, prompt: Prompt, i: int) -> tuple[list[int], str | None]:

@@ -151,6 +151,30 @@ def test_max_tokens_past_the_context_is_refused_before_any_work(llm):
     assert len(out.token_ids) == 64 - 5 and out.finish_reason == "length"
 
 
+def test_generate_from_several_threads_runs_one_call_after_another(llm):
+    """Calls from threads share the engine one at a time: each gets its own requests' outputs,
+    the tokens it gets alone."""
+    import threading
+
+    prompts = ["ab", "hello", "xyz", "q q q"]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    alone = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            got[i] = llm.generate(prompts[i], params, use_tqdm=False)[0].token_ids
+        except BaseException as e:   # surfaced below, in the test's thread
+            errors.append(e)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and [got[i] for i in range(len(prompts))] == alone
+
+
 def test_use_tqdm_takes_a_bar_class(llm):
     made = []
 

@@ -108,6 +108,19 @@ def test_tool_result_sent_back(client):
     assert content and not calls and finish == "length"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_requests_text_keeps_its_characters_and_its_stop_strings(client, stream):
+    """The reply of a request with tools, streamed or whole: characters split across tokens
+    arrive whole, and a stop string ends the content before it."""
+    def forced(text: str) -> dict:
+        return {"extra_body": {"structured_outputs": {"regex": text}}}
+    content, calls, _ = chat(client, stream, messages=ASK, tools=[WEATHER], **forced("Café 😀 日本語 ok"))
+    assert content == "Café 😀 日本語 ok" and not calls
+    content, calls, finish = chat(client, stream, messages=ASK, tools=[WEATHER], stop=["cat"],
+                                  **forced("one cat two"))
+    assert content == "one " and not calls and finish == "stop"
+
+
 def test_tool_choice_auto_answers_text(client):
     content, calls, _ = chat(client, True, messages=[{"role": "user", "content": "hi"}], tools=[WEATHER],
                              max_tokens=8)

@@ -39,12 +39,21 @@ def test_parse_whole_and_streamed(name):
         deltas += stream.deltas(text[:end], False)
     deltas += stream.deltas(text, True)
     got = "".join(d.get("content", "") for d in deltas)
-    assert got.strip() == (content or "")
+    assert got == (content or "")   # the whitespace before a call waits, and is cut with it
     assert "<" not in got, "a call's markup streamed as content"
     calls_out = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
     names = [c["function"]["name"] for c in calls_out if "id" in c]
     args = {c["index"]: json.loads(c["function"]["arguments"]) for c in calls_out if "id" not in c}
     assert names == ["get_weather", "now"] and args == {0: {"city": "Paris"}, 1: {}}
+
+
+def test_streamed_content_waits_for_whole_characters_and_possible_stop_strings():
+    stream = ToolStream(ToolPlan(TOOLS, make_parser(None, "hermes"), None, True, False))
+    growing = ["Caf", "Caf\ufffd", "Café \ufffd", "Café 日\ufffd", "Café 日本 ok"]
+    deltas = [d for text in growing for d in stream.deltas(text, False)] + stream.deltas(growing[-1], True)
+    assert [d["content"] for d in deltas] == ["Caf", "é", " 日", "本 ok"]
+    stream = ToolStream(ToolPlan(TOOLS, make_parser(None, "hermes"), None, True, False))
+    assert stream.deltas("one ca", False, hold=2) == [{"content": "one"}]   # "ca" may begin the stop "cat"
 
 
 @pytest.mark.parametrize("name", list(PARSERS))

@@ -50,6 +50,7 @@ class _Call:
     handle: RequestHandle
     include_usage: bool
     hold: int                       # characters held back while running (longest stop - 1)
+    stop: tuple[str, ...] = ()      # the request's stop strings
     tools: ToolPlan | None = None   # a chat request with tools: calls parsed out of the reply
     logprobs: int | None = None     # the most likely tokens per token, where log-probabilities are asked
     echo: str | None = None         # completions' echo: the prompt's text, which each choice's text begins with
@@ -186,12 +187,16 @@ class OpenAIServing:
         return await self._serve(req, prompt, TokenBudget(req.max_tokens, 16), raw, chat=False,
                                  structured=req.structured())
 
-    def reply_text(self, choice: ChoiceSnapshot) -> str:
+    def reply_text(self, call: _Call, choice: ChoiceSnapshot) -> str:
         """A tool request's reply with its special tokens (a template's call markers may be
-        special tokens, which the streamed text leaves out), ends of sequence aside."""
+        special tokens, which the streamed text leaves out), ends of sequence aside, cut before
+        the stop string that ended it (the engine cut `choice.text` there)."""
         eos = self.engine.eos_ids
-        return self.engine.tokenizer.decode([t for t in choice.token_ids or () if t not in eos],
+        text = self.engine.tokenizer.decode([t for t in choice.token_ids or () if t not in eos],
                                             skip_special_tokens=False)
+        if choice.finish_reason == "stop" and call.stop:
+            text = text[:min((i for i in (text.find(s) for s in call.stop) if i >= 0), default=len(text))]
+        return text
 
     def echoed(self, req: OpenAIRequest, prompt: str | list[int]) -> str | None:
         """The text a completions request's choices begin with (echo), else None."""
@@ -220,8 +225,8 @@ class OpenAIServing:
         except EngineError as e:
             raise OpenAIError(str(e), status=503, type="server_error") from e
         hold = max((len(s) for s in params.stop), default=1) - 1
-        call = _Call(rid, chat, self.model_name, now(), handle, req.include_usage, hold, tools, params.logprobs,
-                     self.echoed(req, prompt), req.prompt_logprobs is not None, params.n)
+        call = _Call(rid, chat, self.model_name, now(), handle, req.include_usage, hold, tuple(params.stop), tools,
+                     params.logprobs, self.echoed(req, prompt), req.prompt_logprobs is not None, params.n)
         if req.stream:
             # The background abort covers a stream that never started (client gone before the first chunk).
             return StreamingResponse(self._stream(call, raw), media_type="text/event-stream",
@@ -246,7 +251,7 @@ class OpenAIServing:
         """One choice of a whole (non-streamed) response."""
         if call.chat:
             if call.tools is not None:
-                message, finish = call.tools.reply(self.reply_text(c), c.finish_reason or "stop", c.text)
+                message, finish = call.tools.reply(self.reply_text(call, c), c.finish_reason or "stop", c.text)
             else:
                 message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
             lps = None
@@ -311,10 +316,11 @@ class OpenAIServing:
         """The chunks a choice's progress adds; the last one once it finishes."""
         out = []
         if call.tools is not None:
-            for delta in st.tools.deltas(self.reply_text(c), c.finished):
+            text = self.reply_text(call, c)
+            for delta in st.tools.deltas(text, c.finished, call.hold):
                 out.append(call.chunk(None, None, delta=delta, index=c.index))
             if c.finished:
-                finish = call.tools.reply(self.reply_text(c), c.finish_reason or "stop")[1]
+                finish = call.tools.reply(text, c.finish_reason or "stop")[1]
                 out.append(call.chunk(None, finish, index=c.index, logprobs=self._stream_logprobs(call, c, st)))
             return out
         text = c.text

@@ -77,15 +77,20 @@ class ToolStream:
     content_sent: int = 0
     calls_sent: int = 0
 
-    def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
-        """The chat deltas that text (the reply so far) adds; `final`: the reply is whole."""
+    def deltas(self, text: str, final: bool, hold: int = 0) -> list[dict[str, Any]]:
+        """The chat deltas that text (the reply so far) adds; `final`: the reply is whole. While
+        it grows, its last `hold` characters (what could still become a stop string), an
+        unfinished character and trailing whitespace (cut before a call) wait."""
         parser = self.plan.parser
         if final:
             calls = parser.parse(text)[1]
             at = text.find(parser.begin)
             content_end = len(text) if not calls else at if at >= 0 else 0
         else:
-            content_end = parser.content_end(text)
+            content_end = min(parser.content_end(text), len(text) - hold)
+            while content_end > self.content_sent and (text[content_end - 1] == "\ufffd"
+                                                       or text[content_end - 1].isspace()):
+                content_end -= 1
             whole = self._complete_end(text)
             calls = parser.parse(text[:whole])[1] if whole else []
         out: list[dict[str, Any]] = []

@@ -61,6 +61,10 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
                      "frequency_penalty": 1.0, "logit_bias": {"7": -100.0}}, OK, None),
     ("completions", {"logprobs": 0, "min_tokens": 2, "repetition_penalty": 1.1, "min_p": 0.1, "bad_words": ["x"],
                      "allowed_token_ids": [1, 2, 3], "prompt_logprobs": 1}, OK, None),
+    ("completions", {"min_tokens": 3, "max_tokens": None}, OK, None),   # max_tokens defaulted (16)
+    # an assistant message sent back as a response gave it (`message.model_dump()`)
+    ("chat", {"messages": HI + [{"role": "assistant", "content": "x", "refusal": None, "annotations": [],
+                                 "audio": None, "function_call": None, "tool_calls": None}] + HI}, OK, None),
     # the output's form and tools (the structured-output tests check what they do)
     ("chat", {"response_format": {"type": "json_object"}}, OK, None), ("chat", {"tools": [TOOL]}, OK, None),
     ("completions", {"guided_json": {}}, OK, None),
@@ -85,14 +89,15 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("completions", {"logit_bias": {"123456789": 1.0}}, NO, "logit_bias"),   # past the vocabulary
     ("completions", {"prompt_logprobs": 1, "stream": True}, NO, "prompt_logprobs"),
     # vLLM's extensions out of range or not yet taken, and what neither OpenAI nor this server knows
-    ("completions", {"min_tokens": 3}, NO, "min_tokens"), ("completions", {"repetition_penalty": 0.0}, NO,
-                                                            "repetition_penalty"),
+    ("completions", {"min_tokens": 3, "max_tokens": 2}, NO, "min_tokens"),
+    ("completions", {"repetition_penalty": 0.0}, NO, "repetition_penalty"),
     ("completions", {"min_p": 1.1}, NO, "min_p"), ("completions", {"bad_words": [" "]}, NO, "bad_words"),
     ("completions", {"include_stop_str_in_output": True}, NO, "include_stop_str_in_output"),
     ("completions", {"skip_special_tokens": False}, NO, "skip_special_tokens"),
     ("chat", {"chat_template_kwargs": {"enable_thinking": False}}, NO, "chat_template_kwargs"),
     ("completions", {"messages": HI}, NO, "messages"),
     ("chat", {"prompt": "x"}, NO, "prompt"),
+    ("chat", {"messages": HI + [{"role": "assistant", "content": "x", "refusal": "no"}]}, NO, "messages"),
 ]
 
 
@@ -106,7 +111,9 @@ def live() -> Iterator[Live]:
 def post(live: Live, endpoint: str, body: dict[str, Any] | bytes) -> httpx.Response:
     if isinstance(body, dict):
         where = {"messages": HI} if endpoint == "chat" else {"prompt": "Hello"}
-        body = json.dumps({"model": MODEL, "max_tokens": 2, **where, **body}).encode()
+        # a None drops a default (max_tokens: to send none)
+        body = json.dumps({k: v for k, v in {"model": MODEL, "max_tokens": 2, **where, **body}.items()
+                           if v is not None}).encode()
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     return httpx.post(f"{live.url}{path}", content=body, headers={"Content-Type": "application/json"}, timeout=60)
 

@@ -246,6 +246,10 @@ class MessageToolCall(BaseModel):
     function: FunctionCall
 
 
+# fields of a chat response's message that come back empty in the next request's history
+ECHOED_EMPTY = frozenset({"refusal", "annotations", "audio", "function_call", "reasoning_content"})
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -323,9 +327,11 @@ class ChatCompletionRequest(OpenAIRequest):
             raise OpenAIError(f"tool_choice names the function {choice.function.name!r}, which is not among the "
                               f"tools", param="tool_choice")
         for i, m in enumerate(self.messages):
-            if m.model_extra:
-                raise OpenAIError(f"messages[{i}] has fields this server does not take: {sorted(m.model_extra)}",
-                                  param="messages")
+            # an assistant message sent back as the response gave it (`message.model_dump()`)
+            # carries the response's own fields, empty
+            extra = sorted(k for k, v in (m.model_extra or {}).items() if k not in ECHOED_EMPTY or v not in (None, [], ""))
+            if extra:
+                raise OpenAIError(f"messages[{i}] has fields this server does not take: {extra}", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:

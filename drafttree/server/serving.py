@@ -214,7 +214,8 @@ class OpenAIServing:
             too_long = check_prompt_chars(prompt, self.engine.max_model_len, self.chars_per_token)
             if too_long is not None:   # refused before the engine thread spends time tokenizing it
                 raise OpenAIError(too_long, param=where)
-        params = req.sampling_params(budget.requested or 1, structured)   # max_tokens: set once the prompt is tokenized
+        # max_tokens is set once the prompt is tokenized; until then the most it may come to
+        params = req.sampling_params(budget.requested or budget.default or self.engine.max_model_len, structured)
         rid = make_id("chatcmpl" if chat else "cmpl")
         try:
             handle = await self.worker.submit(rid, prompt, params, budget, with_ids=tools is not None)

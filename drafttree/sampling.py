@@ -272,8 +272,15 @@ def gumbel_noise(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> tor
     key = _mix(_mix(seed[:, None] & _M32) ^ (positions & _M32))          # [R, N]
     ids = torch.arange(vocab, device=positions.device, dtype=torch.long)
     h = _mix(key[..., None] ^ ((ids * 0x27D4EB2D) & _M32))               # [R, N, V]
-    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(uniform(h)))
+
+
+def uniform(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> float32 in (0, 1), both ends excluded."""
+    # 23 bits, so that u < 1 in float32: with 24, the top value rounded to 1.0 and its noise
+    # was +inf, which took that token whatever its probability, and a masked or filtered
+    # token's -inf + inf (NaN) won the argmax (one pick in ~340 over a 49k vocabulary)
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def filter_thresholds(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor,

@@ -112,6 +112,21 @@ def test_top_p_one_keeps_the_whole_vocabulary():
     assert 0.9 <= (probs * kept[2]).sum(-1).min() and kept[2].sum(-1).max() < 49152 // 2
 
 
+def test_the_noise_is_finite_at_every_hash_so_a_masked_token_is_never_picked():
+    """Gumbel noise from the extreme hashes stays finite: +inf noise would take its token
+    whatever its probability, and on a masked (-inf) or filtered token gives NaN, which wins an
+    argmax (it came once in ~340 picks over a 49k vocabulary)."""
+    from drafttree.sampling import uniform
+    h = torch.tensor([0, 1, (1 << 31) - 1, 1 << 31, (1 << 32) - 2, (1 << 32) - 1], dtype=torch.long)
+    u = uniform(h)
+    assert ((u > 0) & (u < 1)).all(), u
+    noise = -torch.log(-torch.log(u))
+    assert torch.isfinite(noise).all(), noise
+    logits = torch.full((len(h),), float("-inf"))
+    logits[2] = 0.0
+    assert (logits + noise).argmax() == 2   # the one allowed token, whatever the others' noise
+
+
 def test_chi2_sf_closed_forms():
     for x in (0.1, 1.0, 3.84, 10.0, 40.0):
         assert chi2_sf(x, 2) == pytest.approx(math.exp(-x / 2), rel=1e-10)

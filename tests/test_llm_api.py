@@ -4,6 +4,7 @@ and settings that cannot take effect refused at start."""
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,25 @@ def test_max_tokens_past_the_context_is_refused_before_any_work(llm):
         llm.generate("abcde", SamplingParams(max_tokens=10**9), use_tqdm=False)
     [out] = llm.generate("abcde", SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True), use_tqdm=False)
     assert len(out.token_ids) == 64 - 5 and out.finish_reason == "length"
+
+
+def test_a_stop_string_ends_the_output_at_its_token_as_plain_decoding_does(llm, textpair):
+    """A round commits several tokens: the output ends at the one that completes a stop string
+    (token ids, text and log-probabilities as plain decoding's), not at the round's last."""
+    with LLM(model=str(textpair[0]), spec="none", **ENGINE) as plain:
+        tried, rng = 0, random.Random(0)
+        for _ in range(40):
+            prompt = [rng.randrange(1, 64) for _ in range(rng.randrange(3, 20))]
+            base = plain.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                                  use_tqdm=False)[0]
+            if len(base.text) < 12:
+                continue
+            tried += 1
+            p = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[base.text[8:10]], logprobs=1)
+            want, got = (x.generate(prompt, p, use_tqdm=False)[0].outputs[0] for x in (plain, llm))
+            assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+            assert len(got.logprobs) == len(want.logprobs) == len(want.token_ids)
+    assert tried >= 20
 
 
 def test_generate_from_several_threads_runs_one_call_after_another(llm):

@@ -508,6 +508,15 @@ class Engine:
         return out
 
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> list[int]:
+        if len(tokens) > 1 and seq.params.stop and self.tokenizer is not None:
+            # a stop string ends the output at the token that completes it, as plain decoding's
+            # one token a round does, not at the end of the round's commits
+            kept: list[int] = []
+            for i, t in enumerate(tokens):
+                if seq.finished:
+                    break
+                kept += self._emit(seq, [t], None if logprobs is None else logprobs[i:i + 1])
+            return kept
         # the context bounds the output as max_tokens does (finish reason "length")
         kept = seq.append(tokens, self.eos_ids, self.max_model_len - len(seq.prompt_ids), logprobs)
         self.constrained.advance(seq, kept)

@@ -176,8 +176,9 @@ class Scheduler:
                 seq.pages, seq.computed = [], 0
                 break
             self.waiting.popleft()
-            self.pool.stats.queries += len(ids)
-            self.pool.stats.hits += seq.computed
+            if self.pool.prefix_caching:   # (without it, a choice sharing its sibling's pages is no cache hit)
+                self.pool.stats.queries += len(ids)
+                self.pool.stats.hits += seq.computed
             seq.cached_tokens = seq.computed
             seq.status = Status.PREFILL
             self.prefilling.append(seq)

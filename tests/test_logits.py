@@ -441,6 +441,7 @@ REFUSED = [
     ({"bad_words": ["!" * 17]}, "bad_words", "at most 16"),
     ({"best_of": 3, "n": 2}, "best_of", "only None or n (2)"),
     ({"allowed_token_ids": [2, 4], "bad_words": ["!", "#"]}, "bad_words", "ban every token allowed_token_ids allows"),
+    ({"allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 2}, "min_tokens", "no token could be picked"),
 ]
 
 

@@ -134,6 +134,22 @@ class ModelConfig:
         return c
 
 
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(model_dir: Path | None) -> dict[str, float | int]:
+    """The sampling a model recommends: its generation_config.json's fields of SAMPLING_DEFAULTS
+    (vLLM's `--generation-config auto` takes the same), {} without the file."""
+    gen = None if model_dir is None else Path(model_dir) / "generation_config.json"
+    if gen is None or not gen.is_file():
+        return {}
+    try:
+        d = json.loads(gen.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{gen} is not valid JSON: {e}") from None
+    return {k: d[k] for k in SAMPLING_DEFAULTS if d.get(k) is not None}
+
+
 # yarn only where the MoE/MLA models' own rotary (models/rope.py) reads it
 YARN_ARCHS = ("qwen3_moe", "deepseek_v3")
 

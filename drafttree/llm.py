@@ -182,6 +182,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: the model's recommended
+        sampling from its generation_config.json (`generation_config` "auto"), else the defaults."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -231,7 +236,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

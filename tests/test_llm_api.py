@@ -171,6 +171,37 @@ def test_a_stop_string_ends_the_output_at_its_token_as_plain_decoding_does(llm, 
     assert tried >= 20
 
 
+def test_sampling_defaults_come_from_the_models_generation_config(textpair, tmp_path):
+    """generation_config "auto" (vLLM's default): the model's generation_config.json gives the
+    sampling a request leaves out, in Python (`get_default_sampling_params`, what generate takes
+    without params) and over HTTP (each field the request omits); "vllm": OpenAI's defaults; a value the
+    sampler cannot take is refused at start, naming the file."""
+    import json
+
+    from drafttree.server.protocol import ChatCompletionRequest
+    from tests.tiny import copy_checkpoint
+
+    model = copy_checkpoint(textpair[0], tmp_path / "target")
+    (model / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1, "do_sample": True}))
+    with LLM(model=str(model), spec="none", **ENGINE) as llm:
+        want = {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1}
+        assert llm.engine.sampling_defaults == want
+        d = llm.get_default_sampling_params()
+        assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty) == (0.6, 1.0, 20, 1.1)
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], temperature=0.2,
+                                    repetition_penalty=1.0)
+        p = req.sampling_params(8, None, llm.engine.sampling_defaults)
+        assert (p.temperature, p.top_k, p.repetition_penalty) == (0.2, 20, 1.0)   # what the request sent wins
+    with LLM(model=str(model), spec="none", generation_config="vllm", **ENGINE) as llm:
+        assert llm.engine.sampling_defaults == {} and llm.get_default_sampling_params().temperature == 1.0
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 3.0}))
+    with pytest.raises(ValueError, match="generation_config.json: .*temperature"):
+        LLM(model=str(model), spec="none", **ENGINE)
+    with pytest.raises(ValueError, match="generation_config must be one of auto, vllm"):
+        LLM(model=str(model), spec="none", generation_config="mine", **ENGINE)
+
+
 def test_generate_from_several_threads_runs_one_call_after_another(llm):
     """Calls from threads share the engine one at a time: each gets its own requests' outputs,
     the tokens it gets alone."""

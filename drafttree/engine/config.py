@@ -16,6 +16,7 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 DRAFT_QUANTIZATIONS = ("fp8",)                                                    # models.quant.METHODS
 SAMPLER_MODE_NAMES = ("greedy", "sample", "filtered")                             # sampling.SampleMode
 TOOL_CALL_PARSERS = ("hermes", "kimi_k2", "llama3_json")                          # server.tool_parsers
+GENERATION_CONFIGS = ("auto", "vllm")                                             # vLLM's names
 
 
 def parse_budget(value: int | str | None) -> int | None:
@@ -145,6 +146,10 @@ class EngineConfig:
               "reproduced (dense targets; costs speed, see docs/performance.md). It is this engine's "
               "settings.deterministic, in force while the engine runs (other engines in the process keep theirs)",
         "the process's settings, DRAFTTREE_DETERMINISTIC")
+    generation_config: str = _opt(
+        "auto", "where a request's sampling defaults come from: auto, the model's generation_config.json "
+                "(its temperature, top_p, top_k, min_p, repetition_penalty, where a request leaves them out); "
+                "vllm, OpenAI's (temperature 1, top_p 1)", choices=GENERATION_CONFIGS)
     tool_call_parser: str | None = _opt(
         None, "the format of tool calls in chat replies (the server parses them and forces required calls in it)",
         "the one the model's chat template writes; hermes where it names none", choices=TOOL_CALL_PARSERS)

@@ -210,18 +210,20 @@ class OpenAIRequest(BaseModel):
             out["logit_bias"] = token_bias(self.logit_bias)
         return out
 
-    def sampling_params(self, max_tokens: int, structured: StructuredOutputs | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, structured: StructuredOutputs | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the model's sampling (`Engine.sampling_defaults`), for the fields the
+        request leaves out."""
         if self.stream and self.prompt_logprobs is not None:
             raise OpenAIError("prompt_logprobs is not available with stream: true (as vLLM's server); ask "
                               "without streaming", param="prompt_logprobs")
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k") if getattr(self, k) is not None}
         try:
             return SamplingParams(
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0, seed=self.seed, max_tokens=max_tokens, stop=self.stop_list(),
+                seed=self.seed, max_tokens=max_tokens, stop=self.stop_list(),
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
                 max_budget=self.max_budget, structured_outputs=structured,
-                **{**self.vllm_fields(), **self.more_params()})
+                **{**(defaults or {}), **given, **self.vllm_fields(), **self.more_params()})
         except ParamError as e:
             raise OpenAIError(str(e), param=e.param) from e
 

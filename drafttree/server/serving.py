@@ -215,7 +215,8 @@ class OpenAIServing:
             if too_long is not None:   # refused before the engine thread spends time tokenizing it
                 raise OpenAIError(too_long, param=where)
         # max_tokens is set once the prompt is tokenized; until then the most it may come to
-        params = req.sampling_params(budget.requested or budget.default or self.engine.max_model_len, structured)
+        params = req.sampling_params(budget.requested or budget.default or self.engine.max_model_len, structured,
+                                     self.engine.sampling_defaults)
         rid = make_id("chatcmpl" if chat else "cmpl")
         try:
             handle = await self.worker.submit(rid, prompt, params, budget, with_ids=tools is not None)

@@ -40,6 +40,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 def cmd_generate(a: argparse.Namespace) -> int:
     from drafttree.engine.launch import follow, start_engine
 
+    if a.raw and not a.prompt:   # refused before the model is loaded, as the engine would after
+        raise ValueError("the prompt is empty (0 tokens)")
     eng = start_engine(*generate_config(engine_config(a), a))
     if not eng.leader:   # a torchrun rank other than 0
         return follow(eng)

@@ -187,6 +187,16 @@ def test_a_bad_engine_flag_is_refused_naming_it(capsys, argv, says):
     assert e.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_an_empty_raw_prompt_is_refused_before_the_model_loads(capsys, monkeypatch):
+    import drafttree.engine.launch as launch
+
+    def never(*a, **k):
+        raise AssertionError("the engine was started for an empty prompt")
+    monkeypatch.setattr(launch, "start_engine", never)
+    assert main(["generate", "", "--raw"]) == 2
+    assert "the prompt is empty" in capsys.readouterr().err
+
+
 def test_the_flags_choices_are_the_codes():
     """The choices EngineConfig's metadata lists are the names the code takes."""
     from drafttree.config import DTYPES
@@ -196,6 +206,7 @@ def test_the_flags_choices_are_the_codes():
     assert set(config.DTYPE_NAMES) == set(DTYPES) | {"auto"}
     assert config.DRAFT_QUANTIZATIONS == METHODS
     assert config.SAMPLER_MODE_NAMES == tuple(m.name.lower() for m in CAPTURED_MODES)
+    assert config.GENERATION_CONFIGS == ("auto", "vllm")   # vLLM's --generation-config names
 
 
 def test_the_benchmarks_defaults_and_fixed_fields():

@@ -168,6 +168,9 @@ def test_truncated_gguf_raises_and_leaves_nothing(gguf_path: Path, tmp_path: Pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head.gguf"]
 
     entry = cached_model_dir(bad)
+    orphan = entry.parent / f".{entry.name}.tmp-1-deadbeef"   # a conversion killed mid-way (no exception ran)
+    orphan.mkdir(parents=True)
+    (orphan / "model.safetensors").write_bytes(b"half")
     with pytest.raises(ValueError, match=r"head\.gguf is corrupt or truncated"):
         resolve_model(str(bad))
     assert not entry.exists()

@@ -131,6 +131,12 @@ def test_a_kept_cost_table_is_read_back_and_any_change_measures_again(pair, set_
     monkeypatch.setattr(compile_cache, "platform", real)
     monkeypatch.setattr(caches, "source_digest", lambda: "another drafttree")
     misses()                                    # another drafttree
+    blocks = tmp_path / "blocks.json"
+    blocks.write_text('{"gemv": []}')
+    set_settings(cache=tmp_path, blocks=str(blocks))
+    misses()                                    # kernel block shapes from a file
+    blocks.write_text('{"gemv": [[1, 2]]}')
+    misses()                                    # the same file, other shapes in it
 
 
 def test_a_damaged_cost_table_is_measured_again(pair, set_settings, monkeypatch, tmp_path):
@@ -140,6 +146,8 @@ def test_a_damaged_cost_table_is_measured_again(pair, set_settings, monkeypatch,
     (path,) = (tmp_path / "costs").glob("*.json")
     path.write_text("{not json")
     assert LLM(**_kw(pair)).engine.startup.notes["cost model"].startswith("measured") and len(measured) == 2
+    path.write_text("[]")   # JSON, not a table
+    assert LLM(**_kw(pair)).engine.startup.notes["cost model"].startswith("measured") and len(measured) == 3
 
 
 def test_the_cost_model_keeps_to_its_budget(pair, set_settings, tmp_path):

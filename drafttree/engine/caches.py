@@ -72,6 +72,10 @@ def cost_key(setup: EngineSetup, buckets: list[int], kv_len: int, graphed: bool)
     cfg, spec = setup.cfg, setup.spec
     settings = setup.settings.as_dict()
     settings.pop("cache", None)   # where the cache lives changes no timing
+    if settings.get("blocks"):    # the block shapes the file holds, not its name
+        blocks = Path(settings["blocks"])
+        settings["blocks"] = {"path": str(blocks.resolve()),
+                              "sha256": hashlib.sha256(blocks.read_bytes()).hexdigest()[:16]}
     return {
         "platform": compile_cache.platform(setup.device),
         "drafttree": source_digest(),
@@ -104,7 +108,8 @@ def load_costs(setup: EngineSetup, key: dict[str, Any], buckets: list[int], draf
         path = cost_path(key)
         try:
             data = json.loads(path.read_text()) if path.is_file() else None
-            if data is not None and data.get("key") != json.loads(json.dumps(key, default=str)):
+            if data is not None and (not isinstance(data, dict)
+                                     or data.get("key") != json.loads(json.dumps(key, default=str))):
                 data = None   # a hash collision, or a file edited by hand
         except (OSError, ValueError) as e:
             log.warning("ignoring the cost table %s: %s", path, e)
@@ -114,7 +119,7 @@ def load_costs(setup: EngineSetup, key: dict[str, Any], buckets: list[int], draf
         return None
     try:
         table = CostTable.from_dict(setup.spec, data["table"], source=f"the cache, measured {data.get('date', '?')}")
-    except (KeyError, ValueError, TypeError) as e:
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
         log.warning("ignoring a cost table in %s: %s", costs_dir(), e)
         return None
     return table if table.covers(buckets, drafter) else None

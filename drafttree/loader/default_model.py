@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -105,6 +106,11 @@ def converted_gguf_dir(gguf_path: Path, progress: bool = True) -> Path:
     with _file_lock(model_dir.parent / ".locks" / f"{model_dir.name}.lock"):
         # Another process may have finished the conversion while we waited.
         if not _is_complete(model_dir):
+            # a conversion's folders left by a process killed mid-way (no exception ran to remove
+            # them): this lock is the entry's, so no live process writes them
+            for orphan in [*model_dir.parent.glob(f".{model_dir.name}.tmp-*"),
+                           *model_dir.parent.glob(f".{model_dir.name}.old-*")]:
+                shutil.rmtree(orphan, ignore_errors=True)
             if progress:
                 print(f"drafttree: converting {gguf_path} to a Hugging Face directory at {model_dir} "
                       f"(once: later runs load it from this cache; ${CACHE_ENV} moves the cache)",

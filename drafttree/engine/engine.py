@@ -11,9 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from drafttree.config import sampling_defaults
 from drafttree.engine import prepare
-from drafttree.engine.config import GENERATION_CONFIGS
 from drafttree.engine.budget import BudgetChooser, extra_work, sampler_key
 from drafttree.engine.config import EngineConfig
 from drafttree.engine.constrained import Constrained
@@ -38,21 +36,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def model_sampling_defaults(which: str, model_dir: Any) -> dict[str, Any]:
-    """A request's sampling defaults (`EngineConfig.generation_config`), checked as SamplingParams
-    checks them: a value the sampler cannot take is refused at start, naming it."""
-    if which not in GENERATION_CONFIGS:
-        raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, got {which!r}")
-    found = sampling_defaults(model_dir) if which == "auto" else {}
-    try:
-        SamplingParams(**found)
-    except ValueError as e:
-        raise ValueError(f"the model's generation_config.json: {e} (generation_config='vllm' leaves the file's "
-                         "sampling aside)") from None
-    if found:
-        log.info("sampling defaults from the model's generation_config.json, where a request leaves them out: %s",
-                 found)
-    return found
 
 __all__ = ["Engine", "EngineConfig", "EngineStats"]
 
@@ -112,7 +95,7 @@ class Engine:
             log.info("%s", self.memory_plan.format())
         self.device, self.dtype, self.spec = setup.device, setup.dtype, setup.spec
         self.model_dir, self.model_cfg = setup.model_dir, setup.target
-        self.sampling_defaults = model_sampling_defaults(cfg.generation_config, self.model_dir)
+        self.sampling_defaults = setup.sampling_defaults
         compiled = prepare.compile_caches(setup)
         tokenizer = Background(   # alongside the weights
             lambda: given_tokenizer if given_tokenizer is not None else load_tokenizer(self.model_dir))

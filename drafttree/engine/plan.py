@@ -5,21 +5,21 @@ option is refused here, before the weights."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from drafttree.config import ModelConfig, parse_dtype, resolve_device
-from drafttree.engine.config import EngineConfig, parse_budget
+from drafttree.config import ModelConfig, parse_dtype, resolve_device, sampling_defaults
+from drafttree.engine.config import GENERATION_CONFIGS, EngineConfig, parse_budget
 from drafttree.kernels import invariant_attn
 from drafttree.models.dflash import DFlashConfig
 from drafttree.models.dflash2 import drafter_config
 from drafttree.parallel.group import TPGroup
 from drafttree.phases import SpecConfig
 from drafttree.runner.phase_table import CAPTURED_MODES
-from drafttree.sampling import SampleMode
+from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.settings import Settings, current
 
 if TYPE_CHECKING:
@@ -33,7 +33,6 @@ SHIPPED_DRAFTER = ASSETS / "drafter-smollm2"
 DEFAULT_BUDGET = 32   # DDTree nodes per round, unless the drafter's config names its own
 # the options that only speculation reads
 SPEC_OPTIONS = ("draft_model", "block_size", "budget", "budget_schedule", "speculate_sampled", "draft_quantization")
-log = logging.getLogger(__name__)
 
 
 def is_default_model(model: str | None) -> bool:
@@ -149,6 +148,8 @@ class EngineSetup:
     processed_graphs: bool          # the processed round's graphs captured too
     overlap: bool                   # launch each round before reading the previous one's tokens
     defer_graphs: bool = False      # the structured and processed graphs captured after start-up, while idle
+    # a request's sampling defaults where it leaves them out (`resolve_sampling_defaults`)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
@@ -213,7 +214,26 @@ def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
     structured, processed = graphs and cfg.structured_graphs is not False, graphs and cfg.processed_graphs is not False
     return EngineSetup(cfg, model_dir, tcfg, drafter_dir, dcfg, spec, settings, device, dtype,
                        1 if tp is None else tp.world, graphs, graphs and cfg.prefill_graphs is not False, modes,
-                       structured, processed, overlap, bool(cfg.defer_graphs) and (structured or processed))
+                       structured, processed, overlap, bool(cfg.defer_graphs) and (structured or processed),
+                       resolve_sampling_defaults(cfg.generation_config, model_dir))
+
+
+def resolve_sampling_defaults(which: str, model_dir: Path | None) -> dict[str, Any]:
+    """`EngineConfig.generation_config`: the model's generation_config.json sampling ("auto") or
+    none ("vllm"), checked as SamplingParams checks it: a value the sampler cannot take is refused
+    before any weight is read, naming it."""
+    if which not in GENERATION_CONFIGS:
+        raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, got {which!r}")
+    found = sampling_defaults(model_dir) if which == "auto" else {}
+    try:
+        SamplingParams(**found)
+    except ValueError as e:
+        raise ValueError(f"the model's generation_config.json: {e} (generation_config='vllm' leaves the file's "
+                         "sampling aside)") from None
+    if found:
+        log.info("sampling defaults from the model's generation_config.json, where a request leaves them out: %s",
+                 found)
+    return found
 
 
 def graph_kv_lengths(cache: CacheConfig, max_graph_len: int | None) -> list[int]:

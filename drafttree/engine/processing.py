@@ -22,12 +22,14 @@ def row_logits(p: SamplingParams, prompt: list[int], vocab: int, eos_ids: set[in
     one, words = [], []
     for seq in bad_word_ids(p.bad_words or [], tokenizer):
         (one if len(seq) == 1 else words).append(seq)
-    if p.allowed_token_ids is not None and set(p.allowed_token_ids) <= {t for (t,) in one}:
-        raise ParamError("bad_words", "bad_words ban every token allowed_token_ids allows: no token could be picked")
     stops = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))) if p.min_tokens else []
-    if p.allowed_token_ids is not None and set(p.allowed_token_ids) <= {t for (t,) in one} | set(stops):
-        raise ParamError("min_tokens", "min_tokens bans the end-of-sequence and stop tokens until then, and "
-                         "allowed_token_ids allows no other token: no token could be picked")
+    if p.allowed_token_ids is not None:   # some token must stay pickable
+        allowed, banned = set(p.allowed_token_ids), {t for (t,) in one}
+        if allowed <= banned:
+            raise ParamError("bad_words", "bad_words ban every token allowed_token_ids allows: no token could be picked")
+        if allowed <= banned | set(stops):
+            raise ParamError("min_tokens", "min_tokens bans the end-of-sequence and stop tokens until then, and "
+                             "allowed_token_ids allows no other token: no token could be picked")
     longest = max(map(len, words), default=0)
     for name, count in (("bad_words", len(words)), ("min_tokens", len(words) + len(stops))):
         why = ban_limits_message(count, longest)

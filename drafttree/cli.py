@@ -71,10 +71,14 @@ def generate_config(cfg: EngineConfig, a: argparse.Namespace) -> tuple[EngineCon
     otherwise. Returns the config and the tokenizer it loaded to count (None: none), which the
     engine then takes instead of loading its own."""
     from drafttree.config import resolve_device
+    from drafttree.engine.plan import may_choose_budget
     from drafttree.sampling import SampleMode
 
     changes: dict = {}
-    if cfg.sampler_modes is None:
+    graphed = cfg.cuda_graphs is not False and resolve_device(cfg.device).type == "cuda"
+    # The mode chooses the graphs captured and the modes the cost model times: an engine with
+    # neither is not given one (the engine warns of an option that takes no effect).
+    if cfg.sampler_modes is None and (graphed or may_choose_budget(cfg)):
         changes["sampler_modes"] = (SampleMode.of([_params(a)]).name.lower(),)
     if cfg.prefill_graphs is None:
         changes["prefill_graphs"] = False
@@ -82,7 +86,6 @@ def generate_config(cfg: EngineConfig, a: argparse.Namespace) -> tuple[EngineCon
         changes["structured_graphs"] = False
     if cfg.processed_graphs is None:
         changes["processed_graphs"] = False
-    graphed = cfg.cuda_graphs is not False and resolve_device(cfg.device).type == "cuda"
     tok = None
     if cfg.max_graph_len is None and graphed:
         tok = _tokenizer(cfg)

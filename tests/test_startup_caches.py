@@ -213,14 +213,19 @@ def _generate_args(*argv: str) -> tuple:
 def test_generate_captures_what_its_one_request_can_use(pair, monkeypatch):
     from drafttree import config as config_mod
     from drafttree.cli import generate_config
-    t, _ = pair
-    a, cfg = _generate_args("--model", str(t), "--device", "cpu")
+    t, d = pair
+    a, cfg = _generate_args("--model", str(t), "--draft-model", str(d), "--device", "cpu")
     got, tok = generate_config(cfg, a)
     assert (got.max_num_seqs, got.sampler_modes, got.prefill_graphs, got.max_graph_len) == (1, ("greedy",), False, None)
     assert tok is None   # no graphs, no count: the engine loads its tokenizer alongside the weights
     for flags, mode in ((("--temperature", "0.7"), "sample"), (("--temperature", "0.7", "--top-p", "0.9"), "filtered")):
-        a, cfg = _generate_args("--model", str(t), "--device", "cpu", *flags)
+        a, cfg = _generate_args("--model", str(t), "--draft-model", str(d), "--device", "cpu", *flags)
         assert generate_config(cfg, a)[0].sampler_modes == (mode,)
+    # no graphs and no budget chosen per round (no drafter, --spec none, a fixed budget): no mode
+    # to choose, so none is set (and the engine does not warn of an option nobody gave)
+    for flags in ((), ("--draft-model", str(d), "--spec", "none"), ("--draft-model", str(d), "--budget", "8")):
+        a, cfg = _generate_args("--model", str(t), "--device", "cpu", *flags)
+        assert generate_config(cfg, a)[0].sampler_modes is None, flags
     # flags given win
     a, cfg = _generate_args("--model", str(t), "--device", "cpu", "--max-num-seqs", "4", "--sampler-modes",
                             "greedy,sample", "--prefill-graphs")

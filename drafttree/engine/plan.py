@@ -57,6 +57,11 @@ def resolve_drafter(cfg: EngineConfig) -> Path | None:
     return None
 
 
+def may_choose_budget(cfg: EngineConfig) -> bool:
+    """Whether the engine may time rounds to choose each one's budget (a drafter and `auto`)."""
+    return cfg.spec != "none" and parse_budget(cfg.budget) is None and resolve_drafter(cfg) is not None
+
+
 def resolve_spec(cfg: EngineConfig, drafter: DFlashConfig | None) -> SpecConfig:
     method = cfg.spec or ("ddtree" if drafter is not None else "none")
     if method != "none" and drafter is None:

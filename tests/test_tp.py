@@ -16,7 +16,7 @@ from drafttree import LLM, SamplingParams
 from drafttree.models.decoder import DecoderLayer, DecoderLM
 from drafttree.models.random_shapes import SHAPES, projections
 from drafttree.parallel.shard import check_size, head_rows, valid_sizes
-from tests.helpers import make_prompts
+from tests.helpers import every_round, make_prompts
 from tests.tp_helpers import fake_group, mixed, sharded
 
 
@@ -39,6 +39,40 @@ def test_tp2_gives_tp1_tokens(zoo, shape, spec):
     assert again[0].token_ids == want[0].token_ids
     if spec != "none":
         assert max(t for o in got for t in o.metrics["accept_lengths"]) > 1   # speculation really accepted
+
+
+@pytest.mark.parametrize("spec", ["dflash", "ddtree"])
+def test_tp2_constrained_and_processed_rows_give_plain_tp1_tokens(tmp_path, spec):
+    """Rank 0 grows a constrained round's trees on its host and the followers verify the trees it
+    sends; processed rows (log-probabilities, penalties) run their own round kind on every rank."""
+    pytest.importorskip("llguidance", reason="structured outputs run on llguidance (a dependency)")
+    from drafttree.structured.params import StructuredOutputs
+    from tests.tiny import make_drafter, make_target, write_tokenizer
+    target = write_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=128, scale=3.0), 128, eos_token="<extra_0>")
+    drafter = make_drafter(tmp_path / "d", target, block_size=4)
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "b": {"enum": ["xy", "zzz"]}}, "required": ["a", "b"]}
+    prompts = ["hello world", "abc q xyz", "foo foo hello"]
+    params = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputs(json=schema)),
+              SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputs(regex="[a-z]{3,9} [0-9]+")),
+              SamplingParams(temperature=0, max_tokens=30, logprobs=2, presence_penalty=0.5, ignore_eos=True)]
+    kw = dict(model=str(target), device="cpu", dtype="float32", max_num_seqs=3, max_model_len=128)
+    plain = LLM(spec="none", **kw)
+    want = plain.generate(prompts, params)
+    plain.shutdown()
+    llm = LLM(draft_model=str(drafter), spec=spec, budget=every_round(spec, None), tensor_parallel_size=2, **kw)
+    try:
+        got = llm.generate(prompts, params)
+        assert llm.engine.agree()
+        assert llm.engine.constrained.times.rounds > 0   # the trees were the host's
+    finally:
+        llm.shutdown()
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+    g, w = got[2].outputs[0], want[2].outputs[0]
+    assert len(g.logprobs) == 30 and [list(e) for e in g.logprobs] == [list(e) for e in w.logprobs]
+    assert [e[t].logprob for e, t in zip(g.logprobs, g.token_ids)] == \
+        pytest.approx([e[t].logprob for e, t in zip(w.logprobs, w.token_ids)], abs=1e-4)
 
 
 @pytest.mark.slow

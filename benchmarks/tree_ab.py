@@ -6,9 +6,9 @@ drifts during the call falls on both. Each tree is a directory holding the `draf
 
     python benchmarks/tree_ab.py --tree before=/tmp/base --tree after=. --device cpu --reps 3 --out ab.json
 
-Prints per tree the median and range of each figure: the eager per-phase milliseconds of
-bench.phases (round, decode, draft, verify) and bench's tokens/s per method and budget; writes
-every run and the summary to --out (JSON).
+Prints per tree the median and range of each figure: bench.phases' eager milliseconds of the round
+and its pieces (and, on CUDA, the graphed round and decode step) and bench's tokens/s per method
+and budget; writes every run and the summary to --out (JSON).
 """
 from __future__ import annotations
 
@@ -23,7 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-PHASE_KEYS = ("round", "decode", "draft", "verify", "context")
+# bench.phases' eager figures under one name in every tree, first key found: where a tree's phase
+# step holds several pieces (its "draft" step drafts and builds the tree, its "verify" step also
+# accepts and commits) it times the forwards apart as draft_forward / verify_forward, which an
+# older tree called "draft" / "verify". The context step's width differs between trees that bring
+# the drafter's context up to date every round and those that catch up before a drafting round.
+PHASE_KEYS = {"round": ("round",), "decode": ("decode",), "draft forward": ("draft_forward", "draft"),
+              "tree build": ("tree_build",), "verify forward": ("verify_forward", "verify"),
+              "accept commit": ("accept_commit",), "context": ("context",)}
+GRAPH_KEYS = ("round", "decode")
 
 
 def run(tree: Path, args: list[str], timeout: float) -> tuple[int, float, str]:
@@ -48,8 +56,12 @@ def bench_job(a: argparse.Namespace, out: Path) -> list[str]:
 
 def figures(job: str, out: Path) -> dict[str, float]:
     if job == "phases":
-        eager = json.loads(out.read_text())["eager_ms"]
-        return {f"{k} ms": eager[k] for k in PHASE_KEYS if k in eager}
+        res = json.loads(out.read_text())
+        eager, graph = res["eager_ms"], res.get("graph_ms", {})
+        figs = {f"{name} ms": eager[next(k for k in keys if k in eager)] for name, keys in PHASE_KEYS.items()
+                if any(k in eager for k in keys)}
+        figs.update({f"graph {k} ms": graph[k] for k in GRAPH_KEYS if k in graph})
+        return figs
     res = json.loads((out / "results.json").read_text())["results"]
     return {f"{r['method']}{'' if r.get('budget') is None else ' ' + str(r['budget'])} tok/s": r["tokens_per_s"]
             for r in res}

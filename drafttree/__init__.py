@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from drafttree.version import __version__ as __version__
+
 if TYPE_CHECKING:
     from drafttree.llm import LLM, CompletionOutput, Logprob, RequestOutput
     from drafttree.sampling import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
-__version__ = "0.1.0"
 
 _HOMES = {"LLM": "drafttree.llm", "CompletionOutput": "drafttree.llm", "Logprob": "drafttree.llm",
           "RequestOutput": "drafttree.llm", "SamplingParams": "drafttree.sampling"}

@@ -18,8 +18,17 @@ from drafttree.parallel.group import TensorParallelError
 from drafttree.server.boot import RETRY_AFTER_S, Boot
 from drafttree.server.limits import BodySizeLimit, ServerLimits
 from drafttree.server.metrics import CONTENT_TYPE, ServerMetrics
-from drafttree.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body, now
+from drafttree.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIError,
+    TokenizeRequest,
+    error_body,
+    now,
+)
 from drafttree.server.serving import OpenAIServing, Reply
+from drafttree.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +114,7 @@ def create_app(engine: Engine | Callable[[], Engine], model_name: str, limits: S
         finally:
             boot.stop()
 
-    app = FastAPI(title="drafttree", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="drafttree", version=__version__, lifespan=lifespan)
     app.state.boot, app.state.metrics, app.state.limits = boot, metrics, limits
     app.add_middleware(BodySizeLimit, limit=limits.max_request_bytes)
     _install_error_handlers(app)
@@ -164,6 +173,18 @@ def create_app(engine: Engine | Callable[[], Engine], model_name: str, limits: S
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, raw: Request) -> Reply:
         return await serving().completion(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        return serving().tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
+        return serving().detokenize(req)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     return app
 

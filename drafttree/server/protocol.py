@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -398,3 +398,44 @@ def make_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a prompt as `/v1/completions` takes its text, or messages (and tools)
+    as `/v1/chat/completions` renders them, to the token ids the engine would be given."""
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+    # a chat request's tools are shown to the model as under tool_choice "auto"
+    tool_choice: ClassVar[None] = None
+    parallel_tool_calls: ClassVar[None] = None
+
+    def check(self) -> None:
+        check_strings(self.model_dump(exclude_none=True), "")
+        if self.model_extra:
+            name = min(self.model_extra)
+            raise OpenAIError(f"unknown parameter '{name}' for /tokenize (it takes model, prompt or messages, tools, "
+                              "add_generation_prompt, add_special_tokens, return_token_strs)", param=name,
+                              code="unknown_parameter")
+        if (self.prompt is None) == (self.messages is None):
+            raise OpenAIError("/tokenize takes exactly one of prompt and messages", param="prompt")
+        if self.messages is None:
+            for name in ("tools", "add_generation_prompt"):
+                if name in self.model_fields_set:
+                    raise OpenAIError(f"{name} goes with messages, not with prompt", param=name)
+        elif not self.messages:
+            raise OpenAIError("messages must not be empty", param="messages")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `/detokenize`: token ids to their text."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    tokens: list[TokenId]

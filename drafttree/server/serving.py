@@ -15,8 +15,10 @@ from drafttree.loader.chat_template import apply_chat_template, has_chat_templat
 from drafttree.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
     OpenAIRequest,
+    TokenizeRequest,
     error_body,
     make_id,
     now,
@@ -144,20 +146,53 @@ class OpenAIServing:
             raise OpenAIError(f"The model '{req.model}' does not exist; this server serves "
                               f"'{self.model_name}'", status=404, param="model", code="model_not_found")
 
-    def chat_prompt(self, req: ChatCompletionRequest, tools: ToolPlan | None = None) -> str:
+    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest, tools: ToolPlan | None = None,
+                    add_generation_prompt: bool = True) -> str:
         tok = self.engine.tokenizer
         if not has_chat_template(tok):
             raise OpenAIError(f"the model '{self.model_name}' has no chat template: use /v1/completions",
                               param="messages")
         messages = [m.template_dict() for m in req.messages]
+        kw = {"add_generation_prompt": add_generation_prompt}
         try:
             if tools is None:
-                return apply_chat_template(tok, messages)
+                return apply_chat_template(tok, messages, **kw)
             if self.renders_tools():
-                return apply_chat_template(tok, messages, tools=tools.tools)
-            return apply_chat_template(tok, tools.messages(messages, False))
+                return apply_chat_template(tok, messages, tools=tools.tools, **kw)
+            return apply_chat_template(tok, tools.messages(messages, False), **kw)
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from e
+
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: the ids the engine is given for this prompt text (tokenized as
+        completions tokenize it) or these messages (rendered as chat renders them)."""
+        self.check_model(req)
+        req.check()
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise OpenAIError(f"the model '{self.model_name}' has no tokenizer", param="prompt")
+        if req.messages is not None:
+            try:
+                tools = ToolPlan.of(req, self.tool_parser)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="tools") from e
+            text = self.chat_prompt(req, tools, req.add_generation_prompt)
+        else:
+            text = req.prompt
+        ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
+                "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, str]:
+        """vLLM's /detokenize: the text of token ids (special tokens kept)."""
+        self.check_model(req)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise OpenAIError(f"the model '{self.model_name}' has no tokenizer", param="tokens")
+        bad = [t for t in req.tokens if t >= self.engine.model_cfg.vocab_size]
+        if bad:
+            raise OpenAIError(f"token ids {bad[:5]} outside the vocabulary [0, {self.engine.model_cfg.vocab_size})", param="tokens")
+        return {"prompt": tok.decode(req.tokens)}
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Reply:
         self.check_model(req)

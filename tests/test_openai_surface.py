@@ -68,6 +68,10 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     # the output's form and tools (the structured-output tests check what they do)
     ("chat", {"response_format": {"type": "json_object"}}, OK, None), ("chat", {"tools": [TOOL]}, OK, None),
     ("completions", {"guided_json": {}}, OK, None),
+    # vLLM's chat template options (tests/test_tokenize_server.py checks what they render)
+    ("chat", {"chat_template_kwargs": {"enable_thinking": False}}, OK, None),
+    ("chat", {"messages": HI + [{"role": "assistant", "content": "Hel"}], "add_generation_prompt": False,
+              "continue_final_message": True}, OK, None),
     # refused, naming the parameter
     ("chat", {"n": 0}, NO, "n"), ("chat", {"logprobs": True, "top_logprobs": 21}, NO, "top_logprobs"),
     ("chat", {"top_logprobs": 2}, NO, "top_logprobs"), ("chat", {"presence_penalty": 2.5}, NO, "presence_penalty"),
@@ -81,6 +85,10 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
                                                                        "functions"),
     ("chat", {"function_call": "auto"}, NO, "function_call"),
     ("chat", {"tool_choice": "required"}, NO, "tool_choice"),   # no tools to call
+    ("chat", {"continue_final_message": True}, NO, "continue_final_message"),   # and a new turn (the default)
+    ("chat", {"continue_final_message": True, "add_generation_prompt": False}, NO, "continue_final_message"),
+    ("chat", {"chat_template_kwargs": {"tools": []}}, NO, "chat_template_kwargs"),
+    ("chat", {"chat_template_kwargs": "enable_thinking"}, NO, "chat_template_kwargs"),
     ("chat", {"stream_options": {"include_usage": True}}, NO, "stream_options"),
     ("chat", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, NO, "stream_options"),
     ("completions", {"n": 2, "best_of": 3}, NO, "best_of"), ("completions", {"best_of": 2}, NO, "best_of"),
@@ -94,7 +102,6 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("completions", {"min_p": 1.1}, NO, "min_p"), ("completions", {"bad_words": [" "]}, NO, "bad_words"),
     ("completions", {"include_stop_str_in_output": True}, NO, "include_stop_str_in_output"),
     ("completions", {"skip_special_tokens": False}, NO, "skip_special_tokens"),
-    ("chat", {"chat_template_kwargs": {"enable_thinking": False}}, NO, "chat_template_kwargs"),
     ("completions", {"messages": HI}, NO, "messages"),
     ("chat", {"prompt": "x"}, NO, "prompt"),
     ("chat", {"messages": HI + [{"role": "assistant", "content": "x", "refusal": "no"}]}, NO, "messages"),

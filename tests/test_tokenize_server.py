@@ -78,7 +78,11 @@ def test_messages_count_as_the_chat_reply_counts_its_prompt(live, tools):
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"prompt": "x", "tools": TOOLS}, "tools"),
     ("/tokenize", {"prompt": "x", "add_generation_prompt": False}, "add_generation_prompt"),
-    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ("/tokenize", {"prompt": "x", "chat_template_kwargs": {}}, "chat_template_kwargs"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": True}}, "chat_template_kwargs"),
+    ("/tokenize", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": False},
+     "continue_final_message"),
+    ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
     ("/tokenize", {"prompt": "\ud800"}, "prompt"),
     ("/tokenize", {"prompt": 3}, "prompt"),
     ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens"),
@@ -96,3 +100,42 @@ def test_another_model_is_a_404_and_the_version_answers(live):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     assert post(live, "/detokenize", {"model": "other", "tokens": [1]}).status_code == 404
     assert httpx.get(f"{live.url}/version", timeout=10).json() == {"version": __version__}
+
+
+# a template with a keyword of its own and closing tags, on a character-level tokenizer
+TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}[/{{ m.role }}]{% endfor %}"
+            "{% if enable_thinking is defined and not enable_thinking %}[nothink]{% endif %}"
+            "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def templated(tmp_path_factory) -> Iterator[Live]:
+    from tests.tiny import make_target, write_tokenizer
+    target = make_target(tmp_path_factory.mktemp("templated") / "t", "qwen3", vocab=128)
+    write_tokenizer(target, 128, chat_template=TEMPLATE)
+    with serve(cpu_engine(target, spec="none")) as lv:
+        yield lv
+
+
+def rendered(live: Live, **body: Any) -> tuple[str, int]:
+    """The prompt text /tokenize renders (its ids detokenized), and the prompt_tokens of the chat
+    reply to the same messages and options."""
+    r = post(live, "/tokenize", body)
+    assert r.status_code == 200, r.text
+    text = post(live, "/detokenize", {"tokens": r.json()["tokens"]}).json()["prompt"]
+    reply = post(live, "/v1/chat/completions", {**body, "max_tokens": 1})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == r.json()["count"]   # chat renders it the same way
+    return text, r.json()["count"]
+
+
+def test_the_templates_options_reach_it_in_chat_and_tokenize(templated):
+    hi = [{"role": "user", "content": "hi"}]
+    assert rendered(templated, messages=hi)[0] == "[user]hi[/user][assistant]"
+    assert rendered(templated, messages=hi, chat_template_kwargs={"enable_thinking": False})[0] == \
+        "[user]hi[/user][nothink][assistant]"
+    assert rendered(templated, messages=hi, add_generation_prompt=False)[0] == "[user]hi[/user]"
+    # the assistant's last message left open: the reply continues it
+    text, _ = rendered(templated, messages=hi + [{"role": "assistant", "content": "The answer"}],
+                       add_generation_prompt=False, continue_final_message=True)
+    assert text == "[user]hi[/user][assistant]The answer"

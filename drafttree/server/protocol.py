@@ -309,7 +309,49 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(OpenAIRequest):
+# what the renderer passes to the template itself: chat_template_kwargs may not set these
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                "add_generation_prompt", "continue_final_message", "return_dict",
+                                "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+                                "return_tensors", "tokenizer_kwargs"})
+
+
+class TemplateOptions(BaseModel):
+    """vLLM's chat template options: where the rendered prompt ends (a new assistant turn, or the
+    last assistant message left open to be continued) and the template's own keyword arguments
+    (`{"enable_thinking": false}` for Qwen3's, `{"thinking": false}` for Kimi K2's)."""
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_template(self) -> None:
+        if self.messages is None:
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+                if name in self.model_fields_set:
+                    raise OpenAIError(f"{name} goes with messages, not with prompt", param=name)
+            return
+        if not self.messages:
+            raise OpenAIError("messages must not be empty", param="messages")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true: the "
+                                  "prompt ends either in the last assistant message or in a new turn",
+                                  param="continue_final_message")
+            if self.messages[-1].role != "assistant":
+                raise OpenAIError("continue_final_message needs the last message to be the assistant's, "
+                                  f"not the {self.messages[-1].role}'s", param="continue_final_message")
+        taken = sorted(TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {}))
+        if taken:
+            raise OpenAIError(f"chat_template_kwargs may not set {taken}: the server sets them (send them as the "
+                              "request's own fields where it has them)", param="chat_template_kwargs")
+
+    def template_options(self) -> dict[str, Any]:
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, **(self.chat_template_kwargs or {})}
+
+
+class ChatCompletionRequest(TemplateOptions, OpenAIRequest):
     messages: list[ChatMessage]
     max_completion_tokens: PositiveInt | None = None
     logprobs: StrictBool | None = False
@@ -320,8 +362,7 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def check(self) -> None:
         self.check_common()
-        if not self.messages:
-            raise OpenAIError("messages must not be empty", param="messages")
+        self.check_template()
         choice = self.tool_choice
         if choice is not None and choice != "none" and not self.tools:
             raise OpenAIError("tool_choice needs tools", param="tool_choice")
@@ -400,16 +441,14 @@ def now() -> int:
     return int(time.time())
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(TemplateOptions):
     """vLLM's `/tokenize`: a prompt as `/v1/completions` takes its text, or messages (and tools)
     as `/v1/chat/completions` renders them, to the token ids the engine would be given."""
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None
     prompt: StrictStr | None = None
-    messages: list[ChatMessage] | None = None
     tools: list[ToolDef] | None = None
-    add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False
     return_token_strs: StrictBool = False
     # a chat request's tools are shown to the model as under tool_choice "auto"
@@ -421,16 +460,13 @@ class TokenizeRequest(BaseModel):
         if self.model_extra:
             name = min(self.model_extra)
             raise OpenAIError(f"unknown parameter '{name}' for /tokenize (it takes model, prompt or messages, tools, "
-                              "add_generation_prompt, add_special_tokens, return_token_strs)", param=name,
-                              code="unknown_parameter")
+                              "add_generation_prompt, continue_final_message, chat_template_kwargs, "
+                              "add_special_tokens, return_token_strs)", param=name, code="unknown_parameter")
         if (self.prompt is None) == (self.messages is None):
             raise OpenAIError("/tokenize takes exactly one of prompt and messages", param="prompt")
-        if self.messages is None:
-            for name in ("tools", "add_generation_prompt"):
-                if name in self.model_fields_set:
-                    raise OpenAIError(f"{name} goes with messages, not with prompt", param=name)
-        elif not self.messages:
-            raise OpenAIError("messages must not be empty", param="messages")
+        if self.messages is None and "tools" in self.model_fields_set:
+            raise OpenAIError("tools goes with messages, not with prompt", param="tools")
+        self.check_template()
 
 
 class DetokenizeRequest(BaseModel):

@@ -146,14 +146,13 @@ class OpenAIServing:
             raise OpenAIError(f"The model '{req.model}' does not exist; this server serves "
                               f"'{self.model_name}'", status=404, param="model", code="model_not_found")
 
-    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest, tools: ToolPlan | None = None,
-                    add_generation_prompt: bool = True) -> str:
+    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest, tools: ToolPlan | None = None) -> str:
         tok = self.engine.tokenizer
         if not has_chat_template(tok):
             raise OpenAIError(f"the model '{self.model_name}' has no chat template: use /v1/completions",
                               param="messages")
         messages = [m.template_dict() for m in req.messages]
-        kw = {"add_generation_prompt": add_generation_prompt}
+        kw = req.template_options()
         try:
             if tools is None:
                 return apply_chat_template(tok, messages, **kw)
@@ -176,7 +175,7 @@ class OpenAIServing:
                 tools = ToolPlan.of(req, self.tool_parser)
             except ValueError as e:
                 raise OpenAIError(str(e), param="tools") from e
-            text = self.chat_prompt(req, tools, req.add_generation_prompt)
+            text = self.chat_prompt(req, tools)
         else:
             text = req.prompt
         ids = tok.encode(text, add_special_tokens=req.add_special_tokens)

@@ -197,24 +197,36 @@ class LLM:
     def chat(self, messages: Seq[Mapping[str, Any]] | Seq[Seq[Mapping[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool | Callable[..., tqdm] = True, *, chat_template: str | None = None,
-             add_generation_prompt: bool = True,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to conversations, as vLLM's `LLM.chat`.
 
         `messages` is one conversation in the OpenAI format (a list of {"role", "content"} dicts) or a
         list of them (a batch); each is rendered with the tokenizer's chat template (or `chat_template`),
-        ending with the assistant's turn opened (`add_generation_prompt`), and then generated as
-        `generate` would. `chat_template_kwargs` reach the template (e.g. {"enable_thinking": False}).
+        ending with the assistant's turn opened (`add_generation_prompt`) or inside the last assistant
+        message, left open for the reply to continue (`continue_final_message`; not both), and then
+        generated as `generate` would. `tools` (OpenAI's function definitions) and
+        `chat_template_kwargs` reach the template (e.g. {"enable_thinking": False}); the reply is
+        text, its tool calls unparsed (as vLLM's `LLM.chat`).
         Returns one RequestOutput per conversation, whose `prompt` is the rendered text. Raises
         ValueError when the model has no tokenizer or no chat template."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         if not conversations:
             raise ValueError("chat() needs at least one conversation")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the prompt "
+                             "ends either in the last assistant message or in a new turn")
         for i, convo in enumerate(conversations):
-            _check_strings(convo, f"messages[{i}]" if len(conversations) > 1 else "messages")
+            where = f"messages[{i}]" if len(conversations) > 1 else "messages"
+            _check_strings(convo, where)
+            if continue_final_message and (not convo or convo[-1].get("role") != "assistant"):
+                raise ValueError(f"continue_final_message needs the last message of {where} to be the assistant's")
+        extra = {"tools": tools} if tools else {}
         prompts = [self.apply_chat_template(c, chat_template=chat_template,
                                             add_generation_prompt=add_generation_prompt,
-                                            **(chat_template_kwargs or {})) for c in conversations]
+                                            continue_final_message=continue_final_message,
+                                            **extra, **(chat_template_kwargs or {})) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate(self, prompts: Prompt | Iterable[Prompt],

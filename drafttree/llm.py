@@ -214,19 +214,12 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         if not conversations:
             raise ValueError("chat() needs at least one conversation")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the prompt "
-                             "ends either in the last assistant message or in a new turn")
         for i, convo in enumerate(conversations):
-            where = f"messages[{i}]" if len(conversations) > 1 else "messages"
-            _check_strings(convo, where)
-            if continue_final_message and (not convo or convo[-1].get("role") != "assistant"):
-                raise ValueError(f"continue_final_message needs the last message of {where} to be the assistant's")
-        extra = {"tools": tools} if tools else {}
+            _check_strings(convo, f"messages[{i}]" if len(conversations) > 1 else "messages")
         prompts = [self.apply_chat_template(c, chat_template=chat_template,
                                             add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message,
-                                            **extra, **(chat_template_kwargs or {})) for c in conversations]
+                                            continue_final_message=continue_final_message, tools=tools,
+                                            chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate(self, prompts: Prompt | Iterable[Prompt],

@@ -77,12 +77,14 @@ def test_chat_continues_the_last_assistant_message_and_shows_the_tools(chat_llm:
     assert out.prompt == "<|user|> hi <|end|> <|assistant|> how are"   # the message left open
     with pytest.raises(ValueError, match="cannot both be true"):
         chat_llm.chat(convo, GREEDY, continue_final_message=True)
-    with pytest.raises(ValueError, match="last message of messages to be the assistant's"):
+    with pytest.raises(ValueError, match="last message to be the assistant's, not the user's"):
         chat_llm.chat(convo[:1], GREEDY, add_generation_prompt=False, continue_final_message=True)
     tools = [{"type": "function", "function": {"name": "you", "parameters": {"type": "object"}}}]
     shown = "{% for t in tools %}{{ t.function.name }} {% endfor %}" + TEMPLATE
     [out] = chat_llm.chat(convo[:1], GREEDY, chat_template=shown, tools=tools)
     assert out.prompt == "you <|user|> hi <|end|> <|assistant|>"
+    with pytest.raises(ValueError, match=r"may not set \['tools'\]"):
+        chat_llm.chat(convo[:1], GREEDY, chat_template_kwargs={"tools": tools})
 
 
 def test_chat_without_tokenizer_or_template_says_so(tmp_path: Path) -> None:

@@ -30,13 +30,53 @@ def _template_message(message: Message) -> dict[str, Any]:
     return out
 
 
-def apply_chat_template(tokenizer: Any, messages: Sequence[Message], *, add_generation_prompt: bool = True,
-                        chat_template: str | None = None, **template_kwargs: Any) -> str:
-    """Render ``messages`` to prompt text (not token ids) ending where the assistant's reply starts.
+# what the renderer passes to the template itself, beside the template's own keyword arguments
+RENDER_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                              "add_generation_prompt", "continue_final_message", "return_dict",
+                              "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+                              "return_tensors", "tokenizer_kwargs"})
 
-    ``chat_template`` replaces the tokenizer's own; ``template_kwargs`` reach the template (e.g.
-    ``enable_thinking=False``). Raises ValueError without a tokenizer or template, or when the template
-    rejects the messages.
+
+class TemplateOptionError(ValueError):
+    """A rendering option that cannot be applied, and the option's name."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_template_options(messages: Sequence[Message], add_generation_prompt: bool, continue_final_message: bool,
+                           template_kwargs: Mapping[str, Any] | None = None) -> None:
+    """Where the prompt ends is one place: a new assistant turn, or inside the last message, which
+    must be the assistant's; the template's own arguments may not set the renderer's."""
+    if continue_final_message:
+        if add_generation_prompt:
+            raise TemplateOptionError("continue_final_message", "continue_final_message and add_generation_prompt "
+                                      "cannot both be true: the prompt ends either in the last assistant message "
+                                      "or in a new turn")
+        last = messages[-1].get("role") if messages and isinstance(messages[-1], Mapping) else None
+        if last != "assistant":
+            raise TemplateOptionError("continue_final_message", "continue_final_message needs the last message to "
+                                      f"be the assistant's, not the {last}'s")
+    taken = sorted(RENDER_ARGUMENTS & set(template_kwargs or {}))
+    if taken:
+        raise TemplateOptionError("chat_template_kwargs", f"chat_template_kwargs may not set {taken}: the renderer "
+                                  "sets them (pass them as its own arguments where it has them)")
+
+
+def apply_chat_template(tokenizer: Any, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, chat_template: str | None = None,
+                        tools: list[dict[str, Any]] | None = None,
+                        chat_template_kwargs: Mapping[str, Any] | None = None, **template_kwargs: Any) -> str:
+    """Render ``messages`` to prompt text (not token ids) ending where the assistant's reply starts
+    (``add_generation_prompt``) or inside the last, assistant's, message (``continue_final_message``).
+
+    ``chat_template`` replaces the tokenizer's own; ``tools`` (OpenAI's function definitions) and the
+    template's own arguments reach the template: ``chat_template_kwargs`` as a request gives them
+    (checked against the renderer's own), ``template_kwargs`` as a caller writes them (e.g.
+    ``enable_thinking=False``). Raises ValueError without a tokenizer or template, or when the
+    template rejects the messages; TemplateOptionError (a ValueError) for options that cannot be
+    applied (`check_template_options`).
     """
     if tokenizer is None:
         raise ValueError("the model has no tokenizer, so no chat template: pass token ids to generate()")
@@ -45,9 +85,14 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[Message], *, add_gene
                          "text to generate(), which applies no template")
     if isinstance(messages, (str, bytes)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    check_template_options(messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
     conversation = [_template_message(m) for m in messages]
+    template_kwargs.update(chat_template_kwargs or {})
+    if tools:
+        template_kwargs["tools"] = tools
     try:
         return tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                             add_generation_prompt=add_generation_prompt, **template_kwargs)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **template_kwargs)
     except Exception as e:
         raise ValueError(f"the chat template rejected the messages: {e}") from e

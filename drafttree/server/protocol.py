@@ -309,17 +309,11 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-# what the renderer passes to the template itself: chat_template_kwargs may not set these
-TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-                                "add_generation_prompt", "continue_final_message", "return_dict",
-                                "return_assistant_tokens_mask", "padding", "truncation", "max_length",
-                                "return_tensors", "tokenizer_kwargs"})
-
-
 class TemplateOptions(BaseModel):
     """vLLM's chat template options: where the rendered prompt ends (a new assistant turn, or the
     last assistant message left open to be continued) and the template's own keyword arguments
-    (`{"enable_thinking": false}` for Qwen3's, `{"thinking": false}` for Kimi K2's)."""
+    (`{"enable_thinking": false}` for Qwen3's, `{"thinking": false}` for Kimi K2's); what cannot
+    be applied the rendering refuses (`loader.chat_template.check_template_options`)."""
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
@@ -333,22 +327,10 @@ class TemplateOptions(BaseModel):
             return
         if not self.messages:
             raise OpenAIError("messages must not be empty", param="messages")
-        if self.continue_final_message:
-            if self.add_generation_prompt:
-                raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true: the "
-                                  "prompt ends either in the last assistant message or in a new turn",
-                                  param="continue_final_message")
-            if self.messages[-1].role != "assistant":
-                raise OpenAIError("continue_final_message needs the last message to be the assistant's, "
-                                  f"not the {self.messages[-1].role}'s", param="continue_final_message")
-        taken = sorted(TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {}))
-        if taken:
-            raise OpenAIError(f"chat_template_kwargs may not set {taken}: the server sets them (send them as the "
-                              "request's own fields where it has them)", param="chat_template_kwargs")
 
     def template_options(self) -> dict[str, Any]:
         return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message, **(self.chat_template_kwargs or {})}
+                "continue_final_message": self.continue_final_message, "chat_template_kwargs": self.chat_template_kwargs}
 
 
 class ChatCompletionRequest(TemplateOptions, OpenAIRequest):

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from drafttree.loader.chat_template import apply_chat_template, has_chat_template
+from drafttree.loader.chat_template import TemplateOptionError, apply_chat_template, has_chat_template
 from drafttree.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -159,6 +159,8 @@ class OpenAIServing:
             if self.renders_tools():
                 return apply_chat_template(tok, messages, tools=tools.tools, **kw)
             return apply_chat_template(tok, tools.messages(messages, False), **kw)
+        except TemplateOptionError as e:
+            raise OpenAIError(str(e), param=e.param) from e
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from e
 
@@ -188,9 +190,10 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         if tok is None:
             raise OpenAIError(f"the model '{self.model_name}' has no tokenizer", param="tokens")
-        bad = [t for t in req.tokens if t >= self.engine.model_cfg.vocab_size]
+        vocab = self.engine.model_cfg.vocab_size
+        bad = [t for t in req.tokens if t >= vocab]
         if bad:
-            raise OpenAIError(f"token ids {bad[:5]} outside the vocabulary [0, {self.engine.model_cfg.vocab_size})", param="tokens")
+            raise OpenAIError(f"token ids {bad[:5]} outside the vocabulary [0, {vocab})", param="tokens")
         return {"prompt": tok.decode(req.tokens)}
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Reply:

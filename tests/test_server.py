@@ -98,6 +98,27 @@ def test_chat_stream_with_usage(client, greedy_quicksort: str) -> None:
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_counts_every_chunk(client, greedy_quicksort: str, endpoint: str) -> None:
+    """vLLM's continuous_usage_stats: every chunk carries the usage so far, the last the whole's."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    if endpoint == "chat":
+        stream = client.chat.completions.create(model=MODEL, messages=QUICKSORT, max_tokens=24, temperature=0,
+                                                stream=True, stream_options=opts)
+    else:
+        stream = client.completions.create(model=MODEL, prompt="def quicksort(xs):", max_tokens=24, temperature=0,
+                                           stream=True, stream_options=opts)
+    text, chunks = stream_text(stream)
+    if endpoint == "chat":
+        assert text == greedy_quicksort
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 24 and len(set(counts)) > 2   # it grows with the text
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    assert chunks[-1].choices == []
+
+
 def test_completion_text_and_token_ids(client, tokenizer) -> None:
     prompt = "The capital of France is"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)

@@ -38,6 +38,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False   # vLLM's: every chunk carries the counts so far
 
 
 class JsonSchemaFormat(BaseModel):
@@ -177,6 +178,10 @@ class OpenAIRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stops):
@@ -198,6 +203,10 @@ class OpenAIRequest(BaseModel):
                               "(docs/vllm.md lists them)", param=name, code="unknown_parameter")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats and \
+                not self.stream_options.include_usage:
+            raise OpenAIError("stream_options.continuous_usage_stats needs include_usage: true (the counts so far "
+                              "in every chunk are the usage's)", param="stream_options")
 
     def vllm_fields(self) -> dict[str, Any]:
         """The sampling fields SamplingParams takes by the same name, as sent (logit_bias's keys

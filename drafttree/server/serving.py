@@ -58,9 +58,10 @@ class _Call:
     echo: str | None = None         # completions' echo: the prompt's text, which each choice's text begins with
     prompt_logprobs: bool = False   # vLLM's prompt_logprobs asked: the response carries them
     n: int = 1                      # choices
+    continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
 
-    def usage(self, snap: Snapshot) -> dict[str, int]:
-        p, c = self.handle.prompt_tokens, snap.completion_tokens
+    def usage(self, snap: Snapshot | None) -> dict[str, int]:
+        p, c = self.handle.prompt_tokens, 0 if snap is None else snap.completion_tokens
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
@@ -265,7 +266,8 @@ class OpenAIServing:
             raise OpenAIError(str(e), status=503, type="server_error") from e
         hold = max((len(s) for s in params.stop), default=1) - 1
         call = _Call(rid, chat, self.model_name, now(), handle, req.include_usage, hold, tuple(params.stop), tools,
-                     params.logprobs, self.echoed(req, prompt), req.prompt_logprobs is not None, params.n)
+                     params.logprobs, self.echoed(req, prompt), req.prompt_logprobs is not None, params.n,
+                     req.continuous_usage)
         if req.stream:
             # The background abort covers a stream that never started (client gone before the first chunk).
             return StreamingResponse(self._stream(call, raw), media_type="text/event-stream",
@@ -389,7 +391,10 @@ class OpenAIServing:
         try:
             if call.chat:
                 for i in range(call.n):
-                    yield _sse(call.chunk("", None, role=True, index=i))
+                    first = call.chunk("", None, role=True, index=i)
+                    if call.continuous_usage:
+                        first["usage"] = call.usage(None)
+                    yield _sse(first)
             while True:
                 try:
                     snap = await handle.next()
@@ -408,6 +413,9 @@ class OpenAIServing:
                 echoed = True
                 if snap.finished and chunks:   # the request's last chunk carries the speculation's statistics
                     chunks[-1]["drafttree"] = spec_stats(snap, self.engine.spec.method)
+                if call.continuous_usage:
+                    for chunk in chunks:
+                        chunk["usage"] = call.usage(snap)
                 for chunk in chunks:
                     yield _sse(chunk)
                 if snap.finished:

@@ -71,6 +71,9 @@ def stream_text(stream) -> tuple[str, list]:
 def test_health_and_models(live: Live, client) -> None:
     assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("other/model")
 
 
 def test_chat_completion_usage(greedy_chat, tokenizer) -> None:

@@ -147,12 +147,22 @@ def create_app(engine: Engine | Callable[[], Engine], model_name: str, limits: S
         return JSONResponse({"status": status, "stage": boot.stage}, status_code=503,
                             headers={"Retry-After": str(RETRY_AFTER_S)})
 
+    def model_card() -> dict[str, Any]:
+        eng = serving().engine
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "drafttree",
+                "max_model_len": eng.max_model_len, "speculative": eng.spec.method}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        eng = serving().engine
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "drafttree",
-            "max_model_len": eng.max_model_len, "speculative": eng.spec.method}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        """OpenAI's retrieve: the served model's card, a 404 for any other name."""
+        if model != model_name:
+            raise OpenAIError(f"The model '{model}' does not exist; this server serves '{model_name}'",
+                              status=404, param="model", code="model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics_text() -> Response:

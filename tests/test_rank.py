@@ -168,6 +168,15 @@ def test_random_kimi_shapes_plan_as_the_published_checkpoint():
         {k: v for k, v in weights.items() if k != "routed experts"}
 
 
+def test_a_rank_of_dense_layers_only_reports_without_experts(capsys):
+    """--num-layers within the dense first layers: no routed expert to count or skew."""
+    assert rank_bench.main(["--random-weights", TINY, "--num-layers", "1", "--tensor-parallel-size", "2",
+                            "--batch", "1", "--budgets", "4", "--prompt-len", "8", "--max-model-len", "64",
+                            "--iters", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "decode" in out and "skewed routing" not in out
+
+
 def test_bench_rank_refuses_bad_options(capsys):
     for args, match in ((["--budgets", "3,8"], "powers of two from 4"),
                         (["--simulate-rank", "2"], "a rank of 0..1"),

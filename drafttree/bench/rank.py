@@ -317,7 +317,7 @@ class Batch:
         linked = {k: s + links[k] for k, s in seconds.items()}
         out["choice_with_collectives"] = rank_costs.pick_budget(spec, bucket, self.B, list(o.budgets), linked,
                                                                 o.acceptance)
-        if o.skew and self.num_experts:
+        if o.skew and spread:   # no routed layer kept (--num-layers within the dense ones): nothing to skew
             out["skewed"] = self.skewed(spread)
         if o.profile:
             k = out["decode"]["kernels"] = self.kernels(self.decode, o.profile)

@@ -124,6 +124,13 @@ def _generate(a: argparse.Namespace, eng: Engine) -> int:
                "rounds": seq.stats.rounds,
                "mean_accept_length": round(seq.stats.mean_accept_length, 3),
                "accept_histogram": seq.stats.histogram, **{k: round(v, 4) for k, v in t.items()}}
+    reasoning = eng.text.reasoning
+    if reasoning is not None and tok is not None:   # the reply's two parts, as the server's chat gives them
+        from drafttree.structured.reasoning import reply_parts
+        parts = reply_parts(tok, reasoning, seq.output_ids, reasoning.state(seq.prompt_ids), eng.eos_ids,
+                            seq.params.stop, seq.finish_reason)
+        summary["reasoning"] = None if parts is None else parts.reasoning
+        summary["content"] = seq.text if parts is None else parts.content
     if a.json:
         print(json.dumps(summary))
     else:

@@ -52,6 +52,23 @@ def test_generate_json(pair, capsys):
     assert 0 < got["ttft_s"] <= got["total_s"]
 
 
+def test_generate_json_reports_a_reasoning_models_two_parts(tmp_path, capsys):
+    """With --reasoning-parser the JSON holds the reply's reasoning and content apart; a model
+    whose tokenizer cannot write the markers is refused before its weights load."""
+    target = make_target(tmp_path / "target", "qwen3", vocab=VOCAB, layers=2, scale=3.0)
+    write_tokenizer(target, VOCAB, added=("<think>", "</think>"))
+    common = ["--model", str(target), "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
+              "--max-tokens", str(MAX_TOKENS), "--json", "--spec", "none", "--raw", "--reasoning-parser", "qwen3"]
+    got = json.loads(run(capsys, "generate", "Hi <think>", *common))
+    reasoning, sep, content = got["text"].partition("</think>")
+    assert (got["reasoning"], got["content"]) == (reasoning.strip(), content.lstrip() if sep else "")
+    free = json.loads(run(capsys, "generate", "Hi", *common))   # the prompt left it free: the output did not open it
+    assert free["reasoning"] is None and free["content"] == free["text"]
+    write_tokenizer(target, VOCAB)
+    assert main(["generate", "Hi", *common]) == 2
+    assert "reasoning parser qwen3: the model's tokenizer spells '<think>' as 7 tokens" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("block_size,budget", [(8, 32), (4, 5)])
 def test_graphs_prints_each_phase_width(pair, capsys, block_size, budget):
     """Weight-free: the DDTree plan drafts block_size wide and verifies budget + 1 nodes."""
@@ -207,6 +224,9 @@ def test_the_flags_choices_are_the_codes():
     assert config.DRAFT_QUANTIZATIONS == METHODS
     assert config.SAMPLER_MODE_NAMES == tuple(m.name.lower() for m in CAPTURED_MODES)
     assert config.GENERATION_CONFIGS == ("auto", "vllm")   # vLLM's --generation-config names
+    from drafttree.server.tool_parsers import PARSERS
+    from drafttree.structured.reasoning import FORMATS
+    assert set(config.TOOL_CALL_PARSERS) == set(PARSERS) and set(config.REASONING_PARSERS) == set(FORMATS)
 
 
 def test_the_benchmarks_defaults_and_fixed_fields():

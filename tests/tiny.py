@@ -89,18 +89,25 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
-def write_tokenizer(path: Path, vocab: int, eos_token: str | None = None, chat_template: str | None = None) -> Path:
+def write_tokenizer(path: Path, vocab: int, eos_token: str | None = None, chat_template: str | None = None,
+                    added: tuple[str, ...] = (), special: bool = False) -> Path:
     """A character-level tokenizer of `vocab` ids beside a tiny checkpoint, so that text prompts
     (the CLI's) reach it: id 0 unknown, then printable ASCII, then fillers. By default no EOS token
-    and no chat template, so a prompt is its characters and only max_tokens ends a generation."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    and no chat template, so a prompt is its characters and only max_tokens ends a generation.
+    `added`: whole tokens in the last ids (markers such as `<think>`), special ones with `special`
+    (left out of text decoded without special tokens)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     pieces = ["<unk>"] + [chr(c) for c in range(32, 127)]
     pieces = (pieces + [f"<extra_{i}>" for i in range(max(vocab - len(pieces), 0))])[:vocab]
+    if added:
+        pieces[len(pieces) - len(added):] = list(added)
     tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    if added:
+        tok.add_tokens([AddedToken(a, special=special, normalized=False) for a in added])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
     if eos_token is not None:
         fast.eos_token = eos_token

@@ -16,6 +16,7 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 DRAFT_QUANTIZATIONS = ("fp8",)                                                    # models.quant.METHODS
 SAMPLER_MODE_NAMES = ("greedy", "sample", "filtered")                             # sampling.SampleMode
 TOOL_CALL_PARSERS = ("hermes", "kimi_k2", "llama3_json")                          # server.tool_parsers
+REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "kimi_k2", "qwen3")            # structured.reasoning
 GENERATION_CONFIGS = ("auto", "vllm")                                             # vLLM's names
 
 
@@ -153,6 +154,11 @@ class EngineConfig:
     tool_call_parser: str | None = _opt(
         None, "the format of tool calls in chat replies (the server parses them and forces required calls in it)",
         "the one the model's chat template writes; hermes where it names none", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = _opt(
+        None, "the reasoning format of a reasoning model (<think> ... </think>): chat replies carry the reasoning "
+              "apart (reasoning_content) and a request's structured output or forced tool call applies from its end; "
+              "generate --json reports both parts", "none: the reasoning is part of the content",
+        choices=REASONING_PARSERS)
     random_weights: str | None = _opt(None, "timing only: random weights of a shape in "
                                             "drafttree.models.random_shapes (NAME@N: its first N layers)",
                                       "none", metavar="SHAPE", timing_only=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from drafttree.phases import Phase
 from drafttree.runner.model_runner import ModelRunner, PrefillChunk
 from drafttree.sampling import SampleMode
 from drafttree.structured.grammar import ALL_ALLOWED, GrammarCompiler
+from drafttree.structured.reasoning import Reasoning
 from drafttree.structured.tree import build_trees
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,10 @@ class ConstrainedTimes:
 class Constrained:
     """One engine's grammars and its constrained rounds."""
 
-    def __init__(self, runner: ModelRunner, tokenizer, vocab: int, eos_ids: set[int]) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer, vocab: int, eos_ids: set[int],
+                 reasoning: Reasoning | None = None) -> None:
         self.runner, self.tokenizer, self.vocab, self.eos_ids = runner, tokenizer, vocab, set(eos_ids)
+        self.reasoning = reasoning   # a reasoning model's constraints hold from the end of its reasoning
         self._compiler: GrammarCompiler | None = None
         self.times = ConstrainedTimes()
         self.ahead: _Rows | None = None   # the rows, mode and processing of the draft queued ahead
@@ -63,8 +66,11 @@ class Constrained:
     def attach(self, seq: Sequence) -> None:
         """Compile the request's constraint (ValueError naming what is wrong, before it runs)."""
         so = seq.params.structured_outputs
-        if so is not None:
-            seq.grammar = self.compiler.matcher(so)
+        if so is None:
+            return
+        if self.reasoning is not None and so.after_reasoning is None:
+            so = replace(so, after_reasoning=self.reasoning.constraint(self.reasoning.state(seq.prompt_ids)))
+        seq.grammar = self.compiler.matcher(so)
 
     def first_masks(self, chunks: list[tuple[Sequence, PrefillChunk]]) -> None:
         """The first-token mask of each chunk that ends a constrained request's prefill."""

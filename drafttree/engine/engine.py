@@ -31,6 +31,7 @@ from drafttree.parallel.group import TensorParallelError, TPGroup
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.settings import Settings, scope
+from drafttree.structured.reasoning import Reasoning
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,6 +100,8 @@ class Engine:
         compiled = prepare.compile_caches(setup)
         tokenizer = Background(   # alongside the weights
             lambda: given_tokenizer if given_tokenizer is not None else load_tokenizer(self.model_dir))
+        # its markers are the tokenizer's: a model that cannot write them is refused before the weights load
+        reasoning = Reasoning(cfg.reasoning_parser, tokenizer.result()) if cfg.reasoning_parser else None
         with self.startup.stage("load weights"):
             target, drafter = load_models(setup, tp)
         size = size_pool(setup, tp)
@@ -112,10 +115,11 @@ class Engine:
         self.scheduler = Scheduler(sched, self.pool, self.runner)
         with self.startup.stage("tokenizer"):
             self.text = TextCodec(tokenizer.result(), set(setup.target.eos_token_ids),
-                                  setup.target.vocab_size, self.model_dir)
+                                  setup.target.vocab_size, self.model_dir, reasoning)
             self.startup.note("tokenizer", f"loaded in {tokenizer.seconds:.2f} s, alongside the weights")
         self.book = Stats(self.pool, self.scheduler, self.runner)
-        self.constrained = Constrained(self.runner, self.text.tokenizer, setup.target.vocab_size, self.text.eos_ids)
+        self.constrained = Constrained(self.runner, self.text.tokenizer, setup.target.vocab_size, self.text.eos_ids,
+                                       reasoning)
         self.stream_text = False    # a server streaming text sets this
         self.overlap = setup.overlap
         self._inflight: Launched | None = None

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from drafttree.engine.sequence import Sequence
+from drafttree.structured.reasoning import Reasoning
 
 
 # tokenizer_config.json classes that are tokenizer.json as is: AutoTokenizer resolves them to the
@@ -49,10 +50,13 @@ class TokenTexts:
 
 
 class TextCodec:
-    """A model's tokenizer (or none: token ids only) and its end-of-sequence ids."""
+    """A model's tokenizer (or none: token ids only), its end-of-sequence ids and, for a reasoning
+    model, its reasoning format."""
 
-    def __init__(self, tokenizer, eos_ids: set[int], vocab_size: int, where: Path | None = None) -> None:
+    def __init__(self, tokenizer, eos_ids: set[int], vocab_size: int, where: Path | None = None,
+                 reasoning: Reasoning | None = None) -> None:
         self.tokenizer = tokenizer
+        self.reasoning = reasoning
         self.eos_ids = set(eos_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)

@@ -258,7 +258,7 @@ class MessageToolCall(BaseModel):
 
 
 # fields of a chat response's message that come back empty in the next request's history
-ECHOED_EMPTY = frozenset({"refusal", "annotations", "audio", "function_call", "reasoning_content"})
+ECHOED_EMPTY = frozenset({"refusal", "annotations", "audio", "function_call"})
 
 
 class ChatMessage(BaseModel):
@@ -269,6 +269,17 @@ class ChatMessage(BaseModel):
     name: StrictStr | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: StrictStr | None = None
+    # an assistant turn's reasoning, as a reply gave it (both names, as the server sends them);
+    # chat templates that keep reasoning in the history read `reasoning_content`
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None
+
+    def check_reasoning(self, where: str) -> None:
+        given = {k: v for k, v in (("reasoning_content", self.reasoning_content), ("reasoning", self.reasoning)) if v}
+        if given and self.role != "assistant":
+            raise OpenAIError(f"{where}: {min(given)} belongs to assistant messages, not {self.role}", param="messages")
+        if len(set(given.values())) > 1:
+            raise OpenAIError(f"{where}: reasoning_content and reasoning differ; give one", param="messages")
 
     def template_dict(self) -> dict[str, Any]:
         if isinstance(self.content, list):
@@ -280,6 +291,8 @@ class ChatMessage(BaseModel):
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content or self.reasoning:
+            out["reasoning_content"] = self.reasoning_content or self.reasoning
         if self.tool_calls:
             # templates read the arguments as a mapping (OpenAI sends JSON text)
             out["tool_calls"] = [{"id": c.id, "type": "function",
@@ -336,6 +349,8 @@ class TemplateOptions(BaseModel):
             return
         if not self.messages:
             raise OpenAIError("messages must not be empty", param="messages")
+        for i, m in enumerate(self.messages):
+            m.check_reasoning(f"messages[{i}]")
 
     def template_options(self) -> dict[str, Any]:
         return {"add_generation_prompt": self.add_generation_prompt,
@@ -350,6 +365,8 @@ class ChatCompletionRequest(TemplateOptions, OpenAIRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     top_logprobs: StrictInt | None = None
+    # vLLM's: with a reasoning parser, false leaves the reasoning out of the reply
+    include_reasoning: StrictBool = True
 
     def check(self) -> None:
         self.check_common()

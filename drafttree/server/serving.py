@@ -25,6 +25,8 @@ from drafttree.server.protocol import (
 )
 from drafttree.server.limits import check_prompt_chars, max_chars_per_token
 from drafttree.server.logprobs import CompletionLogprobs, TokenTexts, chat_content, prompt_logprobs
+from drafttree.server.reasoning import ReasoningStream, reasoning_fields
+from drafttree.structured.reasoning import PartsReader
 from drafttree.server.tool_parsers import ToolParser, make_parser
 from drafttree.server.tools import ToolPlan, ToolStream, check_tools_and_format
 from drafttree.server.worker import (
@@ -59,6 +61,8 @@ class _Call:
     prompt_logprobs: bool = False   # vLLM's prompt_logprobs asked: the response carries them
     n: int = 1                      # choices
     continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
+    reasoning: str | None = None    # with a reasoning parser: where the prompt left the reasoning (`Reasoning.state`)
+    include_reasoning: bool = True  # the reply carries the reasoning (vLLM's include_reasoning)
 
     def usage(self, snap: Snapshot | None) -> dict[str, int]:
         p, c = self.handle.prompt_tokens, 0 if snap is None else snap.completion_tokens
@@ -94,6 +98,7 @@ class _Streamed:
     done: bool = False
     tools: ToolStream | None = None
     offsets: CompletionLogprobs | None = None
+    reasoning: ReasoningStream | None = None
 
 
 def spec_stats(snap: Snapshot, method: str) -> dict[str, Any]:
@@ -213,7 +218,7 @@ class OpenAIServing:
         prompt = self.chat_prompt(req, tools)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         return await self._serve(req, prompt, TokenBudget(req.requested_max_tokens(), None, field), raw, chat=True,
-                                 structured=structured, tools=tools)
+                                 structured=structured, tools=tools, include_reasoning=req.include_reasoning)
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Reply:
         self.check_model(req)
@@ -224,6 +229,19 @@ class OpenAIServing:
         # OpenAI's default for completions, clamped to what the context leaves
         return await self._serve(req, prompt, TokenBudget(req.max_tokens, 16), raw, chat=False,
                                  structured=req.structured())
+
+    @property
+    def reasoning(self):
+        """The model's reasoning format (`--reasoning-parser`), or None."""
+        return self.engine.text.reasoning
+
+    def parts_reader(self, call: _Call) -> PartsReader | None:
+        """What reads a reasoning model's reply in its parts; None without a parser and for
+        completions."""
+        if call.reasoning is None:
+            return None
+        return PartsReader(self.engine.tokenizer, self.reasoning, call.reasoning, self.engine.eos_ids,
+                           marked=call.tools is not None)
 
     def reply_text(self, call: _Call, choice: ChoiceSnapshot) -> str:
         """A tool request's reply with its special tokens (a template's call markers may be
@@ -246,7 +264,8 @@ class OpenAIServing:
         return "" if tok is None else tok.decode(prompt)
 
     async def _serve(self, req: OpenAIRequest, prompt: str | list[int], budget: TokenBudget, raw: Request,
-                     chat: bool, structured: StructuredOutputs | None = None, tools: ToolPlan | None = None) -> Reply:
+                     chat: bool, structured: StructuredOutputs | None = None, tools: ToolPlan | None = None,
+                     include_reasoning: bool = True) -> Reply:
         where = "messages" if chat else "prompt"
         if isinstance(prompt, str) and self.chars_per_token is not None:
             too_long = check_prompt_chars(prompt, self.engine.max_model_len, self.chars_per_token)
@@ -256,8 +275,9 @@ class OpenAIServing:
         params = req.sampling_params(budget.requested or budget.default or self.engine.max_model_len, structured,
                                      self.engine.sampling_defaults)
         rid = make_id("chatcmpl" if chat else "cmpl")
+        reasons = chat and self.reasoning is not None
         try:
-            handle = await self.worker.submit(rid, prompt, params, budget, with_ids=tools is not None)
+            handle = await self.worker.submit(rid, prompt, params, budget, with_ids=tools is not None or reasons)
         except BadRequest as e:
             if str(e).startswith("structured outputs"):
                 where = "tools" if tools is not None and tools.forced is not None else _structured_param(req)
@@ -267,7 +287,8 @@ class OpenAIServing:
         hold = max((len(s) for s in params.stop), default=1) - 1
         call = _Call(rid, chat, self.model_name, now(), handle, req.include_usage, hold, tuple(params.stop), tools,
                      params.logprobs, self.echoed(req, prompt), req.prompt_logprobs is not None, params.n,
-                     req.continuous_usage)
+                     req.continuous_usage, self.reasoning.state(handle.prompt_ids) if reasons else None,
+                     include_reasoning)
         if req.stream:
             # The background abort covers a stream that never started (client gone before the first chunk).
             return StreamingResponse(self._stream(call, raw), media_type="text/event-stream",
@@ -291,10 +312,16 @@ class OpenAIServing:
     def _choice(self, call: _Call, c: ChoiceSnapshot, snap: Snapshot) -> dict[str, Any]:
         """One choice of a whole (non-streamed) response."""
         if call.chat:
+            reader = self.parts_reader(call)
+            parts = None if reader is None else reader.read(c.token_ids or (), call.stop, c.finish_reason)
             if call.tools is not None:
-                message, finish = call.tools.reply(self.reply_text(call, c), c.finish_reason or "stop", c.text)
+                text, plain = (self.reply_text(call, c), c.text) if parts is None else (parts.marked, parts.content)
+                message, finish = call.tools.reply(text, c.finish_reason or "stop", plain)
             else:
-                message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+                content = c.text if parts is None else parts.content or None
+                message, finish = {"role": "assistant", "content": content}, c.finish_reason
+            if parts is not None and call.include_reasoning:
+                message.update(reasoning_fields(parts.reasoning))
             lps = None
             if call.logprobs is not None:
                 lps = {"content": chat_content(list(c.token_ids), list(c.logprobs), call.logprobs, self.token_texts)}
@@ -356,15 +383,24 @@ class OpenAIServing:
     def _choice_chunks(self, call: _Call, c: ChoiceSnapshot, st: _Streamed, snap: Snapshot) -> list[dict[str, Any]]:
         """The chunks a choice's progress adds; the last one once it finishes."""
         out = []
+        text, parts = c.text, None
+        if call.reasoning is not None:
+            st.reasoning = st.reasoning or ReasoningStream(self.parts_reader(call))
+            parts = st.reasoning.reader.read(c.token_ids or (), call.stop, c.finish_reason)
+        if parts is not None:
+            for delta in st.reasoning.deltas(parts, c.finished, call.hold):
+                if call.include_reasoning:
+                    out.append(call.chunk(None, None, delta=delta, index=c.index,
+                                          logprobs=self._stream_logprobs(call, c, st)))
+            text = parts.content
         if call.tools is not None:
-            text = self.reply_text(call, c)
+            text = self.reply_text(call, c) if parts is None else parts.marked
             for delta in st.tools.deltas(text, c.finished, call.hold):
                 out.append(call.chunk(None, None, delta=delta, index=c.index))
             if c.finished:
                 finish = call.tools.reply(text, c.finish_reason or "stop")[1]
                 out.append(call.chunk(None, finish, index=c.index, logprobs=self._stream_logprobs(call, c, st)))
             return out
-        text = c.text
         if c.finished:
             end = len(text)
         else:

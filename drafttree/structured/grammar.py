@@ -7,11 +7,12 @@ import copy
 import json
 import logging
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from drafttree.structured.params import StructuredOutputs
+from drafttree.structured.params import AfterReasoning, StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,15 @@ def llg_tokenizer(tokenizer: Any, vocab: int, eos_ids: set[int]):
                            eos_token=eos)
 
 
-def grammar_text(so: StructuredOutputs) -> str:
-    """llguidance's grammar for a constraint (not yet checked: `GrammarCompiler.check` does)."""
+def grammar_text(so: StructuredOutputs, eos_ids: Iterable[int] = ()) -> str:
+    """llguidance's grammar for a constraint (not yet checked: `GrammarCompiler.check` does);
+    `eos_ids`: the ends of sequence a reasoning (`so.after_reasoning`) may not end on."""
+    text = _body_text(so)
+    return text if so.after_reasoning is None else _after_reasoning(text, so.after_reasoning, eos_ids)
+
+
+def _body_text(so: StructuredOutputs) -> str:
+    """The constraint's own grammar."""
     llg = _llguidance()
     kind = so.kind
     if kind == "json_object":
@@ -86,6 +94,22 @@ def grammar_text(so: StructuredOutputs) -> str:
         return llg.grammar_from("grammar", so.grammar)
     except ValueError as e:
         raise ValueError(f"structured outputs: the grammar is neither Lark nor GBNF: {e}") from None
+
+
+def _after_reasoning(text: str, r: AfterReasoning, eos_ids: Iterable[int]) -> str:
+    """`text` (a Lark grammar, or llguidance's grammar list) behind a reasoning: a top grammar
+    whose tokens up to `r.end` are free (ends of sequence aside), then whitespace, then `text`'s
+    first grammar, referenced by name."""
+    top = json.loads(text) if text.lstrip().startswith("{") else {"grammars": [{"lark_grammar": text}]}
+    grammars = top["grammars"]
+    body = grammars[0].get("name") or "drafttree_answer"
+    grammars[0]["name"] = body
+    banned = ",".join(str(t) for t in sorted({r.end, *r.answer_starts, *eos_ids}))
+    thought = f"<[^{banned}]>* <[{r.end}]>"
+    if not r.opened:
+        thought = f"(<[{r.start}]> {thought})?"
+    top["grammars"] = [{"lark_grammar": f"start: {thought} /[ \\t\\r\\n]*/ @{body}"}] + grammars
+    return json.dumps(top)
 
 
 class GrammarCompiler:
@@ -107,7 +131,7 @@ class GrammarCompiler:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        text = grammar_text(so)
+        text = grammar_text(so, self.eos_ids)
         is_error, messages = self.llg.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
         if is_error:
             what = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",

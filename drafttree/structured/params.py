@@ -1,6 +1,6 @@
 """What a request asks its output to be: one of a JSON schema, any JSON object, a regex, a choice
-of strings or a grammar (Lark, or GBNF/EBNF as llama.cpp writes it). vLLM's `structured_outputs`
-under the same names."""
+of strings or a grammar (Lark, or GBNF/EBNF as llama.cpp writes it), vLLM's `structured_outputs`
+under the same names; for a reasoning model, from the end of its reasoning on."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class AfterReasoning:
+    """A constraint that holds once the model's reasoning has ended: until the token `end` that
+    closes it every token is free but an end of sequence (a reasoning model must answer); then
+    whitespace, then the constraint. `opened`: the prompt opened the reasoning; else the output
+    may open it with `start` as its first token, or begin with the constrained answer.
+    `answer_starts`: tokens that would end the reasoning without `end` (the reasoning may not
+    hold them: here only `end` ends it)."""
+    start: int
+    end: int
+    opened: bool
+    answer_starts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "answer_starts", tuple(self.answer_starts))
+        if not all(isinstance(t, int) and t >= 0 for t in (self.start, self.end)) or self.start == self.end:
+            raise ValueError(f"structured outputs: the reasoning's start and end must be two token ids, got "
+                             f"{self.start}, {self.end}")
 
 
 @dataclass(frozen=True)
@@ -20,11 +40,14 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    after_reasoning: AfterReasoning | None = None
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, tuple):
             object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.after_reasoning, dict):
+            object.__setattr__(self, "after_reasoning", AfterReasoning(**self.after_reasoning))
         given = [k for k in KINDS if self._value(k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured outputs take exactly one of {', '.join(KINDS)}; got "
@@ -56,4 +79,6 @@ class StructuredOutputs:
         """A text that names the constraint exactly (compiled grammars are cached by it)."""
         v = self._value(self.kind)
         text = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
-        return f"{self.kind}:{text}"
+        r = self.after_reasoning
+        head = "" if r is None else f"after_reasoning({r.start},{r.end},{int(r.opened)},{list(r.answer_starts)}):"
+        return f"{head}{self.kind}:{text}"

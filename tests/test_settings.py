@@ -234,7 +234,7 @@ def test_a_follower_and_the_engine_thread_run_under_the_engines_settings(monkeyp
     seen.clear()
 
     class Stepping:
-        settings, failure, running, waiting = own, None, [], []
+        settings, failure, running, waiting, graphs_pending = own, None, [], [], 0
         left = 2
 
         def has_unfinished(self) -> bool:

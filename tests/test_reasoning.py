@@ -88,7 +88,7 @@ def test_streamed_reasoning_adds_up_to_the_whole(tok, stops):
     assert whole.reasoning == "let me see: 2 + 2" and whole.content.startswith("The answer is 4.")
     if stops:
         assert whole.content == "The answer is 4."
-    stream, sent = ReasoningStream(PartsReader(tok, r, "free", eos, marked=True)), ""
+    stream, sent = ReasoningStream(PartsReader(tok, r, "free", eos, marked=frozenset())), ""
     for n in range(1, len(out) + 1):
         parts = stream.reader.read(out[:n], stops, finish if n == len(out) else None)   # decoded a window at a time
         for d in stream.deltas(parts, n == len(out), hold=max((len(s) for s in stops), default=1) - 1):
@@ -202,10 +202,24 @@ def test_kimi_k2_tool_calls_after_the_reasoning_are_parsed(tok):
             '{"x": 1}<|tool_call_end|><|tool_calls_section_end|>')
     tools = [{"type": "function", "function": {"name": "f"}}]
     for reply in ("I should call f." + call, "I should call f.</think>" + call):   # closed or not
-        parts = reply_parts(tok, r, ids(tok, reply), "open", set(), (), "stop", marked=True)
+        parts = reply_parts(tok, r, ids(tok, reply), "open", set(), (), "stop", marked=frozenset())
         assert parts.reasoning == "I should call f." and parts.ended
-        message, finish = ToolPlan(tools, make_parser(tok, "kimi_k2"), None, True, False).reply(
-            parts.marked, "stop", parts.content)
+        message, finish = ToolPlan(tools, make_parser(tok, "kimi_k2"), None, True, False).reply(parts.marked, "stop")
         assert finish == "tool_calls" and message["content"] is None
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
             [("f", {"x": 1})]
+
+
+def test_a_tool_replys_text_keeps_its_formats_markers_and_no_other_special_token(tok):
+    """The text a tool reply is parsed from, whole and streamed: plain text (special tokens left
+    out) but for the format's markers, so that streamed content equals the whole reply's."""
+    from drafttree.server.tool_parsers import make_parser
+    hidden = make_parser(tok, "kimi_k2").hidden_ids()
+    out = ids(tok, "a<think>b</think>c<|tool_calls_section_begin|>d")
+    kept = tok.decode([t for t in out if t not in hidden], skip_special_tokens=False)
+    plain = tok.decode(out, skip_special_tokens=True)
+    marker = tok.convert_tokens_to_ids("<|tool_calls_section_begin|>")
+    assert marker not in hidden and "<|tool_calls_section_begin|>" in kept
+    assert kept.replace("<|tool_calls_section_begin|>", "") == plain.replace("<|tool_calls_section_begin|>", "")
+    special = tok.added_tokens_decoder[tok.convert_tokens_to_ids("<think>")].special
+    assert ("<think>" in kept) is not special

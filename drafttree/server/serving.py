@@ -241,14 +241,14 @@ class OpenAIServing:
         if call.reasoning is None:
             return None
         return PartsReader(self.engine.tokenizer, self.reasoning, call.reasoning, self.engine.eos_ids,
-                           marked=call.tools is not None)
+                           marked=None if call.tools is None else call.tools.parser.hidden_ids())
 
     def reply_text(self, call: _Call, choice: ChoiceSnapshot) -> str:
-        """A tool request's reply with its special tokens (a template's call markers may be
-        special tokens, which the streamed text leaves out), ends of sequence aside, cut before
-        the stop string that ended it (the engine cut `choice.text` there)."""
-        eos = self.engine.eos_ids
-        text = self.engine.tokenizer.decode([t for t in choice.token_ids or () if t not in eos],
+        """A tool request's reply with its format's markers (which may be special tokens, which
+        `choice.text` leaves out) and no other special token, cut before the stop string that ended
+        it (the engine cut `choice.text` there)."""
+        hidden = self.engine.eos_ids | call.tools.parser.hidden_ids()
+        text = self.engine.tokenizer.decode([t for t in choice.token_ids or () if t not in hidden],
                                             skip_special_tokens=False)
         if choice.finish_reason == "stop" and call.stop:
             text = text[:min((i for i in (text.find(s) for s in call.stop) if i >= 0), default=len(text))]
@@ -315,12 +315,12 @@ class OpenAIServing:
             reader = self.parts_reader(call)
             parts = None if reader is None else reader.read(c.token_ids or (), call.stop, c.finish_reason)
             if call.tools is not None:
-                text, plain = (self.reply_text(call, c), c.text) if parts is None else (parts.marked, parts.content)
-                message, finish = call.tools.reply(text, c.finish_reason or "stop", plain)
+                message, finish = call.tools.reply(self.reply_text(call, c) if parts is None else parts.marked,
+                                                   c.finish_reason or "stop")
             else:
                 content = c.text if parts is None else parts.content or None
                 message, finish = {"role": "assistant", "content": content}, c.finish_reason
-            if parts is not None and call.include_reasoning:
+            if parts is not None and parts.reasoning and call.include_reasoning:   # as the stream sends it
                 message.update(reasoning_fields(parts.reasoning))
             lps = None
             if call.logprobs is not None:

@@ -44,12 +44,27 @@ def _schema(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 class ToolParser:
-    """One family's format. `begin`: the text that opens the reply's tool calls."""
+    """One family's format. `begin`: the text that opens the reply's tool calls; `markers`: every
+    text the format writes around calls (kept in the reply's text where they are special tokens)."""
     name = ""
     begin = ""
+    markers: tuple[str, ...] = ()
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._hidden: frozenset[int] | None = None
+
+    def hidden_ids(self) -> frozenset[int]:
+        """The special tokens a reply's text leaves out (as text decoded without special tokens
+        does), all but this format's markers: the reply's text is then the plain text with the
+        markers kept, the same whole and streamed."""
+        if self._hidden is None:
+            tok, keep = self.tokenizer, set(self.markers)
+            ids = set(getattr(tok, "all_special_ids", None) or []) if tok is not None else set()
+            decoder = getattr(tok, "added_tokens_decoder", None) or {}
+            ids |= {i for i, t in decoder.items() if getattr(t, "special", False)}
+            self._hidden = frozenset(i for i in ids if tok.convert_ids_to_tokens(i) not in keep)
+        return self._hidden
 
     def literal(self, text: str) -> str:
         """`text` in a Lark grammar: the special token by id where the tokenizer has it as one
@@ -108,6 +123,7 @@ def _alternatives(rules: list[str]) -> str:
 class HermesParser(ToolParser):
     name = "hermes"
     begin = "<tool_call>"
+    markers = ("<tool_call>", "</tool_call>")
     _call = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
@@ -138,6 +154,8 @@ class HermesParser(ToolParser):
 class KimiK2Parser(ToolParser):
     name = "kimi_k2"
     begin = "<|tool_calls_section_begin|>"
+    markers = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+               "<|tool_call_end|>", "<|tool_calls_section_end|>")
     _call = re.compile(r"<\|tool_call_begin\|>\s*([^<\s]+)\s*<\|tool_call_argument_begin\|>\s*(.*?)\s*"
                        r"(?:<\|tool_call_end\|>|$)", re.S)
 
@@ -164,6 +182,7 @@ class KimiK2Parser(ToolParser):
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     begin = "<|python_tag|>"
+    markers = ("<|python_tag|>",)
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         more = ' ("; " call)*' if parallel else ""

@@ -49,12 +49,12 @@ class ToolPlan:
             return [{**messages[0], "content": messages[0]["content"] + "\n\n" + note}] + messages[1:]
         return [{"role": "system", "content": note}] + messages
 
-    def reply(self, text: str, finish_reason: str, plain: str | None = None) -> tuple[dict[str, Any], str]:
-        """(the message, its finish reason) of a whole reply: calls parsed out of it; `plain`: the
-        reply's text without special tokens, the content where it holds no call."""
+    def reply(self, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+        """(the message, its finish reason) of a whole reply (its text with the format's markers:
+        `ToolParser.hidden_ids`): calls parsed out of it, else the text is the content."""
         content, calls = self.parser.parse(text)
         if not calls:
-            return {"role": "assistant", "content": text if plain is None else plain}, finish_reason
+            return {"role": "assistant", "content": text}, finish_reason
         if not self.parallel:
             calls = calls[:1]
         msg = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}

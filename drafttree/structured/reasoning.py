@@ -157,10 +157,12 @@ class PartsReader:
     """A reply's parts as its output grows (`read` with the output so far)."""
 
     def __init__(self, tokenizer: Any, reasoning: Reasoning, state: PromptState, eos_ids: set[int],
-                 marked: bool = False) -> None:
+                 marked: frozenset[int] | None = None) -> None:
+        """`marked`: also the answer's text with special tokens kept, but for these ids."""
         self.reasoning, self.state, self.eos_ids = reasoning, state, eos_ids
         self._texts = [GrowingText(tokenizer, True), GrowingText(tokenizer, True)]
-        self._marked = GrowingText(tokenizer, False) if marked else None
+        self._marked = GrowingText(tokenizer, False) if marked is not None else None
+        self._hidden = marked or frozenset()
 
     def read(self, ids: Sequence[int], stops: Sequence[str], finish_reason: str | None) -> ReplyParts | None:
         """The parts of the output so far, or None where it holds no reasoning (then it is content,
@@ -175,7 +177,8 @@ class PartsReader:
         final = finish_reason is not None
         text = self._texts[0].update(split.reasoning, final or split.ended)
         content = self._texts[1].update(split.answer, final).lstrip()
-        marked = None if self._marked is None else self._marked.update(split.answer, final).lstrip()
+        marked = None if self._marked is None else \
+            self._marked.update([t for t in split.answer if t not in self._hidden], final).lstrip()
         if finish_reason == "stop" and stops:
             if split.ended:
                 content = _cut(content, stops)
@@ -187,6 +190,7 @@ class PartsReader:
 
 
 def reply_parts(tokenizer: Any, reasoning: Reasoning, ids: Sequence[int], state: PromptState, eos_ids: set[int],
-                stops: Sequence[str], finish_reason: str | None, marked: bool = False) -> ReplyParts | None:
+                stops: Sequence[str], finish_reason: str | None,
+                marked: frozenset[int] | None = None) -> ReplyParts | None:
     """`PartsReader.read` of a whole output at once."""
     return PartsReader(tokenizer, reasoning, state, eos_ids, marked).read(ids, stops, finish_reason)

@@ -97,7 +97,7 @@ def generate_config(cfg: EngineConfig, a: argparse.Namespace) -> tuple[EngineCon
 def _tokenizer(cfg: EngineConfig) -> Any:
     from drafttree.engine.text import load_tokenizer
     from drafttree.loader.default_model import resolve_model
-    return load_tokenizer(resolve_model(cfg.model))
+    return load_tokenizer(resolve_model(cfg.model), cfg.trust_remote_code)
 
 
 def _generate(a: argparse.Namespace, eng: Engine) -> int:

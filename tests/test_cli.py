@@ -138,6 +138,8 @@ def test_every_engine_field_has_a_flag_with_help():
     from drafttree.engine.cli_args import NOT_SERVED
     from drafttree.engine.config import EngineConfig
     everything = {f.name for f in fields(EngineConfig)}
+    # a field whose `_opt(...)` lost its metadata (a stray comma makes its default a tuple)
+    assert not [f.name for f in fields(EngineConfig) if not f.metadata.get("help")]
     generate = _engine_actions(_generate_parser())
     assert NOT_SERVED == ("random_weights", "random_drafter")
     assert set(generate) == everything - set(NOT_SERVED)

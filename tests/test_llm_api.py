@@ -252,8 +252,8 @@ def test_an_llm_as_a_context_manager_and_its_shutdown(textpair):
     with pytest.raises(RuntimeError, match="this LLM was shut down"):
         llm.generate("ab")
     llm.shutdown()   # again: nothing to do
-    with pytest.raises(TypeError, match=r"unknown arguments \['trust_remote_code'\].*docs/vllm.md"):
-        LLM(model=str(textpair[0]), trust_remote_code=True)
+    with pytest.raises(TypeError, match=r"unknown arguments \['tokenizer_mode'\].*docs/vllm.md"):
+        LLM(model=str(textpair[0]), tokenizer_mode="slow")
 
 
 def test_repo_ids_resolve_through_the_hugging_face_cache(textpair, tmp_path, monkeypatch):

@@ -154,6 +154,9 @@ class EngineConfig:
     tool_call_parser: str | None = _opt(
         None, "the format of tool calls in chat replies (the server parses them and forces required calls in it)",
         "the one the model's chat template writes; hermes where it names none", choices=TOOL_CALL_PARSERS)
+    trust_remote_code: bool = _opt(
+        False, "run the tokenizer code a model ships (Kimi K2's tokenization_kimi.py, on tiktoken); drafttree never "
+               "runs a model's own modeling code")
     reasoning_parser: str | None = _opt(
         None, "the reasoning format of a reasoning model (<think> ... </think>): chat replies carry the reasoning "
               "apart (reasoning_content) and a request's structured output or forced tool call applies from its end; "

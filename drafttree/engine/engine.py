@@ -25,7 +25,7 @@ from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
 from drafttree.engine.startup import Background, StartupTimes
 from drafttree.engine.stats import EngineStats, Stats
-from drafttree.engine.text import TextCodec, load_tokenizer
+from drafttree.engine.text import TextCodec, check_tokenizer_code, load_tokenizer
 from drafttree.parallel.comm import explain
 from drafttree.parallel.group import TensorParallelError, TPGroup
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
@@ -91,6 +91,7 @@ class Engine:
         with self.startup.stage("convert" if not cfg.random_weights else "setup"):
             self.setup: EngineSetup = resolve(cfg, tp)
         setup = self.setup
+        check_tokenizer_code(setup.model_dir, cfg.trust_remote_code)   # the configs' plan needs no tokenizer
         self.memory_plan = startup_plan(setup)   # CUDA: weights that cannot fit are refused before any loads
         if self.memory_plan is not None and self.leader:
             log.info("%s", self.memory_plan.format())
@@ -99,7 +100,8 @@ class Engine:
         self.sampling_defaults = setup.sampling_defaults
         compiled = prepare.compile_caches(setup)
         tokenizer = Background(   # alongside the weights
-            lambda: given_tokenizer if given_tokenizer is not None else load_tokenizer(self.model_dir))
+            lambda: given_tokenizer if given_tokenizer is not None else load_tokenizer(self.model_dir,
+                                                                                          cfg.trust_remote_code))
         # its markers are the tokenizer's: a model that cannot write them is refused before the weights load
         reasoning = Reasoning(cfg.reasoning_parser, tokenizer.result()) if cfg.reasoning_parser else None
         with self.startup.stage("load weights"):

@@ -16,16 +16,46 @@ from drafttree.structured.reasoning import Reasoning
 PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def load_tokenizer(path: Path | None):
-    """The model directory's tokenizer (transformers'), or None where it has none."""
+def load_tokenizer(path: Path | None, trust_remote_code: bool = False):
+    """The model directory's tokenizer (transformers'), or None where it has none. A tokenizer
+    that is code of the model's own (`tokenizer_code`) runs only with `trust_remote_code`; where
+    the directory also has a tokenizer.json, that is read without it."""
     if path is None or not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
                                                               "tokenizer.model")):
         return None
-    if (path / "tokenizer.json").is_file() and _tokenizer_class(path) in PLAIN_FAST:
+    code = tokenizer_code(path)
+    if code is not None and trust_remote_code:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=True)
+    check_tokenizer_code(path, trust_remote_code)
+    if (path / "tokenizer.json").is_file() and (code is not None or _tokenizer_class(path) in PLAIN_FAST):
         from transformers import PreTrainedTokenizerFast
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def tokenizer_code(path: Path) -> str | None:
+    """The tokenizer class the model ships as code ("tokenization_kimi.TikTokenTokenizer": Kimi
+    K2's, on tiktoken), from tokenizer_config.json's auto_map, or None."""
+    try:
+        ref = json.loads((path / "tokenizer_config.json").read_text()).get("auto_map", {}).get("AutoTokenizer")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(ref, (list, tuple)):
+        ref = next((r for r in ref if r), None)
+    return ref if isinstance(ref, str) and ref else None
+
+
+def check_tokenizer_code(path: Path | None, trust_remote_code: bool) -> None:
+    """A tokenizer that exists only as the model's code, without `trust_remote_code`: a ValueError
+    saying so (checked with the setup, before any weight loads)."""
+    if path is None or trust_remote_code or (path / "tokenizer.json").is_file():
+        return
+    code = tokenizer_code(path)
+    if code is not None:
+        raise ValueError(f"{path}: the model's tokenizer is code it ships ({code}); running it needs "
+                         "trust_remote_code (--trust-remote-code)")
 
 
 def _tokenizer_class(path: Path) -> str | None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-# what a target or a drafter directory needs: configs, tokenizer files and chat templates, weights
-FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+# what a target or a drafter directory needs: configs, tokenizer files (and a tokenizer's own code,
+# run only with trust_remote_code) and chat templates, weights
+FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja", "tokenization_*.py"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 

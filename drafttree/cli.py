@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -145,7 +146,8 @@ def _generate(a: argparse.Namespace, eng: Engine) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     from drafttree.server.app import run_server
     from drafttree.server.limits import ServerLimits
-    run_server(engine_config(a), a.host, a.port, a.served_model_name, ServerLimits(a.max_request_bytes))
+    key = a.api_key if a.api_key is not None else os.environ.get("DRAFTTREE_API_KEY")
+    run_server(engine_config(a), a.host, a.port, a.served_model_name, ServerLimits(a.max_request_bytes, key))
     return 0
 
 
@@ -252,7 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", description=plan)
     add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="requests must carry Authorization: Bearer KEY, but /health, /ready, /metrics and /version "
+                        "(default: $DRAFTTREE_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: --model as given, or the default model's)")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20,

@@ -103,15 +103,20 @@ def test_bench_phases(pair, capsys, tmp_path):
     assert res["graph_ms"] == {} and "settings" in res["environment"]   # no graphs on CPU
 
 
-def test_serve_passes_the_request_size_limit(monkeypatch):
-    """`drafttree serve --max-request-bytes N` reaches the server's limits; the default is 4 MiB."""
+def test_serve_passes_the_request_size_limit_and_the_api_key(monkeypatch):
+    """`drafttree serve --max-request-bytes N --api-key K` reach the server's limits; the default
+    size is 4 MiB, the key $DRAFTTREE_API_KEY's, else none."""
     from drafttree.server import app
 
     seen = []
     monkeypatch.setattr(app, "run_server", lambda cfg, host, port, name, limits: seen.append((port, limits)))
-    assert main(["serve", "--port", "9", "--max-request-bytes", "1000"]) == 0
+    monkeypatch.delenv("DRAFTTREE_API_KEY", raising=False)
+    assert main(["serve", "--port", "9", "--max-request-bytes", "1000", "--api-key", "k1"]) == 0
     assert main(["serve"]) == 0
-    assert [(p, lim.max_request_bytes) for p, lim in seen] == [(9, 1000), (8000, 4 << 20)]
+    monkeypatch.setenv("DRAFTTREE_API_KEY", "k2")
+    assert main(["serve"]) == 0
+    assert [(p, lim.max_request_bytes, lim.api_key) for p, lim in seen] == \
+        [(9, 1000, "k1"), (8000, 4 << 20, None), (8000, 4 << 20, "k2")]
 
 
 def _engine_actions(parser) -> dict[str, object]:

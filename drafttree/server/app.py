@@ -16,7 +16,7 @@ from drafttree.engine.engine import Engine, EngineConfig
 from drafttree.engine.launch import check_launch, follow, start_engine
 from drafttree.parallel.group import TensorParallelError
 from drafttree.server.boot import RETRY_AFTER_S, Boot
-from drafttree.server.limits import BodySizeLimit, ServerLimits
+from drafttree.server.limits import ApiKey, BodySizeLimit, ServerLimits
 from drafttree.server.metrics import CONTENT_TYPE, ServerMetrics
 from drafttree.server.protocol import (
     ChatCompletionRequest,
@@ -117,6 +117,8 @@ def create_app(engine: Engine | Callable[[], Engine], model_name: str, limits: S
     app = FastAPI(title="drafttree", version=__version__, lifespan=lifespan)
     app.state.boot, app.state.metrics, app.state.limits = boot, metrics, limits
     app.add_middleware(BodySizeLimit, limit=limits.max_request_bytes)
+    if limits.api_key is not None:   # added last, so it runs first
+        app.add_middleware(ApiKey, key=limits.api_key)
     _install_error_handlers(app)
 
     def serving() -> OpenAIServing:

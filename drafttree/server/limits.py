@@ -1,7 +1,8 @@
-"""Limits checked before any work: the request body's size (before it is read), and a text
-prompt's length in characters (before it is tokenized)."""
+"""Limits checked before any work: the API key (before anything is read), the request body's size
+(before it is read), and a text prompt's length in characters (before it is tokenized)."""
 from __future__ import annotations
 
+import hmac
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -13,13 +14,41 @@ from drafttree.server.protocol import error_body
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
+# what load balancers and monitors read without a key
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version", "/debug/engine"})
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    api_key: str | None = None   # every request but OPEN_PATHS' carries `Authorization: Bearer <key>`
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty (--api-key)")
+
+
+class ApiKey:
+    """ASGI middleware (vLLM's --api-key): a request without `Authorization: Bearer <key>` is
+    answered 401 before the app reads it, but for the probes and metrics (OPEN_PATHS)."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.want = app, b"Bearer " + key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
+            got = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.want):
+                payload = json.dumps(error_body("a valid API key is needed: Authorization: Bearer <key>",
+                                                code="invalid_api_key")).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+                                        (b"content-length", str(len(payload)).encode())]})
+                await send({"type": "http.response.body", "body": payload})
+                return
+        await self.app(scope, receive, send)
 
 
 def _too_large(limit: int) -> dict[str, Any]:

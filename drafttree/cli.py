@@ -96,9 +96,12 @@ def generate_config(cfg: EngineConfig, a: argparse.Namespace) -> tuple[EngineCon
 
 
 def _tokenizer(cfg: EngineConfig) -> Any:
-    from drafttree.engine.text import load_tokenizer
+    from drafttree.engine.plan import resolve_chat_template
+    from drafttree.engine.text import load_tokenizer, with_chat_template
     from drafttree.loader.default_model import resolve_model
-    return load_tokenizer(resolve_model(cfg.model), cfg.trust_remote_code)
+    model_dir = resolve_model(cfg.model)
+    return with_chat_template(load_tokenizer(model_dir, cfg.trust_remote_code),
+                              resolve_chat_template(cfg.chat_template, model_dir))
 
 
 def _generate(a: argparse.Namespace, eng: Engine) -> int:

@@ -101,6 +101,30 @@ def test_chat_without_tokenizer_or_template_says_so(tmp_path: Path) -> None:
     assert out.prompt == "<|user|> hi <|end|> <|assistant|>"
 
 
+def test_an_engines_chat_template_replaces_the_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EngineConfig.chat_template (vLLM's --chat-template), a file or the text, renders every chat
+    of the engine; one that does not compile, or a model without a tokenizer, is refused before the
+    weights load, naming it."""
+    model_dir = make_target(tmp_path / "m")
+    _save_tokenizer(model_dir, None)
+    other = TEMPLATE.replace("<|end|> ", "")
+    (tmp_path / "t.jinja").write_text(other)
+    convo = [{"role": "user", "content": "hi"}]
+    for given in (other, str(tmp_path / "t.jinja")):
+        with LLM(model=str(model_dir), spec="none", device="cpu", dtype="float32", max_num_seqs=2,
+                 max_model_len=128, chat_template=given) as llm:
+            assert llm.apply_chat_template(convo) == "<|user|> hi <|assistant|>"
+            assert llm.chat(convo, GREEDY)[0].prompt == "<|user|> hi <|assistant|>"
+    import drafttree.engine.engine as engine
+    monkeypatch.setattr(engine, "load_models", lambda *a, **k: pytest.fail("the weights were loaded"))
+    for given, says in (("{% for m in messages %}", "chat_template does not compile as Jinja"),
+                        (str(tmp_path / "missing.jinja"), "is neither a file nor a Jinja template")):
+        with pytest.raises(ValueError, match=says):
+            LLM(model=str(model_dir), spec="none", device="cpu", chat_template=given)
+    with pytest.raises(ValueError, match="chat_template needs the model's tokenizer"):
+        LLM(model=str(make_target(tmp_path / "bare")), spec="none", device="cpu", chat_template=other)
+
+
 def test_chat_template_rejections_are_value_errors(chat_llm: LLM) -> None:
     tok = chat_llm.tokenizer
     with pytest.raises(ValueError, match="non-empty list"):

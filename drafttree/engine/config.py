@@ -157,6 +157,9 @@ class EngineConfig:
     trust_remote_code: bool = _opt(
         False, "run the tokenizer code a model ships (Kimi K2's tokenization_kimi.py, on tiktoken); drafttree never "
                "runs a model's own modeling code")
+    chat_template: str | None = _opt(
+        None, "a Jinja chat template in place of the model's (a file, or the template itself): the server's chat, "
+              "LLM.chat and generate render with it", "the model's own", metavar="TEMPLATE")
     reasoning_parser: str | None = _opt(
         None, "the reasoning format of a reasoning model (<think> ... </think>): chat replies carry the reasoning "
               "apart (reasoning_content) and a request's structured output or forced tool call applies from its end; "

@@ -25,7 +25,7 @@ from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
 from drafttree.engine.startup import Background, StartupTimes
 from drafttree.engine.stats import EngineStats, Stats
-from drafttree.engine.text import TextCodec, check_tokenizer_code, load_tokenizer
+from drafttree.engine.text import TextCodec, check_tokenizer_code, load_tokenizer, with_chat_template
 from drafttree.parallel.comm import explain
 from drafttree.parallel.group import TensorParallelError, TPGroup
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
@@ -99,9 +99,9 @@ class Engine:
         self.model_dir, self.model_cfg = setup.model_dir, setup.target
         self.sampling_defaults = setup.sampling_defaults
         compiled = prepare.compile_caches(setup)
-        tokenizer = Background(   # alongside the weights
-            lambda: given_tokenizer if given_tokenizer is not None else load_tokenizer(self.model_dir,
-                                                                                          cfg.trust_remote_code))
+        tokenizer = Background(lambda: with_chat_template(   # alongside the weights
+            given_tokenizer if given_tokenizer is not None else load_tokenizer(self.model_dir, cfg.trust_remote_code),
+            setup.chat_template))
         # its markers are the tokenizer's: a model that cannot write them is refused before the weights load
         reasoning = Reasoning(cfg.reasoning_parser, tokenizer.result()) if cfg.reasoning_parser else None
         with self.startup.stage("load weights"):

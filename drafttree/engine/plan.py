@@ -155,6 +155,7 @@ class EngineSetup:
     defer_graphs: bool = False      # the structured and processed graphs captured after start-up, while idle
     # a request's sampling defaults where it leaves them out (`resolve_sampling_defaults`)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None   # the template given in place of the model's (its text)
 
 
 def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
@@ -220,7 +221,19 @@ def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
     return EngineSetup(cfg, model_dir, tcfg, drafter_dir, dcfg, spec, settings, device, dtype,
                        1 if tp is None else tp.world, graphs, graphs and cfg.prefill_graphs is not False, modes,
                        structured, processed, overlap, bool(cfg.defer_graphs) and (structured or processed),
-                       resolve_sampling_defaults(cfg.generation_config, model_dir))
+                       resolve_sampling_defaults(cfg.generation_config, model_dir),
+                       resolve_chat_template(cfg.chat_template, model_dir))
+
+
+def resolve_chat_template(value: str | None, model_dir: Path | None) -> str | None:
+    """`EngineConfig.chat_template`'s text, checked before any weight is read."""
+    if value is None:
+        return None
+    if model_dir is None or not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                        "tokenizer.model")):
+        raise ValueError("chat_template needs the model's tokenizer; this model has none (token ids only)")
+    from drafttree.loader.chat_template import read_chat_template
+    return read_chat_template(value)
 
 
 def resolve_sampling_defaults(which: str, model_dir: Path | None) -> dict[str, Any]:

@@ -35,6 +35,13 @@ def load_tokenizer(path: Path | None, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def with_chat_template(tokenizer, template: str | None):
+    """The tokenizer rendering with `template` in place of its own, where one is given."""
+    if template is not None and tokenizer is not None:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
 def tokenizer_code(path: Path) -> str | None:
     """The tokenizer class the model ships as code ("tokenization_kimi.TikTokenTokenizer": Kimi
     K2's, on tiktoken), from tokenizer_config.json's auto_map, or None."""

@@ -15,6 +15,27 @@ def has_chat_template(tokenizer: Any) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
+def read_chat_template(value: str) -> str:
+    """A chat template given in place of the model's (vLLM's --chat-template): a file's text, or
+    the template itself; it must compile as Jinja (a ValueError naming chat_template otherwise)."""
+    from pathlib import Path
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    path = Path(value).expanduser()
+    if "{" not in value and "\n" not in value:
+        if not path.is_file():
+            raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+        value = path.read_text(encoding="utf-8")
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=["jinja2.ext.loopcontrols"]).parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template does not compile as Jinja: {e.message} (line {e.lineno})") from None
+    return value
+
+
 def _template_message(message: Message) -> dict[str, Any]:
     """The message as templates expect it: text parts joined, the "developer" role read as "system"."""
     if not isinstance(message, Mapping) or "role" not in message:

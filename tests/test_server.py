@@ -590,3 +590,39 @@ def test_a_snapshot_holds_a_prefix_of_the_growing_output():
     with pytest.raises(IndexError):
         p[3]
     assert Prefix([]) == () and not Prefix([])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_is_answered_as_each_alone(client, stream: bool) -> None:
+    """Completions of several prompts in one request (vLLM's): prompt i's choice j at index
+    i * n + j, each the text the prompt alone gives, the usage summed; streamed, the chunks of the
+    prompts interleave and one usage chunk and one [DONE] end them."""
+    for prompts in (["Once upon a time", "Hi", "The capital of France is"], [[1, 2, 3], [4, 5]]):
+        _check_batch(client, stream, prompts)
+
+
+def _check_batch(client, stream: bool, prompts: list) -> None:
+    kw = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    alone = [client.completions.create(prompt=p, n=2, **kw) for p in prompts]
+    if not stream:
+        r = client.completions.create(prompt=prompts, n=2, **kw)
+        got = {c.index: c.text for c in r.choices}
+        usage = r.usage
+    else:
+        got, usage = {}, None
+        for ch in client.completions.create(prompt=prompts, n=2, stream=True,
+                                            stream_options={"include_usage": True}, **kw):
+            for c in ch.choices:
+                got[c.index] = got.get(c.index, "") + c.text
+            usage = ch.usage or usage
+    want = {i * 2 + c.index: c.text for i, a in enumerate(alone) for c in a.choices}
+    assert got == want and len(got) == 2 * len(prompts)
+    assert usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+
+def test_a_batch_with_a_bad_prompt_is_refused_whole(live: Live) -> None:
+    for prompts, says in (([[1, 2], []], "prompt[1] is empty"), ([[1, 2], [10**9]], "outside the vocabulary")):
+        r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": prompts, "max_tokens": 2})
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    assert live.idle()["live"] == 0   # the first prompt's request went with the refusal

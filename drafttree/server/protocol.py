@@ -416,17 +416,16 @@ class CompletionRequest(OpenAIRequest):
             out["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return out
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: a string or a list of token ids (a batch of exactly one is unwrapped)."""
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts: one (a string or a list of token ids) or a batch of them, each answered as
+        its own request."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise OpenAIError("batched prompts are not supported: send one prompt per request",
+        prompts = list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        for i, x in enumerate(prompts):
+            if not x:
+                raise OpenAIError("the prompt is empty" if len(prompts) == 1 else f"prompt[{i}] is empty",
                                   param="prompt")
-            p = p[0]
-        if not p:
-            raise OpenAIError("the prompt is empty", param="prompt")
-        return p
+        return prompts
 
 
 def token_bias(bias: dict[str, float]) -> dict[int, float]:

@@ -63,6 +63,8 @@ class _Call:
     continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
     reasoning: str | None = None    # with a reasoning parser: where the prompt left the reasoning (`Reasoning.state`)
     include_reasoning: bool = True  # the reply carries the reasoning (vLLM's include_reasoning)
+    last: Snapshot | None = None    # streamed: the final snapshot, once the request finished
+    failed: bool = False            # streamed: the engine failed the request (an error chunk went out)
 
     def usage(self, snap: Snapshot | None) -> dict[str, int]:
         p, c = self.handle.prompt_tokens, 0 if snap is None else snap.completion_tokens
@@ -223,11 +225,13 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, raw: Request) -> Reply:
         self.check_model(req)
         req.check()
-        prompt = req.single_prompt()
-        if isinstance(prompt, str) and self.engine.tokenizer is None:
+        prompts = req.prompt_list()
+        if any(isinstance(p, str) for p in prompts) and self.engine.tokenizer is None:
             raise OpenAIError(f"the model '{self.model_name}' has no tokenizer: send token ids", param="prompt")
+        if len(prompts) > 1:
+            return await self._serve_batch(req, prompts, raw)
         # OpenAI's default for completions, clamped to what the context leaves
-        return await self._serve(req, prompt, TokenBudget(req.max_tokens, 16), raw, chat=False,
+        return await self._serve(req, prompts[0], TokenBudget(req.max_tokens, 16), raw, chat=False,
                                  structured=req.structured())
 
     @property
@@ -266,6 +270,62 @@ class OpenAIServing:
     async def _serve(self, req: OpenAIRequest, prompt: str | list[int], budget: TokenBudget, raw: Request,
                      chat: bool, structured: StructuredOutputs | None = None, tools: ToolPlan | None = None,
                      include_reasoning: bool = True) -> Reply:
+        call = await self._start(req, prompt, budget, chat, structured, tools, include_reasoning)
+        handle, rid = call.handle, call.id
+        if req.stream:
+            # The background abort covers a stream that never started (client gone before the first chunk).
+            return StreamingResponse(self._stream(call, raw), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(handle.aclose))
+        snap = await self._collect(handle, raw)
+        if snap is None:   # the client left; nobody reads this
+            return JSONResponse(error_body("client disconnected"), status_code=499)
+        out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": call.created,
+               "model": self.model_name, "choices": [self._choice(call, c, snap) for c in snap.choices],
+               "usage": call.usage(snap), "drafttree": spec_stats(snap, self.engine.spec.method)}
+        if chat and call.prompt_logprobs:   # vLLM's chat answers them beside the choices
+            out["prompt_logprobs"] = self._prompt_logprobs(call, snap)
+        return out
+
+    async def _serve_batch(self, req: CompletionRequest, prompts: list[str | list[int]], raw: Request) -> Reply:
+        """Completions of several prompts in one request, as vLLM answers them: each prompt its own
+        engine request, prompt i's choice j at index i * n + j, the usage summed."""
+        rid, created, calls = make_id("cmpl"), now(), []
+        try:
+            for p in prompts:
+                calls.append(await self._start(req, p, TokenBudget(req.max_tokens, 16), False, req.structured()))
+                calls[-1].id, calls[-1].created = rid, created
+        except BaseException:
+            for c in calls:
+                c.handle.abort()
+            raise
+        if req.stream:
+            async def abort_all() -> None:
+                for c in calls:
+                    await c.handle.aclose()
+            return StreamingResponse(self._stream_batch(calls, raw), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(abort_all))
+        try:
+            snaps = await asyncio.gather(*(self._collect(c.handle, raw) for c in calls))
+        finally:
+            for c in calls:
+                c.handle.abort()
+        if any(s is None for s in snaps):
+            return JSONResponse(error_body("client disconnected"), status_code=499)
+        choices = []
+        for i, (call, snap) in enumerate(zip(calls, snaps)):
+            for c in snap.choices:
+                choices.append({**self._choice(call, c, snap), "index": i * call.n + c.index})
+        rounds = sum(s.rounds for s in snaps)
+        stats = {"spec_method": self.engine.spec.method, "rounds": rounds, "mean_accept_length":
+                 round(sum(s.mean_accept_length * s.rounds for s in snaps) / rounds, 4) if rounds else 0.0}
+        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": _summed([c.usage(s) for c, s in zip(calls, snaps)]), "drafttree": stats}
+
+    async def _start(self, req: OpenAIRequest, prompt: str | list[int], budget: TokenBudget, chat: bool,
+                     structured: StructuredOutputs | None = None, tools: ToolPlan | None = None,
+                     include_reasoning: bool = True) -> _Call:
+        """The request submitted to the engine, refused with a 400 naming what is wrong."""
         where = "messages" if chat else "prompt"
         if isinstance(prompt, str) and self.chars_per_token is not None:
             too_long = check_prompt_chars(prompt, self.engine.max_model_len, self.chars_per_token)
@@ -285,24 +345,10 @@ class OpenAIServing:
         except EngineError as e:
             raise OpenAIError(str(e), status=503, type="server_error") from e
         hold = max((len(s) for s in params.stop), default=1) - 1
-        call = _Call(rid, chat, self.model_name, now(), handle, req.include_usage, hold, tuple(params.stop), tools,
+        return _Call(rid, chat, self.model_name, now(), handle, req.include_usage, hold, tuple(params.stop), tools,
                      params.logprobs, self.echoed(req, prompt), req.prompt_logprobs is not None, params.n,
                      req.continuous_usage, self.reasoning.state(handle.prompt_ids) if reasons else None,
                      include_reasoning)
-        if req.stream:
-            # The background abort covers a stream that never started (client gone before the first chunk).
-            return StreamingResponse(self._stream(call, raw), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(handle.aclose))
-        snap = await self._collect(handle, raw)
-        if snap is None:   # the client left; nobody reads this
-            return JSONResponse(error_body("client disconnected"), status_code=499)
-        out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": call.created,
-               "model": self.model_name, "choices": [self._choice(call, c, snap) for c in snap.choices],
-               "usage": call.usage(snap), "drafttree": spec_stats(snap, self.engine.spec.method)}
-        if chat and call.prompt_logprobs:   # vLLM's chat answers them beside the choices
-            out["prompt_logprobs"] = self._prompt_logprobs(call, snap)
-        return out
 
     def _prompt_logprobs(self, call: _Call, snap: Snapshot) -> list | None:
         if snap.prompt_logprobs is None:
@@ -419,11 +465,6 @@ class OpenAIServing:
         return out
 
     async def _stream(self, call: _Call, raw: Request) -> AsyncIterator[str]:
-        handle = call.handle
-        streams = {i: _Streamed(tools=ToolStream(call.tools) if call.tools else None,
-                                offsets=None if call.chat or call.logprobs is None
-                                else CompletionLogprobs(call.logprobs, self.token_texts)) for i in range(call.n)}
-        echoed = False
         try:
             if call.chat:
                 for i in range(call.n):
@@ -431,12 +472,69 @@ class OpenAIServing:
                     if call.continuous_usage:
                         first["usage"] = call.usage(None)
                     yield _sse(first)
+            async for chunk in self._chunks(call, raw):
+                yield _sse(chunk)
+            if call.last is None and not call.failed:   # the client left
+                return
+            if call.last is not None and call.include_usage:
+                obj = "chat.completion.chunk" if call.chat else "text_completion"
+                yield _sse({"id": call.id, "object": obj, "created": call.created, "model": call.model,
+                            "choices": [], "usage": call.usage(call.last)})
+            yield "data: [DONE]\n\n"
+        finally:
+            # Runs on normal end, on cancellation by the server when the client leaves, and on close.
+            call.handle.abort()
+
+    async def _stream_batch(self, calls: list[_Call], raw: Request) -> AsyncIterator[str]:
+        """A batch's streams merged as their chunks come (each prompt's choices at their batch
+        index), then the summed usage and one [DONE]."""
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+        async def pump(i: int, call: _Call) -> None:
+            try:
+                async for chunk in self._chunks(call, raw, i * call.n):
+                    await queue.put(chunk)
+            finally:
+                await queue.put(None)
+        tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(calls)]
+        try:
+            left = len(tasks)
+            while left:
+                chunk = await queue.get()
+                if chunk is None:
+                    left -= 1
+                else:
+                    yield _sse(chunk)
+            if any(c.last is None and not c.failed for c in calls):   # the client left
+                return
+            if calls[0].include_usage and all(c.last is not None for c in calls):
+                yield _sse({"id": calls[0].id, "object": "text_completion", "created": calls[0].created,
+                            "model": calls[0].model, "choices": [],
+                            "usage": _summed([c.usage(c.last) for c in calls])})
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            for c in calls:
+                c.handle.abort()
+
+    async def _chunks(self, call: _Call, raw: Request, offset: int = 0) -> AsyncIterator[dict[str, Any]]:
+        """A request's stream chunks as its snapshots come, choice indices moved by `offset` (a
+        batch's later prompts); its final snapshot left in `call.last`. An engine error is one
+        error chunk (`call.failed`); a client that leaves ends it early."""
+        handle = call.handle
+        streams = {i: _Streamed(tools=ToolStream(call.tools) if call.tools else None,
+                                offsets=None if call.chat or call.logprobs is None
+                                else CompletionLogprobs(call.logprobs, self.token_texts)) for i in range(call.n)}
+        echoed = False
+        try:
             while True:
                 try:
                     snap = await handle.next()
                 except EngineError as e:
-                    yield _sse(error_body(str(e), type="server_error"))
-                    break
+                    call.failed = True
+                    yield error_body(str(e), type="server_error")
+                    return
                 chunks: list[dict[str, Any]] = []
                 for c in snap.choices:
                     st = streams[c.index]
@@ -449,20 +547,20 @@ class OpenAIServing:
                 echoed = True
                 if snap.finished and chunks:   # the request's last chunk carries the speculation's statistics
                     chunks[-1]["drafttree"] = spec_stats(snap, self.engine.spec.method)
-                if call.continuous_usage:
-                    for chunk in chunks:
-                        chunk["usage"] = call.usage(snap)
                 for chunk in chunks:
-                    yield _sse(chunk)
+                    if call.continuous_usage:
+                        chunk["usage"] = call.usage(snap)
+                    for choice in chunk["choices"]:
+                        choice["index"] += offset
+                    yield chunk
                 if snap.finished:
-                    if call.include_usage:
-                        obj = "chat.completion.chunk" if call.chat else "text_completion"
-                        yield _sse({"id": call.id, "object": obj, "created": call.created,
-                                    "model": call.model, "choices": [], "usage": call.usage(snap)})
-                    break
+                    call.last = snap
+                    return
                 if await raw.is_disconnected():
                     return
-            yield "data: [DONE]\n\n"
         finally:
-            # Runs on normal end, on cancellation by the server when the client leaves, and on close.
             handle.abort()
+
+
+def _summed(usages: list[dict[str, int]]) -> dict[str, int]:
+    return {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}

@@ -150,7 +150,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from drafttree.server.app import run_server
     from drafttree.server.limits import ServerLimits
     key = a.api_key if a.api_key is not None else os.environ.get("DRAFTTREE_API_KEY")
-    run_server(engine_config(a), a.host, a.port, a.served_model_name, ServerLimits(a.max_request_bytes, key))
+    origins = tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip())
+    run_server(engine_config(a), a.host, a.port, a.served_model_name,
+               ServerLimits(a.max_request_bytes, key, origins))
     return 0
 
 
@@ -261,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="requests must carry Authorization: Bearer KEY, but /health, /ready, /metrics and /version "
                         "(default: $DRAFTTREE_API_KEY, else none)")
+    s.add_argument("--allowed-origins", default="*", metavar="ORIGIN,...",
+                   help="origins whose browser pages may call the server (CORS), comma-separated; '' for none "
+                        "(default: *, as vLLM)")
     s.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: --model as given, or the default model's)")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20,

@@ -1,6 +1,7 @@
 """`--api-key` (vLLM's): with a key, every request but the probes' and the metrics' must carry it
 as `Authorization: Bearer <key>`, else a 401 naming what is missing before anything is read; the
-openai client given the key is served (the default model, plain decoding, CPU)."""
+openai client given the key is served. `--allowed-origins` (CORS): a browser's preflight, which
+carries no key, is answered for the origins given (the default model, plain decoding, CPU)."""
 from __future__ import annotations
 
 import importlib.util
@@ -22,7 +23,8 @@ KEY = "sk-test-123"
 @pytest.fixture(scope="module")
 def live() -> Iterator[Live]:
     from drafttree.loader.default_model import default_model_dir
-    with serve(cpu_engine(default_model_dir(), spec="none"), limits=ServerLimits(api_key=KEY)) as lv:
+    limits = ServerLimits(api_key=KEY, allowed_origins=("https://ui.example",))
+    with serve(cpu_engine(default_model_dir(), spec="none"), limits=limits) as lv:
         yield lv
 
 
@@ -53,3 +55,14 @@ def test_the_client_with_the_key_is_served(live):
 def test_an_empty_key_is_refused():
     with pytest.raises(ValueError, match="the API key is empty"):
         ServerLimits(api_key=" ")
+
+
+def test_browsers_of_the_allowed_origins_may_call(live):
+    pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(f"{live.url}/v1/chat/completions", headers={"Origin": "https://ui.example", **pre}, timeout=30)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+    r = httpx.options(f"{live.url}/v1/chat/completions", headers={"Origin": "https://evil.example", **pre}, timeout=30)
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = httpx.get(f"{live.url}/v1/models", headers={"Origin": "https://ui.example", "Authorization": f"Bearer {KEY}"},
+                  timeout=30)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"

@@ -103,20 +103,23 @@ def test_bench_phases(pair, capsys, tmp_path):
     assert res["graph_ms"] == {} and "settings" in res["environment"]   # no graphs on CPU
 
 
-def test_serve_passes_the_request_size_limit_and_the_api_key(monkeypatch):
-    """`drafttree serve --max-request-bytes N --api-key K` reach the server's limits; the default
-    size is 4 MiB, the key $DRAFTTREE_API_KEY's, else none."""
+def test_serve_passes_the_request_size_limit_the_api_key_and_the_origins(monkeypatch):
+    """`drafttree serve --max-request-bytes N --api-key K --allowed-origins O,...` reach the
+    server's limits; the default size is 4 MiB, the key $DRAFTTREE_API_KEY's, else none, the
+    origins any (vLLM's default)."""
     from drafttree.server import app
 
     seen = []
     monkeypatch.setattr(app, "run_server", lambda cfg, host, port, name, limits: seen.append((port, limits)))
     monkeypatch.delenv("DRAFTTREE_API_KEY", raising=False)
-    assert main(["serve", "--port", "9", "--max-request-bytes", "1000", "--api-key", "k1"]) == 0
+    assert main(["serve", "--port", "9", "--max-request-bytes", "1000", "--api-key", "k1",
+                 "--allowed-origins", "https://a.example, https://b.example"]) == 0
     assert main(["serve"]) == 0
     monkeypatch.setenv("DRAFTTREE_API_KEY", "k2")
-    assert main(["serve"]) == 0
-    assert [(p, lim.max_request_bytes, lim.api_key) for p, lim in seen] == \
-        [(9, 1000, "k1"), (8000, 4 << 20, None), (8000, 4 << 20, "k2")]
+    assert main(["serve", "--allowed-origins", ""]) == 0
+    assert [(p, lim.max_request_bytes, lim.api_key, lim.allowed_origins) for p, lim in seen] == \
+        [(9, 1000, "k1", ("https://a.example", "https://b.example")), (8000, 4 << 20, None, ("*",)),
+         (8000, 4 << 20, "k2", ())]
 
 
 def _engine_actions(parser) -> dict[str, object]:

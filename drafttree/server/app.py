@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -117,8 +118,11 @@ def create_app(engine: Engine | Callable[[], Engine], model_name: str, limits: S
     app = FastAPI(title="drafttree", version=__version__, lifespan=lifespan)
     app.state.boot, app.state.metrics, app.state.limits = boot, metrics, limits
     app.add_middleware(BodySizeLimit, limit=limits.max_request_bytes)
-    if limits.api_key is not None:   # added last, so it runs first
+    if limits.api_key is not None:   # added after, so it runs before
         app.add_middleware(ApiKey, key=limits.api_key)
+    if limits.allowed_origins:   # outermost: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     _install_error_handlers(app)
 
     def serving() -> OpenAIServing:

@@ -22,6 +22,7 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version", "/debug/eng
 class ServerLimits:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     api_key: str | None = None   # every request but OPEN_PATHS' carries `Authorization: Bearer <key>`
+    allowed_origins: tuple[str, ...] = ("*",)   # browsers' cross-origin requests (CORS) from these; () none
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:

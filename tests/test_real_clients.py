@@ -185,11 +185,13 @@ def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[i
 
 @pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
                     reason='the lm-evaluation-harness is not installed (pip install "lm-eval[api]")')
-def test_lm_eval_local_completions_loglikelihood(server, tmp_path):
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_lm_eval_local_completions_loglikelihood(server, tmp_path, batch_size):
     """lm_eval's local-completions scores a two-question multiple-choice task by loglikelihood
-    (token-id prompts with echo and logprobs 1): each choice's logged loglikelihood is the sum of
-    its continuation tokens' log-probabilities under the model (transformers' fp32 forward of the
-    same weights), and is_greedy says whether each was the argmax."""
+    (token-id prompts with echo and logprobs 1, one a request or four batched in one): each
+    choice's logged loglikelihood is the sum of its continuation tokens' log-probabilities under
+    the model (transformers' fp32 forward of the same weights), and is_greedy says whether each
+    was the argmax."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -202,7 +204,8 @@ def test_lm_eval_local_completions_loglikelihood(server, tmp_path):
     (tmp_path / "tasks" / "tiny_mc.yaml").write_text(CHOICE_TASK.format(data=data))
     results, samples = lm_eval(tmp_path, "local-completions", "drafttree_tiny_mc",
                                f"model={NAME},base_url={server}/v1/completions,tokenizer={model_dir},"
-                               "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1")
+                               "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1",
+                               "--batch_size", str(batch_size))
     assert "acc,none" in results
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()

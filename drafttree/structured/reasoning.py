@@ -3,11 +3,12 @@ reasoning and which the answer (the server's `reasoning_content` and `content`; 
 `reply_parts`), and where the answer's constraint begins (`AfterReasoning`).
 
 Whether the output begins inside the reasoning is read off the prompt (`Reasoning.state`), not
-assumed per family: a chat template that opens the reasoning itself (DeepSeek-R1, Kimi K2 Thinking,
-Qwen3 thinking 2507) ends the prompt inside `<think>` ("open"); one that turns it off (Qwen3's
-`enable_thinking: false`, Kimi K2's `thinking: false`, DeepSeek-V3.1's default) ends it with
-`</think>` ("closed": the output is the answer); otherwise ("free") the model may open it with
-`<think>` as its first token. The markers must be single tokens of the vocabulary."""
+assumed per family: a chat template that opens the reasoning itself (DeepSeek-R1's, Qwen3 thinking
+2507's) ends the prompt inside `<think>` ("open"); one that turns it off (Qwen3's
+`enable_thinking: false`, DeepSeek-V3.1's non-thinking mode) ends it with `</think>` ("closed": the
+output is the answer); otherwise ("free") the model may open it with `<think>` as its first token,
+and an output that does not is the answer alone. The markers must be single tokens of the
+vocabulary."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence

@@ -60,3 +60,15 @@ def test_with_trust_the_code_tokenizes_as_the_same_vocabulary_does(models):
         for g, w in zip(got, want):
             assert g.prompt_token_ids == w.prompt_token_ids and g.token_ids == w.token_ids and g.text == w.text
         assert re.fullmatch("[a-c]{3}-x", got[1].text), got[1].text
+
+
+def test_a_tokenizer_code_that_fails_fails_before_the_weights_load(models, tmp_path, monkeypatch):
+    """Code that cannot run here (older Kimi K2 revisions import what transformers 5 removed) is
+    reported at once, not after the weights."""
+    broken = copy_checkpoint(models[0], tmp_path / "broken")
+    (broken / CODE.name).write_text("from transformers.models.gpt2.tokenization_gpt2 import no_such_name\n"
+                                    + CODE.read_text())
+    import drafttree.engine.engine as engine
+    monkeypatch.setattr(engine, "load_models", lambda *a, **k: pytest.fail("the weights were loaded"))
+    with pytest.raises(ImportError, match="no_such_name"):
+        llm(broken, trust_remote_code=True)

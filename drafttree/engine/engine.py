@@ -25,7 +25,13 @@ from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
 from drafttree.engine.startup import Background, StartupTimes
 from drafttree.engine.stats import EngineStats, Stats
-from drafttree.engine.text import TextCodec, check_tokenizer_code, load_tokenizer, with_chat_template
+from drafttree.engine.text import (
+    TextCodec,
+    check_tokenizer_code,
+    load_tokenizer,
+    tokenizer_code,
+    with_chat_template,
+)
 from drafttree.parallel.comm import explain
 from drafttree.parallel.group import TensorParallelError, TPGroup
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
@@ -102,7 +108,10 @@ class Engine:
         tokenizer = Background(lambda: with_chat_template(   # alongside the weights
             given_tokenizer if given_tokenizer is not None else load_tokenizer(self.model_dir, cfg.trust_remote_code),
             setup.chat_template))
-        # its markers are the tokenizer's: a model that cannot write them is refused before the weights load
+        # waited for before the weights where it can fail on the model's own terms: a reasoning
+        # parser's markers, a tokenizer that is the model's code
+        if cfg.reasoning_parser or (self.model_dir is not None and tokenizer_code(self.model_dir)):
+            tokenizer.result()
         reasoning = Reasoning(cfg.reasoning_parser, tokenizer.result()) if cfg.reasoning_parser else None
         with self.startup.stage("load weights"):
             target, drafter = load_models(setup, tp)

@@ -25,8 +25,10 @@ def load_tokenizer(path: Path | None, trust_remote_code: bool = False):
         return None
     code = tokenizer_code(path)
     if code is not None and trust_remote_code:
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=True)
+        # the class itself, not AutoTokenizer: with Kimi K2.5/K2.6, transformers 5 may build a generic
+        # backend from the files instead (which splits <think>) or fail building it
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+        return get_class_from_dynamic_module(code, str(path), local_files_only=True).from_pretrained(str(path))
     check_tokenizer_code(path, trust_remote_code)
     if (path / "tokenizer.json").is_file() and (code is not None or _tokenizer_class(path) in PLAIN_FAST):
         from transformers import PreTrainedTokenizerFast

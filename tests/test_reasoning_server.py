@@ -117,3 +117,19 @@ def test_reasoning_sent_back_reaches_the_template(live, client):
                 {"role": "assistant", "content": "x", "reasoning_content": "y", "reasoning": "z"}):
         r = httpx.post(f"{live.url}/v1/chat/completions", json={"messages": [bad], "max_tokens": 2}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_usage_counts_the_reasoning_tokens(client, stream):
+    """usage.completion_tokens_details.reasoning_tokens (OpenAI's): the reply's tokens up to its
+    answer, the end marker included, whole and in the streamed usage chunk."""
+    kw = {"model": MODEL, "messages": ASK, "max_tokens": 64, "temperature": 0, "logit_bias": BIAS}
+    if stream:
+        usage = [ch.usage for ch in client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                                   **kw) if ch.usage][-1]
+    else:
+        usage = client.chat.completions.create(**kw).usage
+    tokens = [t.token for t in client.chat.completions.create(logprobs=True, **kw).choices[0].logprobs.content]
+    assert "</think>" in tokens
+    assert usage.completion_tokens_details.reasoning_tokens == tokens.index("</think>") + 1
+    assert usage.completion_tokens == len(tokens)

@@ -66,9 +66,14 @@ class _Call:
     last: Snapshot | None = None    # streamed: the final snapshot, once the request finished
     failed: bool = False            # streamed: the engine failed the request (an error chunk went out)
 
-    def usage(self, snap: Snapshot | None) -> dict[str, int]:
+    def usage(self, snap: Snapshot | None, reasoning_tokens: int | None = None) -> dict[str, Any]:
+        """OpenAI's usage; with a reasoning parser, the completion's reasoning tokens among its
+        details, as OpenAI counts them."""
         p, c = self.handle.prompt_tokens, 0 if snap is None else snap.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        if reasoning_tokens is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return out
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
               delta: dict[str, Any] | None = None, index: int = 0, logprobs: Any = None) -> dict[str, Any]:
@@ -239,6 +244,12 @@ class OpenAIServing:
         """The model's reasoning format (`--reasoning-parser`), or None."""
         return self.engine.text.reasoning
 
+    def _usage(self, call: _Call, snap: Snapshot) -> dict[str, Any]:
+        if call.reasoning is None:
+            return call.usage(snap)
+        count = self.reasoning.reasoning_tokens
+        return call.usage(snap, sum(count(c.token_ids or (), call.reasoning) for c in snap.choices))
+
     def parts_reader(self, call: _Call) -> PartsReader | None:
         """What reads a reasoning model's reply in its parts; None without a parser and for
         completions."""
@@ -282,7 +293,7 @@ class OpenAIServing:
             return JSONResponse(error_body("client disconnected"), status_code=499)
         out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": call.created,
                "model": self.model_name, "choices": [self._choice(call, c, snap) for c in snap.choices],
-               "usage": call.usage(snap), "drafttree": spec_stats(snap, self.engine.spec.method)}
+               "usage": self._usage(call, snap), "drafttree": spec_stats(snap, self.engine.spec.method)}
         if chat and call.prompt_logprobs:   # vLLM's chat answers them beside the choices
             out["prompt_logprobs"] = self._prompt_logprobs(call, snap)
         return out
@@ -479,7 +490,7 @@ class OpenAIServing:
             if call.last is not None and call.include_usage:
                 obj = "chat.completion.chunk" if call.chat else "text_completion"
                 yield _sse({"id": call.id, "object": obj, "created": call.created, "model": call.model,
-                            "choices": [], "usage": call.usage(call.last)})
+                            "choices": [], "usage": self._usage(call, call.last)})
             yield "data: [DONE]\n\n"
         finally:
             # Runs on normal end, on cancellation by the server when the client leaves, and on close.
@@ -549,7 +560,7 @@ class OpenAIServing:
                     chunks[-1]["drafttree"] = spec_stats(snap, self.engine.spec.method)
                 for chunk in chunks:
                     if call.continuous_usage:
-                        chunk["usage"] = call.usage(snap)
+                        chunk["usage"] = self._usage(call, snap)
                     for choice in chunk["choices"]:
                         choice["index"] += offset
                     yield chunk

@@ -111,6 +111,12 @@ class Reasoning:
             return Split(ids[first:], [], False)
         return Split(ids[first:end], ids[end + (end == at[0]):], True)   # the end marker is neither part's
 
+    def reasoning_tokens(self, ids: Sequence[int], state: PromptState) -> int:
+        """How many of the output's tokens are its reasoning, markers included (OpenAI's
+        `reasoning_tokens`)."""
+        split = self.split(ids, state)
+        return 0 if split.reasoning is None else len(ids) - len(split.answer)
+
     def constraint(self, state: PromptState) -> AfterReasoning | None:
         """Where the answer's constraint begins after a prompt in `state`: once this reasoning ends
         (None: at the first token, the prompt having closed it)."""

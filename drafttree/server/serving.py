@@ -26,7 +26,6 @@ from drafttree.server.protocol import (
 from drafttree.server.limits import check_prompt_chars, max_chars_per_token
 from drafttree.server.logprobs import CompletionLogprobs, TokenTexts, chat_content, prompt_logprobs
 from drafttree.server.reasoning import ReasoningStream, reasoning_fields
-from drafttree.structured.reasoning import PartsReader
 from drafttree.server.tool_parsers import ToolParser, make_parser
 from drafttree.server.tools import ToolPlan, ToolStream, check_tools_and_format
 from drafttree.server.worker import (
@@ -39,6 +38,7 @@ from drafttree.server.worker import (
     TokenBudget,
 )
 from drafttree.structured.params import StructuredOutputs
+from drafttree.structured.reasoning import PartsReader, Reasoning
 
 DISCONNECT_POLL_S = 0.5
 Reply = Response | dict[str, Any]
@@ -240,7 +240,7 @@ class OpenAIServing:
                                  structured=req.structured())
 
     @property
-    def reasoning(self):
+    def reasoning(self) -> Reasoning | None:
         """The model's reasoning format (`--reasoning-parser`), or None."""
         return self.engine.text.reasoning
 

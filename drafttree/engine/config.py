@@ -15,7 +15,7 @@ SPECS = ("none", "dflash", "ddtree")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")   # config.DTYPES, and auto
 DRAFT_QUANTIZATIONS = ("fp8",)                                                    # models.quant.METHODS
 SAMPLER_MODE_NAMES = ("greedy", "sample", "filtered")                             # sampling.SampleMode
-TOOL_CALL_PARSERS = ("hermes", "kimi_k2", "llama3_json")                          # server.tool_parsers
+TOOL_CALL_PARSERS = ("hermes", "kimi_k2", "llama3_json", "deepseek_v3", "deepseek_v31")   # server.tool_parsers
 REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "kimi_k2", "qwen3")            # structured.reasoning
 GENERATION_CONFIGS = ("auto", "vllm")                                             # vLLM's names
 

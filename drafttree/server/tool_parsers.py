@@ -6,6 +6,10 @@ function), so that a forced call always parses and its arguments follow the func
 - kimi_k2: Kimi K2, `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
   {...}<|tool_call_end|>...<|tool_calls_section_end|>`
 - llama3_json: Llama 3.1+, `{"name": ..., "parameters": {...}}` (calls joined by "; ", after `<|python_tag|>` or not)
+- deepseek_v3: DeepSeek-V3 / R1, `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```
+  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`
+- deepseek_v31: DeepSeek-V3.1, `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
+  <｜tool▁calls▁end｜>`
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ class ToolParser:
     text the format writes around calls (kept in the reply's text where they are special tokens)."""
     name = ""
     begin = ""
+    call_end = ""   # what closes one call (a growing reply's calls stream as each closes); "": known at the end
     markers: tuple[str, ...] = ()
 
     def __init__(self, tokenizer: Any) -> None:
@@ -123,6 +128,7 @@ def _alternatives(rules: list[str]) -> str:
 class HermesParser(ToolParser):
     name = "hermes"
     begin = "<tool_call>"
+    call_end = "</tool_call>"
     markers = ("<tool_call>", "</tool_call>")
     _call = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
@@ -154,6 +160,7 @@ class HermesParser(ToolParser):
 class KimiK2Parser(ToolParser):
     name = "kimi_k2"
     begin = "<|tool_calls_section_begin|>"
+    call_end = "<|tool_call_end|>"
     markers = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
                "<|tool_call_end|>", "<|tool_calls_section_end|>")
     _call = re.compile(r"<\|tool_call_begin\|>\s*([^<\s]+)\s*<\|tool_call_argument_begin\|>\s*(.*?)\s*"
@@ -226,7 +233,54 @@ class Llama3JsonParser(ToolParser):
         return '{"name": "NAME", "parameters": {ARGUMENTS}}'
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, KimiK2Parser, Llama3JsonParser)}
+class DeepSeekV3Parser(ToolParser):
+    name = "deepseek_v3"
+    begin = "<｜tool▁calls▁begin｜>"
+    call_end = "<｜tool▁call▁end｜>"
+    markers = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+               "<｜tool▁calls▁end｜>")
+    _call = re.compile(r"<｜tool▁call▁begin｜>\s*function\s*<｜tool▁sep｜>\s*([^\n<]+?)\s*```json\s*(.*?)\s*```\s*"
+                       r"<｜tool▁call▁end｜>", re.S)
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        L = self.literal
+        more = ' ("\\n"? call)*' if parallel else ""
+        lines = [f"start: {L(self.markers[0])} call{more} {L(self.markers[4])}",
+                 f"call: {L(self.markers[1])} \"function\" {L(self.markers[2])} "
+                 f"({_alternatives([f'fn{i}' for i in range(len(tools))])}) {L(self.markers[3])}"]
+        for i, t in enumerate(tools):
+            head = json.dumps(t["function"]["name"] + "\n```json\n")
+            lines.append(f"fn{i}: {head} %json {json.dumps(_schema(t))} \"\\n```\"")
+        return "\n".join(lines)
+
+    def calls(self, section: str) -> list[ToolCall]:
+        return [ToolCall(call_id(), name.strip(), args) for name, args in self._call.findall(section)]
+
+    def example(self) -> str:
+        return ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{ARGUMENTS}\n```"
+                "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+
+
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    name = "deepseek_v31"
+    _call = re.compile(r"<｜tool▁call▁begin｜>\s*([^<]+?)\s*<｜tool▁sep｜>\s*(.*?)\s*<｜tool▁call▁end｜>", re.S)
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        L = self.literal
+        lines = [f"start: {L(self.markers[0])} call{'+' if parallel else ''} {L(self.markers[4])}",
+                 f"call: {L(self.markers[1])} ({_alternatives([f'fn{i}' for i in range(len(tools))])}) "
+                 f"{L(self.markers[3])}"]
+        for i, t in enumerate(tools):
+            lines.append(f"fn{i}: {json.dumps(t['function']['name'])} {L(self.markers[2])} %json {json.dumps(_schema(t))}")
+        return "\n".join(lines)
+
+    def example(self) -> str:
+        return ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{ARGUMENTS}<｜tool▁call▁end｜>"
+                "<｜tool▁calls▁end｜>")
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, KimiK2Parser, Llama3JsonParser,
+                                                             DeepSeekV3Parser, DeepSeekV31Parser)}
 
 
 def detect(chat_template: str | None) -> str:
@@ -234,6 +288,8 @@ def detect(chat_template: str | None) -> str:
     t = chat_template or ""
     if "<|tool_calls_section_begin|>" in t or "<|tool_call_begin|>" in t:
         return "kimi_k2"
+    if "<｜tool▁call▁begin｜>" in t:   # V3 wraps the arguments in a json block, V3.1 writes them bare
+        return "deepseek_v3" if "```json" in t else "deepseek_v31"
     if "<tool_call>" in t:
         return "hermes"
     if "<|python_tag|>" in t or ("<|start_header_id|>" in t and "parameters" in t):

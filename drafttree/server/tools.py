@@ -114,8 +114,7 @@ class ToolStream:
     def _complete_end(self, text: str) -> int:
         """Where the last whole call of a growing reply ends (0: none yet)."""
         p = self.plan.parser
-        ends = {"hermes": "</tool_call>", "kimi_k2": "<|tool_call_end|>"}.get(p.name)
-        if ends is None:
+        if not p.call_end:
             return 0   # llama3_json: a call is known whole only at the end
-        at = text.rfind(ends)
-        return at + len(ends) if at >= 0 and p.begin in text else 0
+        at = text.rfind(p.call_end)
+        return at + len(p.call_end) if at >= 0 and p.begin in text else 0

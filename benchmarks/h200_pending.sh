@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU figures the open work waits on: three stages, each one call well inside 600 s, issued back
-# to back on one warm machine. The default model's GGUF (98 MB) travels in three parts, one with
-# each stage, kept in the ignored .gacc/ between calls; `serve` assembles it and checks its sha256.
+# The GPU figures the open work waits on: four stages, each one call inside 600 s, issued back to
+# back on one warm machine (rank, tests, ab, serve). The default model's GGUF (98 MB) travels in
+# three parts, kept in the ignored .gacc/ between calls; `serve` assembles it and checks its sha256.
 #   rank  : the seed's model. The int4 expert kernels' block sweep at 1, 8 and 33 rows
 #           (benchmarks/w4a16_bench.py), then one rank of Kimi K2.6 at TP8 from random weights in
 #           the shipped formats (drafttree.bench.rank): memory against the plan, the decode step
@@ -9,9 +9,9 @@
 #           batch 1 and 16, the budget the cost model picks. Full depth (61 layers) on a card of
 #           120 GB or more, else the first 40 (RANK_LAYERS overrides).
 #   tests : the GPU tests of graphs, structured output (reasoning included), mixed traffic,
-#           sampling, int4 and the rank; then the structure A/B: bench.phases' pieces in the tree
-#           before the runner's restructuring (.old, carried) and now, Qwen3-8B shape, 3 repeats
-#           alternated (benchmarks/tree_ab.py).
+#           sampling, int4 and the rank.
+#   ab    : the structure A/B: bench.phases' pieces in the tree before the runner's restructuring
+#           (.old, carried) and now, Qwen3-8B shape, 3 repeats alternated (benchmarks/tree_ab.py).
 #   serve : Start-up of `generate` and `serve` for the default pair and the seed's
 #           settings (benchmarks/startup_bench.py), `auto` against plain decoding at T = 0 and 1,
 #           batch 1 and 16, three alternated repeats (drafttree bench), and JSON-schema requests
@@ -30,10 +30,10 @@
 #     manylinux2014_x86_64 --platform any -d .whl fastapi starlette pydantic pydantic-core annotated-types
 #     typing-inspection uvicorn gguf llguidance==1.9.1 openai distro jiter sniffio
 #   (llguidance past 1.6 is built for glibc 2.31: without that platform pip picks 1.6.1)
-# Carry (64 MiB a call, the tree ~23 MB, a part ~33 MB): rank [.parts/g3.00, .whl]; tests [.parts/g3.01,
-#   .old]; serve [.parts/g3.02, .parts/gguf.sha256, .parts/humaneval.jsonl, .parts/sharegpt_heldout.jsonl].
+# Carry (64 MiB a call, the tree ~23 MB, a part ~33 MB): rank [.parts/g3.00, .whl]; tests [.parts/g3.01];
+#   ab [.old]; serve [.parts/g3.02, .parts/gguf.sha256, .parts/humaneval.jsonl, .parts/sharegpt_heldout.jsonl].
 #   The wheels ride with the first call and stay in .gacc/ for the others.
-# Usage: OUT=dir bash benchmarks/h200_pending.sh rank|tests|serve
+# Usage: OUT=dir bash benchmarks/h200_pending.sh rank|tests|ab|serve
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" .gacc
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=.gacc/cache
@@ -55,13 +55,15 @@ case "${1:?stage}" in
       --out "$OUT/rank.json" > "$OUT/rank.txt" 2>&1
     tail -n 4 "$OUT/w4a16.txt"; cat "$OUT/rank.txt" | grep -v "^INFO" ;;
   tests)
-    timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graphs.py tests/test_structured.py \
+    timeout 380 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graphs.py tests/test_structured.py \
       tests/test_w4a16.py tests/test_rank.py > "$OUT/test_gpu.log" 2>&1
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_mixed_traffic.py tests/test_reasoning.py \
+    timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_mixed_traffic.py tests/test_reasoning.py \
       tests/test_spec_sampling.py > "$OUT/test_device.log" 2>&1
-    [ -d .old ] && timeout 330 python3 benchmarks/tree_ab.py --tree before=.old --tree after=. --device cuda \
+    tail -n 2 "$OUT"/test_*.log; grep -h "^FAILED" "$OUT"/test_*.log ;;
+  ab)
+    timeout 560 python3 benchmarks/tree_ab.py --tree before=.old --tree after=. --device cuda \
       --model qwen3-8b --jobs phases --reps 3 --out "$OUT/tree_ab.json" > "$OUT/tree_ab.txt" 2>&1
-    tail -n 2 "$OUT"/test_*.log; grep -h "^FAILED" "$OUT"/test_*.log; tail -n 30 "$OUT/tree_ab.txt" ;;
+    tail -n 30 "$OUT/tree_ab.txt" ;;
   serve)
     mkdir -p "$(dirname "$GGUF")" && cat .gacc/g3.00 .gacc/g3.01 .gacc/g3.02 > "$GGUF"
     [ "$(sha256sum "$GGUF" | cut -c1-64)" = "$(cat .parts/gguf.sha256)" ] || { echo "GGUF sha256 differs"; exit 1; }
@@ -74,5 +76,5 @@ case "${1:?stage}" in
     timeout 120 python3 benchmarks/structured_bench.py --budget auto --batches 1,16 --repeats 3 \
       --out "$OUT/structured.json" > "$OUT/structured.txt" 2>&1
     tail -n 20 "$OUT/startup.txt" "$OUT/never_loses.txt" "$OUT/structured.txt" ;;
-  *) echo "unknown stage $1 (rank, tests, serve)"; exit 2 ;;
+  *) echo "unknown stage $1 (rank, tests, ab, serve)"; exit 2 ;;
 esac

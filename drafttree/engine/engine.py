@@ -25,13 +25,7 @@ from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
 from drafttree.engine.startup import Background, StartupTimes
 from drafttree.engine.stats import EngineStats, Stats
-from drafttree.engine.text import (
-    TextCodec,
-    check_tokenizer_code,
-    load_tokenizer,
-    tokenizer_code,
-    with_chat_template,
-)
+from drafttree.engine.text import TextCodec, load_tokenizer, tokenizer_code, with_chat_template
 from drafttree.parallel.comm import explain
 from drafttree.parallel.group import TensorParallelError, TPGroup
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
@@ -97,7 +91,6 @@ class Engine:
         with self.startup.stage("convert" if not cfg.random_weights else "setup"):
             self.setup: EngineSetup = resolve(cfg, tp)
         setup = self.setup
-        check_tokenizer_code(setup.model_dir, cfg.trust_remote_code)   # the configs' plan needs no tokenizer
         self.memory_plan = startup_plan(setup)   # CUDA: weights that cannot fit are refused before any loads
         if self.memory_plan is not None and self.leader:
             log.info("%s", self.memory_plan.format())
@@ -108,9 +101,10 @@ class Engine:
         tokenizer = Background(lambda: with_chat_template(   # alongside the weights
             given_tokenizer if given_tokenizer is not None else load_tokenizer(self.model_dir, cfg.trust_remote_code),
             setup.chat_template))
-        # waited for before the weights where it can fail on the model's own terms: a reasoning
-        # parser's markers, a tokenizer that is the model's code
-        if cfg.reasoning_parser or (self.model_dir is not None and tokenizer_code(self.model_dir)):
+        # waited for before the weights where it can fail on the model's own terms: a tokenizer that
+        # is the model's code (refused without trust_remote_code, or code that cannot run here), a
+        # reasoning parser's markers
+        if self.model_dir is not None and tokenizer_code(self.model_dir):
             tokenizer.result()
         reasoning = Reasoning(cfg.reasoning_parser, tokenizer.result()) if cfg.reasoning_parser else None
         with self.startup.stage("load weights"):

@@ -13,6 +13,7 @@ import torch
 
 from drafttree.config import ModelConfig, parse_dtype, resolve_device, sampling_defaults
 from drafttree.engine.config import GENERATION_CONFIGS, EngineConfig, parse_budget
+from drafttree.engine.text import has_tokenizer
 from drafttree.kernels import invariant_attn
 from drafttree.models.dflash import DFlashConfig
 from drafttree.models.dflash2 import drafter_config
@@ -229,8 +230,7 @@ def resolve_chat_template(value: str | None, model_dir: Path | None) -> str | No
     """`EngineConfig.chat_template`'s text, checked before any weight is read."""
     if value is None:
         return None
-    if model_dir is None or not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                        "tokenizer.model")):
+    if not has_tokenizer(model_dir):
         raise ValueError("chat_template needs the model's tokenizer; this model has none (token ids only)")
     from drafttree.loader.chat_template import read_chat_template
     return read_chat_template(value)

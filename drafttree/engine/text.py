@@ -16,21 +16,29 @@ from drafttree.structured.reasoning import Reasoning
 PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
+def has_tokenizer(path: Path | None) -> bool:
+    """Whether the model directory holds a tokenizer (else the model takes token ids only)."""
+    return path is not None and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                   "tokenizer.model"))
+
+
 def load_tokenizer(path: Path | None, trust_remote_code: bool = False):
     """The model directory's tokenizer (transformers'), or None where it has none. A tokenizer
     that is code of the model's own (`tokenizer_code`) runs only with `trust_remote_code`; where
-    the directory also has a tokenizer.json, that is read without it."""
-    if path is None or not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                              "tokenizer.model")):
+    the directory also has a tokenizer.json, that is read without it, else the model is refused."""
+    if not has_tokenizer(path):
         return None
     code = tokenizer_code(path)
+    fast = (path / "tokenizer.json").is_file()
     if code is not None and trust_remote_code:
         # the class itself, not AutoTokenizer: with Kimi K2.5/K2.6, transformers 5 may build a generic
         # backend from the files instead (which splits <think>) or fail building it
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
         return get_class_from_dynamic_module(code, str(path), local_files_only=True).from_pretrained(str(path))
-    check_tokenizer_code(path, trust_remote_code)
-    if (path / "tokenizer.json").is_file() and (code is not None or _tokenizer_class(path) in PLAIN_FAST):
+    if code is not None and not fast:
+        raise ValueError(f"{path}: the model's tokenizer is code it ships ({code}); running it needs "
+                         "trust_remote_code (--trust-remote-code)")
+    if fast and (code is not None or _tokenizer_class(path) in PLAIN_FAST):
         from transformers import PreTrainedTokenizerFast
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
@@ -54,17 +62,6 @@ def tokenizer_code(path: Path) -> str | None:
     if isinstance(ref, (list, tuple)):
         ref = next((r for r in ref if r), None)
     return ref if isinstance(ref, str) and ref else None
-
-
-def check_tokenizer_code(path: Path | None, trust_remote_code: bool) -> None:
-    """A tokenizer that exists only as the model's code, without `trust_remote_code`: a ValueError
-    saying so (checked with the setup, before any weight loads)."""
-    if path is None or trust_remote_code or (path / "tokenizer.json").is_file():
-        return
-    code = tokenizer_code(path)
-    if code is not None:
-        raise ValueError(f"{path}: the model's tokenizer is code it ships ({code}); running it needs "
-                         "trust_remote_code (--trust-remote-code)")
 
 
 def _tokenizer_class(path: Path) -> str | None:

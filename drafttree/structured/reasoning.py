@@ -79,20 +79,16 @@ class Reasoning:
         self.answer_start_ids = frozenset(_single_token(tokenizer, m, name) for m in f.answer_starts)
 
     def state(self, prompt: str | Sequence[int]) -> PromptState:
-        """Where the prompt (its text or token ids) leaves the reasoning: "closed" where it ends
-        with the end marker (whitespace aside), "open" where its last start marker stands after
-        its last end marker, else "free"."""
-        f = self.format
-        if isinstance(prompt, str):
-            if prompt.rstrip().endswith(f.end):
-                return "closed"
-            return "open" if prompt.rfind(f.start) > prompt.rfind(f.end) else "free"
-        ids = list(prompt)
-        last = {t: i for i, t in enumerate(ids) if t in (self.start_id, self.end_id)}
-        end = last.get(self.end_id, -1)
-        if end >= 0 and not self.tokenizer.decode(ids[end + 1:]).strip():
-            return "closed"
-        return "open" if last.get(self.start_id, -1) > end else "free"
+        """Where the prompt (its text or token ids) leaves the reasoning, read from its end: "open"
+        where the last marker is the start, "closed" where it is the end with only whitespace
+        after it, else "free"."""
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
+        for i in range(len(ids) - 1, -1, -1):
+            if ids[i] == self.start_id:
+                return "open"
+            if ids[i] == self.end_id:
+                return "closed" if not self.tokenizer.decode(list(ids[i + 1:])).strip() else "free"
+        return "free"
 
     def split(self, ids: Sequence[int], state: PromptState) -> Split:
         """The output's reasoning (its markers left out) and answer, after a prompt in `state`.

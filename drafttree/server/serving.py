@@ -75,6 +75,11 @@ class _Call:
             out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         return out
 
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The stream's last chunk before [DONE] where the usage is asked (stream_options.include_usage)."""
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [], "usage": usage}
+
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
               delta: dict[str, Any] | None = None, index: int = 0, logprobs: Any = None) -> dict[str, Any]:
         if self.chat:
@@ -301,10 +306,10 @@ class OpenAIServing:
     async def _serve_batch(self, req: CompletionRequest, prompts: list[str | list[int]], raw: Request) -> Reply:
         """Completions of several prompts in one request, as vLLM answers them: each prompt its own
         engine request, prompt i's choice j at index i * n + j, the usage summed."""
-        rid, created, calls = make_id("cmpl"), now(), []
+        rid, created, calls, structured = make_id("cmpl"), now(), [], req.structured()
         try:
             for p in prompts:
-                calls.append(await self._start(req, p, TokenBudget(req.max_tokens, 16), False, req.structured()))
+                calls.append(await self._start(req, p, TokenBudget(req.max_tokens, 16), False, structured))
                 calls[-1].id, calls[-1].created = rid, created
         except BaseException:
             for c in calls:
@@ -441,8 +446,7 @@ class OpenAIServing:
         """The chunks a choice's progress adds; the last one once it finishes."""
         out = []
         text, parts = c.text, None
-        if call.reasoning is not None:
-            st.reasoning = st.reasoning or ReasoningStream(self.parts_reader(call))
+        if st.reasoning is not None:
             parts = st.reasoning.reader.read(c.token_ids or (), call.stop, c.finish_reason)
         if parts is not None:
             for delta in st.reasoning.deltas(parts, c.finished, call.hold):
@@ -488,9 +492,7 @@ class OpenAIServing:
             if call.last is None and not call.failed:   # the client left
                 return
             if call.last is not None and call.include_usage:
-                obj = "chat.completion.chunk" if call.chat else "text_completion"
-                yield _sse({"id": call.id, "object": obj, "created": call.created, "model": call.model,
-                            "choices": [], "usage": self._usage(call, call.last)})
+                yield _sse(call.usage_chunk(self._usage(call, call.last)))
             yield "data: [DONE]\n\n"
         finally:
             # Runs on normal end, on cancellation by the server when the client leaves, and on close.
@@ -519,9 +521,7 @@ class OpenAIServing:
             if any(c.last is None and not c.failed for c in calls):   # the client left
                 return
             if calls[0].include_usage and all(c.last is not None for c in calls):
-                yield _sse({"id": calls[0].id, "object": "text_completion", "created": calls[0].created,
-                            "model": calls[0].model, "choices": [],
-                            "usage": _summed([c.usage(c.last) for c in calls])})
+                yield _sse(calls[0].usage_chunk(_summed([c.usage(c.last) for c in calls])))
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:
@@ -536,7 +536,9 @@ class OpenAIServing:
         handle = call.handle
         streams = {i: _Streamed(tools=ToolStream(call.tools) if call.tools else None,
                                 offsets=None if call.chat or call.logprobs is None
-                                else CompletionLogprobs(call.logprobs, self.token_texts)) for i in range(call.n)}
+                                else CompletionLogprobs(call.logprobs, self.token_texts),
+                                reasoning=None if call.reasoning is None else ReasoningStream(self.parts_reader(call)))
+                   for i in range(call.n)}
         echoed = False
         try:
             while True:
@@ -558,9 +560,10 @@ class OpenAIServing:
                 echoed = True
                 if snap.finished and chunks:   # the request's last chunk carries the speculation's statistics
                     chunks[-1]["drafttree"] = spec_stats(snap, self.engine.spec.method)
+                usage = self._usage(call, snap) if call.continuous_usage else None
                 for chunk in chunks:
-                    if call.continuous_usage:
-                        chunk["usage"] = self._usage(call, snap)
+                    if usage is not None:
+                        chunk["usage"] = usage
                     for choice in chunk["choices"]:
                         choice["index"] += offset
                     yield chunk

@@ -42,14 +42,19 @@ class ApiKey:
         if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
             got = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.want):
-                payload = json.dumps(error_body("a valid API key is needed: Authorization: Bearer <key>",
-                                                code="invalid_api_key")).encode()
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
-                                        (b"content-length", str(len(payload)).encode())]})
-                await send({"type": "http.response.body", "body": payload})
+                await _send_error(send, 401, error_body("a valid API key is needed: Authorization: Bearer <key>",
+                                                        code="invalid_api_key"), [(b"www-authenticate", b"Bearer")])
                 return
         await self.app(scope, receive, send)
+
+
+async def _send_error(send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> None:
+    """A JSON error answered by a middleware, before the app."""
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def _too_large(limit: int) -> dict[str, Any]:
@@ -109,11 +114,7 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send) -> None:
-        payload = json.dumps(_too_large(self.limit)).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode()), (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": payload})
+        await _send_error(send, 413, _too_large(self.limit), [(b"connection", b"close")])
 
 
 def max_chars_per_token(tokenizer) -> int:

@@ -38,7 +38,7 @@ from drafttree.server.worker import (
     TokenBudget,
 )
 from drafttree.structured.params import StructuredOutputs
-from drafttree.structured.reasoning import PartsReader, Reasoning
+from drafttree.structured.reasoning import GrowingText, PartsReader, Reasoning, cut_at_stops
 
 DISCONNECT_POLL_S = 0.5
 Reply = Response | dict[str, Any]
@@ -111,6 +111,7 @@ class _Streamed:
     tools: ToolStream | None = None
     offsets: CompletionLogprobs | None = None
     reasoning: ReasoningStream | None = None
+    tool_text: GrowingText | None = None   # a tool request's text so far (`reply_text`)
 
 
 def spec_stats(snap: Snapshot, method: str) -> dict[str, Any]:
@@ -263,16 +264,16 @@ class OpenAIServing:
         return PartsReader(self.engine.tokenizer, self.reasoning, call.reasoning, self.engine.eos_ids,
                            marked=None if call.tools is None else call.tools.parser.hidden_ids())
 
-    def reply_text(self, call: _Call, choice: ChoiceSnapshot) -> str:
+    def reply_text(self, call: _Call, choice: ChoiceSnapshot, growing: GrowingText | None = None) -> str:
         """A tool request's reply with its format's markers (which may be special tokens, which
         `choice.text` leaves out) and no other special token, cut before the stop string that ended
-        it (the engine cut `choice.text` there)."""
+        it (the engine cut `choice.text` there); `growing`: a stream's text so far, decoded a window
+        at a time."""
         hidden = self.engine.eos_ids | call.tools.parser.hidden_ids()
-        text = self.engine.tokenizer.decode([t for t in choice.token_ids or () if t not in hidden],
-                                            skip_special_tokens=False)
-        if choice.finish_reason == "stop" and call.stop:
-            text = text[:min((i for i in (text.find(s) for s in call.stop) if i >= 0), default=len(text))]
-        return text
+        ids = [t for t in choice.token_ids or () if t not in hidden]
+        growing = growing or GrowingText(self.engine.tokenizer, False)
+        text = growing.update(ids, choice.finished)
+        return cut_at_stops(text, call.stop) if choice.finish_reason == "stop" else text
 
     def echoed(self, req: OpenAIRequest, prompt: str | list[int]) -> str | None:
         """The text a completions request's choices begin with (echo), else None."""
@@ -455,7 +456,7 @@ class OpenAIServing:
                                           logprobs=self._stream_logprobs(call, c, st)))
             text = parts.content
         if call.tools is not None:
-            text = self.reply_text(call, c) if parts is None else parts.marked
+            text = self.reply_text(call, c, st.tool_text) if parts is None else parts.marked
             for delta in st.tools.deltas(text, c.finished, call.hold):
                 out.append(call.chunk(None, None, delta=delta, index=c.index))
             if c.finished:
@@ -537,7 +538,8 @@ class OpenAIServing:
         streams = {i: _Streamed(tools=ToolStream(call.tools) if call.tools else None,
                                 offsets=None if call.chat or call.logprobs is None
                                 else CompletionLogprobs(call.logprobs, self.token_texts),
-                                reasoning=None if call.reasoning is None else ReasoningStream(self.parts_reader(call)))
+                                reasoning=None if call.reasoning is None else ReasoningStream(self.parts_reader(call)),
+                                tool_text=GrowingText(self.engine.tokenizer, False) if call.tools else None)
                    for i in range(call.n)}
         echoed = False
         try:

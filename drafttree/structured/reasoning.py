@@ -132,7 +132,8 @@ class ReplyParts:
     ended: bool
 
 
-def _cut(text: str, stops: Iterable[str]) -> str:
+def cut_at_stops(text: str, stops: Iterable[str]) -> str:
+    """`text` up to the first of the stop strings in it (as the engine cuts an output's text)."""
     return text[:min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))]
 
 
@@ -183,10 +184,10 @@ class PartsReader:
             self._marked.update([t for t in split.answer if t not in self._hidden], final).lstrip()
         if finish_reason == "stop" and stops:
             if split.ended:
-                content = _cut(content, stops)
-                marked = None if marked is None else _cut(marked, stops)
+                content = cut_at_stops(content, stops)
+                marked = None if marked is None else cut_at_stops(marked, stops)
             else:
-                text = _cut(text, stops)
+                text = cut_at_stops(text, stops)
         text = text.strip() if split.ended or final else text.lstrip()
         return ReplyParts(text, content, marked, split.ended)
 

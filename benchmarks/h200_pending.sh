@@ -14,8 +14,9 @@
 #               sampling, int4 and the rank.
 #   ab        : the structure A/B: bench.phases' pieces in the tree before the runner's
 #               restructuring (.old, carried) and now, Qwen3-8B shape, 3 repeats alternated.
-#   startup   : `generate`'s whole process for the default pair and the seed's settings, cold then
-#               twice warm; `serve` to /ready (benchmarks/startup_bench.py; its JSON is written
+#   startup   : `generate`'s whole process for the default pair with and without torch.compile of
+#               the small fused pieces (STARTUP_CONFIGS=default,seed for the seed's settings), cold
+#               then twice warm; `serve` to /ready (benchmarks/startup_bench.py; its JSON is written
 #               after every run). Needs the GGUF.
 #   spec      : `auto` against plain decoding and budgets 8 and 31 at T 0, 0.7, 1, batch 1, 16, 64,
 #               on HumanEval and held-out ShareGPT prompts, three alternated repeats. Needs the GGUF.
@@ -78,9 +79,9 @@ case "${1:?stage}" in
     tail -n 30 "$OUT/tree_ab.txt" ;;
   startup)   # issue 56: generate's whole process, default pair and the seed's settings; a server to /ready
     gguf || exit 1
-    timeout 330 python3 benchmarks/startup_bench.py --configs default,seed --reps 2 \
+    timeout 360 python3 benchmarks/startup_bench.py --configs "${STARTUP_CONFIGS:-default,eager}" --reps 2 \
       --out "$OUT/startup.json" > "$OUT/startup.txt" 2>&1
-    timeout 200 python3 benchmarks/startup_bench.py --configs default --reps 1 --serve --no-generate \
+    timeout 180 python3 benchmarks/startup_bench.py --configs default --reps 1 --serve --no-generate \
       --out "$OUT/startup_serve.json" > "$OUT/startup_serve.txt" 2>&1
     tail -n 12 "$OUT/startup.txt" "$OUT/startup_serve.txt" ;;
   spec)      # issue 57: auto against plain and fixed budgets, T 0/0.7/1, batch 1/16/64, two prompt sets

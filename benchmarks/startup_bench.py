@@ -38,7 +38,9 @@ CONFIGS = {
     "default": [],
     "seed": ["--spec", "ddtree", "--block-size", "8", "--budget", "32"],
     "none": ["--spec", "none"],
+    "eager": [],   # the default, with the small fused pieces run as torch ops (no torch.compile)
 }
+CONFIG_ENV = {"eager": {"DRAFTTREE_COMPILE": "0"}}
 STAGE = re.compile(r"start-up: (\S.*?)\s+(\d+\.\d+) s")
 RATE = re.compile(r"\[(\d+) tokens in ([\d.]+) s: ([\d.]+) tokens/s")
 
@@ -95,6 +97,7 @@ def stages(text: str) -> dict[str, float]:
 
 
 EXTRA_ENV: dict[str, str] = {}   # --env
+CURRENT_ENV: dict[str, str] = {}   # the running config's own (CONFIG_ENV)
 
 
 def save(a: argparse.Namespace, trees: dict[str, Path], runs: list[dict]) -> None:
@@ -108,7 +111,7 @@ def save(a: argparse.Namespace, trees: dict[str, Path], runs: list[dict]) -> Non
 def env_for(cache: Path, device: str) -> dict[str, str]:
     # PYTHONPATH is kept (where the extras live); `python -m` puts the tree's own root first.
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-    env.update(DRAFTTREE_CACHE=str(cache), TRITON_HOME=str(cache), PYTHONUNBUFFERED="1", **EXTRA_ENV)
+    env.update(DRAFTTREE_CACHE=str(cache), TRITON_HOME=str(cache), PYTHONUNBUFFERED="1", **EXTRA_ENV, **CURRENT_ENV)
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -216,6 +219,8 @@ def main() -> int:
     runs = []
     for kind in kinds:
         for cfg in configs:
+            CURRENT_ENV.clear()
+            CURRENT_ENV.update(CONFIG_ENV.get(cfg, {}))
             caches = {}
             for name in trees:
                 cache = caches[name] = work / f"{kind}-{cfg}-{name}"
@@ -234,7 +239,7 @@ def main() -> int:
                     before = resource.getrusage(resource.RUSAGE_CHILDREN)
                     r = fn(tree, caches[name], CONFIGS[cfg] + (["--device", a.device] if a.device == "cpu" else []), a)
                     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-                    r.update(kind=kind, config=cfg, tree=name, phase=phase, rep=i, loadavg_before=load,
+                    r.update(kind=kind, config=cfg, config_env=dict(CURRENT_ENV), tree=name, phase=phase, rep=i, loadavg_before=load,
                              cpu_s=(after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
                     runs.append(r)
                     tps = f"{r['tokens_per_s']:.1f} tok/s" if r.get("tokens_per_s") else ""

@@ -19,7 +19,8 @@
 #               then twice warm; `serve` to /ready (benchmarks/startup_bench.py; its JSON is written
 #               after every run). Needs the GGUF.
 #   spec      : `auto` against plain decoding and budgets 8 and 31 at T 0, 0.7, 1, batch 1, 16, 64,
-#               on HumanEval and held-out ShareGPT prompts, three alternated repeats. Needs the GGUF.
+#               three alternated repeats, on HumanEval prompts (SPEC_SET=sharegpt_heldout: the
+#               held-out ShareGPT ones, a second call). Needs the GGUF.
 #   structured: JSON-schema requests against free ones (benchmarks/structured_bench.py). Needs the GGUF.
 # Prepare here (ignored paths):
 #   mkdir -p .parts .old && split -n 3 -d "$(python -c 'from drafttree.loader.default_model import
@@ -86,9 +87,10 @@ case "${1:?stage}" in
     tail -n 12 "$OUT/startup.txt" "$OUT/startup_serve.txt" ;;
   spec)      # issue 57: auto against plain and fixed budgets, T 0/0.7/1, batch 1/16/64, two prompt sets
     gguf || exit 1
-    timeout 540 python3 -m drafttree bench --prompts .parts/humaneval.jsonl,.parts/sharegpt_heldout.jsonl \
+    set=${SPEC_SET:-humaneval}   # one prompt set a call: humaneval, then sharegpt_heldout
+    timeout 540 python3 -m drafttree bench --prompts ".parts/$set.jsonl" \
       --num-prompts 64 --max-tokens 64 --methods ar,ddtree --budgets auto,8,31 --temperatures 0,0.7,1 \
-      --batch 1,16,64 --repeats 3 --out "$OUT/never_loses" > "$OUT/never_loses.txt" 2>&1
+      --batch 1,16,64 --repeats 3 --out "$OUT/never_loses_$set" > "$OUT/never_loses.txt" 2>&1
     grep "repeats, median" "$OUT/never_loses.txt" ;;
   structured)   # issue 59: JSON-schema requests against free ones
     gguf || exit 1

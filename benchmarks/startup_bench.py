@@ -227,7 +227,8 @@ def main() -> int:
                 shutil.rmtree(cache, ignore_errors=True)
                 cache.mkdir(parents=True)
                 if a.keep_models:
-                    user = Path(os.environ.get("DRAFTTREE_CACHE", Path.home() / ".cache" / "drafttree")) / "models"
+                    user = Path(os.environ.get("DRAFTTREE_CACHE", Path.home() / ".cache" / "drafttree"))
+                    user = user.resolve() / "models"   # a link's target must not depend on the working directory
                     if user.is_dir():
                         (cache / "models").symlink_to(user)
             # the trees take turns, run by run: a load that comes and goes weighs on each alike

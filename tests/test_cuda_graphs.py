@@ -123,6 +123,21 @@ def test_bf16_graphs_with_dependent_launches_equal_without(pair, spec, budget, s
 
 
 @cuda
+@pytest.mark.parametrize("spec,budget", [("ddtree", 32), ("ddtree", None)])
+def test_graphs_of_uncompiled_pieces_equal_plain_decoding(pair, spec, budget, set_settings):
+    """DRAFTTREE_COMPILE=0 on CUDA (the small fused pieces as torch ops, as a start-up without
+    torch.compile would run them): every round graphed, no fallback, and the tokens of plain
+    decoding at T = 0, fixed budget and `auto` (budget None)."""
+    set_settings(compile="0")
+    t, d = pair
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want, _ = _outputs(t, d, "none", False, prompts, sp)
+    got, llm = _outputs(t, d, spec, True, prompts, sp, budget=budget)
+    assert got == want and llm.engine.runner.graphs.fallbacks == 0
+
+
+@cuda
 @pytest.mark.parametrize("spec,budget", [("dflash", 1), ("ddtree", 32), ("ddtree", 5)])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fp32_graphed_speculation_equals_plain_through_the_code_blocks(pair, spec, budget, batch, monkeypatch):

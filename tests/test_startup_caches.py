@@ -304,3 +304,16 @@ def test_a_server_captures_the_constrained_and_processed_graphs_after_ready():
     assert serve_config(EngineConfig(device="cuda", defer_graphs=False)).defer_graphs is False
     assert serve_config(EngineConfig(device="cuda", cuda_graphs=False)).defer_graphs is None
     assert serve_config(EngineConfig(device="cpu")).defer_graphs is None
+
+
+def test_a_stage_note_gives_the_seconds_spent_in_torch_compile(monkeypatch):
+    """The start-up notes' "N s in torch.compile" is Dynamo's own counter over the stage: what its
+    compiled pieces cost, cache hits included."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from drafttree.engine.prepare import _in_compile
+    from drafttree.kernels import compile_cache
+    monkeypatch.setitem(dynamo_utils.compilation_time_metrics, "_compile.compile_inner", [1.5, 2.0])
+    assert compile_cache.compile_seconds() == 3.5
+    assert _in_compile(1.0) == ", 2.5 s in torch.compile"
+    assert _in_compile(3.5) == ""

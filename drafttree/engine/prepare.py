@@ -29,19 +29,26 @@ def _compiled(dirs: dict[str, str]) -> int:
     return sum(compile_cache.entries(d) for d in dirs.values())
 
 
+def _in_compile(since: float) -> str:
+    """", N s in torch.compile" since `since` (compile_cache.compile_seconds()), if any."""
+    spent = compile_cache.compile_seconds() - since
+    return f", {spent:.1f} s in torch.compile" if spent >= 0.05 else ""
+
+
 def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimits | None,
                    startup: StartupTimes, dirs: dict[str, str]) -> None:
     """Compile what a round runs (stage "kernels"), then capture the round graphs the setup asks
     for (a stage per phase, and their warm-ups) and the prefill graphs."""
     cache = runner.cache_cfg
     kv_lengths = graph_kv_lengths(cache, setup.cfg.max_graph_len)
-    before = _compiled(dirs)
+    before, traced = _compiled(dirs), compile_cache.compile_seconds()
     with startup.stage("kernels"):
         startup.progress("one eager round of each step")
         n = runner.warm_kernels(setup.sampler_modes, cache.batch_buckets[:2], kv_lengths[0],
                                 setup.structured_graphs, setup.processed_graphs)
-        startup.note("kernels", f"{n} steps run, {_compiled(dirs) - before} files compiled into the cache")
-    before = _compiled(dirs)
+        startup.note("kernels", f"{n} steps run, {_compiled(dirs) - before} files compiled into the cache"
+                                + _in_compile(traced))
+    before, traced = _compiled(dirs), compile_cache.compile_seconds()
     now = not setup.defer_graphs
     with startup.running("graphs"):
         stages = runner.capture(setup.sampler_modes, prefill, cache.batch_buckets, kv_lengths, startup.progress,
@@ -52,7 +59,7 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
     later = f"; the constrained and processed rounds' steps of {len(graphs.pending)} sets later, while idle" \
         if graphs.pending else ""
     startup.note("graphs warm-up", f"{len(graphs.graphs)} round graphs in {len(graphs.set_seconds)} sets"
-                                   + (f", {compiled} files compiled" if compiled else "") + later)
+                                   + (f", {compiled} files compiled" if compiled else "") + _in_compile(traced) + later)
     for stage, seconds in stages.items():
         startup.add(stage, seconds)
 
@@ -64,7 +71,7 @@ def cost_model(setup: EngineSetup, runner: ModelRunner, tp: TPGroup | None, star
     graphed = runner.graphs is not None
     kv_len = runner.graphs.kv_lengths[0] if graphed else runner.round_kv_len(64)
     key = caches.cost_key(setup, buckets, kv_len, graphed)
-    drafter = runner.drafter is not None
+    drafter, traced = runner.drafter is not None, compile_cache.compile_seconds()
     with startup.stage("cost model"):
         table = caches.load_costs(setup, key, buckets, drafter, tp)
         if table is None:
@@ -82,5 +89,5 @@ def cost_model(setup: EngineSetup, runner: ModelRunner, tp: TPGroup | None, star
                     log.warning("the cost table is not kept for later starts: %s", e)
         else:
             note = "read from the cache"
-        startup.note("cost model", note)
+        startup.note("cost model", note + _in_compile(traced))
     return table

@@ -103,6 +103,16 @@ def install(device: torch.device | str | None = None) -> dict[str, str]:
     return {"triton": triton_dir, "inductor": inductor_dir}
 
 
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile so far (Dynamo's tracing with Inductor's
+    compiling or cache lookups under it): what a stage's compiled pieces cost it, cached or not."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:   # a torch without the counter: the notes leave it out
+        return 0.0
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+
+
 def entries(path: str | Path) -> int:
     """Files under a cache directory (0 if it does not exist): how much a stage compiled."""
     n = 0

@@ -17,6 +17,7 @@ import importlib.metadata
 import json
 import os
 import platform as host
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +107,9 @@ def install(device: torch.device | str | None = None) -> dict[str, str]:
 def compile_seconds() -> float:
     """Seconds this process has spent in torch.compile so far (Dynamo's tracing with Inductor's
     compiling or cache lookups under it): what a stage's compiled pieces cost it, cached or not."""
-    try:
-        from torch._dynamo.utils import compilation_time_metrics
-    except ImportError:   # a torch without the counter: the notes leave it out
-        return 0.0
-    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+    utils = sys.modules.get("torch._dynamo.utils")   # not imported: nothing compiled (importing it costs ~1 s)
+    metrics = getattr(utils, "compilation_time_metrics", None)   # a torch without the counter: 0
+    return float(sum(metrics.get("_compile.compile_inner", ()))) if metrics is not None else 0.0
 
 
 def entries(path: str | Path) -> int:

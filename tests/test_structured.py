@@ -460,3 +460,25 @@ def test_a_constrained_request_admitted_while_a_plain_round_is_unread(pair, plai
     to_the_end = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     assert x.output_ids == plain.generate(["hello world " * 3], [to_the_end])[0].token_ids
     eng.shutdown()
+
+
+@pytest.mark.parametrize("spec,budget", [("dflash", None), ("ddtree", 8)])
+def test_a_grammar_ends_the_output_where_the_model_has_no_end_of_sequence(tmp_path, spec, budget):
+    """A tokenizer without an end-of-sequence token: a constrained request ends at the token that
+    completes its grammar, under speculation as in plain decoding (whose round may have committed
+    tokens past it)."""
+    target = write_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=97, layers=2, scale=3.0), 97)
+    drafter = make_drafter(tmp_path / "d", target, block_size=4)
+    sp = SamplingParams(temperature=0, max_tokens=20,
+                        structured_outputs=StructuredOutputs(regex="[a-c]{2,6}( [d-f]+)?"))
+    prompts = ["hello there", "abc", "zzz qq", "the cat"]
+
+    def run(spec: str, budget: int | None) -> list[tuple[list[int], str]]:
+        llm = LLM(model=str(target), draft_model=None if spec == "none" else str(drafter), spec=spec,
+                  budget=budget, device="cpu", dtype="float32", max_num_seqs=4)
+        assert not llm.engine.eos_ids
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, sp)]
+
+    want = run("none", None)
+    assert any(reason == "stop" for _, reason in want)
+    assert run(spec, budget) == want

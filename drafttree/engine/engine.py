@@ -520,9 +520,11 @@ class Engine:
         return out
 
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> list[int]:
-        if len(tokens) > 1 and seq.params.stop and self.tokenizer is not None:
+        if len(tokens) > 1 and ((seq.params.stop and self.tokenizer is not None)
+                                or (seq.grammar is not None and not self.eos_ids)):
             # a stop string ends the output at the token that completes it, as plain decoding's
-            # one token a round does, not at the end of the round's commits
+            # one token a round does, not at the end of the round's commits; so does a grammar
+            # that completes where the model has no end of sequence (`constrained.advance`)
             kept: list[int] = []
             for i, t in enumerate(tokens):
                 if seq.finished:

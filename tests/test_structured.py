@@ -482,3 +482,16 @@ def test_a_grammar_ends_the_output_where_the_model_has_no_end_of_sequence(tmp_pa
     want = run("none", None)
     assert any(reason == "stop" for _, reason in want)
     assert run(spec, budget) == want
+
+
+def test_token_filters_that_leave_the_grammar_nothing_abort_the_request_by_name(pair, plain, caplog):
+    """allowed_token_ids that the grammar's first character is not among: the request ends
+    ("abort"), and the log names the filter, not only the grammar."""
+    _, _, tok = pair
+    digits = [tok.convert_tokens_to_ids(c) for c in "0123456789"]
+    sp = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=digits,
+                        structured_outputs=StructuredOutputs(regex=REGEX))
+    with caplog.at_level("ERROR"):
+        out = plain.generate(["hello"], sp)[0].outputs[0]
+    assert out.finish_reason == "abort"
+    assert "allowed_token_ids may leave the grammar no token" in caplog.text

@@ -136,9 +136,15 @@ class Constrained:
         if m is None or not kept:
             return
         took = m.advance(kept)
-        if took < len(kept):   # the masks allow only what the grammar takes: a defect, said loudly
-            log.error("request %s: the grammar refused token %d of the committed ones (%s)", seq.request_id,
-                      kept[took], m.error)
+        if took < len(kept):
+            # The masks allow only what the grammar takes, so this is either the request's own
+            # token filters leaving the grammar no token at all (every logit -inf), or a defect.
+            p = seq.params
+            filters = [name for name, on in (("allowed_token_ids", p.allowed_token_ids), ("bad_words", p.bad_words),
+                                             ("logit_bias", p.logit_bias)) if on]
+            log.error("request %s: the grammar refused token %d of the committed ones (%s)%s", seq.request_id,
+                      kept[took], m.error, f"; its {' and '.join(filters)} may leave the grammar no token"
+                      if filters else "")
             seq.finish("abort")
         elif m.stopped and not self.eos_ids:
             seq.finish("stop")

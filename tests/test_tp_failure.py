@@ -136,3 +136,23 @@ def test_a_stalled_rank_times_out(zoo):
         os.kill(pid, signal.SIGKILL)
         os.kill(pid, signal.SIGCONT)
         llm.shutdown()
+
+
+def test_a_script_without_the_main_guard_fails_at_once_and_says_why(zoo, tmp_path):
+    """A script that builds a tensor-parallel engine at its top level: each spawned rank imports
+    it again and dies in multiprocessing's bootstrapping; rank 0 says so within seconds instead of
+    waiting out the rendezvous (minutes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pair = zoo("llama")
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from drafttree import LLM\nLLM(model={str(pair.target)!r}, device='cpu', dtype='float32', "
+                      "tensor_parallel_size=2)\nprint('built')\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode != 0 and "built" not in r.stdout
+    assert "rank 1 exited" in r.stderr and 'if __name__ == "__main__":' in r.stderr
+    assert time.monotonic() - t0 < 120

@@ -106,7 +106,8 @@ def start_engine(cfg: EngineConfig, tokenizer: Any = None) -> Engine:
         port = free_port()
         run = _local(0, cfg.tensor_parallel_size, port)
         threads, level = torch.get_num_threads(), logging.getLogger().level
-        workers = spawn_ranks(_rank_main, cfg.tensor_parallel_size, lambda r: (r, cfg, port, threads, level))
+        workers = spawn_ranks(_rank_main, cfg.tensor_parallel_size, lambda r: (r, cfg, port, threads, level),
+                              cfg.distributed_timeout_s)
     tp = None
     try:
         tp = init_group(run, device, cfg.distributed_timeout_s)
@@ -126,15 +127,39 @@ def _local(rank: int, world: int, port: int) -> Launch:
     return Launch(rank, world, rank, f"tcp://127.0.0.1:{port}")
 
 
-def spawn_ranks(target: Callable[..., None], world: int,
-           args_of: Callable[[int], tuple]) -> list[mp.process.BaseProcess]:
-    """Ranks 1..world-1 started as fresh processes running target(*args_of(rank))."""
+def spawn_ranks(target: Callable[..., None], world: int, args_of: Callable[[int], tuple],
+                timeout_s: float = 300.0) -> list[mp.process.BaseProcess]:
+    """Ranks 1..world-1 started as fresh processes running target(*args_of(rank)); returns once
+    each has started (imported what it runs), or raises at once if one exits before: rank 0
+    would otherwise wait out the rendezvous's timeout for a rank that is gone."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=args_of(r), name=f"drafttree-rank-{r}", daemon=False)
-             for r in range(1, world)]
+    started = [ctx.Event() for _ in range(1, world)]
+    procs = [ctx.Process(target=_started, args=(target, started[r - 1], args_of(r)), name=f"drafttree-rank-{r}",
+                         daemon=False) for r in range(1, world)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout_s
+    while not all(e.is_set() for e in started):
+        gone = [(r, p.exitcode) for r, (p, e) in enumerate(zip(procs, started), 1)
+                if p.exitcode is not None and not e.is_set()]
+        if gone or time.monotonic() > deadline:
+            stop_processes(procs, 0.0)
+            if not gone:
+                raise RuntimeError(f"tensor parallel: the spawned ranks did not start within {timeout_s:g} s")
+            r, code = gone[0]
+            raise RuntimeError(
+                f"tensor parallel: rank {r} exited (code {code}) before it started. Each rank is a fresh "
+                "Python process that first imports the program's main module (multiprocessing's 'spawn'): "
+                "a script that creates the engine at its top level must do so under "
+                "`if __name__ == \"__main__\":`; the rank's own error is above")
+        time.sleep(0.02)
     return procs
+
+
+def _started(target: Callable[..., None], started: Any, args: tuple) -> None:
+    """A spawned rank's entry: say it is running, then run."""
+    started.set()
+    target(*args)
 
 
 def _rank_main(rank: int, cfg: EngineConfig, port: int, threads: int, level: int) -> None:
@@ -281,7 +306,7 @@ def run_ranks(fn: Callable[..., Any], world: int, device: str | None, timeout_s:
     if run is None:
         port = free_port()
         run = _local(0, world, port)
-        workers = spawn_ranks(_same_code, world, lambda r: (r, world, port, dev, timeout_s, fn, args))
+        workers = spawn_ranks(_same_code, world, lambda r: (r, world, port, dev, timeout_s, fn, args), timeout_s)
     try:
         tp = init_group(run, dev, timeout_s)
         out = fn(tp, *args)

@@ -97,7 +97,6 @@ def stages(text: str) -> dict[str, float]:
 
 
 EXTRA_ENV: dict[str, str] = {}   # --env
-CURRENT_ENV: dict[str, str] = {}   # the running config's own (CONFIG_ENV)
 
 
 def save(a: argparse.Namespace, trees: dict[str, Path], runs: list[dict]) -> None:
@@ -108,19 +107,19 @@ def save(a: argparse.Namespace, trees: dict[str, Path], runs: list[dict]) -> Non
     Path(a.out).write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
 
 
-def env_for(cache: Path, device: str) -> dict[str, str]:
+def env_for(cache: Path, device: str, config_env: dict[str, str]) -> dict[str, str]:
     # PYTHONPATH is kept (where the extras live); `python -m` puts the tree's own root first.
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-    env.update(DRAFTTREE_CACHE=str(cache), TRITON_HOME=str(cache), PYTHONUNBUFFERED="1", **EXTRA_ENV, **CURRENT_ENV)
+    env.update(DRAFTTREE_CACHE=str(cache), TRITON_HOME=str(cache), PYTHONUNBUFFERED="1", **EXTRA_ENV, **config_env)
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
-def run_generate(tree: Path, cache: Path, args: list[str], a: argparse.Namespace) -> dict:
+def run_generate(tree: Path, env: dict[str, str], args: list[str], a: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "drafttree.cli", "generate", a.prompt, "--max-tokens", str(a.max_tokens), *args]
     t0 = time.perf_counter()
-    r = follow(launch(cmd, tree, env_for(cache, a.device)), t0)
+    r = follow(launch(cmd, tree, env), t0)
     m = RATE.search(r["stderr"])
     r.update(stages=stages(r["stderr"]), tokens=int(m.group(1)) if m else None,
              decode_s=float(m.group(2)) if m else None, tokens_per_s=float(m.group(3)) if m else None)
@@ -147,12 +146,12 @@ def _get(url: str) -> tuple[int, str]:
         return 0, ""
 
 
-def run_serve(tree: Path, cache: Path, args: list[str], a: argparse.Namespace) -> dict:
+def run_serve(tree: Path, env: dict[str, str], args: list[str], a: argparse.Namespace) -> dict:
     port = _free_port()
     cmd = [sys.executable, "-m", "drafttree.cli", "serve", "--port", str(port), *args]
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    proc = launch(cmd, tree, env_for(cache, a.device))
+    proc = launch(cmd, tree, env)
     polled = [0.0]
 
     def ready() -> bool:
@@ -219,8 +218,6 @@ def main() -> int:
     runs = []
     for kind in kinds:
         for cfg in configs:
-            CURRENT_ENV.clear()
-            CURRENT_ENV.update(CONFIG_ENV.get(cfg, {}))
             caches = {}
             for name in trees:
                 cache = caches[name] = work / f"{kind}-{cfg}-{name}"
@@ -238,9 +235,10 @@ def main() -> int:
                     fn = run_generate if kind == "generate" else run_serve
                     load = os.getloadavg()[0]
                     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-                    r = fn(tree, caches[name], CONFIGS[cfg] + (["--device", a.device] if a.device == "cpu" else []), a)
+                    env = env_for(caches[name], a.device, CONFIG_ENV.get(cfg, {}))
+                    r = fn(tree, env, CONFIGS[cfg] + (["--device", a.device] if a.device == "cpu" else []), a)
                     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-                    r.update(kind=kind, config=cfg, config_env=dict(CURRENT_ENV), tree=name, phase=phase, rep=i, loadavg_before=load,
+                    r.update(kind=kind, config=cfg, config_env=CONFIG_ENV.get(cfg, {}), tree=name, phase=phase, rep=i, loadavg_before=load,
                              cpu_s=(after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
                     runs.append(r)
                     tps = f"{r['tokens_per_s']:.1f} tok/s" if r.get("tokens_per_s") else ""

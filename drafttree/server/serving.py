@@ -114,9 +114,12 @@ class _Streamed:
     tool_text: GrowingText | None = None   # a tool request's text so far (`reply_text`)
 
 
-def spec_stats(snap: Snapshot, method: str) -> dict[str, Any]:
-    return {"spec_method": method, "rounds": snap.rounds,
-            "mean_accept_length": round(snap.mean_accept_length, 4)}
+def spec_stats(method: str, *snaps: Snapshot) -> dict[str, Any]:
+    """The speculation's statistics of a request (of a batch's requests together)."""
+    rounds = sum(s.rounds for s in snaps)
+    accepted = sum(s.mean_accept_length * s.rounds for s in snaps)
+    return {"spec_method": method, "rounds": rounds,
+            "mean_accept_length": round(accepted / rounds, 4) if rounds else 0.0}
 
 
 def _structured_param(req: OpenAIRequest) -> str:
@@ -299,7 +302,7 @@ class OpenAIServing:
             return JSONResponse(error_body("client disconnected"), status_code=499)
         out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": call.created,
                "model": self.model_name, "choices": [self._choice(call, c, snap) for c in snap.choices],
-               "usage": self._usage(call, snap), "drafttree": spec_stats(snap, self.engine.spec.method)}
+               "usage": self._usage(call, snap), "drafttree": spec_stats(self.engine.spec.method, snap)}
         if chat and call.prompt_logprobs:   # vLLM's chat answers them beside the choices
             out["prompt_logprobs"] = self._prompt_logprobs(call, snap)
         return out
@@ -333,11 +336,9 @@ class OpenAIServing:
         for i, (call, snap) in enumerate(zip(calls, snaps)):
             for c in snap.choices:
                 choices.append({**self._choice(call, c, snap), "index": i * call.n + c.index})
-        rounds = sum(s.rounds for s in snaps)
-        stats = {"spec_method": self.engine.spec.method, "rounds": rounds, "mean_accept_length":
-                 round(sum(s.mean_accept_length * s.rounds for s in snaps) / rounds, 4) if rounds else 0.0}
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": _summed([c.usage(s) for c, s in zip(calls, snaps)]), "drafttree": stats}
+                "choices": choices, "usage": _summed([c.usage(s) for c, s in zip(calls, snaps)]),
+                "drafttree": spec_stats(self.engine.spec.method, *snaps)}
 
     async def _start(self, req: OpenAIRequest, prompt: str | list[int], budget: TokenBudget, chat: bool,
                      structured: StructuredOutputs | None = None, tools: ToolPlan | None = None,
@@ -561,7 +562,7 @@ class OpenAIServing:
                         st.done = c.finished
                 echoed = True
                 if snap.finished and chunks:   # the request's last chunk carries the speculation's statistics
-                    chunks[-1]["drafttree"] = spec_stats(snap, self.engine.spec.method)
+                    chunks[-1]["drafttree"] = spec_stats(self.engine.spec.method, snap)
                 usage = self._usage(call, snap) if call.continuous_usage else None
                 for chunk in chunks:
                     if usage is not None:

@@ -88,7 +88,7 @@ def test_streamed_reasoning_adds_up_to_the_whole(tok, stops):
     assert whole.reasoning == "let me see: 2 + 2" and whole.content.startswith("The answer is 4.")
     if stops:
         assert whole.content == "The answer is 4."
-    stream, sent = ReasoningStream(PartsReader(tok, r, "free", eos, marked=frozenset())), ""
+    stream, sent = ReasoningStream(PartsReader(tok, r, "free", eos, marked_without=frozenset())), ""
     for n in range(1, len(out) + 1):
         parts = stream.reader.read(out[:n], stops, finish if n == len(out) else None)   # decoded a window at a time
         for d in stream.deltas(parts, n == len(out), hold=max((len(s) for s in stops), default=1) - 1):
@@ -202,7 +202,7 @@ def test_kimi_k2_tool_calls_after_the_reasoning_are_parsed(tok):
             '{"x": 1}<|tool_call_end|><|tool_calls_section_end|>')
     tools = [{"type": "function", "function": {"name": "f"}}]
     for reply in ("I should call f." + call, "I should call f.</think>" + call):   # closed or not
-        parts = reply_parts(tok, r, ids(tok, reply), "open", set(), (), "stop", marked=frozenset())
+        parts = reply_parts(tok, r, ids(tok, reply), "open", set(), (), "stop", marked_without=frozenset())
         assert parts.reasoning == "I should call f." and parts.ended
         message, finish = ToolPlan(tools, make_parser(tok, "kimi_k2"), None, True, False).reply(parts.marked, "stop")
         assert finish == "tool_calls" and message["content"] is None

@@ -265,7 +265,7 @@ class OpenAIServing:
         if call.reasoning is None:
             return None
         return PartsReader(self.engine.tokenizer, self.reasoning, call.reasoning, self.engine.eos_ids,
-                           marked=None if call.tools is None else call.tools.parser.hidden_ids())
+                           marked_without=None if call.tools is None else call.tools.parser.hidden_ids())
 
     def reply_text(self, call: _Call, choice: ChoiceSnapshot, growing: GrowingText | None = None) -> str:
         """A tool request's reply with its format's markers (which may be special tokens, which

@@ -125,7 +125,7 @@ class Reasoning:
 class ReplyParts:
     """`reasoning` without its markers and outer whitespace; `content`: the answer's text (special
     tokens left out, leading whitespace cut); `marked`: the same with the special tokens a tool
-    format writes kept (`PartsReader`'s `marked`), where asked; `ended`: the reasoning has ended."""
+    format writes kept (`PartsReader`'s `marked_without`), where asked; `ended`: the reasoning has ended."""
     reasoning: str
     content: str
     marked: str | None
@@ -160,12 +160,13 @@ class PartsReader:
     """A reply's parts as its output grows (`read` with the output so far)."""
 
     def __init__(self, tokenizer: Any, reasoning: Reasoning, state: PromptState, eos_ids: set[int],
-                 marked: frozenset[int] | None = None) -> None:
-        """`marked`: also the answer's text with special tokens kept, but for these ids."""
+                 marked_without: frozenset[int] | None = None) -> None:
+        """`marked_without`: also the answer's text with special tokens kept (`ReplyParts.marked`),
+        all but these ids."""
         self.reasoning, self.state, self.eos_ids = reasoning, state, eos_ids
         self._reasoning, self._content = GrowingText(tokenizer, True), GrowingText(tokenizer, True)
-        self._marked = GrowingText(tokenizer, False) if marked is not None else None
-        self._hidden = marked or frozenset()
+        self._marked = GrowingText(tokenizer, False) if marked_without is not None else None
+        self._hidden = marked_without or frozenset()
 
     def read(self, ids: Sequence[int], stops: Sequence[str], finish_reason: str | None) -> ReplyParts | None:
         """The parts of the output so far, or None where it holds no reasoning (then it is content,
@@ -194,6 +195,6 @@ class PartsReader:
 
 def reply_parts(tokenizer: Any, reasoning: Reasoning, ids: Sequence[int], state: PromptState, eos_ids: set[int],
                 stops: Sequence[str], finish_reason: str | None,
-                marked: frozenset[int] | None = None) -> ReplyParts | None:
+                marked_without: frozenset[int] | None = None) -> ReplyParts | None:
     """`PartsReader.read` of a whole output at once."""
-    return PartsReader(tokenizer, reasoning, state, eos_ids, marked).read(ids, stops, finish_reason)
+    return PartsReader(tokenizer, reasoning, state, eos_ids, marked_without).read(ids, stops, finish_reason)

@@ -156,3 +156,47 @@ def test_a_script_without_the_main_guard_fails_at_once_and_says_why(zoo, tmp_pat
     assert r.returncode != 0 and "built" not in r.stdout
     assert "rank 1 exited" in r.stderr and 'if __name__ == "__main__":' in r.stderr
     assert time.monotonic() - t0 < 120
+
+
+BUILD_SCRIPT = '''import sys, time
+from drafttree.engine import engine as E
+def lost_rank(*a, **k):
+    raise MemoryError("rank 1 ran out of memory reading its shard")
+def stuck(*a, **k):
+    time.sleep(600)   # as rank 0 waits in an NCCL collective for a rank that is gone
+if __name__ == "__mp_main__":   # a spawned rank imports this script under that name
+    E.load_models = lost_rank
+if __name__ == "__main__":
+    from drafttree import LLM
+    if sys.argv[2] == "stuck":
+        E.load_models = stuck
+    try:
+        LLM(model=sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2)
+    except Exception as e:
+        print(f"raised {type(e).__name__}: {e}")
+'''
+
+
+@pytest.mark.parametrize("rank0", ["fails", "stuck"])
+def test_a_rank_lost_while_the_engines_are_built_is_named_at_once(zoo, tmp_path, rank0):
+    """Rank 1 dies building its engine: where rank 0's collective fails (gloo) the build raises
+    TensorParallelError naming the rank; where it would wait out the group's timeout (NCCL; here
+    rank 0 sleeps) the process exits within GRACE_S saying which rank was lost."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "build.py"
+    script.write_text(BUILD_SCRIPT)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(script), str(zoo("llama").target), rank0], capture_output=True,
+                       text=True, timeout=240, cwd=Path(__file__).resolve().parent.parent)
+    assert "rank 1 ran out of memory" in r.stderr
+    if rank0 == "fails":
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "raised TensorParallelError: tensor-parallel rank 1" in r.stdout
+        assert "exited with code 1 while the engines were being built" in r.stdout
+    else:
+        assert r.returncode == 1 and "raised" not in r.stdout
+        assert "rank 1" in r.stderr and "while the engines were being built, and rank 0 waits" in r.stderr
+    assert time.monotonic() - t0 < launch.GRACE_S + 60

@@ -12,10 +12,10 @@ scheduler, the tokenizer and the server; its runner sends its commands to the ot
 (`parallel.commands`). Spawned ranks follow until rank 0 shuts down; under torchrun the caller
 runs `follow(engine)` on ranks > 0 (the command line and LLM do).
 
-Failure: rank 0 watches the ranks it spawned; one that exits ends the engine (its next step
-raises TensorParallelError naming it, and if the engine is stuck in a step, e.g. in an NCCL
-collective that will never finish, the process exits after GRACE_S). Collectives time out after
-`cfg.distributed_timeout_s`. A follower that loses rank 0 exits.
+Failure: rank 0 watches the ranks it spawned, from their start on; one that exits ends the
+engine (the build, or the next step, raises TensorParallelError naming it, and if rank 0 is stuck,
+e.g. in an NCCL collective that will never finish, the process exits after GRACE_S). Collectives
+time out after `cfg.distributed_timeout_s`. A follower that loses rank 0 exits.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from drafttree.kernels.triton_jit import dots_run_on
 from drafttree.parallel.commands import COMMANDS, NOOP, SHUTDOWN, CommandChannel
 from drafttree.parallel.group import (
     Launch,
+    TensorParallelError,
     TPGroup,
     check_free,
     close_group,
@@ -108,15 +109,19 @@ def start_engine(cfg: EngineConfig, tokenizer: Any = None) -> Engine:
         threads, level = torch.get_num_threads(), logging.getLogger().level
         workers = spawn_ranks(_rank_main, cfg.tensor_parallel_size, lambda r: (r, cfg, port, threads, level),
                               cfg.distributed_timeout_s)
-    tp = None
+    tp, watch = None, BuildWatch(workers)
     try:
         tp = init_group(run, device, cfg.distributed_timeout_s)
         engine = Engine(cfg, tp, tokenizer)
-    except BaseException:
+    except BaseException as e:
+        lost = watch.finish(wait_s=2.0)
         stop_processes(workers, 0.0)
         if tp is not None:   # init_group leaves no group behind when it fails
             close_group(tp)
+        if lost is not None and isinstance(e, Exception):
+            raise TensorParallelError(f"{lost} while the engines were being built (its error is above)") from e
         raise
+    watch.finish()
     if tp.leader:
         Ranks(engine, workers).attach()
     return engine
@@ -212,6 +217,43 @@ def _stop(message: str) -> NoReturn:
     logging.shutdown()
     sys.stderr.flush()
     os._exit(1)
+
+
+class BuildWatch:
+    """The spawned ranks watched while rank 0 builds its engine. A rank that exits then leaves rank
+    0 in a collective that gloo fails at once (its error then names the rank) but NCCL waits out
+    for `distributed_timeout_s`: if the build has not failed GRACE_S after the loss, the process
+    exits saying which rank was lost, as a step stuck after a loss does."""
+
+    def __init__(self, workers: list[mp.process.BaseProcess]) -> None:
+        self.workers, self.done, self.lost = workers, threading.Event(), None
+        if workers:
+            threading.Thread(target=self._watch, name="drafttree-tp-build-watch", daemon=True).start()
+
+    def finish(self, wait_s: float = 0.0) -> str | None:
+        """Stop watching; what was lost, looking up to wait_s seconds for a rank that is exiting
+        (a collective can fail a moment before the peer's exit is seen)."""
+        if self.lost is None and self.workers and wait_s > 0:
+            self._look(wait_s)
+        self.done.set()
+        return self.lost
+
+    def _look(self, timeout: float) -> bool:
+        exited = set(mp.connection.wait([p.sentinel for p in self.workers], timeout=timeout))
+        gone = next((p for p in self.workers if p.sentinel in exited), None)
+        if gone is not None and self.lost is None:
+            self.lost = f"tensor-parallel rank {self.workers.index(gone) + 1} (pid {gone.pid}) {_exit_text(_exit_code(gone))}"
+        return gone is not None
+
+    def _watch(self) -> None:
+        while not self.done.is_set():
+            if self._look(1.0):
+                break
+        if self.done.wait(GRACE_S):
+            return
+        print(f"drafttree: error: {self.lost} while the engines were being built, and rank 0 waits in a "
+              "collective for it: exiting", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 class Ranks:

@@ -20,6 +20,8 @@
 #   spec      : `auto` against plain decoding and budgets 8 and 31 at T 0, 0.7, 1, batch 1, 16, 64,
 #               three alternated repeats, on HumanEval prompts (SPEC_SET=sharegpt_heldout: the
 #               held-out ShareGPT ones, a second call). Needs the GGUF.
+#   plainround: a plain round's cost in a drafter's engine against a plain engine's, by phase, T = 1,
+#               batch 1 and 16 (benchmarks/plain_round_cost.py). Needs the GGUF.
 #   structured: JSON-schema requests against free ones (benchmarks/structured_bench.py). Needs the GGUF.
 # Prepare here (ignored paths):
 #   mkdir -p .parts .old && split -n 3 -d "$(python -c 'from drafttree.loader.default_model import
@@ -42,7 +44,7 @@
 #   .parts/humaneval.jsonl, .parts/sharegpt_heldout.jsonl]; `ab` [.old] (GGUF-free, as are rank and tests).
 # A machine can be taken back mid-call, and then the parts must travel again: carry them first, in
 # `parts` calls of a few seconds, and run the stages that need the model before the others.
-# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|spec|structured
+# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|spec|plainround|structured
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" .gacc
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=$PWD/.gacc/cache
@@ -95,10 +97,15 @@ case "${1:?stage}" in
       --num-prompts 64 --max-tokens 64 --methods ar,ddtree --budgets auto,8,31 --temperatures 0,0.7,1 \
       --batch 1,16,64 --repeats 3 --out "$OUT/never_loses_$set" > "$OUT/never_loses.txt" 2>&1
     grep "repeats, median" "$OUT/never_loses.txt" ;;
+  plainround)   # issue 57: where a drafter's engine's plain rounds spend the 1-4 % more GPU time a round at batch 16
+    gguf || exit 1
+    timeout 400 python3 benchmarks/plain_round_cost.py --prompts .parts/sharegpt_heldout.jsonl --num-prompts 16 \
+      --batch 1,16 --max-tokens 128 --repeats 5 --out "$OUT/plain_round.json" > "$OUT/plain_round.txt" 2>&1
+    tail -n 30 "$OUT/plain_round.txt" ;;
   structured)   # issue 59: JSON-schema requests against free ones
     gguf || exit 1
     timeout 300 python3 benchmarks/structured_bench.py --budget auto --batches 1,16 --repeats 3 \
       --out "$OUT/structured.json" > "$OUT/structured.txt" 2>&1
     tail -n 30 "$OUT/structured.txt" ;;
-  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, spec, structured)"; exit 2 ;;
+  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, spec, plainround, structured)"; exit 2 ;;
 esac

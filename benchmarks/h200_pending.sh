@@ -2,8 +2,8 @@
 # The GPU figures the open work waits on, as stages of one call each (inside 600 s), issued back
 # to back on one warm machine: a machine gives back its /tmp and this tree's ignored .gacc/ about
 # 30 s after a call ends. The default model's GGUF (98 MB) travels in three parts, one a call,
-# kept in .gacc/; the stages that need the model assemble it and check its sha256. All six take
-# about 40 minutes of device time: more than one session holds, so pick.
+# kept in .gacc/; the stages that need the model assemble it and check its sha256. Together they take
+# about 50 minutes of device time: more than one session holds, so pick.
 #   rank      : the seed's model. The int4 expert kernels at 1, 8, 33 rows (benchmarks/w4a16_bench.py),
 #               then one rank of Kimi K2.6 at TP8 from random weights in the shipped formats
 #               (drafttree.bench.rank): memory against the plan, the decode step against its

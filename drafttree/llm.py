@@ -251,7 +251,7 @@ class LLM:
                 raise ValueError(f"sampling_params[{i}] is a {type(sp).__name__}, not a SamplingParams")
         requests = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
-            ids, text = self._prompt(p, i)
+            ids, text = self._prompt(p, i, sp)
             try:
                 engine.check_prompt(ids)
             except ValueError as e:
@@ -280,8 +280,8 @@ class LLM:
             bar.close()
         return [RequestOutput.from_seq(s, engine.tokenizer) for s in seqs]
 
-    def _prompt(self, prompt: Prompt, i: int) -> tuple[list[int], str | None]:
-        """(token ids, the text or None) of prompt i, checked."""
+    def _prompt(self, prompt: Prompt, i: int, sp: SamplingParams) -> tuple[list[int], str | None]:
+        """(token ids, the text or None) of prompt i, checked; the ids cut as `sp` asks (`Engine.read_prompt`)."""
         if isinstance(prompt, Mapping):
             if set(prompt) == {"prompt"}:
                 prompt = prompt["prompt"]
@@ -296,7 +296,7 @@ class LLM:
                                                             for t in prompt)):
             raise ValueError(f"prompt {i} is a {type(prompt).__name__}: a prompt is a string, a list of token ids, "
                              "or a dict with 'prompt' or 'prompt_token_ids'")
-        return self.engine.encode(prompt)
+        return self.engine.read_prompt(prompt, sp)
 
 
 def _check_strings(value: Any, where: str) -> None:

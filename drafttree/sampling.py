@@ -73,12 +73,19 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
-    # vLLM's, not yet taken: each is refused unless it asks for nothing (its default, `NOT_YET`)
-    best_of: int | None = None          # also taken equal to n: n choices, all returned
+    # The output's text, as vLLM's: a stop string, and the stop token or end of sequence that ended
+    # the output, are left out of it unless `include_stop_str_in_output`; special tokens are left
+    # out unless not `skip_special_tokens` (`spaces_between_special_tokens`: the tokenizer's own
+    # option, for tokenizers that have it).
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Only the prompt's last k tokens are read (left truncation; -1: as many as the context holds
+    # with room for one output token).
     truncate_prompt_tokens: int | None = None
+
+    # vLLM's, not yet taken: each is refused unless it asks for nothing (its default, `NOT_YET`)
+    best_of: int | None = None          # also taken equal to n: n choices, all returned
     logits_processors: list | None = None
 
     def __post_init__(self) -> None:
@@ -108,8 +115,7 @@ class SamplingParams:
 
 # The fields of SamplingParams not yet taken, each with the values that ask for nothing.
 NOT_YET: dict[str, tuple] = {
-    "best_of": (None, 1), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (None,), "logits_processors": (None, []),
+    "best_of": (None, 1), "logits_processors": (None, []),
 }
 # The most log-probabilities a request may ask for per token (OpenAI's top_logprobs limit, vLLM's
 # default max_logprobs): the rounds' logprob buffers are this wide, whatever a request asks.
@@ -168,6 +174,11 @@ def check_params(p: SamplingParams) -> None:
     need(isinstance(p.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in p.stop_token_ids),
          "stop_token_ids", "a list of token ids (integers >= 0)")
     p.stop_token_ids = [int(t) for t in p.stop_token_ids]
+    for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+        need(isinstance(getattr(p, name), bool), name, "True or False")
+    k = p.truncate_prompt_tokens
+    need(k is None or (_is_int(k) and (k >= 1 or k == -1)), "truncate_prompt_tokens",
+         "an integer >= 1 (the prompt's last k tokens), -1 (as many as the context holds), or None")
     check_processing(p, need)
     for name, neutral in NOT_YET.items():
         value = getattr(p, name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,10 @@ BAD = [
     ("bad_words", [" "], "bad_words must be a list of words (non-blank strings)"),
     ("bad_words", ["\ud800"], "bad_words[0] is not valid Unicode"),
     ("best_of", 2, "best_of=2 is not supported yet (only None or n (1))"),
-    ("include_stop_str_in_output", True, "include_stop_str_in_output=True is not supported yet"),
+    ("include_stop_str_in_output", 1, "include_stop_str_in_output must be True or False"),
+    ("skip_special_tokens", None, "skip_special_tokens must be True or False"),
+    ("truncate_prompt_tokens", 0, "truncate_prompt_tokens must be an integer >= 1"),
+    ("truncate_prompt_tokens", -2, "truncate_prompt_tokens must be an integer >= 1"),
 ]
 
 
@@ -83,10 +87,12 @@ def test_sampling_params_refuse_a_bad_field_naming_it(name, value, says):
 
 
 def test_sampling_params_take_neutral_values_and_normalize():
-    neutral = {"best_of": 1, "skip_special_tokens": True, "logits_processors": []}
+    neutral = {"best_of": 1, "logits_processors": []}
     assert set(neutral) <= set(NOT_YET)
     honoured = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {},
-                "bad_words": [], "min_p": 0, "min_tokens": 0}
+                "bad_words": [], "min_p": 0, "min_tokens": 0, "skip_special_tokens": True,
+                "include_stop_str_in_output": False, "spaces_between_special_tokens": True,
+                "truncate_prompt_tokens": None}
     assert not set(honoured) & set(NOT_YET)
     p = SamplingParams(temperature=1, top_p=1, top_k=-1, seed=3, stop="x", stop_token_ids=(4,), **neutral, **honoured)
     assert (p.temperature, p.stop, p.stop_token_ids) == (1.0, ["x"], [4]) and type(p.temperature) is float
@@ -288,3 +294,48 @@ def test_settings_that_cannot_take_effect_are_refused_or_said(textpair, monkeypa
     assert "sampler_modes greedy take no effect: they choose the round graphs captured and the modes the cost " \
         "model times, and this engine captures no graph and has no cost model" in caplog.text
 
+
+
+def test_stop_strings_and_stop_tokens_leave_the_text_unless_asked_to_stay(llm):
+    """As vLLM's: the stop string, and the stop token that ended the output, are not in its text;
+    include_stop_str_in_output keeps them. The token ids hold the stop token either way."""
+    def run(**kw):
+        sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, **kw)
+        return llm.generate("abc", sp, use_tqdm=False)[0].outputs[0]
+    free = run()
+    tok = llm.engine.tokenizer
+    k = next(i for i in range(3, len(free.token_ids)) if tok.decode(free.token_ids[i:i + 1]).strip())
+    t = free.token_ids[k]
+    first = free.token_ids.index(t)
+    for include in (False, True):
+        out = run(stop_token_ids=[t], include_stop_str_in_output=include)
+        assert out.token_ids == free.token_ids[:first + 1] and out.finish_reason == "stop" and out.stop_reason == t
+        assert out.text == tok.decode(out.token_ids if include else out.token_ids[:-1])
+        stop = tok.decode([t])
+        out = run(stop=[stop], include_stop_str_in_output=include)
+        cut = free.text.index(stop)
+        assert out.text == free.text[:cut + len(stop) if include else cut] and out.stop_reason == stop
+
+
+def test_a_prompt_truncated_to_its_last_tokens_decodes_as_that_prompt(llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    [short] = llm.generate("ghij", sp, use_tqdm=False)
+    [cut] = llm.generate("abcdefghij", replace(sp, truncate_prompt_tokens=4), use_tqdm=False)
+    assert cut.prompt_token_ids == short.prompt_token_ids and cut.outputs[0].token_ids == short.outputs[0].token_ids
+    # -1: as much of the prompt as the context holds with room for one token
+    [long] = llm.generate("x" * 200, SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=-1),
+                          use_tqdm=False)
+    assert len(long.prompt_token_ids) == llm.engine.max_model_len - 1
+
+
+def test_special_tokens_stay_in_the_text_when_asked(tmp_path):
+    target = write_tokenizer(make_target(tmp_path / "t", "llama", vocab=97, scale=3.0), 97, eos_token="~")
+    with LLM(model=str(target), spec="none", **ENGINE) as llm:
+        eos = llm.engine.tokenizer.convert_tokens_to_ids("~")
+        def text(**kw):   # the end of sequence made the first token
+            sp = SamplingParams(temperature=0.0, max_tokens=4, logit_bias={eos: 100.0}, **kw)
+            out = llm.generate("abc", sp, use_tqdm=False)[0].outputs[0]
+            assert out.token_ids == [eos] and out.finish_reason == "stop"
+            return out.text
+        assert text() == text(skip_special_tokens=False) == text(include_stop_str_in_output=True) == ""
+        assert text(skip_special_tokens=False, include_stop_str_in_output=True) == "~"

@@ -231,6 +231,16 @@ class Engine:
         bad words' tokens and how many), queueing nothing: ParamError naming the field."""
         row_logits(params, ids, self.model_cfg.vocab_size, self.eos_ids, self.tokenizer)
 
+    def read_prompt(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], str | None]:
+        """The prompt's token ids as the engine reads them, cut to their last
+        `params.truncate_prompt_tokens` where asked, and the text given (`encode`)."""
+        ids, text = self.encode(prompt)
+        k = params.truncate_prompt_tokens
+        if k is not None:
+            k = self.max_model_len - 1 if k == -1 else k
+            ids = ids[max(len(ids) - k, 0):]
+        return ids, text
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
         """Queue a request; returns its first choice (all n of them in `.choices`, one request id).
@@ -238,7 +248,7 @@ class Engine:
         if self.dead is not None:
             raise TensorParallelError(self.dead)
         params = params or SamplingParams()
-        ids, text = self.encode(prompt)
+        ids, text = self.read_prompt(prompt, params)
         self.check_prompt(ids)
         if params.max_tokens is None:   # up to the context's end
             params = replace(params, max_tokens=self.max_model_len - len(ids))

@@ -116,20 +116,24 @@ class TextCodec:
         """Extend seq.text by the new tokens' text: decode a short window ending at the new tokens
         (not the whole output) and hold back a trailing partial character; a stop string in it
         ends the request there."""
-        ids = seq.output_ids
-        if ids and ids[-1] in self.eos_ids and not seq.params.ignore_eos:
-            ids = ids[:-1]
+        ids, p = seq.output_ids, seq.params
+        if ids and not p.include_stop_str_in_output and \
+                ((ids[-1] in self.eos_ids and not p.ignore_eos) or ids[-1] in p.stop_token_ids):
+            ids = ids[:-1]   # the token that ended the output (append stops at it: it stands last)
         prefix, read = seq.detok_offsets
-        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
-        after = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+        opts = {"skip_special_tokens": p.skip_special_tokens}
+        if not p.spaces_between_special_tokens:   # passed only when asked: not every tokenizer takes it
+            opts["spaces_between_special_tokens"] = False
+        before = self.tokenizer.decode(ids[prefix:read], **opts)
+        after = self.tokenizer.decode(ids[prefix:], **opts)
         if len(after) > len(before) and (not after.endswith("\ufffd") or seq.finished):
             old = len(seq.text)
             seq.text += after[len(before):]
             seq.detok_offsets = (max(read, len(ids) - 4), len(ids))
-            for stop in seq.params.stop:
+            for stop in p.stop:
                 i = seq.text.find(stop, max(0, old - len(stop) + 1))
                 if i >= 0:
-                    seq.text = seq.text[:i]
+                    seq.text = seq.text[:i + len(stop) if p.include_stop_str_in_output else i]
                     seq.finish("stop")
                     seq.finish_reason = "stop"   # a stop string in the last tokens outranks the length limit
                     seq.stop_reason = stop

@@ -345,7 +345,7 @@ class OpenAIServing:
                      include_reasoning: bool = True) -> _Call:
         """The request submitted to the engine, refused with a 400 naming what is wrong."""
         where = "messages" if chat else "prompt"
-        if isinstance(prompt, str) and self.chars_per_token is not None:
+        if isinstance(prompt, str) and self.chars_per_token is not None and req.truncate_prompt_tokens is None:
             too_long = check_prompt_chars(prompt, self.engine.max_model_len, self.chars_per_token)
             if too_long is not None:   # refused before the engine thread spends time tokenizing it
                 raise OpenAIError(too_long, param=where)
@@ -354,6 +354,13 @@ class OpenAIServing:
                                      self.engine.sampling_defaults)
         rid = make_id("chatcmpl" if chat else "cmpl")
         reasons = chat and self.reasoning is not None
+        if tools is not None or reasons:   # those replies are decoded again from their tokens, as parsed
+            for name, default in (("include_stop_str_in_output", False), ("skip_special_tokens", True),
+                                  ("spaces_between_special_tokens", True)):
+                if getattr(params, name) != default:
+                    raise OpenAIError(f"{name}={getattr(params, name)} is not supported "
+                                      f"{'with tools' if tools is not None else 'under a reasoning parser'} "
+                                      "(the reply's text is parsed from its tokens)", param=name)
         try:
             handle = await self.worker.submit(rid, prompt, params, budget, with_ids=tools is not None or reasons)
         except BadRequest as e:

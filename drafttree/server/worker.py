@@ -322,7 +322,7 @@ class EngineWorker:
     def _handle(self, cmd: object) -> None:
         if isinstance(cmd, _Add):
             try:
-                ids, _ = self.engine.encode(cmd.prompt)
+                ids, _ = self.engine.read_prompt(cmd.prompt, cmd.params)
                 self.engine.check_prompt(ids)
                 params = cmd.params
                 if cmd.budget is not None:

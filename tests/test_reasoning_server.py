@@ -2,7 +2,7 @@
 two parts (`reasoning_content` and `reasoning`, then `content`) whose streamed deltas add up to the
 whole and whose text with the end marker between is the raw completion's; `include_reasoning`;
 a JSON schema that holds from the reasoning's end; a template's switch that turns thinking off;
-reasoning sent back in the history (tiny random model, CPU)."""
+reasoning sent back in the history; a stop token that ends the content (tiny random model, CPU)."""
 from __future__ import annotations
 
 import json
@@ -133,3 +133,15 @@ def test_the_usage_counts_the_reasoning_tokens(client, stream):
     assert "</think>" in tokens
     assert usage.completion_tokens_details.reasoning_tokens == tokens.index("</think>") + 1
     assert usage.completion_tokens == len(tokens)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_stop_token_that_ends_the_content_leaves_its_text(live, client, stream):
+    """As the engine's text of an output (and vLLM's): a stop token id that ends the reply is not
+    in its content."""
+    reasoning, content, _ = reply(client, False)
+    special = set("</think>" + EOS + "0123456789")   # characters of special tokens' text
+    c = next(ch for ch in content[1:] if ch.strip() and ch not in reasoning and ch not in special)
+    [stop] = httpx.post(f"{live.url}/tokenize", json={"prompt": c}, timeout=30).json()["tokens"]
+    again, cut, finish = reply(client, stream, extra_body={"stop_token_ids": [stop]})
+    assert (again, cut, finish) == (reasoning, content[:content.index(c)], "stop")

@@ -242,7 +242,8 @@ class BuildWatch:
         exited = set(mp.connection.wait([p.sentinel for p in self.workers], timeout=timeout))
         gone = next((p for p in self.workers if p.sentinel in exited), None)
         if gone is not None and self.lost is None:
-            self.lost = f"tensor-parallel rank {self.workers.index(gone) + 1} (pid {gone.pid}) {_exit_text(_exit_code(gone))}"
+            rank = self.workers.index(gone) + 1
+            self.lost = f"tensor-parallel rank {rank} (pid {gone.pid}) {_exit_text(_exit_code(gone))}"
         return gone is not None
 
     def _watch(self) -> None:

@@ -65,6 +65,7 @@ class _Call:
     include_reasoning: bool = True  # the reply carries the reasoning (vLLM's include_reasoning)
     last: Snapshot | None = None    # streamed: the final snapshot, once the request finished
     failed: bool = False            # streamed: the engine failed the request (an error chunk went out)
+    stop_ids: frozenset[int] = frozenset()   # the request's stop token ids: one that ends a reply leaves its text
 
     def usage(self, snap: Snapshot | None, reasoning_tokens: int | None = None) -> dict[str, Any]:
         """OpenAI's usage; with a reasoning parser, the completion's reasoning tokens among its
@@ -264,7 +265,7 @@ class OpenAIServing:
         completions."""
         if call.reasoning is None:
             return None
-        return PartsReader(self.engine.tokenizer, self.reasoning, call.reasoning, self.engine.eos_ids,
+        return PartsReader(self.engine.tokenizer, self.reasoning, call.reasoning, self.engine.eos_ids | call.stop_ids,
                            marked_without=None if call.tools is None else call.tools.parser.hidden_ids())
 
     def reply_text(self, call: _Call, choice: ChoiceSnapshot, growing: GrowingText | None = None) -> str:
@@ -272,7 +273,7 @@ class OpenAIServing:
         `choice.text` leaves out) and no other special token, cut before the stop string that ended
         it (the engine cut `choice.text` there); `growing`: a stream's text so far, decoded a window
         at a time."""
-        hidden = self.engine.eos_ids | call.tools.parser.hidden_ids()
+        hidden = self.engine.eos_ids | call.stop_ids | call.tools.parser.hidden_ids()
         ids = [t for t in choice.token_ids or () if t not in hidden]
         growing = growing or GrowingText(self.engine.tokenizer, False)
         text = growing.update(ids, choice.finished)
@@ -373,7 +374,7 @@ class OpenAIServing:
         return _Call(rid, chat, self.model_name, now(), handle, req.include_usage, hold, tuple(params.stop), tools,
                      params.logprobs, self.echoed(req, prompt), req.prompt_logprobs is not None, params.n,
                      req.continuous_usage, self.reasoning.state(handle.prompt_ids) if reasons else None,
-                     include_reasoning)
+                     include_reasoning, stop_ids=frozenset(params.stop_token_ids))
 
     def _prompt_logprobs(self, call: _Call, snap: Snapshot) -> list | None:
         if snap.prompt_logprobs is None:

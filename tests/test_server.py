@@ -156,9 +156,19 @@ def test_stop_strings(client, greedy_quicksort: str) -> None:
     kw = {"model": MODEL, "messages": QUICKSORT, "max_tokens": 24, "temperature": 0}
     r = client.chat.completions.create(stop=stop, **kw)
     assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop   # vLLM's: which stop ended it
     text, chunks = stream_text(client.chat.completions.create(stream=True, stop=[stop, "@@never"], **kw))
     assert text == want   # nothing of the stop string was ever sent
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    last = [c.choices[0] for c in chunks if c.choices][-1]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
+    # and the stop string kept, where asked
+    r = client.chat.completions.create(stop=stop, extra_body={"include_stop_str_in_output": True}, **kw)
+    assert r.choices[0].message.content == want + stop
+    text, _ = stream_text(client.chat.completions.create(stream=True, stop=stop,
+                                                         extra_body={"include_stop_str_in_output": True}, **kw))
+    assert text == want + stop
+    r = client.chat.completions.create(**kw)   # no stop asked: none named
+    assert r.choices[0].model_extra["stop_reason"] is None
 
 
 ERROR_CASES = [

@@ -82,7 +82,8 @@ class _Call:
                 "created": self.created, "model": self.model, "choices": [], "usage": usage}
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
-              delta: dict[str, Any] | None = None, index: int = 0, logprobs: Any = None) -> dict[str, Any]:
+              delta: dict[str, Any] | None = None, index: int = 0, logprobs: Any = None,
+              stop_reason: int | str | None = None) -> dict[str, Any]:
         if self.chat:
             delta = dict(delta or {})
             if role:
@@ -95,6 +96,8 @@ class _Call:
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "text_completion"
+        if finish_reason is not None:   # vLLM's: the stop string or token id that ended the choice
+            choice["stop_reason"] = stop_reason
         out: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                                "choices": [choice]}
         if self.include_usage:
@@ -397,9 +400,10 @@ class OpenAIServing:
             lps = None
             if call.logprobs is not None:
                 lps = {"content": chat_content(list(c.token_ids), list(c.logprobs), call.logprobs, self.token_texts)}
-            return {"index": c.index, "message": message, "logprobs": lps, "finish_reason": finish}
+            return {"index": c.index, "message": message, "logprobs": lps, "finish_reason": finish,
+                    "stop_reason": c.stop_reason}
         out: dict[str, Any] = {"index": c.index, "text": (call.echo or "") + c.text, "logprobs": None,
-                               "finish_reason": c.finish_reason}
+                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if call.logprobs is not None:
             lps = CompletionLogprobs(call.logprobs, self.token_texts)
             out["logprobs"] = self._echo_logprobs(call, snap, lps) or lps.piece([], [])
@@ -470,7 +474,8 @@ class OpenAIServing:
                 out.append(call.chunk(None, None, delta=delta, index=c.index))
             if c.finished:
                 finish = call.tools.reply(text, c.finish_reason or "stop")[1]
-                out.append(call.chunk(None, finish, index=c.index, logprobs=self._stream_logprobs(call, c, st)))
+                out.append(call.chunk(None, finish, index=c.index, logprobs=self._stream_logprobs(call, c, st),
+                                      stop_reason=c.stop_reason))
             return out
         if c.finished:
             end = len(text)
@@ -486,7 +491,8 @@ class OpenAIServing:
         if c.finished:
             lps = self._stream_logprobs(call, c, st) if call.logprobs is not None and st.tokens < len(c.token_ids) \
                 else None
-            out.append(call.chunk(None if call.chat else "", c.finish_reason, index=c.index, logprobs=lps))
+            out.append(call.chunk(None if call.chat else "", c.finish_reason, index=c.index, logprobs=lps,
+                                  stop_reason=c.stop_reason))
         return out
 
     async def _stream(self, call: _Call, raw: Request) -> AsyncIterator[str]:

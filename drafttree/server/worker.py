@@ -114,6 +114,7 @@ class ChoiceSnapshot:
     finish_reason: str | None = None
     token_ids: Prefix | None = None   # the output's ids, for requests that asked (tool calls, logprobs)
     logprobs: Prefix | None = None    # of Logprobs
+    stop_reason: int | str | None = None   # the stop token id or stop string that ended it (not EOS)
 
     @property
     def finished(self) -> bool:
@@ -146,7 +147,8 @@ class Snapshot:
         for c in seq.choices:
             ids = Prefix(c.output_ids) if with_ids or c.logprobs is not None else None
             out.append(ChoiceSnapshot(c.index, c.text, len(c.output_ids), (c.finish_reason or "stop") if c.finished
-                                      else None, ids, None if c.logprobs is None else Prefix(c.logprobs)))
+                                      else None, ids, None if c.logprobs is None else Prefix(c.logprobs),
+                                      c.stop_reason if c.finished else None))
         # the statistics are read once the request ends: not counted at every step of a long one
         st = seq.request_stats if seq.all_finished else None
         first = seq.choices[0]

@@ -239,11 +239,9 @@ class BuildWatch:
         return self.lost
 
     def _look(self, timeout: float) -> bool:
-        exited = set(mp.connection.wait([p.sentinel for p in self.workers], timeout=timeout))
-        gone = next((p for p in self.workers if p.sentinel in exited), None)
+        gone = exited_rank(self.workers, timeout)
         if gone is not None and self.lost is None:
-            rank = self.workers.index(gone) + 1
-            self.lost = f"tensor-parallel rank {rank} (pid {gone.pid}) {_exit_text(_exit_code(gone))}"
+            self.lost = gone
         return gone is not None
 
     def _watch(self) -> None:
@@ -279,11 +277,9 @@ class Ranks:
     def lost(self) -> str | None:
         """What is known lost: a spawned rank that exited (looked at now), or what the heartbeat saw."""
         if self.channel.failure is None and not self.closing.is_set() and self.workers:
-            exited = set(mp.connection.wait([p.sentinel for p in self.workers], timeout=0))
-            gone = next((p for p in self.workers if p.sentinel in exited), None)
+            gone = exited_rank(self.workers, 0)
             if gone is not None:
-                self.channel.failure = f"tensor-parallel rank {self.workers.index(gone) + 1} (pid {gone.pid}) " \
-                                       f"{_exit_text(_exit_code(gone))}"
+                self.channel.failure = gone
         return self.channel.failure
 
     def _watch(self) -> None:
@@ -314,6 +310,15 @@ class Ranks:
         self.channel.close(farewell=not failed)
         stop_processes(self.workers, 10.0)
         close_group(self.tp)   # this engine's group only: another engine's may live by now
+
+
+def exited_rank(workers: list[mp.process.BaseProcess], timeout: float) -> str | None:
+    """The first spawned rank seen exited within `timeout` seconds, named with its pid and exit, or None."""
+    exited = set(mp.connection.wait([p.sentinel for p in workers], timeout=timeout))
+    gone = next((p for p in workers if p.sentinel in exited), None)
+    if gone is None:
+        return None
+    return f"tensor-parallel rank {workers.index(gone) + 1} (pid {gone.pid}) {_exit_text(_exit_code(gone))}"
 
 
 def _exit_code(p: mp.process.BaseProcess, wait_s: float = 2.0) -> int | None:

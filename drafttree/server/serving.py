@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,6 @@ class _Call:
     include_reasoning: bool = True  # the reply carries the reasoning (vLLM's include_reasoning)
     last: Snapshot | None = None    # streamed: the final snapshot, once the request finished
     failed: bool = False            # streamed: the engine failed the request (an error chunk went out)
-    stop_ids: frozenset[int] = frozenset()   # the request's stop token ids: one that ends a reply leaves its text
 
     def usage(self, snap: Snapshot | None, reasoning_tokens: int | None = None) -> dict[str, Any]:
         """OpenAI's usage; with a reasoning parser, the completion's reasoning tokens among its
@@ -124,6 +123,14 @@ def spec_stats(method: str, *snaps: Snapshot) -> dict[str, Any]:
     accepted = sum(s.mean_accept_length * s.rounds for s in snaps)
     return {"spec_method": method, "rounds": rounds,
             "mean_accept_length": round(accepted / rounds, 4) if rounds else 0.0}
+
+
+def _text_ids(c: ChoiceSnapshot) -> Sequence[int]:
+    """The ids a tool or reasoning reply is decoded from: the choice's, less the stop token id that
+    ended it (`stop_reason`), which the engine's text leaves out too (those replies refuse
+    include_stop_str_in_output)."""
+    ids = c.token_ids or ()
+    return ids[:-1] if isinstance(c.stop_reason, int) else ids
 
 
 def _structured_param(req: OpenAIRequest) -> str:
@@ -268,7 +275,7 @@ class OpenAIServing:
         completions."""
         if call.reasoning is None:
             return None
-        return PartsReader(self.engine.tokenizer, self.reasoning, call.reasoning, self.engine.eos_ids | call.stop_ids,
+        return PartsReader(self.engine.tokenizer, self.reasoning, call.reasoning, self.engine.eos_ids,
                            marked_without=None if call.tools is None else call.tools.parser.hidden_ids())
 
     def reply_text(self, call: _Call, choice: ChoiceSnapshot, growing: GrowingText | None = None) -> str:
@@ -276,8 +283,8 @@ class OpenAIServing:
         `choice.text` leaves out) and no other special token, cut before the stop string that ended
         it (the engine cut `choice.text` there); `growing`: a stream's text so far, decoded a window
         at a time."""
-        hidden = self.engine.eos_ids | call.stop_ids | call.tools.parser.hidden_ids()
-        ids = [t for t in choice.token_ids or () if t not in hidden]
+        hidden = self.engine.eos_ids | call.tools.parser.hidden_ids()
+        ids = [t for t in _text_ids(choice) if t not in hidden]
         growing = growing or GrowingText(self.engine.tokenizer, False)
         text = growing.update(ids, choice.finished)
         return cut_at_stops(text, call.stop) if choice.finish_reason == "stop" else text
@@ -377,7 +384,7 @@ class OpenAIServing:
         return _Call(rid, chat, self.model_name, now(), handle, req.include_usage, hold, tuple(params.stop), tools,
                      params.logprobs, self.echoed(req, prompt), req.prompt_logprobs is not None, params.n,
                      req.continuous_usage, self.reasoning.state(handle.prompt_ids) if reasons else None,
-                     include_reasoning, stop_ids=frozenset(params.stop_token_ids))
+                     include_reasoning)
 
     def _prompt_logprobs(self, call: _Call, snap: Snapshot) -> list | None:
         if snap.prompt_logprobs is None:
@@ -388,7 +395,7 @@ class OpenAIServing:
         """One choice of a whole (non-streamed) response."""
         if call.chat:
             reader = self.parts_reader(call)
-            parts = None if reader is None else reader.read(c.token_ids or (), call.stop, c.finish_reason)
+            parts = None if reader is None else reader.read(_text_ids(c), call.stop, c.finish_reason)
             if call.tools is not None:
                 message, finish = call.tools.reply(self.reply_text(call, c) if parts is None else parts.marked,
                                                    c.finish_reason or "stop")
@@ -461,7 +468,7 @@ class OpenAIServing:
         out = []
         text, parts = c.text, None
         if st.reasoning is not None:
-            parts = st.reasoning.reader.read(c.token_ids or (), call.stop, c.finish_reason)
+            parts = st.reasoning.reader.read(_text_ids(c), call.stop, c.finish_reason)
         if parts is not None:
             for delta in st.reasoning.deltas(parts, c.finished, call.hold):
                 if call.include_reasoning:

@@ -22,7 +22,8 @@
 #               held-out ShareGPT ones, a second call). Needs the GGUF.
 #   plainround: a plain round's cost in a drafter's engine against a plain engine's, by phase, T = 1,
 #               batch 1 and 16 (benchmarks/plain_round_cost.py). Needs the GGUF.
-#   structured: JSON-schema requests against free ones (benchmarks/structured_bench.py). Needs the GGUF.
+#   structured: JSON-schema requests against free ones (benchmarks/structured_bench.py), all rows of a
+#               batch, then one of 16. Needs the GGUF.
 # Prepare here (ignored paths):
 #   mkdir -p .parts .old && split -n 3 -d "$(python -c 'from drafttree.loader.default_model import
 #     default_gguf_path as p; print(p())')" .parts/g3. && sha256sum <that gguf> | cut -c1-64 > .parts/gguf.sha256
@@ -106,6 +107,9 @@ case "${1:?stage}" in
     gguf || exit 1
     timeout 300 python3 benchmarks/structured_bench.py --budget auto --batches 1,16 --repeats 3 \
       --out "$OUT/structured.json" > "$OUT/structured.txt" 2>&1
-    tail -n 30 "$OUT/structured.txt" ;;
+    # one JSON request among fifteen free ones: the host grows one tree a round
+    timeout 200 python3 benchmarks/structured_bench.py --budget auto --batches 16 --schema-rows 1 --repeats 3 \
+      --out "$OUT/structured_mixed.json" > "$OUT/structured_mixed.txt" 2>&1
+    tail -n 30 "$OUT/structured.txt"; grep -A3 "schema/free" "$OUT/structured_mixed.txt" ;;
   *) echo "unknown stage $1 (parts, rank, tests, ab, startup, spec, plainround, structured)"; exit 2 ;;
 esac

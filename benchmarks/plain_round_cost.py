@@ -26,7 +26,7 @@ from drafttree.bench.prompts import load_prompts
 
 def forced_plain(llm: LLM) -> None:
     """Every round of this engine's chooser decodes plainly (budget 0), counted as the cost model's."""
-    llm.engine.chooser.choose = lambda bucket, allowed, rows, cap=None, extra=(): 0
+    llm.engine.chooser.choose = lambda bucket, allowed, rows, cap=None, extra=(), host_rows=0: 0
 
 
 def run(llm: LLM, prompts: list, params: list[SamplingParams], profile: cProfile.Profile | None) -> dict:

@@ -4,7 +4,10 @@ alternated --repeats times (the ratio's median and spread), and whether every co
 equals plain constrained decoding's (spec none) at T = 0.
 
     python benchmarks/structured_bench.py [--model DIR] [--draft-model DIR] [--budget 32|auto] [--max-tokens 128]
-        [--batches 1,16] [--repeats 3] [--device cpu|cuda] [--out structured.json]
+        [--batches 1,16] [--schema-rows K] [--repeats 3] [--device cpu|cuda] [--out structured.json]
+
+--schema-rows K: the schema runs constrain the first K requests of each batch only (a batch mixing
+JSON and free requests); the default, all of them.
 """
 from __future__ import annotations
 
@@ -33,9 +36,12 @@ def prompts(llm: LLM, n: int) -> list[str]:
             for i in range(n)]
 
 
-def run(llm: LLM, texts: list[str], constrained: bool, max_tokens: int) -> dict:
+def run(llm: LLM, texts: list[str], constrained: bool, max_tokens: int, schema_rows: int | None = None) -> dict:
+    """Free, or the schema on the first `schema_rows` requests (None: all) and the others free."""
     so = StructuredOutputs(json=SCHEMA) if constrained else None
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so)
+    k = len(texts) if schema_rows is None else schema_rows
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so if i < k else None)
+              for i in range(len(texts))]
     llm.engine.constrained.reset()
     hist = dict(llm.engine.book.counts.budget_hist)
     t0 = time.perf_counter()
@@ -60,6 +66,7 @@ def main() -> None:
     ap.add_argument("--budget", default="32", help="DDTree's budget, or auto (the per-round choice)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--schema-rows", type=int, default=None, help="constrain only the first K requests of a batch")
     ap.add_argument("--repeats", type=int, default=3, help="free and schema runs, alternated")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=None, help="also write the report (JSON) here")
@@ -73,19 +80,21 @@ def main() -> None:
     plain = LLM(model=a.model, spec="none", **common)
     report: dict = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
                              "device": spec.engine.runner.device.type, "budget": a.budget,
-                             "max_tokens": a.max_tokens, "repeats": a.repeats, "schema": SCHEMA}}
+                             "max_tokens": a.max_tokens, "repeats": a.repeats, "schema_rows": a.schema_rows,
+                             "schema": SCHEMA}}
     if spec.engine.runner.device.type == "cuda":
         import torch
         report["meta"]["gpu"] = torch.cuda.get_device_name()
     for B in batches:
         texts = prompts(spec, B)
-        run(spec, texts, True, 8)   # warm both paths
+        k = a.schema_rows
+        run(spec, texts, True, 8, k)   # warm both paths
         run(spec, texts, False, 8)
         free, con = [], []
         for _ in range(a.repeats):
             free.append(run(spec, texts, False, a.max_tokens))
-            con.append(run(spec, texts, True, a.max_tokens))
-        ref = run(plain, texts, True, a.max_tokens)
+            con.append(run(spec, texts, True, a.max_tokens, k))
+        ref = run(plain, texts, True, a.max_tokens, k)
         ratios = sorted(c["tok_s"] / f["tok_s"] for f, c in zip(free, con))
         report[str(B)] = {"free": [{k: v for k, v in f.items() if k != "tokens"} for f in free],
                           "schema": [{k: v for k, v in c.items() if k != "tokens"} for c in con],

@@ -251,12 +251,12 @@ def test_a_constrained_rounds_host_time_is_priced_per_node():
     c = _chooser([2.0, 2.5, 2.8, 3.0])
     con = ("constrained",)
     for _ in range(40):
-        c.observe_round(1, 31, False, 3.0 + 3.1, extra=con, host_s=3.1, rows=1)
+        c.observe_round(1, 31, False, 3.0 + 3.1, extra=con, host_s=3.1, host_rows=1)
         c.observe_round(1, 0, False, 1.0 + 1.26 / 63, extra=con)
     assert c.host_node[con] == pytest.approx(0.1)
     assert c.cost_ratio[(1, True, False, con)] == pytest.approx(1.0, rel=0.02)
     assert c.round_seconds(1, 4, False, extra=con) == pytest.approx(c.round_seconds(1, 4, False) + 0.4, rel=0.02)
-    assert c.round_seconds(1, 4, False, extra=con, rows=2) == pytest.approx(c.round_seconds(1, 4, False) + 0.8,
+    assert c.round_seconds(1, 4, False, extra=con, host_rows=2) == pytest.approx(c.round_seconds(1, 4, False) + 0.8,
                                                                              rel=0.02)
     assert c.choose(1, allowed, ONE, extra=con) == 4
     assert c.choose(1, allowed, ONE) == 8                        # free rounds: no host time
@@ -351,7 +351,7 @@ def _forced(llm: LLM, pattern: list[int]) -> list[int]:
     at it, else 0); returns the budgets chosen."""
     chooser, chosen, i = llm.engine.chooser, [], itertools.count()
 
-    def choose(bucket, allowed, rows, cap=None, extra=()):
+    def choose(bucket, allowed, rows, cap=None, extra=(), host_rows=0):
         want = pattern[next(i) % len(pattern)]
         b = want if want in allowed and (cap is None or want <= cap) else 0
         chosen.append(b)

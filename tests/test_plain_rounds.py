@@ -38,7 +38,7 @@ def _force(llm: LLM, pattern: list[int]) -> list[tuple]:
     """The chooser takes the budgets of `pattern` in turn (0 where the round may not run at one);
     returns the steps each round ran, as (phases, budget)."""
     eng, it, ran = llm.engine, itertools.cycle(pattern), []
-    eng.chooser.choose = lambda bucket, allowed, rows, cap=None, extra=(): (lambda b: b if b in allowed else 0)(next(it))
+    eng.chooser.choose = lambda bucket, allowed, rows, cap=None, extra=(), host_rows=0: (lambda b: b if b in allowed else 0)(next(it))
     r, run_round = eng.runner, eng.runner.run_round
 
     def run(B, mode, n, b=None, **kw):

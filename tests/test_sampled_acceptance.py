@@ -81,7 +81,7 @@ def test_the_engine_observes_what_its_sampler_accepts(small_vocab_pair):
               max_num_seqs=4, max_model_len=256)
     eng = llm.engine
     budget = max(eng.spec.budgets)
-    eng.chooser.choose = lambda bucket, allowed, rows, cap=None, extra=(): budget
+    eng.chooser.choose = lambda bucket, allowed, rows, cap=None, extra=(), host_rows=0: budget
     seen, observe = [], eng.chooser.observe
     eng.chooser.observe = lambda key, preds, s: seen.append((key, s)) or observe(key, preds, s)
     sp = [SamplingParams(temperature=1.0, seed=i, max_tokens=120, ignore_eos=True) for i in range(4)]

@@ -18,6 +18,7 @@ pytest.importorskip("llguidance", reason="structured outputs run on llguidance (
 from drafttree import LLM, SamplingParams  # noqa: E402
 from drafttree.sampling import SampleMode  # noqa: E402
 from drafttree.structured.grammar import GrammarCompiler  # noqa: E402
+from drafttree.structured.masks import _apply as masks_as_torch_ops  # noqa: E402
 from drafttree.structured.masks import apply_token_masks  # noqa: E402
 from drafttree.structured.params import StructuredOutputs  # noqa: E402
 from drafttree.structured.tree import build_trees, grow  # noqa: E402
@@ -87,6 +88,30 @@ def test_speculative_constrained_equals_plain(pair, plain, spec, budget):
     assert max(t for o in got[:2] for t in o.metrics["accept_lengths"]) >= 3
 
 
+@pytest.mark.parametrize("spec,budget,arch", [("ddtree", 8, "dflash"), ("dflash", 3, "dflash"), ("ddtree", 8, "dflash2"),
+                                              ("dflash", 3, "dflash2")])
+def test_only_rows_that_follow_a_grammar_grow_on_the_host(pair, plain, spec, budget, arch, tmp_path):
+    """A constrained request among free ones: the host grows its tree alone (the free rows verify
+    the draft's own trees, as in a free round: a DFlash2 drafter's from its selector); every
+    output is plain decoding's."""
+    regex = StructuredOutputs(regex=REGEX)
+    prompts = ["abc", "hello", "xyz", "q"]
+    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=regex)] + \
+        [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 3
+    want = plain.generate(prompts, params)
+    target, drafter, _ = pair
+    if arch == "dflash2":
+        drafter = make_drafter(tmp_path / "d2", target, block_size=4, arch="dflash2")
+    llm = LLM(model=str(target), draft_model=str(drafter), spec=spec, budget=budget, device="cpu", dtype="float32",
+              max_num_seqs=4, max_model_len=160)
+    got = llm.generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert re.fullmatch(REGEX, got[0].text), got[0].text
+    times = llm.engine.constrained.times
+    assert times.rounds > 3 and 0 < times.tree_nodes <= budget * times.rounds, "free rows' trees grown on the host"
+    assert max(t for o in got[1:] for t in o.metrics["accept_lengths"]) >= 2, "the free rows' trees accepted nothing"
+
+
 @pytest.mark.parametrize("spec,budget", [("ddtree", 8), ("dflash", None)])
 def test_processed_constrained_rounds_are_lossless(pair, plain, spec, budget):
     """Penalties, logit_bias, bad words and log-probabilities on constrained requests (the
@@ -125,13 +150,21 @@ def test_auto_prices_constrained_rounds_apart(pair, plain):
     prompts, params = batch()
     llm = engine(pair, "ddtree")
     seen: list[bool] = []
+    host_rows: list[int] = []
     observe = llm.engine.chooser.observe_round
-    llm.engine.chooser.observe_round = lambda *a, **kw: (seen.append("constrained" in (a[4] if len(a) > 4 else kw.get(
-        "extra", ()))), observe(*a, **kw))[1]
+
+    def spy(bucket, budget, sampled, seconds, extra=(), host_s=0.0, rows=0):
+        seen.append("constrained" in extra)
+        if "constrained" in extra and budget:
+            host_rows.append(rows)
+        return observe(bucket, budget, sampled, seconds, extra, host_s, rows)
+    llm.engine.chooser.observe_round = spy
     got = llm.generate(prompts, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(prompts, params)]
     llm.generate(prompts[2:3], params[2:3])    # a free request alone
     assert True in seen and False in seen
+    # the host's work is priced by the rows that follow a grammar (three of the four at first)
+    assert host_rows and max(host_rows) == 3 and min(host_rows) >= 1
     assert any("constrained" in k[3] for k in llm.engine.chooser.cost_ratio)
     assert any(not k[3] for k in llm.engine.chooser.cost_ratio)
     llm.shutdown()
@@ -226,9 +259,15 @@ def test_trees_hold_only_allowed_tokens(pair, plain):
             path.append(toks[j - 1])
             j = parents[j - 1]
         assert compiler.matcher(StructuredOutputs(json=SCHEMA)).advance(path[::-1]) == len(path)
-    trees = build_trees(top_lp, top_idx, [5], 10, [m], True, compiler, {tok.eos_token_id}, rows=2)
+    two = lambda x: np.repeat(x, 2, axis=0)  # noqa: E731
+    trees = build_trees(two(top_lp), two(top_idx), [7, 5], 10, 12, [None, m], True, compiler, {tok.eos_token_id})
+    assert trees.rows.tolist() == [1], "a free row's tree grown on the host"
+    assert trees.tokens.shape == (1, 12) and trees.masks.shape[:2] == (1, 10) and trees.tokens[0, 0] == 5
     assert (trees.parents[0, 1:][trees.valid[0, 1:]] == np.arange(trees.valid[0, 1:].sum())).all(), "not a chain"
-    assert (trees.masks[1] == -1).all() and not trees.valid[1, 1:].any(), "a parked row's tree"
+    assert not trees.valid[0, 10:].any() and (trees.parents[0, 10:] == 0).all()
+    v = trees.valid[0, :10]
+    assert (trees.masks[0][v] != -1).any(axis=1).all(), "a node without its own state's mask"
+    assert (trees.masks[0][~v] == -1).all(), "an invalid node's mask forbids a token"
 
 
 @pytest.mark.parametrize("so,what", [
@@ -277,7 +316,9 @@ def test_token_masks_forbid_exactly_the_cleared_bits():
     logits = torch.randn(R, N, V, generator=g)
     masks = torch.randint(-2**31, 2**31 - 1, (R, N, (V + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
     masks[0, 0, 0] = -2**31   # token 31 alone in the first word
+    masks[1, 2] = -1          # a free row's node: every token allowed
     got = apply_token_masks(logits, masks)
+    assert torch.equal(got, masks_as_torch_ops(logits, masks)), "the host's form differs from the device's"
     for r in range(R):
         for n in range(N):
             for t in range(V):

@@ -169,24 +169,26 @@ class BudgetChooser:
             r = self.cost_ratio.get(key[:3] + ((),))
         return self.any_ratio if r is None else r
 
-    def round_seconds(self, bucket: int, budget: int, sampled: bool, extra: Extra = (), rows: int = 0) -> float:
-        """A round's price over `rows` rows (0: the bucket's): the measured cost times its kind's
-        observed ratio, plus its host seconds per drafted node. A round with extra work is a kind
-        of its own: a constrained one's host grows its trees and masks between draft and verify, a
+    def round_seconds(self, bucket: int, budget: int, sampled: bool, extra: Extra = (), host_rows: int = 0) -> float:
+        """A round's price: the measured cost times its kind's observed ratio, plus its host
+        seconds per drafted node over the `host_rows` rows whose trees the host grows (0: the
+        bucket's). A round with extra work is a kind of its own: a constrained one's host grows
+        the trees of its rows that follow a grammar, with their masks, between draft and verify, a
         processed one's steps process logits; the table times neither."""
         s = self.costs.round_seconds(bucket, budget, sampled) * self._ratio((bucket, budget > 0, sampled, extra))
         if budget and extra in self.host_node:
-            s += self.host_node[extra] * (rows or bucket) * budget
+            s += self.host_node[extra] * (host_rows or bucket) * budget
         return s
 
     def observe_round(self, bucket: int, budget: int, sampled: bool, seconds: float, extra: Extra = (),
-                      host_s: float = 0.0, rows: int = 0) -> None:
+                      host_s: float = 0.0, host_rows: int = 0) -> None:
         """A round's own seconds: launch (or the previous read, where rounds overlap) to read;
-        `host_s` of them the host spent between its draft and its verify over `rows` rows."""
+        `host_s` of them the host spent between its draft and its verify growing the trees of
+        `host_rows` rows."""
         if self.costs is None or not self.adaptive:
             return
         if budget and host_s > 0:
-            per = host_s / ((rows or bucket) * budget)
+            per = host_s / ((host_rows or bucket) * budget)
             prev = self.host_node.get(extra)
             self.host_node[extra] = per if prev is None else prev + EMA * (per - prev)
             seconds -= host_s
@@ -230,19 +232,20 @@ class BudgetChooser:
         return total
 
     def choose(self, bucket: int, allowed: tuple[int, ...], rows: Counter[SamplerKey], cap: int | None = None,
-               extra: Extra = ()) -> int:
+               extra: Extra = (), host_rows: int = 0) -> int:
         """The round's budget among `allowed` (spec.budgets_at, ascending, 0 first) and at most
         `cap` (the smallest of the requests' max_budget), for rows counted by sampler setting;
-        `extra`: the round's extra work ("constrained", "processed"), priced as its own kind."""
+        `extra`: the round's extra work ("constrained", "processed"), priced as its own kind;
+        `host_rows`: a constrained round's rows that follow a grammar (their trees grow on the host)."""
         options = [b for b in allowed if cap is None or b <= cap]
         self.rounds += 1
         self.probed = False
         if not self.adaptive or len(options) == 1:
             return options[-1]
-        inputs = (bucket, tuple(options), tuple(sorted(rows.items())), extra)
+        inputs = (bucket, tuple(options), tuple(sorted(rows.items())), extra, host_rows)
         kept = self._kept
         if kept is None or kept[0] != inputs or self.rounds - kept[1] >= REFRESH:
-            kept = self._kept = (inputs, self.rounds, *self._rank(bucket, options, rows, extra))
+            kept = self._kept = (inputs, self.rounds, *self._rank(bucket, options, rows, extra, host_rows))
         best, probe, every = kept[2:]
         if best > 0:
             self.plain_rounds = 0
@@ -263,7 +266,7 @@ class BudgetChooser:
         return probe
 
     def _rank(self, bucket: int, options: list[int], rows: Counter[SamplerKey],
-              extra: Extra = ()) -> tuple[int, int, int]:
+              extra: Extra = (), host_rows: int = 0) -> tuple[int, int, int]:
         """(the best budget, the drafting budget a probe takes, plain rounds per probe)."""
         speculative = options[1:]
         tokens, seconds = {}, {}
@@ -272,7 +275,7 @@ class BudgetChooser:
             tokens[b] = self.expected_tokens(b, rows)
             if tokens[b] is None:   # no prediction for this kind of row yet: draft to get one
                 return speculative[-1], speculative[-1], 1
-            seconds[b] = self.round_seconds(bucket, b, sampled, extra, sum(rows.values()))
+            seconds[b] = self.round_seconds(bucket, b, sampled, extra, host_rows or sum(rows.values()))
         rank = lambda b: (tokens[b] / seconds[b], -b)
         best = max(options, key=rank)
         probe = max(speculative, key=rank)

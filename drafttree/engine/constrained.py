@@ -1,7 +1,8 @@
 """Constrained rounds (structured output) on the engine's side: a request's grammar compiled to a
 matcher when it is added, its first token's mask at prefill, the constrained round's launch (a
-masked decode step, or a draft whose candidates the host reads, the trees grown along each
-path's grammar state, then the masked verify) and the matchers advanced over committed tokens.
+masked decode step, or a draft whose candidates the host reads, the trees of the rows that follow
+a grammar grown along each path's grammar state, then the masked verify, in which the other rows
+verify the draft's own trees) and the matchers advanced over committed tokens.
 
 A constrained round is read before the next one launches (its trees need the tokens it commits),
 so batches holding a constrained request do not overlap their rounds; others keep overlapping.
@@ -106,15 +107,17 @@ class Constrained:
             lp, idx = r.candidates(B)
             t1 = time.perf_counter()
             bucket = r.cache_cfg.batch_bucket(B)
-            trees = build_trees(lp, idx, [s.output_ids[-1] for s in running], spec.width(Phase.VERIFY, bucket, budget),
-                                [s.grammar for s in running], spec.method == "dflash", self.compiler, self.eos_ids,
-                                rows=bucket)
+            width = spec.width(Phase.VERIFY, bucket, budget)
+            matchers = [s.grammar for s in running]
+            trees = build_trees(lp, idx, [s.output_ids[-1] for s in running], width, r.state.tree.num_nodes, matchers,
+                                spec.method == "dflash", self.compiler, self.eos_ids,
+                                r.mask_stage(width * sum(m is not None for m in matchers)))
             t2 = time.perf_counter()
             r.run_masked_verify(B, mode, max_length, budget, trees, processed=processed)
             self.times.candidates_wait_s += t1 - t0
             self.times.tree_build_s += t2 - t1
             host_s = t2 - t1
-            self.times.tree_nodes += int(trees.valid[:B, 1:].sum())
+            self.times.tree_nodes += int(trees.valid[:, 1:].sum())
         self.times.rounds += 1
         return host_s
 

@@ -54,13 +54,18 @@ def _in_own_settings(method: Callable[..., T]) -> Callable[..., T]:
 class BatchRows:
     """A batch's rows (`Engine._batch_rows`): counted by sampler setting (an adaptive spec's
     choice), their smallest max_budget, and whether any row has its logits processed or its
-    log-probabilities read (processed steps) or follows a grammar (a constrained round)."""
+    log-probabilities read (processed steps), and how many follow a grammar (a constrained round,
+    whose host grows their trees)."""
     seqs: list[Sequence]
     rows: Counter
     cap: int | None
     processed: bool
     logprobs: bool
-    constrained: bool
+    grammars: int
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammars > 0
 
     @property
     def extra(self) -> tuple[str, ...]:
@@ -431,7 +436,8 @@ class Engine:
             assert pending == 0, "a constrained round launched before the round it follows was read"
             host_s = self.constrained.launch(running, mode, max_length, budget, processed)
             launched = self._outputs.launch(self.runner.state, list(running), t0, budget, constrained=True,
-                                            processed=processed, logprobs=logprobs, host_s=host_s)
+                                            processed=processed, logprobs=logprobs, host_s=host_s,
+                                            host_rows=batch.grammars)
             c = self.spec.commit_bound(budget)
             if budget and not self.chooser.probed and self._room_ahead(c):
                 # (a probe's next round is likely plain) behind this round's outputs' copy, so that
@@ -447,7 +453,7 @@ class Engine:
         bucket = self.runner.cache_cfg.batch_bucket(len(running))
         cap = batch.cap
         allowed = self.spec.budgets_at(bucket, mode is SampleMode.GREEDY)
-        budget = self.chooser.choose(bucket, allowed, batch.rows, cap, batch.extra)
+        budget = self.chooser.choose(bucket, allowed, batch.rows, cap, batch.extra, batch.grammars)
         if budget == 0 and self.spec.speculative:
             key = (bucket, allowed, cap)
             if key not in self._reasons:
@@ -464,7 +470,7 @@ class Engine:
             kept = self._rows = BatchRows(
                 list(running), Counter(sampler_key(s.params) for s in running) if self.spec.adaptive else Counter(),
                 min(caps, default=None), any(s.processes for s in running),
-                any(s.logprobs is not None for s in running), any(s.grammar is not None for s in running))
+                any(s.logprobs is not None for s in running), sum(s.grammar is not None for s in running))
         return kept
 
     def _plain_reason(self, bucket: int, allowed: tuple[int, ...], cap: int | None) -> str:
@@ -492,7 +498,8 @@ class Engine:
             B = len(launched.seqs)
             self.chooser.observe_round(self.runner.cache_cfg.batch_bucket(B), launched.budget,
                                        not all(s.params.greedy for s in launched.seqs), now - start,
-                                       extra_work(launched.constrained, launched.processed), launched.host_s, B)
+                                       extra_work(launched.constrained, launched.processed), launched.host_s,
+                                       launched.host_rows)
         counts = self.book.counts
         counts.round_seconds += now - start
         self._last_read = now

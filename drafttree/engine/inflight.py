@@ -30,6 +30,7 @@ class Launched:
     processed: bool = False             # a processed round (logits processing, log-probabilities)
     lp_host: tuple[torch.Tensor, torch.Tensor] | None = None   # [B, C, 1 + K] each: the committed tokens' log-probabilities
     host_s: float = 0.0                 # host seconds between its draft and its verify (a constrained round's trees)
+    host_rows: int = 0                  # the rows whose trees the host grew in them (those that follow a grammar)
 
     def logprobs(self, b: int, k: int, top: int) -> list[tuple[list[float], list[int]]] | None:
         """Row b's first k committed tokens' log-probabilities, each ([logprob, then the top
@@ -67,7 +68,7 @@ class RoundOutputs:
 
     def launch(self, state: RoundState, seqs: list[Sequence], t0: float, budget: int = 0,
                constrained: bool = False, processed: bool = False, logprobs: LogitsBuffers | None = None,
-               host_s: float = 0.0) -> Launched:
+               host_s: float = 0.0, host_rows: int = 0) -> Launched:
         """Queue the copy of the round just launched over len(seqs) rows at `budget` (no host
         sync), and of its log-probabilities where `logprobs` (the round state's) is given; t0: the
         host time before its launch."""
@@ -85,7 +86,8 @@ class RoundOutputs:
         dev = state.out[:B]
         host, done = self.bufs[i][:B], self.events[i]
         if done is None:
-            return Launched(seqs, host.copy_(dev), None, t0, budget, constrained, processed, lp_host, host_s)
+            return Launched(seqs, host.copy_(dev), None, t0, budget, constrained, processed, lp_host, host_s,
+                            host_rows)
         host.copy_(dev, non_blocking=True)
         done.record()
-        return Launched(seqs, host, done, t0, budget, constrained, processed, lp_host, host_s)
+        return Launched(seqs, host, done, t0, budget, constrained, processed, lp_host, host_s, host_rows)

@@ -140,6 +140,7 @@ class ModelRunner:
         self.graphs: RoundGraphs | None = None            # `capture` makes them
         self.prefill_graphs: PrefillGraphs | None = None
         self.timer = PhaseTimer(torch.device(device))
+        self._mask_stage: torch.Tensor | None = None     # `mask_stage`'s buffer
         # Rank 0 of a tensor-parallel engine: the `command` methods are sent to the other ranks first.
         self.channel: CommandChannel | None = None
 
@@ -465,22 +466,40 @@ class ModelRunner:
         D = self.spec.depth_at(self.cache_cfg.batch_bucket(B))
         return g.cand_lp[:B, :D].cpu().numpy(), g.cand_idx[:B, :D].cpu().numpy()
 
+    def mask_stage(self, n: int) -> Any:
+        """A host buffer for `n` token masks ([n, words] int32 numpy) that `run_masked_verify`
+        copies to the device without waiting (pinned on a GPU). One buffer, rewritten each
+        constrained round: the host writes the next round's masks only after it has read this
+        round's outputs, which the device produced after the copy."""
+        words = self.state.grammar.masks.shape[2]
+        if self._mask_stage is None or self._mask_stage.shape[0] < n:
+            self._mask_stage = torch.empty(n, words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        return self._mask_stage[:n].numpy()
+
     @command
     @torch.inference_mode()
     def run_masked_verify(self, B: int, mode: SampleMode, max_length: int, budget: int, trees: HostTrees,
                           processed: bool = False) -> None:
-        """A constrained round's verify at `budget` of the host's trees (rows of the batch bucket,
-        each budget + 1 columns), each node's pick masked by its mask; commit as any verify
-        (`processed` as in `run_round`)."""
+        """A constrained round's verify at `budget`: the host's trees (budget + 1 columns grown,
+        in trees as wide as the tree buffers) replace the draft's in their rows, each node's pick
+        masked by its mask; the other rows verify the draft's trees, every token allowed. Commit
+        as any verify (`processed` as in `run_round`)."""
         s, g, dev = self.state, self.state.grammar, self.device
-        rows, W = trees.tokens.shape
         t = s.tree
-        for dst, src in ((t.tokens, trees.tokens), (t.parents, trees.parents), (t.depth, trees.depth),
-                         (t.valid, trees.valid)):
-            dst[:rows, :W].copy_(torch.from_numpy(src).to(dev))
-        t.visible[:rows, :W, :W].copy_(torch.from_numpy(trees.visible()).to(dev))
-        g.masks[:rows, :W].copy_(torch.from_numpy(trees.masks).to(dev))
+        W = trees.masks.shape[1]
         bucket = self.cache_cfg.batch_bucket(B)
+        assert W == self.spec.width(Phase.VERIFY, bucket, budget), f"host trees of {W} columns at budget {budget}"
+        assert trees.tokens.shape[1] == t.num_nodes, f"host trees of {trees.tokens.shape[1]} columns for tree " \
+            f"buffers of {t.num_nodes}"
+        g.masks[:bucket, :W].fill_(-1)
+        if len(trees.rows):
+            # (the masks from `mask_stage` where the caller took them from there: no wait on a GPU)
+            up = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
+            rows = up(trees.rows)
+            for dst, src in ((t.tokens, trees.tokens), (t.parents, trees.parents), (t.depth, trees.depth),
+                             (t.valid, trees.valid), (t.visible, trees.visible())):
+                dst[rows] = up(src)
+            g.masks[rows, :W] = up(trees.masks)
         if processed:
             mode = processed_mode(mode)
         self._run_steps(B, mode, max_length, (step(self.spec, Phase.VERIFY, bucket, budget, constrained=True,

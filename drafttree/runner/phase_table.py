@@ -58,7 +58,7 @@ CONSTRAINED: dict[Phase, tuple[Run, tuple[str, ...]]] = {
     Phase.DECODE: (lambda rc, B, L, mode, n: decode_round(rc, B, L, mode, masked=True),
                    ("pending features", "committed tokens", "block table", "token masks")),
     Phase.DRAFT: (lambda rc, B, L, mode, n: candidates_phase(rc, B, L),
-                  ("pending features", "draft candidates", "predictions", "block table")),
+                  ("pending features", "draft tree", "draft candidates", "predictions", "block table")),
     Phase.VERIFY: (lambda rc, B, L, mode, n: verify_phase(rc, B, L, mode, n, masked=True),
                    ("draft tree", "token masks", "pending features", "committed tokens", "observed acceptance",
                     "block table")),

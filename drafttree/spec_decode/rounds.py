@@ -43,7 +43,7 @@ def decode_round(rc: RoundContext, B: int, kv_len: int, mode: SampleMode, masked
         _append_pending(s.ctx_n[:B], s.ctx_feat[:B], aux[:, 0])
     raw = logits = rc.target.logits(hidden)
     if masked:
-        logits = apply_token_masks(logits, s.grammar.masks[:B, :1])
+        logits = apply_token_masks(logits, s.grammar.masks[:B, :1], in_place=not processed)
     if processed:   # the root alone: a tree of one node at depth 0
         zero = torch.zeros(B, 1, dtype=torch.long, device=start.device)
         logits = process_logits(logits, s.logits.rows(slice(0, B)), bonus[:, None], zero, zero, ones,
@@ -173,20 +173,25 @@ def draft_phase(rc: RoundContext, B: int, kv_len: int) -> DraftTree:
 
 
 def candidates_phase(rc: RoundContext, B: int, kv_len: int) -> None:
-    """A constrained round's draft: one block drafted (context written as `draft` does), and the
-    top K tokens of each drafted position with their log-probabilities left in the grammar
-    buffers, from which the host grows the tree along each path's grammar state; the acceptance
-    model's predictions (of the free tree) go to state.out_pred."""
+    """A constrained round's draft: one block drafted (context written as `draft` does), the top
+    K tokens of each drafted position with their log-probabilities left in the grammar buffers,
+    from which the host grows the trees of the rows that follow a grammar, and the free tree of
+    every row in the tree buffers (as `draft_phase` leaves it), which the other rows verify; the
+    acceptance model's predictions (of the free trees) go to state.out_pred."""
     g = rc.state.grammar
-    logits = draft(rc, B, kv_len)
+    if isinstance(rc.drafter, DFlash2Drafter):
+        hidden = draft_hidden(rc, B, kv_len)
+        rc.state.store_tree(selector_tree(rc, hidden, B))
+        logits = rc.drafter.draft_logits(hidden, rc.spec.depth_at(rc.batch_bucket(B)))
+    else:
+        logits = draft(rc, B, kv_len)
+        # the grammar's effect on the acceptance (forced tokens accepted, forbidden drafts gone)
+        # is left to the calibration, which observes the masked verify
+        rc.state.store_tree(make_tree(rc, logits, B))
     D, K = logits.shape[1], g.cand_idx.shape[2]
     lp, idx = dispatch.top_log_probs(logits, K)
     g.cand_lp[:B, :D] = lp.float()
     g.cand_idx[:B, :D] = idx
-    if rc.state.out_pred.shape[1]:
-        # the free tree's predictions: the grammar's effect on the acceptance (forced tokens
-        # accepted, forbidden drafts gone) is left to the calibration, which observes the masked verify
-        make_tree(rc, logits, B)
 
 
 def verify_forward(rc: RoundContext, B: int, kv_len: int, tree: DraftTree, mode: SampleMode, masked: bool = False,
@@ -202,7 +207,7 @@ def verify_forward(rc: RoundContext, B: int, kv_len: int, tree: DraftTree, mode:
     hidden, aux = rc.target(tree.tokens, pos, meta, rc.kv.k, rc.kv.v, rc.capture_layers)
     raw = logits = rc.target.logits(hidden)
     if masked:
-        logits = apply_token_masks(logits, s.grammar.masks[:B, :tree.num_nodes])
+        logits = apply_token_masks(logits, s.grammar.masks[:B, :tree.num_nodes], in_place=not processed)
     if processed:
         logits = process_logits(logits, s.logits.rows(slice(0, B)), tree.tokens, tree.parents, tree.depth,
                                 tree.visible, s.sampling.temperature[:B])

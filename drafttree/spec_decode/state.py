@@ -74,9 +74,7 @@ class RoundState:
         z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
         tree = None
         if tree_width:
-            T = tree_width
-            flag = lambda *s: torch.zeros(*s, dtype=torch.bool, device=device)  # noqa: E731
-            tree = DraftTree(z(rows, T), z(rows, T), z(rows, T), flag(rows, T), flag(rows, T, T))
+            tree = DraftTree.empty(rows, tree_width, device)
         pending = pending or commit
         state = cls(z(rows), z(rows), torch.zeros(rows, pending, max(feat_dim, 1), dtype=dtype, device=device),
                     z(rows), SamplingTensors.empty(rows, device), z(rows, 1 + commit + 2 * predictions),

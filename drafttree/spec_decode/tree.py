@@ -42,6 +42,20 @@ class DraftTree:
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
 
+    @classmethod
+    def empty(cls, rows: int, N: int, device: torch.device | str) -> "DraftTree":
+        """Trees of the root alone (the layout's invalid nodes past it): what tree buffers hold
+        before a draft writes them, so that a step run over a row no round has written (a graph's
+        warm-up over a parked row) walks a tree."""
+        z = torch.zeros(rows, N, dtype=torch.long, device=device)
+        depth = torch.ones(rows, N, dtype=torch.long, device=device)
+        depth[:, 0] = 0
+        valid = torch.zeros(rows, N, dtype=torch.bool, device=device)
+        valid[:, 0] = True
+        visible = torch.eye(N, dtype=torch.bool, device=device).repeat(rows, 1, 1)
+        visible[:, :, 0] = True
+        return cls(z, z.clone(), depth, valid, visible)
+
     def first(self, n: int) -> "DraftTree":
         """The tree of the first n columns (root and n - 1 nodes): best first with parents
         before children, so it is the best tree of budget n - 1, and still prefix-closed."""

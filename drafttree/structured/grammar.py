@@ -160,7 +160,10 @@ class GrammarCompiler:
         assert out.dtype == np.int32 and out.flags.c_contiguous and out.shape[1] == self.words
         self.executor.unsafe_compute_mask_ptr(states, out.ctypes.data, self.words * 4, out.shape[0])
         rows = np.fromiter((i for _, i in states), dtype=np.int64, count=len(states))
-        for i in rows[~out[rows].any(axis=1)].tolist():
+        # a mask that allows something nearly always does so in its first words: the whole of
+        # a row is read only where those are empty
+        head = rows[~out[rows, :8].any(axis=1)]
+        for i in head[~out[head].any(axis=1)].tolist():
             out[i] = 0 if self.eos_ids else ALL_ALLOWED
             words = out[i].view(np.uint32)
             for e in self.eos_ids:

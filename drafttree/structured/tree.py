@@ -7,8 +7,9 @@ log-probabilities), except that a child must be allowed by its parent's grammar 
 tokens never enter the tree. A token the grammar forces (its only continuation) joins as a child
 of probability 1 even where the drafter did not propose it. Each node's mask is its own state's:
 the target's pick there is masked exactly as plain constrained decoding masks the position its
-path reaches. Unconstrained rows of the batch grow their trees the same way, all tokens allowed.
-DFlash's chain is the same walk with one child per node.
+path reaches. DFlash's chain is the same walk with one child per node. Only the rows that follow a
+grammar grow here: the batch's other rows verify the tree the device built from the same draft,
+as in a free round, so the host's work follows the constrained rows, not the batch.
 """
 from __future__ import annotations
 
@@ -26,22 +27,28 @@ FORCED = -1   # a candidate the grammar forces, not among the drafter's top K
 
 @dataclass
 class HostTrees:
-    """B trees of W columns (root and W - 1 nodes; `spec_decode.tree.DraftTree`'s layout: best
-    first, parents before children, invalid nodes hanging off the root) and each node's mask."""
-    tokens: np.ndarray     # [B, W] int64
-    parents: np.ndarray    # [B, W] int64
-    depth: np.ndarray      # [B, W] int64
-    valid: np.ndarray      # [B, W] bool
-    masks: np.ndarray      # [B, W, words] int32
+    """The trees of C batch rows (`rows`), W columns each (root and W - 1 nodes;
+    `spec_decode.tree.DraftTree`'s layout: best first, parents before children, invalid nodes
+    hanging off the root), of which the first N are grown (a round's verify width), with each
+    one's mask. W is the tree buffers' width, so that the buffers hold one whole tree per row."""
+    rows: np.ndarray       # [C] int64: the batch rows they are of
+    tokens: np.ndarray     # [C, W] int64
+    parents: np.ndarray    # [C, W] int64
+    depth: np.ndarray      # [C, W] int64
+    valid: np.ndarray      # [C, W] bool
+    masks: np.ndarray      # [C, N, words] int32
 
     @classmethod
-    def empty(cls, B: int, W: int, words: int) -> "HostTrees":
-        z = lambda: np.zeros((B, W), dtype=np.int64)  # noqa: E731
-        valid = np.zeros((B, W), dtype=bool)
+    def empty(cls, rows: list[int], W: int, N: int, words: int, masks: np.ndarray | None = None) -> "HostTrees":
+        """`masks`: a buffer of at least C * N masks to hold them (else one is allocated)."""
+        C = len(rows)
+        z = lambda: np.zeros((C, W), dtype=np.int64)  # noqa: E731
+        valid = np.zeros((C, W), dtype=bool)
         valid[:, 0] = True
         depth = z()
         depth[:, 1:] = 1
-        return cls(z(), z(), depth, valid, np.full((B, W, words), ALL_ALLOWED, dtype=np.int32))
+        masks = np.empty((C, N, words), dtype=np.int32) if masks is None else masks[:C * N].reshape(C, N, words)
+        return cls(np.asarray(rows, dtype=np.int64), z(), z(), depth, valid, masks)
 
     def visible(self) -> np.ndarray:
         """[B, W, W] bool: j is i or an ancestor of i."""
@@ -121,27 +128,28 @@ def grow(top_lp: np.ndarray, top_idx: np.ndarray, nodes: int, root: Matcher | No
     return tokens[1:], parents[1:], depths[1:], states
 
 
-def build_trees(top_lp: np.ndarray, top_idx: np.ndarray, roots: list[int], width: int,
-                matchers: list[Matcher | None], chain: bool, compiler: GrammarCompiler | None,
-                eos_ids: set[int], rows: int | None = None) -> HostTrees:
-    """The trees of a constrained round: rows 0..B-1 (B = len(roots)) from their candidates
-    top_lp / top_idx [B, D, K], `width` columns each; rows B..rows-1 (parked rows of the batch
-    bucket) hold a root alone. Masks: each constrained node's state's, computed in parallel;
-    every other entry allows every token."""
-    B = len(roots)
-    words = compiler.words if compiler is not None else 1
-    out = HostTrees.empty(rows or B, width, words)
+def build_trees(top_lp: np.ndarray, top_idx: np.ndarray, roots: list[int], width: int, columns: int,
+                matchers: list[Matcher | None], chain: bool, compiler: GrammarCompiler,
+                eos_ids: set[int], masks: np.ndarray | None = None) -> HostTrees:
+    """The trees of a constrained round's rows that follow a grammar (`matchers[b]` not None) from
+    the batch's candidates top_lp / top_idx [B, D, K] and roots: `width` columns (the root and
+    up to width - 1 nodes, the round's verify width) grown, with every one's mask (computed in
+    parallel; invalid nodes allow every token), in trees of `columns` columns; `masks`: a buffer
+    of [at least C * width, words] to write the masks in (C: the constrained rows)."""
+    rows = [b for b, m in enumerate(matchers) if m is not None]
+    words = compiler.words
+    out = HostTrees.empty(rows, columns, width, words, masks)
     jobs: list[tuple[object, int]] = []   # (llguidance matcher, mask row)
-    for b in range(B):
+    for c, b in enumerate(rows):
         toks, pars, deps, states = grow(top_lp[b], top_idx[b], width - 1, matchers[b], chain, eos_ids)
         n = len(toks)
-        out.tokens[b, 0] = roots[b]
-        out.tokens[b, 1:1 + n] = toks
-        out.parents[b, 1:1 + n] = pars
-        out.depth[b, 1:1 + n] = deps
-        out.valid[b, 1:1 + n] = True
-        if matchers[b] is not None:
-            jobs += [(st, b * width + i) for i, st in enumerate(states) if st is not None]
-    if jobs:
-        compiler.fill_raw_masks(jobs, out.masks.reshape(-1, words))
+        out.tokens[c, 0] = roots[b]
+        out.tokens[c, 1:1 + n] = toks
+        out.parents[c, 1:1 + n] = pars
+        out.depth[c, 1:1 + n] = deps
+        out.valid[c, 1:1 + n] = True
+        jobs += [(st, c * width + i) for i, st in enumerate(states)]
+    flat = out.masks.reshape(-1, words)
+    flat[~out.valid[:, :width].reshape(-1)] = ALL_ALLOWED
+    compiler.fill_raw_masks(jobs, flat)
     return out

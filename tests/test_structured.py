@@ -112,6 +112,33 @@ def test_only_rows_that_follow_a_grammar_grow_on_the_host(pair, plain, spec, bud
     assert max(t for o in got[1:] for t in o.metrics["accept_lengths"]) >= 2, "the free rows' trees accepted nothing"
 
 
+def test_rounds_go_on_while_a_grammar_is_built(pair, plain):
+    """A constrained request's matcher is built on a grammar thread: the engine's rounds for the
+    others go on meanwhile, and the request queues once it is built, to plain decoding's tokens;
+    one aborted while it builds is gone."""
+    import threading
+
+    prompts, params = batch()
+    want = plain.generate(prompts[:3], params[:3])
+    llm = engine(pair, "ddtree", 8)
+    eng = llm.engine
+    compiler = eng.constrained.compiler
+    gate, build = threading.Event(), compiler.build
+    compiler.build = lambda text: (gate.wait(30), build(text))[1]
+    free = eng.add_request(prompts[2], params[2])
+    schema = eng.add_request(prompts[0], params[0])
+    regex = eng.add_request(prompts[1], params[1])
+    while not free.finished:
+        eng.step()
+    assert schema.output_ids == [] and schema.grammar is None and eng.has_unfinished()
+    eng.abort(regex)
+    gate.set()
+    while eng.has_unfinished():
+        eng.step()
+    assert free.output_ids == want[2].token_ids and schema.output_ids == want[0].token_ids
+    assert regex.finish_reason == "abort" and regex.output_ids == []
+
+
 @pytest.mark.parametrize("spec,budget", [("ddtree", 8), ("dflash", None)])
 def test_processed_constrained_rounds_are_lossless(pair, plain, spec, budget):
     """Penalties, logit_bias, bad words and log-probabilities on constrained requests (the

@@ -1,5 +1,6 @@
-"""Constrained rounds (structured output) on the engine's side: a request's grammar compiled to a
-matcher when it is added, its first token's mask at prefill, the constrained round's launch (a
+"""Constrained rounds (structured output) on the engine's side: a request's grammar checked when it
+is added and its matcher built on a grammar thread (the request queues once it is), its first
+token's mask at prefill, the constrained round's launch (a
 masked decode step, or a draft whose candidates the host reads, the trees of the rows that follow
 a grammar grown along each path's grammar state, then the masked verify, in which the other rows
 verify the draft's own trees) and the matchers advanced over committed tokens.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -29,6 +31,8 @@ from drafttree.structured.reasoning import Reasoning
 from drafttree.structured.tree import build_trees
 
 log = logging.getLogger(__name__)
+
+BUILD_THREADS = 2   # matchers built at once (llguidance releases Python's lock while it builds)
 
 
 @dataclass
@@ -52,6 +56,7 @@ class Constrained:
         self.runner, self.tokenizer, self.vocab, self.eos_ids = runner, tokenizer, vocab, set(eos_ids)
         self.reasoning = reasoning   # a reasoning model's constraints hold from the end of its reasoning
         self._compiler: GrammarCompiler | None = None
+        self._builder: ThreadPoolExecutor | None = None   # the grammar threads, from the first constraint
         self.times = ConstrainedTimes()
         self.ahead: _Rows | None = None   # the rows, mode and processing of the draft queued ahead
 
@@ -64,14 +69,32 @@ class Constrained:
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab, self.eos_ids)
         return self._compiler
 
-    def attach(self, seq: Sequence) -> None:
-        """Compile the request's constraint (ValueError naming what is wrong, before it runs)."""
+    def attach(self, seq: Sequence) -> bool:
+        """Check the request's constraint (ValueError naming what is wrong, before it runs) and
+        start building its matcher on a grammar thread (`seq.grammar_build`; `built` takes it):
+        a large schema's parser takes milliseconds, which the engine's rounds need not wait for.
+        False where the request has no constraint."""
         so = seq.params.structured_outputs
         if so is None:
-            return
+            return False
         if self.reasoning is not None and so.after_reasoning is None:
             so = replace(so, after_reasoning=self.reasoning.constraint(self.reasoning.state(seq.prompt_ids)))
-        seq.grammar = self.compiler.matcher(so)
+        text = self.compiler.compile(so)   # checked here, cached by the constraint
+        if self._builder is None:
+            self._builder = ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="grammar")
+        seq.grammar_build = self._builder.submit(self.compiler.build, text)
+        return True
+
+    def built(self, seq: Sequence, wait: bool = False) -> bool:
+        """Whether seq's matcher is built (then it is seq.grammar); `wait`: until it is. Raises
+        what the build raised."""
+        f = seq.grammar_build
+        if f is None:
+            return True
+        if not (wait or f.done()):
+            return False
+        seq.grammar, seq.grammar_build = f.result(), None
+        return True
 
     def first_masks(self, chunks: list[tuple[Sequence, PrefillChunk]]) -> None:
         """The first-token mask of each chunk that ends a constrained request's prefill."""

@@ -133,6 +133,7 @@ class Engine:
         self.stream_text = False    # a server streaming text sets this
         self.overlap = setup.overlap
         self._inflight: Launched | None = None
+        self._building: list[Sequence] = []   # constrained requests whose matchers a grammar thread builds
         self._last_read = 0.0
         self._prefill_end = 0.0
         self._outputs = RoundOutputs(cfg.max_num_seqs, self.runner.state.out.shape[1], self.device)
@@ -259,12 +260,16 @@ class Engine:
             params = replace(params, max_tokens=self.max_model_len - len(ids))
         setup = row_logits(params, ids, self.model_cfg.vocab_size, self.eos_ids, self.tokenizer)
         choices = [Sequence(ids, p, prompt=text, index=i, logits=setup) for i, p in enumerate(choice_params(params))]
+        building = False
         for seq in choices:
             seq.choices = choices
             seq.request_id = request_id if request_id is not None else choices[0].request_id
-            self.constrained.attach(seq)
-        for seq in choices:
-            self.scheduler.add(seq)
+            building = self.constrained.attach(seq)
+        for seq in choices:   # a constrained request queues once its matcher is built (`_queue_built`)
+            if building:
+                self._building.append(seq)
+            else:
+                self.scheduler.add(seq)
         self.book.counts.requests += 1
         self.book.counts.prompt_tokens += len(ids)
         return choices[0]
@@ -277,11 +282,33 @@ class Engine:
         if self.dead is not None:
             return   # a stopped tensor-parallel engine: its ranks take no more commands
         for c in seq.choices:
-            self.scheduler.free(c)
+            if c in self._building:
+                self._building.remove(c)
+            else:
+                self.scheduler.free(c)
 
     def has_unfinished(self) -> bool:
         sc = self.scheduler
-        return bool(sc.waiting or sc.prefilling or sc.running)
+        return bool(sc.waiting or sc.prefilling or sc.running or self._building)
+
+    def _queue_built(self) -> None:
+        """Queue the constrained requests whose matchers are built, in arrival order; with nothing
+        else to run, wait for the first. A build that failed ends its request (logged)."""
+        sc = self.scheduler
+        idle = not (sc.waiting or sc.prefilling or sc.running or self._inflight is not None)
+        left = []
+        for i, seq in enumerate(self._building):
+            try:
+                ready = self.constrained.built(seq, wait=idle and i == 0)
+            except Exception:
+                log.exception("request %s: building its grammar's matcher failed", seq.request_id)
+                seq.finish("abort")
+                continue
+            if ready:
+                sc.add(seq)
+            else:
+                left.append(seq)
+        self._building = left
 
     @property
     def graphs_pending(self) -> int:
@@ -332,6 +359,8 @@ class Engine:
 
     def _step(self) -> list[tuple[Sequence, list[int]]]:
         out: list[tuple[Sequence, list[int]]] = []
+        if self._building:
+            self._queue_built()
         self._release()
         prev = self._inflight
         if prev is not None and (prev.abandoned or not self._may_overlap()):

@@ -61,6 +61,7 @@ class Sequence:
     preemptions: int = 0
     detok_offsets: tuple[int, int] = (0, 0)   # output ids [prefix, read): window already in text
     grammar: Any = None       # structured output: the grammar's matcher over the output so far
+    grammar_build: Any = None  # while a grammar thread builds that matcher: its Future
     # n > 1: this is choice `index` of the request's `choices` (all of them, this one included)
     index: int = 0
     choices: list[Sequence] = field(default_factory=list, repr=False)

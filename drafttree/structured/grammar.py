@@ -143,7 +143,12 @@ class GrammarCompiler:
         return text
 
     def matcher(self, so: StructuredOutputs) -> "Matcher":
-        m = self.llg.LLMatcher(self.tokenizer, self.compile(so), log_level=0)
+        return self.build(self.compile(so))
+
+    def build(self, text: str) -> "Matcher":
+        """A matcher of a checked grammar text (`compile`'s). llguidance builds its parser with
+        Python's lock released: any thread may build one while the engine steps."""
+        m = self.llg.LLMatcher(self.tokenizer, text, log_level=0)
         if m.is_error():
             raise ValueError(f"structured outputs: {m.get_error()}")
         return Matcher(m, self)

@@ -25,7 +25,7 @@ from drafttree.engine.scheduler import Scheduler, SchedulerConfig
 from drafttree.engine.sequence import Sequence
 from drafttree.engine.startup import Background, StartupTimes
 from drafttree.engine.stats import EngineStats, Stats
-from drafttree.engine.text import TextCodec, load_tokenizer, tokenizer_code, with_chat_template
+from drafttree.engine.text import TextCodec, Tokenized, load_tokenizer, tokenizer_code, with_chat_template
 from drafttree.parallel.comm import explain
 from drafttree.parallel.group import TensorParallelError, TPGroup
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
@@ -221,7 +221,7 @@ class Engine:
         return self.pool.num_free
 
     # -- requests ----------------------------------------------------------------------------
-    def encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+    def encode(self, prompt: str | list[int] | Tokenized) -> tuple[list[int], str | None]:
         return self.text.encode(prompt)
 
     def check_prompt(self, ids: list[int]) -> None:
@@ -237,7 +237,7 @@ class Engine:
         bad words' tokens and how many), queueing nothing: ParamError naming the field."""
         row_logits(params, ids, self.model_cfg.vocab_size, self.eos_ids, self.tokenizer)
 
-    def read_prompt(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], str | None]:
+    def read_prompt(self, prompt: str | list[int] | Tokenized, params: SamplingParams) -> tuple[list[int], str | None]:
         """The prompt's token ids as the engine reads them, cut to their last
         `params.truncate_prompt_tokens` where asked, and the text given (`encode`)."""
         ids, text = self.encode(prompt)
@@ -247,7 +247,7 @@ class Engine:
             ids = ids[max(len(ids) - k, 0):]
         return ids, text
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int] | Tokenized, params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
         """Queue a request; returns its first choice (all n of them in `.choices`, one request id).
         Checked first (ValueError naming what is wrong), so a refused request queues nothing."""

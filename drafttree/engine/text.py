@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from drafttree.engine.sequence import Sequence
@@ -85,6 +86,15 @@ class TokenTexts:
         return self.texts[token]
 
 
+@dataclass(frozen=True)
+class Tokenized:
+    """A prompt's text with the ids `TextCodec.tokenize` gave it: a server tokenizes on its own
+    threads, so that a long prompt's tokenization does not hold the engine's (the engine takes
+    the ids as they are)."""
+    text: str
+    ids: list[int]
+
+
 class TextCodec:
     """A model's tokenizer (or none: token ids only), its end-of-sequence ids and, for a reasoning
     model, its reasoning format."""
@@ -99,9 +109,15 @@ class TextCodec:
         self.vocab_size = vocab_size
         self.where = where
 
-    def encode(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+    def tokenize(self, text: str) -> Tokenized:
+        """`encode` of a text, on any thread (the tokenizer's work runs with Python's lock released)."""
+        return Tokenized(text, self.encode(text)[0])
+
+    def encode(self, prompt: str | list[int] | Tokenized) -> tuple[list[int], str | None]:
         """(token ids, the text or None): text is tokenized as is (no special tokens added); ids
         are checked against the vocabulary."""
+        if isinstance(prompt, Tokenized):
+            return list(prompt.ids), prompt.text
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.where} has no tokenizer: pass token ids instead of text")

@@ -464,7 +464,16 @@ class ModelRunner:
         token ids): a constrained round's one sync."""
         g = self.state.grammar
         D = self.spec.depth_at(self.cache_cfg.batch_bucket(B))
-        return g.cand_lp[:B, :D].cpu().numpy(), g.cand_idx[:B, :D].cpu().numpy()
+        lp, idx = g.cand_lp[:B, :D], g.cand_idx[:B, :D]
+        if self.device.type != "cuda":
+            return lp.numpy(force=True), idx.numpy(force=True)
+        # both copies queued, then one wait
+        out = (torch.empty(lp.shape, dtype=lp.dtype, pin_memory=True),
+               torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True))
+        out[0].copy_(lp, non_blocking=True)
+        out[1].copy_(idx, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return out[0].numpy(), out[1].numpy()
 
     def mask_stage(self, n: int) -> Any:
         """A host buffer for `n` token masks ([n, words] int32 numpy) that `run_masked_verify`

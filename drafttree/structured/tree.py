@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from drafttree.structured.grammar import ALL_ALLOWED, GrammarCompiler, Matcher
+from drafttree.structured.grammar import ALL_ALLOWED, GrammarCompiler, Matcher, Thought
 
 FORCED = -1   # a candidate the grammar forces, not among the drafter's top K
 
@@ -64,19 +64,23 @@ class HostTrees:
         return vis
 
 
-def grow(top_lp: np.ndarray, top_idx: np.ndarray, nodes: int, root: Matcher | None, chain: bool,
+def grow(top_lp: np.ndarray, top_idx: np.ndarray, nodes: int, root: Matcher | Thought | None, chain: bool,
          eos_ids: set[int]) -> tuple[list[int], list[int], list[int], list]:
     """One row's tree below its root: (tokens, parents, depths, states) of up to `nodes` nodes
     (column 0, the root, excluded), best first. top_lp / top_idx [D, K]: the drafter's candidates
     at depths 1..D, log-probabilities descending. `root`: the grammar state after the committed
-    tokens (None: unconstrained). `chain`: at most one child per node. `states`: each column's
-    llguidance matcher (the root's included; None where unconstrained)."""
+    tokens (None: unconstrained; a `Thought`: inside a reasoning the constraint leaves free, where
+    a child needs only to be allowed by the reasoning's one mask, and the token that ends it is a
+    leaf). `chain`: at most one child per node. `states`: each column's llguidance matcher (the
+    root's included; None where unconstrained or inside the reasoning)."""
     # This loop runs per node of every constrained round on the host, between draft and verify:
     # plain lists and the matchers' own methods, not numpy scalars and wrappers.
     D, K = top_lp.shape
     lps, ids = top_lp.tolist(), top_idx.tolist()
+    thought = root if isinstance(root, Thought) else None
+    allowed, leaf = (thought.allowed, {thought.end, *eos_ids}) if thought is not None else (None, eos_ids)
     tokens, parents, depths = [0], [0], [0]
-    states: list = [root.m if root is not None else None]
+    states: list = [root.m if isinstance(root, Matcher) else None]
     scores = [0.0]
     children: list[set[int]] = [set()]
     heap: list[tuple[float, int, int, int]] = []   # (-score, order, node, rank or FORCED)
@@ -85,7 +89,7 @@ def grow(top_lp: np.ndarray, top_idx: np.ndarray, nodes: int, root: Matcher | No
 
     def offer(node: int) -> None:
         d = depths[node]
-        if d >= D or (node > 0 and tokens[node] in eos_ids):
+        if d >= D or (node > 0 and tokens[node] in leaf):
             return
         push(heap, (-(scores[node] + lps[d][0]), next(order), node, 0))
         st = states[node]
@@ -117,6 +121,8 @@ def grow(top_lp: np.ndarray, top_idx: np.ndarray, nodes: int, root: Matcher | No
                 continue
             child = st.deep_copy()
             child.consume_token(tok)
+        elif allowed is not None and not (tok < len(allowed) and allowed[tok]):
+            continue
         kids.add(tok)
         tokens.append(tok)
         parents.append(node)
@@ -129,11 +135,12 @@ def grow(top_lp: np.ndarray, top_idx: np.ndarray, nodes: int, root: Matcher | No
 
 
 def build_trees(top_lp: np.ndarray, top_idx: np.ndarray, roots: list[int], width: int, columns: int,
-                matchers: list[Matcher | None], chain: bool, compiler: GrammarCompiler,
+                matchers: list[Matcher | Thought | None], chain: bool, compiler: GrammarCompiler,
                 eos_ids: set[int], masks: np.ndarray | None = None) -> HostTrees:
-    """The trees of a constrained round's rows that follow a grammar (`matchers[b]` not None) from
-    the batch's candidates top_lp / top_idx [B, D, K] and roots: `width` columns (the root and
-    up to width - 1 nodes, the round's verify width) grown, with every one's mask (computed in
+    """The trees of a constrained round's rows that follow a grammar (`matchers[b]` not None: its
+    matcher, or its reasoning's `Thought` inside a reasoning the constraint leaves free) from the
+    batch's candidates top_lp / top_idx [B, D, K] and roots: `width` columns (the root and up to
+    width - 1 nodes, the round's verify width) grown, with every one's mask (computed in
     parallel; invalid nodes allow every token), in trees of `columns` columns; `masks`: a buffer
     of [at least C * width, words] to write the masks in (C: the constrained rows)."""
     rows = [b for b, m in enumerate(matchers) if m is not None]
@@ -141,14 +148,19 @@ def build_trees(top_lp: np.ndarray, top_idx: np.ndarray, roots: list[int], width
     out = HostTrees.empty(rows, columns, width, words, masks)
     jobs: list[tuple[object, int]] = []   # (llguidance matcher, mask row)
     for c, b in enumerate(rows):
-        toks, pars, deps, states = grow(top_lp[b], top_idx[b], width - 1, matchers[b], chain, eos_ids)
+        root = matchers[b]
+        toks, pars, deps, states = grow(top_lp[b], top_idx[b], width - 1, root, chain, eos_ids)
         n = len(toks)
         out.tokens[c, 0] = roots[b]
         out.tokens[c, 1:1 + n] = toks
         out.parents[c, 1:1 + n] = pars
         out.depth[c, 1:1 + n] = deps
         out.valid[c, 1:1 + n] = True
-        jobs += [(st, c * width + i) for i, st in enumerate(states)]
+        if isinstance(root, Thought):   # the reasoning's mask, and past its end the answer's first
+            out.masks[c, :n + 1] = root.mask
+            out.masks[c, 1:n + 1][out.tokens[c, 1:n + 1] == root.end] = root.after_end
+        else:
+            jobs += [(st, c * width + i) for i, st in enumerate(states)]
     flat = out.masks.reshape(-1, words)
     flat[~out.valid[:, :width].reshape(-1)] = ALL_ALLOWED
     compiler.fill_raw_masks(jobs, flat)

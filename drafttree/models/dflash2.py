@@ -275,14 +275,17 @@ class DFlash2Drafter(DFlashDrafter):
         return logits
 
     @_fast_kernels
-    def edge_scores(self, hidden: torch.Tensor, anchor: torch.Tensor, depth: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def edge_scores(self, hidden: torch.Tensor, anchor: torch.Tensor, depth: int,
+                    logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The candidates of block positions 1..depth, [B, depth, K] (descending unary), and the
         edge scores [B, depth, K, K] (float32): scores[b, i, p, c] for candidate c at position
         i + 1 after candidate p at position i (position 0: the anchor [B], every row alike). The
         unary term is the candidates' log-probability, the published logit less a constant per
-        position: no walk and no softmax over candidates tells them apart."""
-        lp, cand = dispatch.top_log_probs(self.draft_logits(hidden, depth), self.cfg.selector_top_k)
+        position: no walk and no softmax over candidates tells them apart. `logits`: the block's
+        `draft_logits`, where the caller has them already."""
+        if logits is None:
+            logits = self.draft_logits(hidden, depth)
+        lp, cand = dispatch.top_log_probs(logits, self.cfg.selector_top_k)
         B, D, K = cand.shape
         pred = torch.cat([anchor.long()[:, None, None].expand(B, 1, K), cand[:, :-1]], dim=1)
         return cand, self.candidate_selector.edges(hidden[:, 1:1 + D], lp, cand, pred)

@@ -181,8 +181,8 @@ def candidates_phase(rc: RoundContext, B: int, kv_len: int) -> None:
     g = rc.state.grammar
     if isinstance(rc.drafter, DFlash2Drafter):
         hidden = draft_hidden(rc, B, kv_len)
-        rc.state.store_tree(selector_tree(rc, hidden, B))
         logits = rc.drafter.draft_logits(hidden, rc.spec.depth_at(rc.batch_bucket(B)))
+        rc.state.store_tree(selector_tree(rc, hidden, B, logits))
     else:
         logits = draft(rc, B, kv_len)
         # the grammar's effect on the acceptance (forced tokens accepted, forbidden drafts gone)

@@ -63,13 +63,14 @@ def build_selector_tree(cand: torch.Tensor, scores: torch.Tensor, root_tokens: t
     return best_first(levels, tokens, parents, root_tokens)
 
 
-def selector_tree(rc: RoundContext, hidden: torch.Tensor, B: int) -> DraftTree:
-    """`rounds.make_tree` for a DFlash2 drafter, from the draft block's hidden states [B, bs, D]:
-    the chain (DFlash) or the tree (DDTree) at the batch bucket's verify width, and the
-    acceptance model's predictions at every budget in state.out_pred."""
+def selector_tree(rc: RoundContext, hidden: torch.Tensor, B: int, logits: torch.Tensor | None = None) -> DraftTree:
+    """`rounds.make_tree` for a DFlash2 drafter, from the draft block's hidden states [B, bs, D]
+    (and its unary logits, where the caller has them): the chain (DFlash) or the tree (DDTree) at
+    the batch bucket's verify width, and the acceptance model's predictions at every budget in
+    state.out_pred."""
     spec, bucket = rc.spec, rc.batch_bucket(B)
     bonus = rc.state.bonus[:B]
-    cand, scores = rc.drafter.edge_scores(hidden, bonus, spec.depth_at(bucket))
+    cand, scores = rc.drafter.edge_scores(hidden, bonus, spec.depth_at(bucket), logits)
     width = spec.width(Phase.VERIFY, bucket)
     if spec.method == "ddtree":
         tree, node_lp = build_selector_tree(cand, scores, bonus, width - 1)

@@ -41,3 +41,24 @@ def test_prompts_are_tokenized_off_the_engine_thread(tmp_path):
     assert threads and all(t.startswith("drafttree-tokenize") for t in threads), threads
     assert isinstance(prompts[0], Tokenized) and prompts[0].text == prompt
     assert got == want.token_ids
+
+
+def test_a_prompt_the_tokenizer_refuses_is_a_bad_request(tmp_path):
+    import pytest
+
+    from drafttree.server.worker import BadRequest
+
+    target = write_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=VOCAB), VOCAB)
+    llm = LLM(model=str(target), spec="none", device="cpu", dtype="float32", max_num_seqs=2, max_model_len=96)
+    eng = llm.engine
+
+    def refuse(text):
+        raise ValueError("the tokenizer cannot read this")
+    eng.text.tokenize = refuse
+    worker = EngineWorker(eng)
+    worker.start()
+    try:
+        with pytest.raises(BadRequest, match="cannot read"):
+            asyncio.run(worker.submit("r1", "hello", SamplingParams(max_tokens=2)))
+    finally:
+        worker.stop()

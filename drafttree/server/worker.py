@@ -270,7 +270,12 @@ class EngineWorker:
             raise EngineError(self.fatal or "the engine is not running")
         loop = asyncio.get_running_loop()
         if isinstance(prompt, str) and self.engine.tokenizer is not None:
-            prompt = await loop.run_in_executor(self._tokenizers, self.engine.text.tokenize, prompt)
+            try:   # refused as the engine's thread refuses a prompt it cannot read
+                prompt = await loop.run_in_executor(self._tokenizers, self.engine.text.tokenize, prompt)
+            except ValueError as e:
+                raise BadRequest(str(e), getattr(e, "param", None)) from None
+            except Exception as e:
+                raise EngineError(f"{type(e).__name__}: {e}") from e
         q: asyncio.Queue[Message] = asyncio.Queue()
 
         def deliver(msg: Message) -> None:

@@ -88,10 +88,10 @@ class TokenTexts:
 
 @dataclass(frozen=True)
 class Tokenized:
-    """A prompt's text with the ids `TextCodec.tokenize` gave it: a server tokenizes on its own
-    threads, so that a long prompt's tokenization does not hold the engine's (the engine takes
-    the ids as they are)."""
-    text: str
+    """A prompt's ids as read already (`TextCodec.tokenize`'s, or ids checked by `encode`) and its
+    text, if it was text: a server tokenizes on its own threads, so that a long prompt's
+    tokenization does not hold the engine's, which takes the ids as they are."""
+    text: str | None
     ids: list[int]
 
 

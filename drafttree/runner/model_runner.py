@@ -141,6 +141,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.timer = PhaseTimer(torch.device(device))
         self._mask_stage: torch.Tensor | None = None     # `mask_stage`'s buffer
+        self._cand_host: tuple[torch.Tensor, torch.Tensor] | None = None   # `candidates`' pinned copies
         # Rank 0 of a tensor-parallel engine: the `command` methods are sent to the other ranks first.
         self.channel: CommandChannel | None = None
 
@@ -467,9 +468,12 @@ class ModelRunner:
         lp, idx = g.cand_lp[:B, :D], g.cand_idx[:B, :D]
         if self.device.type != "cuda":
             return lp.numpy(force=True), idx.numpy(force=True)
-        # both copies queued, then one wait
-        out = (torch.empty(lp.shape, dtype=lp.dtype, pin_memory=True),
-               torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True))
+        # both copies queued into pinned buffers kept for the engine's life, then one wait (the
+        # host has grown the round's trees from them before the next round's read rewrites them)
+        if self._cand_host is None:
+            self._cand_host = (torch.empty(g.cand_lp.shape, dtype=g.cand_lp.dtype, pin_memory=True),
+                               torch.empty(g.cand_idx.shape, dtype=g.cand_idx.dtype, pin_memory=True))
+        out = (self._cand_host[0][:B, :D], self._cand_host[1][:B, :D])
         out[0].copy_(lp, non_blocking=True)
         out[1].copy_(idx, non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()

@@ -337,12 +337,13 @@ class EngineWorker:
     def _handle(self, cmd: object) -> None:
         if isinstance(cmd, _Add):
             try:
-                ids, _ = self.engine.read_prompt(cmd.prompt, cmd.params)
+                ids, text = self.engine.read_prompt(cmd.prompt, cmd.params)
                 self.engine.check_prompt(ids)
                 params = cmd.params
                 if cmd.budget is not None:
                     params = replace(params, max_tokens=cmd.budget.resolve(len(ids), self.engine.max_model_len))
-                seq = self.engine.add_request(ids, params, request_id=cmd.request_id)
+                # the ids as read: not converted and checked against the vocabulary a second time
+                seq = self.engine.add_request(Tokenized(text, ids), params, request_id=cmd.request_id)
             except ValueError as e:
                 cmd.deliver(Failed(str(e), bad_request=True, param=getattr(e, "param", None)))
                 return

@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import regex
+
 from drafttree.engine.config import TOOL_CALL_PARSERS
 
 PARSER_NAMES = TOOL_CALL_PARSERS
@@ -32,6 +34,15 @@ class ToolCall:
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class CallDraft:
+    """A call of a growing reply as far as it is sure: its name, the id its format gives it (None:
+    one is made), and its arguments' text so far, a prefix of the whole call's `arguments`."""
+    name: str
+    arguments: str
+    id: str | None = None
 
 
 def call_id() -> str:
@@ -52,8 +63,17 @@ class ToolParser:
     text the format writes around calls (kept in the reply's text where they are special tokens)."""
     name = ""
     begin = ""
-    call_end = ""   # what closes one call (a growing reply's calls stream as each closes); "": known at the end
     markers: tuple[str, ...] = ()
+    # A growing reply's calls stream as they are written where the format has these: `opens`, what
+    # opens each call; `_head`, a call from its opening to its arguments (the group `name`, and
+    # `ident` where the format names the call); `_args_end`, what follows its arguments.
+    opens = ""
+    _head: re.Pattern[str] | None = None
+    _args_end: Any = None   # a `regex` pattern: searched with partial matches at the text's end
+
+    def _ident(self, head: re.Match[str]) -> tuple[str | None, str | None]:
+        """(name, id) of a call's head (name None: not readable)."""
+        return head["name"], None
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -99,6 +119,27 @@ class ToolParser:
         """The calls readable in `section` (the reply from `begin` on)."""
         raise NotImplementedError
 
+    def drafts(self, section: str) -> list[CallDraft]:
+        """The calls of a growing reply's `section` (from `begin` on) as far as they are sure, in
+        order: each one's arguments up to where what could still close them starts. They stop at
+        the first call whose head is not whole yet or not in the format's usual form (that one and
+        those after it are read once the reply is whole); [] where the format has no `_head`."""
+        out: list[CallDraft] = []
+        if self._head is None:
+            return out
+        at = section.find(self.opens)
+        while at >= 0:
+            head = self._head.match(section, at)
+            name, ident = self._ident(head) if head is not None else (None, None)
+            if name is None:
+                break
+            end = self._args_end.search(section, head.end(), partial=True)
+            out.append(CallDraft(name, section[head.end():len(section) if end is None else end.start()], ident))
+            if end is None or end.partial:
+                break
+            at = section.find(self.opens, end.end())
+        return out
+
     def content_end(self, text: str) -> int:
         """How much of a growing reply is content for sure: up to where its calls begin, less a
         tail that could still become `begin`."""
@@ -121,16 +162,29 @@ class ToolParser:
         raise NotImplementedError
 
 
+def _kimi_name(ident: str) -> str:
+    """NAME of Kimi K2's call id `functions.NAME:IDX`."""
+    return ident.split(":")[0].split(".", 1)[-1]
+
+
 def _alternatives(rules: list[str]) -> str:
     return " | ".join(rules)
 
 
 class HermesParser(ToolParser):
     name = "hermes"
-    begin = "<tool_call>"
-    call_end = "</tool_call>"
+    begin = opens = "<tool_call>"
     markers = ("<tool_call>", "</tool_call>")
-    _call = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+    _close = re.compile(r"\s*(?:</tool_call>|$)")
+    # the name first, then arguments written as a JSON object (not as a string of one)
+    _head = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
+    _args_end = regex.compile(r"\s*\}\s*</tool_call>")
+
+    def _ident(self, head: re.Match[str]) -> tuple[str | None, str | None]:
+        try:
+            return json.loads(head["name"]), None
+        except ValueError:   # an escape JSON does not have
+            return None, None
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         more = ' ("\\n" call)*' if parallel else ""
@@ -143,14 +197,27 @@ class HermesParser(ToolParser):
         return "\n".join(lines)
 
     def calls(self, section: str) -> list[ToolCall]:
-        calls = []
-        for body in self._call.findall(section):
+        """Each call's JSON read as JSON (a string of its arguments may hold `</tool_call>`), its
+        arguments as the model wrote them where they are an object after the name (what a stream
+        sends), else as JSON text of their value."""
+        calls, dec = [], json.JSONDecoder()
+        at = section.find(self.opens)
+        while at >= 0:
+            start = at + len(self.opens)
+            start += len(section[start:]) - len(section[start:].lstrip())
             try:
-                obj = json.loads(body)
+                obj, end = dec.raw_decode(section, start)
             except ValueError:
+                obj, end = None, start
+            close = self._close.match(section, end)
+            if close is None or not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+                at = section.find(self.opens, start)
                 continue
-            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-                calls.append(ToolCall(call_id(), obj["name"], _args_text(obj.get("arguments", {}))))
+            args, head = obj.get("arguments", {}), self._head.match(section, at)
+            raw = dec.raw_decode(section, head.end())[1] if head is not None else None
+            calls.append(ToolCall(call_id(), obj["name"], section[head.end():raw] if raw is not None
+                                  else _args_text(args)))
+            at = section.find(self.opens, close.end())
         return calls
 
     def example(self) -> str:
@@ -160,11 +227,16 @@ class HermesParser(ToolParser):
 class KimiK2Parser(ToolParser):
     name = "kimi_k2"
     begin = "<|tool_calls_section_begin|>"
-    call_end = "<|tool_call_end|>"
+    opens = "<|tool_call_begin|>"
     markers = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
                "<|tool_call_end|>", "<|tool_calls_section_end|>")
     _call = re.compile(r"<\|tool_call_begin\|>\s*([^<\s]+)\s*<\|tool_call_argument_begin\|>\s*(.*?)\s*"
                        r"(?:<\|tool_call_end\|>|$)", re.S)
+    _head = re.compile(r"<\|tool_call_begin\|>\s*(?P<ident>[^<\s]+)\s*<\|tool_call_argument_begin\|>\s*")
+    _args_end = regex.compile(r"\s*<\|tool_call_end\|>")
+
+    def _ident(self, head: re.Match[str]) -> tuple[str | None, str | None]:
+        return _kimi_name(head["ident"]), head["ident"]
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         L = self.literal
@@ -179,7 +251,7 @@ class KimiK2Parser(ToolParser):
 
     def calls(self, section: str) -> list[ToolCall]:
         return [ToolCall(ident, name, args) for ident, args in self._call.findall(section)
-                if (name := ident.split(":")[0].split(".", 1)[-1])]
+                if (name := _kimi_name(ident))]
 
     def example(self) -> str:
         return ("<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>"
@@ -236,11 +308,16 @@ class Llama3JsonParser(ToolParser):
 class DeepSeekV3Parser(ToolParser):
     name = "deepseek_v3"
     begin = "<｜tool▁calls▁begin｜>"
-    call_end = "<｜tool▁call▁end｜>"
+    opens = "<｜tool▁call▁begin｜>"
     markers = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
                "<｜tool▁calls▁end｜>")
     _call = re.compile(r"<｜tool▁call▁begin｜>\s*function\s*<｜tool▁sep｜>\s*([^\n<]+?)\s*```json\s*(.*?)\s*```\s*"
                        r"<｜tool▁call▁end｜>", re.S)
+    _head = re.compile(r"<｜tool▁call▁begin｜>\s*function\s*<｜tool▁sep｜>\s*(?P<name>[^\n<]+?)\s*```json\s*")
+    _args_end = regex.compile(r"\s*```\s*<｜tool▁call▁end｜>")
+
+    def _ident(self, head: re.Match[str]) -> tuple[str | None, str | None]:
+        return head["name"].strip(), None
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         L = self.literal
@@ -264,6 +341,8 @@ class DeepSeekV3Parser(ToolParser):
 class DeepSeekV31Parser(DeepSeekV3Parser):
     name = "deepseek_v31"
     _call = re.compile(r"<｜tool▁call▁begin｜>\s*([^<]+?)\s*<｜tool▁sep｜>\s*(.*?)\s*<｜tool▁call▁end｜>", re.S)
+    _head = re.compile(r"<｜tool▁call▁begin｜>\s*(?P<name>[^<]+?)\s*<｜tool▁sep｜>\s*")
+    _args_end = regex.compile(r"\s*<｜tool▁call▁end｜>")
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         L = self.literal

@@ -3,11 +3,11 @@ them gets them described in a system message), the grammar that forces a call (t
 "required" or a named function), and the reply's calls, whole or streamed as OpenAI streams them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from drafttree.server.protocol import ChatCompletionRequest, NamedToolChoice, OpenAIError
-from drafttree.server.tool_parsers import ToolCall, ToolParser
+from drafttree.server.tool_parsers import CallDraft, ToolCall, ToolParser, call_id
 from drafttree.structured.params import StructuredOutputs
 
 
@@ -71,50 +71,49 @@ def check_tools_and_format(req: ChatCompletionRequest, plan: ToolPlan | None,
 
 @dataclass
 class ToolStream:
-    """A streamed reply's tool calls: content until the calls begin, then each call once it is
-    whole: a delta with its id, type and name, then one with its arguments."""
+    """A streamed reply's tool calls as OpenAI streams them: content until the calls begin, then
+    each call's id, type and name once its head is written, and its arguments piece by piece as
+    they grow (a format that knows a call only once the reply is whole, and a call not in its
+    format's usual form, sends each call whole at the end)."""
     plan: ToolPlan
     content_sent: int = 0
-    calls_sent: int = 0
+    sent: list[tuple[str, str]] = field(default_factory=list)   # per call begun: (name, arguments sent)
 
     def deltas(self, text: str, final: bool, hold: int = 0) -> list[dict[str, Any]]:
         """The chat deltas that text (the reply so far) adds; `final`: the reply is whole. While
-        it grows, its last `hold` characters (what could still become a stop string), an
-        unfinished character and trailing whitespace (cut before a call) wait."""
+        it grows, its last `hold` characters (what could still become a stop string) and an
+        unfinished character wait, and so does whitespace that may come before a call."""
         parser = self.plan.parser
+        at = text.find(parser.begin)
         if final:
-            calls = parser.parse(text)[1]
-            at = text.find(parser.begin)
-            content_end = len(text) if not calls else at if at >= 0 else 0
+            calls: list[ToolCall | CallDraft] = list(parser.parse(text)[1])
+            content_end = max(at, 0) if calls or self.sent else len(text)
         else:
-            content_end = min(parser.content_end(text), len(text) - hold)
-            while content_end > self.content_sent and (text[content_end - 1] == "\ufffd"
-                                                       or text[content_end - 1].isspace()):
+            sure = text[:len(text) - hold].rstrip("\ufffd")
+            content_end = parser.content_end(sure)
+            while content_end > self.content_sent and sure[content_end - 1].isspace():
                 content_end -= 1
-            whole = self._complete_end(text)
-            calls = parser.parse(text[:whole])[1] if whole else []
+            calls = parser.drafts(sure[at:]) if 0 <= at < len(sure) else []
         out: list[dict[str, Any]] = []
         if content_end > self.content_sent:
             piece = text[self.content_sent:content_end]
-            if final and calls:
+            if final and (calls or self.sent):
                 piece = piece.rstrip()
             if piece:
                 out.append({"content": piece})
             self.content_sent = content_end
         if not self.plan.parallel:
             calls = calls[:1]
-        for i in range(self.calls_sent, len(calls)):
-            c: ToolCall = calls[i]
-            out.append({"tool_calls": [{"index": i, "id": c.id, "type": "function",
-                                        "function": {"name": c.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
-        self.calls_sent = max(self.calls_sent, len(calls))
+        for i, c in enumerate(calls):
+            args = c.arguments
+            if i == len(self.sent):
+                out.append({"tool_calls": [{"index": i, "id": c.id or call_id(), "type": "function",
+                                            "function": {"name": c.name, "arguments": ""}}]})
+                self.sent.append((c.name, ""))
+            name, done = self.sent[i]
+            # a call read differently once whole than while it grew (a malformed one) has had
+            # what was sent: a stream cannot take a piece back
+            if name == c.name and len(args) > len(done) and args.startswith(done):
+                out.append({"tool_calls": [{"index": i, "function": {"arguments": args[len(done):]}}]})
+                self.sent[i] = (name, args)
         return out
-
-    def _complete_end(self, text: str) -> int:
-        """Where the last whole call of a growing reply ends (0: none yet)."""
-        p = self.plan.parser
-        if not p.call_end:
-            return 0   # llama3_json: a call is known whole only at the end
-        at = text.rfind(p.call_end)
-        return at + len(p.call_end) if at >= 0 and p.begin in text else 0

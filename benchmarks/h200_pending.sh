@@ -24,6 +24,8 @@
 #               batch 1 and 16 (benchmarks/plain_round_cost.py). Needs the GGUF.
 #   structured: JSON-schema requests against free ones (benchmarks/structured_bench.py), all rows of a
 #               batch, then one of 16. Needs the GGUF.
+#   quick     : startup (generate only, one cold and one warm run a configuration) and structured (all
+#               rows) in one call, for a machine with about 10 minutes of device time left. Needs the GGUF.
 #   drafter_data, drafter_train: issue 58's side-by-side (docs/dflash2.md), a call each: the target's
 #               answers to the training prompts (REGEN_S, default 420 s), then one run a call
 #               (RUN=dflash|dflash-kl|dflash2|dflash2-kl; TRAIN_S of training from the shipped
@@ -54,7 +56,7 @@
 #   .parts/humaneval.jsonl, .parts/sharegpt_heldout.jsonl]; `ab` [.old] (GGUF-free, as are rank and tests).
 # A machine can be taken back mid-call, and then the parts must travel again: carry them first, in
 # `parts` calls of a few seconds, and run the stages that need the model before the others.
-# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|spec|plainround|structured|
+# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|quick|spec|plainround|structured|
 #        drafter_data|drafter_train
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" .gacc
@@ -101,6 +103,14 @@ case "${1:?stage}" in
     timeout 180 python3 benchmarks/startup_bench.py --configs default --reps 1 --serve --no-generate \
       --out "$OUT/startup_serve.json" > "$OUT/startup_serve.txt" 2>&1
     tail -n 12 "$OUT/startup.txt" "$OUT/startup_serve.txt" ;;
+  quick)     # issues 56 and 59 in one call, where the device time left holds one: generate's start-up
+             # (default against eager, a cold run then a warm one each), then JSON-schema against free rows
+    gguf || exit 1
+    timeout 250 python3 benchmarks/startup_bench.py --configs default,eager --reps 2 \
+      --out "$OUT/startup.json" > "$OUT/startup.txt" 2>&1
+    timeout 250 python3 benchmarks/structured_bench.py --budget auto --batches 1,16 --repeats 3 \
+      --out "$OUT/structured.json" > "$OUT/structured.txt" 2>&1
+    tail -n 8 "$OUT/startup.txt"; tail -n 20 "$OUT/structured.txt" ;;
   spec)      # issue 57: auto against plain and fixed budgets, T 0/0.7/1, batch 1/16/64, two prompt sets
     gguf || exit 1
     set=${SPEC_SET:-humaneval}   # one prompt set a call: humaneval, then sharegpt_heldout
@@ -145,6 +155,6 @@ case "${1:?stage}" in
       --methods dflash,ddtree --budgets 32 --temperatures 0 --compare-plain >> "$OUT/train_$run.txt" 2>&1
     mkdir -p "$OUT/$run" && cp ".gacc/drafter/$run/train_log.json" "$OUT/$run/" && cp -r ".gacc/drafter/$run/drafter" "$OUT/$run/"
     grep "τ" "$OUT/train_$run.txt" | tail -n 4 ;;
-  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, spec, plainround, structured, drafter_data, drafter_train)"
+  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, quick, spec, plainround, structured, drafter_data, drafter_train)"
      exit 2 ;;
 esac

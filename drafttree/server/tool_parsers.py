@@ -121,23 +121,30 @@ class ToolParser:
 
     def drafts(self, section: str) -> list[CallDraft]:
         """The calls of a growing reply's `section` (from `begin` on) as far as they are sure, in
-        order: each one's arguments up to where what could still close them starts. They stop at
-        the first call whose head is not whole yet or not in the format's usual form (that one and
-        those after it are read once the reply is whole); [] where the format has no `_head`."""
+        order. A call's arguments are its JSON value once that is whole; before, the text up to
+        where what could still close them starts. The calls stop at the first one that is not
+        whole and closed yet, or not in the format's usual form (that one and those after it are
+        read once the reply is whole); [] where the format has no `_head`."""
         out: list[CallDraft] = []
         if self._head is None:
             return out
-        at = section.find(self.opens)
+        dec, at = json.JSONDecoder(), section.find(self.opens)
         while at >= 0:
             head = self._head.match(section, at)
             name, ident = self._ident(head) if head is not None else (None, None)
             if name is None:
                 break
-            end = self._args_end.search(section, head.end(), partial=True)
-            out.append(CallDraft(name, section[head.end():len(section) if end is None else end.start()], ident))
-            if end is None or end.partial:
+            try:
+                end = dec.raw_decode(section, head.end())[1]
+            except ValueError:   # not whole yet (or not JSON): up to what could close it
+                close = self._args_end.search(section, head.end(), partial=True)
+                out.append(CallDraft(name, section[head.end():len(section) if close is None else close.start()], ident))
                 break
-            at = section.find(self.opens, end.end())
+            out.append(CallDraft(name, section[head.end():end], ident))
+            close = self._args_end.match(section, end, partial=True)
+            if close is None or close.partial:
+                break
+            at = section.find(self.opens, close.end())
         return out
 
     def content_end(self, text: str) -> int:
@@ -175,7 +182,6 @@ class HermesParser(ToolParser):
     name = "hermes"
     begin = opens = "<tool_call>"
     markers = ("<tool_call>", "</tool_call>")
-    _close = re.compile(r"\s*(?:</tool_call>|$)")
     # the name first, then arguments written as a JSON object (not as a string of one)
     _head = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
     _args_end = regex.compile(r"\s*\}\s*</tool_call>")
@@ -197,9 +203,9 @@ class HermesParser(ToolParser):
         return "\n".join(lines)
 
     def calls(self, section: str) -> list[ToolCall]:
-        """Each call's JSON read as JSON (a string of its arguments may hold `</tool_call>`), its
-        arguments as the model wrote them where they are an object after the name (what a stream
-        sends), else as JSON text of their value."""
+        """Each call's JSON read as JSON (a string of its arguments may hold `</tool_call>`; what
+        follows the object up to the next call is not read), its arguments as the model wrote them
+        where they are an object after the name (what a stream sends), else as JSON text."""
         calls, dec = [], json.JSONDecoder()
         at = section.find(self.opens)
         while at >= 0:
@@ -209,15 +215,14 @@ class HermesParser(ToolParser):
                 obj, end = dec.raw_decode(section, start)
             except ValueError:
                 obj, end = None, start
-            close = self._close.match(section, end)
-            if close is None or not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+            if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
                 at = section.find(self.opens, start)
                 continue
             args, head = obj.get("arguments", {}), self._head.match(section, at)
             raw = dec.raw_decode(section, head.end())[1] if head is not None else None
             calls.append(ToolCall(call_id(), obj["name"], section[head.end():raw] if raw is not None
                                   else _args_text(args)))
-            at = section.find(self.opens, close.end())
+            at = section.find(self.opens, end)
         return calls
 
     def example(self) -> str:

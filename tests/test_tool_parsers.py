@@ -54,8 +54,7 @@ def test_parse_whole_and_streamed(name):
     assert names == ["get_weather", "now"]
     assert args == {i: c.arguments for i, c in enumerate(calls)}   # the text the whole reply's calls have
     pieces = sum(1 for c in calls_out if c["index"] == 0 and c["function"]["arguments"])
-    # the arguments stream as they are written, but where a call is known only whole
-    assert (pieces == 1) == (name == "llama3_json"), calls_out
+    assert pieces > 1, calls_out   # the arguments stream as they are written
 
 
 def test_streamed_content_waits_for_whole_characters_and_possible_stop_strings():
@@ -118,7 +117,7 @@ def test_forcing_grammar_takes_the_replys_calls(name):
 ARGS = {"code": "def f(x):\n    return {'a': [x, \"}\"]}  # } </tool_call>\n", "n": [1, {"k": None}], "é": "日本"}
 
 
-@pytest.mark.parametrize("name", [n for n in PARSERS if n != "llama3_json"])
+@pytest.mark.parametrize("name", list(PARSERS))
 @pytest.mark.parametrize("seed", range(3))
 def test_arguments_stream_as_they_grow_and_add_up_to_the_whole_replys(name, seed):
     """Arguments holding braces, the format's closing text inside a string, newlines and wide
@@ -146,7 +145,7 @@ def test_arguments_stream_as_they_grow_and_add_up_to_the_whole_replys(name, seed
     assert "".join(d.get("content", "") for d in deltas) == (content or "")
 
 
-@pytest.mark.parametrize("name", [n for n in PARSERS if n != "llama3_json"])
+@pytest.mark.parametrize("name", list(PARSERS))
 def test_a_call_cut_off_keeps_what_was_streamed(name):
     """A reply that ends inside a call (max_tokens) has no call once whole: what streamed of it
     stays a call, and its text is not sent again as content."""
@@ -156,6 +155,6 @@ def test_a_call_cut_off_keeps_what_was_streamed(name):
     stream = ToolStream(ToolPlan(TOOLS, p, None, True, False))
     deltas = stream.deltas(cut, False) + stream.deltas(cut, True)
     assert p.parse(cut)[1] == [] or name == "kimi_k2"   # Kimi's form reads an unclosed call to the end
-    assert "".join(d.get("content", "") for d in deltas) == "Let me look."
+    assert "".join(d.get("content", "") for d in deltas) == ("" if name == "llama3_json" else "Let me look.")
     args = "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", []))
     assert args.startswith('{"city": "Pa')

@@ -119,6 +119,10 @@ class ToolParser:
         """The calls readable in `section` (the reply from `begin` on)."""
         raise NotImplementedError
 
+    def section_start(self, text: str) -> int:
+        """Where a reply's calls begin (-1: not yet, or not at all)."""
+        return text.find(self.begin)
+
     def drafts(self, section: str) -> list[CallDraft]:
         """The calls of a growing reply's `section` (from `begin` on) as far as they are sure, in
         order. A call's arguments are its JSON value once that is whole; before, the text up to
@@ -169,6 +173,14 @@ class ToolParser:
         raise NotImplementedError
 
 
+def _json_string(text: str) -> str | None:
+    """A JSON string literal's value (None: an escape JSON does not have)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
 def _kimi_name(ident: str) -> str:
     """NAME of Kimi K2's call id `functions.NAME:IDX`."""
     return ident.split(":")[0].split(".", 1)[-1]
@@ -187,10 +199,7 @@ class HermesParser(ToolParser):
     _args_end = regex.compile(r"\s*\}\s*</tool_call>")
 
     def _ident(self, head: re.Match[str]) -> tuple[str | None, str | None]:
-        try:
-            return json.loads(head["name"]), None
-        except ValueError:   # an escape JSON does not have
-            return None, None
+        return _json_string(head["name"]), None
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         more = ' ("\\n" call)*' if parallel else ""
@@ -267,6 +276,18 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     begin = "<|python_tag|>"
     markers = ("<|python_tag|>",)
+    opens = "{"
+    _head = re.compile(r'\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)')
+    _args_end = regex.compile(r"\s*\}\s*(?:;|$)")
+
+    def _ident(self, head: re.Match[str]) -> tuple[str | None, str | None]:
+        return _json_string(head["name"]), None
+
+    def section_start(self, text: str) -> int:
+        """A reply whose first text is the tag or a JSON object is read as calls (whole, they must
+        be calls alone)."""
+        body = text.lstrip()
+        return len(text) - len(body) if body.startswith((self.begin, "{")) else -1
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         more = ' ("; " call)*' if parallel else ""
@@ -291,8 +312,11 @@ class Llama3JsonParser(ToolParser):
                 break
             if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
                 break
-            args = obj.get("parameters", obj.get("arguments", {}))
-            calls.append(ToolCall(call_id(), obj["name"], _args_text(args)))
+            args, head = obj.get("parameters", obj.get("arguments", {})), self._head.match(body, i)
+            # the parameters as the model wrote them where they follow the name (what a stream sends)
+            args_end = dec.raw_decode(body, head.end())[1] if head is not None else None
+            calls.append(ToolCall(call_id(), obj["name"], body[head.end():args_end] if args_end is not None
+                                  else _args_text(args)))
             i = end
             while i < len(body) and body[i] in " ;\n":
                 i += 1

@@ -73,8 +73,7 @@ def check_tools_and_format(req: ChatCompletionRequest, plan: ToolPlan | None,
 class ToolStream:
     """A streamed reply's tool calls as OpenAI streams them: content until the calls begin, then
     each call's id, type and name once its head is written, and its arguments piece by piece as
-    they grow (a format that knows a call only once the reply is whole, and a call not in its
-    format's usual form, sends each call whole at the end)."""
+    they grow (a call not in its format's usual form is sent whole at the end)."""
     plan: ToolPlan
     content_sent: int = 0
     sent: list[tuple[str, str]] = field(default_factory=list)   # per call begun: (name, arguments sent)
@@ -84,7 +83,7 @@ class ToolStream:
         it grows, its last `hold` characters (what could still become a stop string) and an
         unfinished character wait, and so does whitespace that may come before a call."""
         parser = self.plan.parser
-        at = text.find(parser.begin)
+        at = parser.section_start(text)
         if final:
             calls: list[ToolCall | CallDraft] = list(parser.parse(text)[1])
             content_end = max(at, 0) if calls or self.sent else len(text)

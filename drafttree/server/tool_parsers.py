@@ -24,6 +24,7 @@ import regex
 from drafttree.engine.config import TOOL_CALL_PARSERS
 
 PARSER_NAMES = TOOL_CALL_PARSERS
+CLOSE_WINDOW = 64   # characters before a closing text's last one that its start is looked for in
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,14 @@ class ToolParser:
     # A growing reply's calls stream as they are written where the format has these: `opens`, what
     # opens each call; `_head`, a call from its opening to its arguments (the group `name`, and
     # `ident` where the format names the call); `_args_end`, what follows its arguments.
+    # `closes`, the text every closing ends with ("": a call may close at the reply's end), and
+    # `_close_first`, the characters a closing text starts with after its whitespace, keep the
+    # search for it to the text's tail while the arguments grow.
     opens = ""
     _head: re.Pattern[str] | None = None
-    _args_end: Any = None   # a `regex` pattern: searched with partial matches at the text's end
+    _args_end: Any = None   # a `regex` pattern: matched partially at the text's end
+    closes = ""
+    _close_first = ""
 
     def _ident(self, head: re.Match[str]) -> tuple[str | None, str | None]:
         """(name, id) of a call's head (name None: not readable)."""
@@ -141,8 +147,7 @@ class ToolParser:
             try:
                 end = dec.raw_decode(section, head.end())[1]
             except ValueError:   # not whole yet (or not JSON): up to what could close it
-                close = self._args_end.search(section, head.end(), partial=True)
-                out.append(CallDraft(name, section[head.end():len(section) if close is None else close.start()], ident))
+                out.append(CallDraft(name, section[head.end():self._open_end(section, head.end())], ident))
                 break
             out.append(CallDraft(name, section[head.end():end], ident))
             close = self._args_end.match(section, end, partial=True)
@@ -150,6 +155,26 @@ class ToolParser:
                 break
             at = section.find(self.opens, close.end())
         return out
+
+    def _open_end(self, section: str, start: int) -> int:
+        """Where arguments from `start` that are not a whole JSON value surely reach: to the first
+        closing text, else to where one could still begin at the text's end, less the whitespace
+        before it. A stream calls this once per step for each reply in a call: the search reads
+        the tail, and the whole text only through `str.find`."""
+        if self.closes and (lit := section.find(self.closes, start)) >= 0:
+            close = self._args_end.search(section, max(start, lit - CLOSE_WINDOW), lit + len(self.closes))
+            end = close.start() if close is not None else lit
+        else:
+            end = len(section)
+            for k in range(max(start, end - CLOSE_WINDOW), end):
+                if section[k] in self._close_first:
+                    close = self._args_end.match(section, k, partial=True)
+                    if close is not None and close.end() == len(section):
+                        end = k
+                        break
+        while end > start and section[end - 1].isspace():
+            end -= 1
+        return end
 
     def content_end(self, text: str) -> int:
         """How much of a growing reply is content for sure: up to where its calls begin, less a
@@ -197,6 +222,7 @@ class HermesParser(ToolParser):
     # the name first, then arguments written as a JSON object (not as a string of one)
     _head = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
     _args_end = regex.compile(r"\s*\}\s*</tool_call>")
+    closes, _close_first = "</tool_call>", "}"
 
     def _ident(self, head: re.Match[str]) -> tuple[str | None, str | None]:
         return _json_string(head["name"]), None
@@ -248,6 +274,7 @@ class KimiK2Parser(ToolParser):
                        r"(?:<\|tool_call_end\|>|$)", re.S)
     _head = re.compile(r"<\|tool_call_begin\|>\s*(?P<ident>[^<\s]+)\s*<\|tool_call_argument_begin\|>\s*")
     _args_end = regex.compile(r"\s*<\|tool_call_end\|>")
+    closes, _close_first = "<|tool_call_end|>", "<"
 
     def _ident(self, head: re.Match[str]) -> tuple[str | None, str | None]:
         return _kimi_name(head["ident"]), head["ident"]
@@ -279,6 +306,7 @@ class Llama3JsonParser(ToolParser):
     opens = "{"
     _head = re.compile(r'\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)')
     _args_end = regex.compile(r"\s*\}\s*(?:;|$)")
+    _close_first = "}"
 
     def _ident(self, head: re.Match[str]) -> tuple[str | None, str | None]:
         return _json_string(head["name"]), None
@@ -344,6 +372,7 @@ class DeepSeekV3Parser(ToolParser):
                        r"<｜tool▁call▁end｜>", re.S)
     _head = re.compile(r"<｜tool▁call▁begin｜>\s*function\s*<｜tool▁sep｜>\s*(?P<name>[^\n<]+?)\s*```json\s*")
     _args_end = regex.compile(r"\s*```\s*<｜tool▁call▁end｜>")
+    closes, _close_first = "<｜tool▁call▁end｜>", "`"
 
     def _ident(self, head: re.Match[str]) -> tuple[str | None, str | None]:
         return head["name"].strip(), None
@@ -372,6 +401,7 @@ class DeepSeekV31Parser(DeepSeekV3Parser):
     _call = re.compile(r"<｜tool▁call▁begin｜>\s*([^<]+?)\s*<｜tool▁sep｜>\s*(.*?)\s*<｜tool▁call▁end｜>", re.S)
     _head = re.compile(r"<｜tool▁call▁begin｜>\s*(?P<name>[^<]+?)\s*<｜tool▁sep｜>\s*")
     _args_end = regex.compile(r"\s*<｜tool▁call▁end｜>")
+    _close_first = "<"
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         L = self.literal

@@ -178,7 +178,14 @@ def test_auto_prices_constrained_rounds_apart(pair, plain):
     llm = engine(pair, "ddtree")
     seen: list[bool] = []
     host_rows: list[int] = []
-    observe = llm.engine.chooser.observe_round
+    observe, choose = llm.engine.chooser.observe_round, llm.engine.chooser.choose
+
+    def drafting(bucket, allowed, rows, cap=None, extra=(), host_rows=0):
+        # constrained rounds draft whatever the measured prices say (a loaded machine may price
+        # them plain), so that the rounds with all three grammars running are observed
+        budget = choose(bucket, allowed, rows, cap, extra, host_rows)
+        return max(b for b in allowed if cap is None or b <= cap) if "constrained" in extra else budget
+    llm.engine.chooser.choose = drafting
 
     def spy(bucket, budget, sampled, seconds, extra=(), host_s=0.0, rows=0):
         seen.append("constrained" in extra)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from drafttree.structured.masks import token_bits
 from drafttree.structured.params import AfterReasoning, StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -227,8 +228,7 @@ class Matcher:
             after = self.m.deep_copy()
             after.consume_token(r.end)
             self.compiler.fill_raw_masks([(self.m, 0), (after, 1)], masks)
-            bits = (masks[0][:, None] >> np.arange(32, dtype=np.int32)) & 1
-            allowed = bits.reshape(-1)[:self.compiler.vocab].astype(np.uint8).tobytes()
+            allowed = token_bits(masks[0], self.compiler.vocab).tobytes()
             self._thought = Thought(allowed, r.end, masks[0], masks[1])
         return self._thought
 

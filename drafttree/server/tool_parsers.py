@@ -76,6 +76,7 @@ class ToolParser:
     _args_end: Any = None   # a `regex` pattern: matched partially at the text's end
     closes = ""
     _close_first = ""
+    unclosed = False   # a last call the reply ends inside is read to the end
 
     def _ident(self, head: re.Match[str]) -> tuple[str | None, str | None]:
         """(name, id) of a call's head (name None: not readable)."""
@@ -122,8 +123,22 @@ class ToolParser:
         return (text[:at].strip() or None), calls
 
     def calls(self, section: str) -> list[ToolCall]:
-        """The calls readable in `section` (the reply from `begin` on)."""
-        raise NotImplementedError
+        """The calls readable in `section` (the reply from `begin` on), read as `drafts` reads
+        them: at each opening, a head, then the arguments up to their closing text (a last call
+        not closed: to the end, where the format is `unclosed`); a call not readable is skipped."""
+        out: list[ToolCall] = []
+        at = section.find(self.opens)
+        while at >= 0:
+            head = self._head.match(section, at)
+            name, ident = self._ident(head) if head is not None else (None, None)
+            close = self._close(section, head.end()) if name else None
+            if close is None and name and self.unclosed:   # the rest is this call's
+                out.append(ToolCall(ident or call_id(), name, section[head.end():].rstrip()))
+                break
+            if close is not None:
+                out.append(ToolCall(ident or call_id(), name, section[head.end():close.start()]))
+            at = section.find(self.opens, close.end() if close is not None else at + len(self.opens))
+        return out
 
     def section_start(self, text: str) -> int:
         """Where a reply's calls begin (-1: not yet, or not at all)."""
@@ -161,9 +176,9 @@ class ToolParser:
         closing text, else to where one could still begin at the text's end, less the whitespace
         before it. A stream calls this once per step for each reply in a call: the search reads
         the tail, and the whole text only through `str.find`."""
-        if self.closes and (lit := section.find(self.closes, start)) >= 0:
-            close = self._args_end.search(section, max(start, lit - CLOSE_WINDOW), lit + len(self.closes))
-            end = close.start() if close is not None else lit
+        close = self._close(section, start)
+        if close is not None:
+            end = close.start()
         else:
             end = len(section)
             for k in range(max(start, end - CLOSE_WINDOW), end):
@@ -175,6 +190,17 @@ class ToolParser:
         while end > start and section[end - 1].isspace():
             end -= 1
         return end
+
+    def _close(self, section: str, start: int) -> Any:
+        """The first closing text after arguments from `start` (a match; None: none yet): found
+        by its last literal (`closes`), then matched in the window before it."""
+        lit = section.find(self.closes, start) if self.closes else -1
+        while lit >= 0:
+            close = self._args_end.search(section, max(start, lit - CLOSE_WINDOW), lit + len(self.closes))
+            if close is not None:
+                return close
+            lit = section.find(self.closes, lit + 1)
+        return None
 
     def content_end(self, text: str) -> int:
         """How much of a growing reply is content for sure: up to where its calls begin, less a
@@ -270,11 +296,9 @@ class KimiK2Parser(ToolParser):
     opens = "<|tool_call_begin|>"
     markers = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
                "<|tool_call_end|>", "<|tool_calls_section_end|>")
-    _call = re.compile(r"<\|tool_call_begin\|>\s*([^<\s]+)\s*<\|tool_call_argument_begin\|>\s*(.*?)\s*"
-                       r"(?:<\|tool_call_end\|>|$)", re.S)
     _head = re.compile(r"<\|tool_call_begin\|>\s*(?P<ident>[^<\s]+)\s*<\|tool_call_argument_begin\|>\s*")
     _args_end = regex.compile(r"\s*<\|tool_call_end\|>")
-    closes, _close_first = "<|tool_call_end|>", "<"
+    closes, _close_first, unclosed = "<|tool_call_end|>", "<", True
 
     def _ident(self, head: re.Match[str]) -> tuple[str | None, str | None]:
         return _kimi_name(head["ident"]), head["ident"]
@@ -289,10 +313,6 @@ class KimiK2Parser(ToolParser):
             head = json.dumps("functions." + t["function"]["name"] + ":")
             lines.append(f"fn{i}: {head} /[0-9]+/ {L('<|tool_call_argument_begin|>')} %json {json.dumps(_schema(t))}")
         return "\n".join(lines)
-
-    def calls(self, section: str) -> list[ToolCall]:
-        return [ToolCall(ident, name, args) for ident, args in self._call.findall(section)
-                if (name := _kimi_name(ident))]
 
     def example(self) -> str:
         return ("<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>"
@@ -368,8 +388,6 @@ class DeepSeekV3Parser(ToolParser):
     opens = "<｜tool▁call▁begin｜>"
     markers = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
                "<｜tool▁calls▁end｜>")
-    _call = re.compile(r"<｜tool▁call▁begin｜>\s*function\s*<｜tool▁sep｜>\s*([^\n<]+?)\s*```json\s*(.*?)\s*```\s*"
-                       r"<｜tool▁call▁end｜>", re.S)
     _head = re.compile(r"<｜tool▁call▁begin｜>\s*function\s*<｜tool▁sep｜>\s*(?P<name>[^\n<]+?)\s*```json\s*")
     _args_end = regex.compile(r"\s*```\s*<｜tool▁call▁end｜>")
     closes, _close_first = "<｜tool▁call▁end｜>", "`"
@@ -388,9 +406,6 @@ class DeepSeekV3Parser(ToolParser):
             lines.append(f"fn{i}: {head} %json {json.dumps(_schema(t))} \"\\n```\"")
         return "\n".join(lines)
 
-    def calls(self, section: str) -> list[ToolCall]:
-        return [ToolCall(call_id(), name.strip(), args) for name, args in self._call.findall(section)]
-
     def example(self) -> str:
         return ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{ARGUMENTS}\n```"
                 "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
@@ -398,7 +413,6 @@ class DeepSeekV3Parser(ToolParser):
 
 class DeepSeekV31Parser(DeepSeekV3Parser):
     name = "deepseek_v31"
-    _call = re.compile(r"<｜tool▁call▁begin｜>\s*([^<]+?)\s*<｜tool▁sep｜>\s*(.*?)\s*<｜tool▁call▁end｜>", re.S)
     _head = re.compile(r"<｜tool▁call▁begin｜>\s*(?P<name>[^<]+?)\s*<｜tool▁sep｜>\s*")
     _args_end = regex.compile(r"\s*<｜tool▁call▁end｜>")
     _close_first = "<"

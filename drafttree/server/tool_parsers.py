@@ -191,6 +191,14 @@ class ToolParser:
             end -= 1
         return end
 
+    def _written(self, text: str, at: int, args: Any) -> str:
+        """The arguments `args` of the JSON call object at `at` (whole, read) as the model wrote
+        them where the head reads them (what a stream sends), else as JSON text."""
+        head = self._head.match(text, at)
+        if head is None:
+            return _args_text(args)
+        return text[head.end():json.JSONDecoder().raw_decode(text, head.end())[1]]
+
     def _close(self, section: str, start: int) -> Any:
         """The first closing text after arguments from `start` (a match; None: none yet): found
         by its last literal (`closes`), then matched in the window before it."""
@@ -279,10 +287,7 @@ class HermesParser(ToolParser):
             if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
                 at = section.find(self.opens, start)
                 continue
-            args, head = obj.get("arguments", {}), self._head.match(section, at)
-            args_end = dec.raw_decode(section, head.end())[1] if head is not None else None
-            calls.append(ToolCall(call_id(), obj["name"], section[head.end():args_end] if args_end is not None
-                                  else _args_text(args)))
+            calls.append(ToolCall(call_id(), obj["name"], self._written(section, at, obj.get("arguments", {}))))
             at = section.find(self.opens, end)
         return calls
 
@@ -360,11 +365,8 @@ class Llama3JsonParser(ToolParser):
                 break
             if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
                 break
-            args, head = obj.get("parameters", obj.get("arguments", {})), self._head.match(body, i)
-            # the parameters as the model wrote them where they follow the name (what a stream sends)
-            args_end = dec.raw_decode(body, head.end())[1] if head is not None else None
-            calls.append(ToolCall(call_id(), obj["name"], body[head.end():args_end] if args_end is not None
-                                  else _args_text(args)))
+            args = obj.get("parameters", obj.get("arguments", {}))
+            calls.append(ToolCall(call_id(), obj["name"], self._written(body, i, args)))
             i = end
             while i < len(body) and body[i] in " ;\n":
                 i += 1

@@ -38,9 +38,10 @@ CONFIGS = {
     "default": [],
     "seed": ["--spec", "ddtree", "--block-size", "8", "--budget", "32"],
     "none": ["--spec", "none"],
-    "eager": [],   # the default, with the small fused pieces run as torch ops (no torch.compile)
+    "eager": [],      # the small fused pieces run as torch ops (no torch.compile)
+    "compiled": [],   # the small fused pieces compiled (generate's default runs them as torch ops)
 }
-CONFIG_ENV = {"eager": {"DRAFTTREE_COMPILE": "0"}}
+CONFIG_ENV = {"eager": {"DRAFTTREE_COMPILE": "0"}, "compiled": {"DRAFTTREE_COMPILE": "1"}}
 STAGE = re.compile(r"start-up: (\S.*?)\s+(\d+\.\d+) s")
 RATE = re.compile(r"\[(\d+) tokens in ([\d.]+) s: ([\d.]+) tokens/s")
 
@@ -52,12 +53,14 @@ def launch(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
 def follow(proc: subprocess.Popen, t0: float, until=None, timeout: float = 1800.0, ignore: str | None = None) -> dict:
     """Read the process's output as it comes, with the time of each write, until it exits (or
     until() says stop). Returns the text and the gaps between writes; a write whose lines all
-    match `ignore` (a server's access log of our own /ready polls) breaks no silence."""
+    match `ignore` (a server's access log of our own /ready polls) breaks no silence. `timeline`:
+    each write's seconds since t0, stream and first line (cut), where the silences are."""
     sel = selectors.DefaultSelector()
     for f in (proc.stdout, proc.stderr):
         os.set_blocking(f.fileno(), False)
         sel.register(f, selectors.EVENT_READ)
     times, chunks, open_ = [t0], {"stdout": b"", "stderr": b""}, 2
+    timeline: list[tuple[float, str, str]] = []
     stopped_at = None
     while open_ and time.perf_counter() - t0 < timeout:
         for key, _ in sel.select(timeout=0.05):
@@ -67,9 +70,12 @@ def follow(proc: subprocess.Popen, t0: float, until=None, timeout: float = 1800.
                 continue
             if data:
                 lines = [x for x in data.decode(errors="replace").splitlines() if x.strip()]
+                name = "stdout" if key.fileobj is proc.stdout else "stderr"
                 if ignore is None or not all(re.search(ignore, x) for x in lines):
                     times.append(time.perf_counter())
-                chunks["stdout" if key.fileobj is proc.stdout else "stderr"] += data
+                    if lines and len(timeline) < 400:
+                        timeline.append((round(times[-1] - t0, 3), name, lines[-1].strip()[-100:]))
+                chunks[name] += data
             else:   # end of file
                 sel.unregister(key.fileobj)
                 open_ -= 1
@@ -84,6 +90,7 @@ def follow(proc: subprocess.Popen, t0: float, until=None, timeout: float = 1800.
     gaps = [b - a for a, b in zip(times, times[1:])]
     return {"seconds": end - t0, "longest_silence_s": max(gaps),
             "first_output_s": times[1] - t0 if len(times) > 2 else None,
+            "timeline": timeline + [(round(end - t0, 3), "exit", "")],
             "stdout": chunks["stdout"].decode(errors="replace"), "stderr": chunks["stderr"].decode(errors="replace"),
             "rc": proc.returncode}
 

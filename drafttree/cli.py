@@ -43,6 +43,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     if a.raw and not a.prompt:   # refused before the model is loaded, as the engine would after
         raise ValueError("the prompt is empty (0 tokens)")
+    generate_settings()
     eng = start_engine(*generate_config(engine_config(a), a))
     if not eng.leader:   # a torchrun rank other than 0
         return follow(eng)
@@ -50,6 +51,20 @@ def cmd_generate(a: argparse.Namespace) -> int:
         return _generate(a, eng)
     finally:
         eng.shutdown()
+
+
+def generate_settings() -> None:
+    """`generate` runs the small fused pieces as torch ops unless DRAFTTREE_COMPILE says otherwise.
+    A process that decodes one request pays torch.compile's tracing of every piece at every shape
+    it meets (its eager prefill's included) on each start, warm caches or not: more than the
+    fused pieces then save over one request. Set in the environment too, so that the ranks the
+    engine starts run as this one does."""
+    from drafttree.settings import env_name, install, process_default
+    name = env_name("compile")
+    if os.environ.get(name):
+        return
+    os.environ[name] = "0"
+    install(process_default().replace(compile="0"))
 
 
 def _params(a: argparse.Namespace):

@@ -19,6 +19,7 @@ graphs keep the kernels chosen at their capture.
     DRAFTTREE_DETERMINISTIC=1 a token's logits the same bits in every phase and batch (`--deterministic`)
     DRAFTTREE_BLOCKS=f.json   block shapes of a sweep (benchmarks/gemv_bench.py --out)
     DRAFTTREE_COMPILE=0|1|cpu torch.compile of the small fused pieces: off, CUDA, CUDA and CPU
+                              (`generate` sets 0 where it is unset)
     DRAFTTREE_CACHE=dir       converted models and compiled pieces (default ~/.cache/drafttree)
 """
 from __future__ import annotations

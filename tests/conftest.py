@@ -61,6 +61,21 @@ def private_cache(tmp_path_factory):
         yield root
 
 
+@pytest.fixture(autouse=True)
+def compile_setting_kept():
+    """`drafttree generate` sets DRAFTTREE_COMPILE (and the settings' process default) for its
+    process; run in a test's process, it is set back after the test."""
+    from drafttree import settings
+
+    before, current = os.environ.get("DRAFTTREE_COMPILE"), settings._current
+    yield
+    if before is None:
+        os.environ.pop("DRAFTTREE_COMPILE", None)
+    else:
+        os.environ["DRAFTTREE_COMPILE"] = before
+    settings._current = current
+
+
 @pytest.fixture
 def set_settings(monkeypatch):
     """set_settings(attn_kernel=False, ...): the settings in force (`drafttree.settings`, what the

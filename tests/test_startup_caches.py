@@ -241,6 +241,32 @@ def test_generate_captures_what_its_one_request_can_use(pair, monkeypatch):
     assert generate_config(cfg, a)[0].max_graph_len == 99
 
 
+def test_generate_runs_the_fused_pieces_uncompiled_unless_told(pair, monkeypatch):
+    """`generate` starts its engine with torch.compile off (DRAFTTREE_COMPILE=0, in the
+    environment too, for the ranks it starts) unless the environment sets DRAFTTREE_COMPILE."""
+    from drafttree import cli, settings
+    from drafttree.engine import launch
+    t, d = pair
+    seen = []
+
+    class Started(Exception):
+        pass
+
+    def start(cfg, tok=None):
+        seen.append((settings.current().compile, os.environ.get("DRAFTTREE_COMPILE")))
+        raise Started
+    monkeypatch.setattr(launch, "start_engine", start)
+    for env, want in ((None, "0"), ("1", "1"), ("cpu", "cpu")):   # (conftest sets both back after)
+        if env is None:
+            os.environ.pop("DRAFTTREE_COMPILE", None)
+        else:
+            os.environ["DRAFTTREE_COMPILE"] = env
+        settings.install(settings.Settings.from_env())
+        with pytest.raises(Started):
+            cli.main(["generate", "Hello", "--model", str(t), "--draft-model", str(d), "--device", "cpu"])
+        assert seen.pop() == (want, want)
+
+
 def test_an_engine_takes_the_tokenizer_it_is_given(pair, monkeypatch):
     """A tokenizer the caller loaded already (the command line counted its prompt with it) is the
     engine's: not loaded a second time."""

@@ -24,6 +24,7 @@
 #               batch 1 and 16 (benchmarks/plain_round_cost.py). Needs the GGUF.
 #   structured: JSON-schema requests against free ones (benchmarks/structured_bench.py), all rows of a
 #               batch, then one of 16. Needs the GGUF.
+#   timeline  : startup's generate (default only) and serve, about 5 minutes. Needs the GGUF.
 #   quick     : startup (generate only, one cold and one warm run a configuration) and structured (all
 #               rows) in one call, for a machine with about 10 minutes of device time left. Needs the GGUF.
 #   drafter_data, drafter_train: issue 58's side-by-side (docs/dflash2.md), a call each: the target's
@@ -59,7 +60,7 @@
 #   .parts/humaneval.jsonl, .parts/sharegpt_heldout.jsonl]; `ab` [.old] (GGUF-free, as are rank and tests).
 # A machine can be taken back mid-call, and then the parts must travel again: carry them first, in
 # `parts` calls of a few seconds, and run the stages that need the model before the others.
-# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|quick|spec|plainround|structured|
+# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|
 #        drafter_data|drafter_train
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" .gacc
@@ -101,15 +102,23 @@ case "${1:?stage}" in
     tail -n 30 "$OUT/tree_ab.txt" ;;
   startup)   # issue 56: generate's whole process, default pair and the seed's settings; a server to /ready
     gguf || exit 1
-    timeout 360 python3 benchmarks/startup_bench.py --configs "${STARTUP_CONFIGS:-default,eager}" --reps 2 \
+    timeout 360 python3 benchmarks/startup_bench.py --configs "${STARTUP_CONFIGS:-default,compiled}" --reps 2 \
       --out "$OUT/startup.json" > "$OUT/startup.txt" 2>&1
     timeout 180 python3 benchmarks/startup_bench.py --configs default --reps 1 --serve --no-generate \
       --out "$OUT/startup_serve.json" > "$OUT/startup_serve.txt" 2>&1
     tail -n 12 "$OUT/startup.txt" "$OUT/startup_serve.txt" ;;
-  quick)     # issues 56 and 59 in one call, where the device time left holds one: generate's start-up
-             # (default against eager, a cold run then a warm one each), then JSON-schema against free rows
+  timeline)  # issue 56 where little device time is left: generate's default (a cold run, two warm)
+             # with each output's time, then one `serve` to /ready
     gguf || exit 1
-    timeout 250 python3 benchmarks/startup_bench.py --configs default,eager --reps 2 \
+    timeout 120 python3 benchmarks/startup_bench.py --configs default --reps 2 \
+      --out "$OUT/startup.json" > "$OUT/startup.txt" 2>&1
+    timeout 200 python3 benchmarks/startup_bench.py --configs default --reps 1 --serve --no-generate \
+      --graphs-wait-s 0 --out "$OUT/startup_serve.json" > "$OUT/startup_serve.txt" 2>&1
+    tail -n 6 "$OUT/startup.txt" "$OUT/startup_serve.txt" ;;
+  quick)     # issues 56 and 59 in one call, where the device time left holds one: generate's start-up
+             # (its default, eager pieces, against compiled ones, a cold run then a warm one each), then JSON-schema against free rows
+    gguf || exit 1
+    timeout 250 python3 benchmarks/startup_bench.py --configs default,compiled --reps 2 \
       --out "$OUT/startup.json" > "$OUT/startup.txt" 2>&1
     timeout 250 python3 benchmarks/structured_bench.py --budget auto --batches 1,16 --repeats 3 \
       --out "$OUT/structured.json" > "$OUT/structured.txt" 2>&1

@@ -54,7 +54,7 @@ def follow(proc: subprocess.Popen, t0: float, until=None, timeout: float = 1800.
     """Read the process's output as it comes, with the time of each write, until it exits (or
     until() says stop). Returns the text and the gaps between writes; a write whose lines all
     match `ignore` (a server's access log of our own /ready polls) breaks no silence. `timeline`:
-    each write's seconds since t0, stream and first line (cut), where the silences are."""
+    each write's seconds since t0, stream and last line (cut): where the silences are."""
     sel = selectors.DefaultSelector()
     for f in (proc.stdout, proc.stderr):
         os.set_blocking(f.fileno(), False)

@@ -108,8 +108,8 @@ def main() -> None:
         ref = run(plain, texts, True, a.max_tokens, k)
         same = all(c["tokens"] == ref["tokens"] for c in con)
         if checks[0] is not spec:   # the timed engines' own comparison, kept for what it shows
-            got, ref = (run(llm, texts, True, a.max_tokens, k) for llm in checks)
-            same_det = got["tokens"] == ref["tokens"]
+            got, want = (run(llm, texts, True, a.max_tokens, k) for llm in checks)
+            same_det = got["tokens"] == want["tokens"]
         else:
             same_det = same
         ratios = sorted(c["tok_s"] / f["tok_s"] for f, c in zip(free, con))

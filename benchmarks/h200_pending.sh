@@ -4,6 +4,8 @@
 # 30 s after a call ends. The default model's GGUF (98 MB) travels in three parts, one a call,
 # kept in .gacc/; the stages that need the model assemble it and check its sha256. Together they take
 # about 50 minutes of device time: more than one session holds, so pick.
+# What waits most: the three parts calls, `timeline`, `structured`, then `drafter_data` and
+# `drafter_train`; `tests` with TESTS=tests/test_structured.py when a machine has time to spare.
 #   rank      : the seed's model. The int4 expert kernels at 1, 8, 33 rows (benchmarks/w4a16_bench.py),
 #               then one rank of Kimi K2.6 at TP8 from random weights in the shipped formats
 #               (drafttree.bench.rank): memory against the plan, the decode step against its
@@ -137,10 +139,10 @@ case "${1:?stage}" in
     tail -n 30 "$OUT/plain_round.txt" ;;
   structured)   # issue 59: JSON-schema requests against free ones
     gguf || exit 1
-    timeout 300 python3 benchmarks/structured_bench.py --budget auto --batches 1,16 --repeats 3 \
+    timeout 370 python3 benchmarks/structured_bench.py --budget auto --batches 1,16 --repeats 3 \
       --out "$OUT/structured.json" > "$OUT/structured.txt" 2>&1
     # one JSON request among fifteen free ones: the host grows one tree a round
-    timeout 200 python3 benchmarks/structured_bench.py --budget auto --batches 16 --schema-rows 1 --repeats 3 \
+    timeout 170 python3 benchmarks/structured_bench.py --budget auto --batches 16 --schema-rows 1 --repeats 3 \
       --out "$OUT/structured_mixed.json" > "$OUT/structured_mixed.txt" 2>&1
     tail -n 30 "$OUT/structured.txt"; grep -A3 "schema/free" "$OUT/structured_mixed.txt" ;;
   drafter_data)   # issue 58: the side-by-side's data, the target's greedy answers to the training prompts

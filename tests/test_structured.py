@@ -473,6 +473,28 @@ def test_graphs_left_for_later_are_captured_while_idle(pair, plain, fake_cuda_gr
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("spec,budget", [("ddtree", 8), ("ddtree", None), ("dflash", 3)])
+def test_speculative_constrained_equals_plain_on_the_gpu(pair, spec, budget):
+    """On CUDA (bf16, CUDA graphs, the constrained rounds' graphs captured) in deterministic mode,
+    where speculative decoding gives plain decoding's bits: every output of the mixed batch,
+    JSON and regex at T = 0 and a seeded JSON request among them, equals plain constrained
+    decoding's (`budget` None: the per-round choice)."""
+    target, drafter, _ = pair
+    common = dict(model=str(target), device="cuda", dtype="bfloat16", deterministic=True, max_num_seqs=4,
+                  max_model_len=160)
+    prompts, params = batch()
+    plain = LLM(spec="none", **common)
+    want = plain.generate(prompts, params)
+    llm = LLM(draft_model=str(drafter), spec=spec, budget=budget, **common)
+    got = llm.generate(prompts, params)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids, (g.text, w.text)
+        assert g.finish_reason == w.finish_reason
+    assert llm.engine.constrained.times.rounds > 0
+    assert llm.engine.runner.graphs.fallbacks == 0
+
+
+@pytest.mark.gpu
 def test_graphs_captured_later_replay_what_eager_rounds_ran_on_the_gpu(pair):
     """On CUDA, with graphs captured for real: the constrained and processed rounds run eagerly
     while their sets are pending, then from the graphs captured after serving began, to the same

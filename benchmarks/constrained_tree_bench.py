@@ -1,7 +1,9 @@
 """The host's part of a constrained round, alone: `structured.tree.build_trees` over B rows at a
 budget, from seeded random drafter candidates, on the default model's tokenizer and a JSON schema
 after a reasoning the prompt opened, the rows grown along their matchers (the answer's grammar
-and the reasoning alike) and inside the reasoning with its two masks (`Matcher.thought`).
+and the reasoning alike) and inside the reasoning with its two masks (`Matcher.thought`). Then the masks alone
+(`GrammarCompiler.fill_masks`) of 1, 4, 16 and 64 matchers in several JSON states, as it computes
+them and through llguidance's thread pool on every call, for SERIAL_MASKS.
 
     python benchmarks/constrained_tree_bench.py [--rows 16] [--budget 32] [--repeats 10] [--out trees.json]
 """
@@ -13,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import llguidance
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # this checkout's drafttree
@@ -69,8 +72,44 @@ def main() -> None:
                         "us_per_node": 1e3 * ms[len(ms) // 2] / max(nodes, 1)}
         print(f"{name:9s} {ms[len(ms) // 2]:7.2f} ms a round ({ms[0]:.2f}-{ms[-1]:.2f}), {nodes} nodes, "
               f"{report[name]['us_per_node']:.1f} us a node")
+    report["masks_us"] = masks(tok, compiler)
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1))
+
+
+MASK_STATES = {"object start": "", "key": '{"', "in a string": '{"name": "quick', "after a string": '{"name": "qs"',
+               "in a number": '{"name": "q", "steps": [], "n": 1', "array start": '{"name": "q", "steps": ['}
+
+
+def masks(tok, compiler: GrammarCompiler) -> dict:
+    """Microseconds a fill_masks call of k matchers takes in each state: as the compiler fills
+    them (serially up to SERIAL_MASKS) and through a thread pool of llguidance's default size."""
+    so = StructuredOutputs(json={**SCHEMA, "properties": {**SCHEMA["properties"], "n": {"type": "integer"}}})
+    pool = llguidance.LLExecutor()
+    out: dict = {}
+    for name, text in MASK_STATES.items():
+        ms = [compiler.matcher(so) for _ in range(64)]
+        for m in ms:
+            m.advance(tok.encode(text, add_special_tokens=False))
+        row = {}
+        for k in (1, 4, 16, 64):
+            buf = np.zeros((k, compiler.words), dtype=np.int32)
+            jobs = [(m, i) for i, m in enumerate(ms[:k])]
+            raw = [(m.m, i) for m, i in jobs]
+            n = max(20, 2000 // k)
+            row[k] = {"fill_masks": timed(lambda: compiler.fill_masks(jobs, buf), n),
+                      "pool": timed(lambda: pool.unsafe_compute_mask_ptr(raw, buf.ctypes.data, compiler.words * 4, k), n)}
+        out[name] = row
+        print(f"{name:14s} " + " | ".join(f"{k}: {v['fill_masks']:.0f} / {v['pool']:.0f} us" for k, v in row.items()))
+    return out
+
+
+def timed(fn, n: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return 1e6 * (time.perf_counter() - t0) / n
 
 
 if __name__ == "__main__":

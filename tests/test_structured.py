@@ -254,6 +254,38 @@ def test_plain_constrained_equals_independent_masked_decode(pair, plain):
     assert out.token_ids == masked_greedy(target, tok, compiler, so, "abc", 24)
 
 
+def test_masks_filled_in_this_thread_or_the_pool_are_the_same(pair):
+    """A few masks are computed in the calling thread, more in llguidance's thread pool (where
+    the machine has CPUs for one): the same bits either way, each in its own row, other rows
+    untouched; a closed object allows its end of sequence alone."""
+    import llguidance
+
+    from drafttree.structured import grammar
+
+    _, _, tok = pair
+    compiler = GrammarCompiler(tok, VOCAB, {tok.eos_token_id})
+    so = StructuredOutputs(json=SCHEMA)
+    texts = ["", '{"', '{"a": 1', '{"a": 12, "b": "x', '{"a": 3, "b": "xy", "c": "', '{"a": 3, "b": "zzz", "c": ""}']
+    ms = []
+    for i in range(grammar.SERIAL_MASKS + 9):
+        m = compiler.matcher(so)
+        m.advance(tok.encode(texts[i % len(texts)], add_special_tokens=False))
+        ms.append(m)
+    rows = np.random.default_rng(0).permutation(len(ms) + 3)[:len(ms)]   # rows out of order, some left as they were
+    for n in (3, len(ms)):   # the calling thread's path, then more than SERIAL_MASKS
+        got = []
+        for executor in (None, llguidance.LLExecutor(2)):
+            compiler.executor = executor
+            out = np.full((len(ms) + 3, compiler.words), 7, dtype=np.int32)
+            compiler.fill_masks([(m, int(r)) for m, r in zip(ms[:n], rows)], out)
+            got.append(out)
+        assert np.array_equal(got[0], got[1])
+        untouched = np.setdiff1d(np.arange(len(ms) + 3), rows[:n])
+        assert (got[0][untouched] == 7).all()
+    ended = got[0][rows[5]].view(np.uint32)
+    assert [t for t in range(VOCAB) if ended[t >> 5] >> (t & 31) & 1] == [tok.eos_token_id]
+
+
 def test_seeded_constrained_sampling_follows_the_masked_distribution(pair, plain):
     """At T = 1 the first token of `choice` over many seeds is distributed as the target's softmax
     restricted to the tokens the grammar allows (chi-square, p > 0.001)."""

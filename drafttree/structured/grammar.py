@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,6 +21,9 @@ log = logging.getLogger(__name__)
 
 CACHE_SIZE = 256        # compiled grammars kept (their text, validated) per engine
 ALL_ALLOWED = -1        # a bitmask word with every token allowed
+# Masks computed one after the other up to this many at a time: llguidance's thread pool costs
+# ~90 us a call to wake, several masks' worth (a JSON state's mask takes 2-12 us).
+SERIAL_MASKS = 16
 
 
 def _llguidance():
@@ -124,7 +128,10 @@ class GrammarCompiler:
         self.tokenizer = llg_tokenizer(tokenizer, vocab, self.eos_ids)
         self.words = mask_words(vocab)
         self._cache: OrderedDict[str, str] = OrderedDict()
-        self.executor = self.llg.LLExecutor()
+        # llguidance's own default (80 % of the CPUs, at most 32); one thread would only add the
+        # pool's hand-off to each call: then every call computes its masks in this thread
+        threads = min(32, int(0.8 * len(os.sched_getaffinity(0)))) if hasattr(os, "sched_getaffinity") else 0
+        self.executor = self.llg.LLExecutor(threads) if threads > 1 else None
 
     def compile(self, so: StructuredOutputs) -> str:
         """The checked grammar text of a constraint; ValueError naming what is wrong or unsupported
@@ -157,8 +164,9 @@ class GrammarCompiler:
         return Matcher(m, self, after_reasoning)
 
     def fill_masks(self, states: list[tuple["Matcher", int]], out: np.ndarray) -> None:
-        """Row i of out [N, words] int32 := the mask of each (matcher, i), computed in parallel;
-        a state that allows nothing (a matcher in error) gets its end-of-sequence ids."""
+        """Row i of out [N, words] int32 := the mask of each (matcher, i), computed in parallel
+        (more than SERIAL_MASKS of them, on several CPUs); a state that allows nothing (a matcher
+        in error) gets its end-of-sequence ids."""
         self.fill_raw_masks([(m.m, i) for m, i in states], out)
 
     def fill_raw_masks(self, states: list[tuple[Any, int]], out: np.ndarray) -> None:
@@ -166,7 +174,14 @@ class GrammarCompiler:
         if not states:
             return
         assert out.dtype == np.int32 and out.flags.c_contiguous and out.shape[1] == self.words
-        self.executor.unsafe_compute_mask_ptr(states, out.ctypes.data, self.words * 4, out.shape[0])
+        size = self.words * 4
+        if self.executor is None or len(states) <= SERIAL_MASKS:
+            base = out.ctypes.data
+            assert all(0 <= i < out.shape[0] for _, i in states)
+            for m, i in states:
+                m.unsafe_compute_mask_ptr(base + i * size, size)
+        else:
+            self.executor.unsafe_compute_mask_ptr(states, out.ctypes.data, size, out.shape[0])
         rows = np.fromiter((i for _, i in states), dtype=np.int64, count=len(states))
         # a mask that allows something nearly always does so in its first words: the whole of
         # a row is read only where those are empty

@@ -176,8 +176,9 @@ class GrammarCompiler:
         assert out.dtype == np.int32 and out.flags.c_contiguous and out.shape[1] == self.words
         size = self.words * 4
         if self.executor is None or len(states) <= SERIAL_MASKS:
-            base = out.ctypes.data
-            assert all(0 <= i < out.shape[0] for _, i in states)
+            base, n = out.ctypes.data, out.shape[0]
+            if not all(0 <= i < n for _, i in states):   # a raw write: checked as the pool checks
+                raise IndexError(f"mask rows {[i for _, i in states]} for a buffer of {n}")
             for m, i in states:
                 m.unsafe_compute_mask_ptr(base + i * size, size)
         else:

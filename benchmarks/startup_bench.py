@@ -6,7 +6,7 @@ between two writes to stdout or stderr, counting the launch and the exit or /rea
 start-up stages the process printed and, for generate, its tokens/s.
 
 Several source trees run side by side in one call (`--tree before=/path/to/checkout`), each a
-directory holding the `drafttree` package: `python -m drafttree.cli` runs from there. Every
+directory holding the `drafttree` package: `python -m drafttree` (the `drafttree` command) runs from there. Every
 (tree, configuration) gets a cache directory of its own under --work (DRAFTTREE_CACHE, and
 TRITON_HOME for Triton's default cache): the first run is cold, the later ones warm.
 
@@ -124,7 +124,7 @@ def env_for(cache: Path, device: str, config_env: dict[str, str]) -> dict[str, s
 
 
 def run_generate(tree: Path, env: dict[str, str], args: list[str], a: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "-m", "drafttree.cli", "generate", a.prompt, "--max-tokens", str(a.max_tokens), *args]
+    cmd = [sys.executable, "-m", "drafttree", "generate", a.prompt, "--max-tokens", str(a.max_tokens), *args]
     t0 = time.perf_counter()
     r = follow(launch(cmd, tree, env), t0)
     m = RATE.search(r["stderr"])
@@ -155,7 +155,7 @@ def _get(url: str) -> tuple[int, str]:
 
 def run_serve(tree: Path, env: dict[str, str], args: list[str], a: argparse.Namespace) -> dict:
     port = _free_port()
-    cmd = [sys.executable, "-m", "drafttree.cli", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "drafttree", "serve", "--port", str(port), *args]
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     proc = launch(cmd, tree, env)

@@ -1,5 +1,5 @@
 """`python -m drafttree ...`: the `drafttree` command."""
-from drafttree.cli import main
+from drafttree.entry import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

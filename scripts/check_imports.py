@@ -33,7 +33,7 @@ from pathlib import Path
 # layer imports nothing above it: the config modules, prompt files (the trainer's and the
 # benchmarks'), the tiny random targets (the tests' and the host-side benchmarks').
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("drafttree", "drafttree.cli", "drafttree.__main__"),
+    ("drafttree", "drafttree.cli", "drafttree.__main__", "drafttree.entry"),
     ("drafttree.server", "drafttree.bench", "drafttree.train"),
     ("drafttree.llm",),
     ("drafttree.engine",),

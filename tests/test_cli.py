@@ -270,3 +270,39 @@ def test_python_dash_m_runs_the_command():
                        cwd=Path(__file__).resolve().parent.parent, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "drafttree cache" in r.stdout
+
+
+def test_the_command_speaks_before_the_engine_does(capsys, monkeypatch):
+    """`drafttree generate` and `serve` say at once that they start, then every EVERY_S until the
+    engine's first start-up line; the rest of the command line stays quiet until it has something
+    to say."""
+    import logging
+    import time
+
+    from drafttree import entry
+
+    logger = logging.getLogger(entry.STARTUP_LOGGER)
+    monkeypatch.setattr(logger, "handlers", [])   # (an earlier `generate`'s stderr handler, its stream gone)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        seen = entry.announce("generate", every_s=0.05)
+        time.sleep(0.4)
+        logger.info("start-up: convert 0.01 s")   # the engine's first line stops it
+        assert seen.wait(1)
+        time.sleep(0.2)
+        lines = capsys.readouterr().err.splitlines()
+        time.sleep(0.2)
+        assert capsys.readouterr().err == ""
+    finally:
+        logger.setLevel(level)
+    assert lines[0] == "drafttree: start-up: generate: importing torch and drafttree"
+    assert len(lines) >= 3 and all("before the engine's first stage" in x and x.endswith("s so far") for x in lines[1:])
+    assert not any(isinstance(h, entry._Seen) for h in logger.handlers)
+    # help and the commands that start no engine say nothing of a start-up
+    for argv in (["generate", "--help"], ["cache", "info"]):
+        try:
+            entry.main(argv)
+        except SystemExit:
+            pass
+        assert "start-up" not in capsys.readouterr().err

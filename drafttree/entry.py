@@ -1,0 +1,61 @@
+"""The `drafttree` command's entry point. Python imports torch and the engine's modules, a GPU's
+driver starts and `generate` reads the model's tokenizer before an engine reports its first
+start-up stage: seconds, on a GPU machine more than the stages after them. A command that starts
+an engine says so at once and every EVERY_S seconds after until the engine's own start-up lines
+begin (`drafttree.engine.startup`, which report every stage from then on). This module imports
+nothing of drafttree's until then, so that its first line comes before those imports."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+EVERY_S = 2.0
+STARTUP_LOGGER = "drafttree.engine.startup"
+ENGINE_COMMANDS = ("generate", "serve")
+
+
+class _Seen(logging.Handler):
+    """Sets `seen` at the engine's first start-up line."""
+
+    def __init__(self, seen: threading.Event) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.set()
+
+
+def announce(command: str, every_s: float = EVERY_S) -> threading.Event:
+    """Say that `command` starts, then every `every_s` until the engine's first start-up line
+    or until the returned event is set."""
+    seen = threading.Event()
+    logger = logging.getLogger(STARTUP_LOGGER)
+    handler = _Seen(seen)
+    logger.addHandler(handler)
+    t0 = time.perf_counter()
+    print(f"drafttree: start-up: {command}: importing torch and drafttree", file=sys.stderr, flush=True)
+
+    def tick() -> None:
+        while not seen.wait(every_s):
+            print(f"drafttree: start-up: before the engine's first stage (imports, the device, the tokenizer), "
+                  f"{time.perf_counter() - t0:.0f} s so far", file=sys.stderr, flush=True)
+        logger.removeHandler(handler)
+
+    threading.Thread(target=tick, name="drafttree-start", daemon=True).start()
+    return seen
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    asks_help = any(a in ("-h", "--help") for a in argv)
+    first_rank = os.environ.get("RANK", "0") == "0"   # under torchrun, rank 0 speaks for all
+    seen = announce(argv[0]) if argv and argv[0] in ENGINE_COMMANDS and not asks_help and first_rank else None
+    try:
+        from drafttree.cli import main as cli_main
+        return cli_main(argv)
+    finally:
+        if seen is not None:
+            seen.set()

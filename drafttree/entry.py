@@ -40,7 +40,7 @@ def announce(command: str, every_s: float = EVERY_S) -> threading.Event:
 
     def tick() -> None:
         while not seen.wait(every_s):
-            print(f"drafttree: start-up: before the engine's first stage (imports, the device, the tokenizer), "
+            print(f"drafttree: start-up: starting (imports, the device, the tokenizer, the model), "
                   f"{time.perf_counter() - t0:.0f} s so far", file=sys.stderr, flush=True)
         logger.removeHandler(handler)
 

@@ -3,7 +3,7 @@
 # to back on one warm machine: a machine gives back its /tmp and this tree's ignored .gacc/ about
 # 30 s after a call ends. The default model's GGUF (98 MB) travels in three parts, one a call,
 # kept in .gacc/; the stages that need the model assemble it and check its sha256. Together they take
-# about 50 minutes of device time: more than one session holds, so pick.
+# about 50 minutes of GPU time, so pick.
 # What waits most: the three parts calls, `timeline`, `structured`, then `drafter_data` and
 # `drafter_train`; `tests` with TESTS=tests/test_structured.py when a machine has time to spare.
 #   rank      : the seed's model. The int4 expert kernels at 1, 8, 33 rows (benchmarks/w4a16_bench.py),
@@ -28,7 +28,7 @@
 #               batch, then one of 16. Needs the GGUF.
 #   timeline  : startup's generate (default only) and serve, about 5 minutes. Needs the GGUF.
 #   quick     : startup (generate only, one cold and one warm run a configuration) and structured (all
-#               rows) in one call, for a machine with about 10 minutes of device time left. Needs the GGUF.
+#               rows) in one call, for a machine with about 10 minutes of GPU time left. Needs the GGUF.
 #   drafter_data, drafter_train: issue 58's side-by-side (docs/dflash2.md), a call each: the target's
 #               answers to the training prompts (REGEN_S, default 420 s), then one run a call
 #               (RUN=dflash|dflash-kl|dflash2|dflash2-kl; TRAIN_S of training from the shipped
@@ -109,7 +109,7 @@ case "${1:?stage}" in
     timeout 180 python3 benchmarks/startup_bench.py --configs default --reps 1 --serve --no-generate \
       --out "$OUT/startup_serve.json" > "$OUT/startup_serve.txt" 2>&1
     tail -n 12 "$OUT/startup.txt" "$OUT/startup_serve.txt" ;;
-  timeline)  # issue 56 where little device time is left: generate's default (a cold run, two warm)
+  timeline)  # issue 56 where little GPU time is left: generate's default (a cold run, two warm)
              # with each output's time, then one `serve` to /ready
     gguf || exit 1
     timeout 120 python3 benchmarks/startup_bench.py --configs default --reps 2 \
@@ -117,7 +117,7 @@ case "${1:?stage}" in
     timeout 200 python3 benchmarks/startup_bench.py --configs default --reps 1 --serve --no-generate \
       --graphs-wait-s 0 --out "$OUT/startup_serve.json" > "$OUT/startup_serve.txt" 2>&1
     tail -n 6 "$OUT/startup.txt" "$OUT/startup_serve.txt" ;;
-  quick)     # issues 56 and 59 in one call, where the device time left holds one: generate's start-up
+  quick)     # issues 56 and 59 in one call, where the GPU time left holds one: generate's start-up
              # (its default, eager pieces, against compiled ones, a cold run then a warm one each), then JSON-schema against free rows
     gguf || exit 1
     timeout 250 python3 benchmarks/startup_bench.py --configs default,compiled --reps 2 \

@@ -57,14 +57,10 @@ def generate_settings() -> None:
     """`generate` runs the small fused pieces as torch ops unless DRAFTTREE_COMPILE says otherwise.
     A process that decodes one request pays torch.compile's tracing of every piece at every shape
     it meets (its eager prefill's included) on each start, warm caches or not: more than the
-    fused pieces then save over one request. Set in the environment too, so that the ranks the
-    engine starts run as this one does."""
+    fused pieces then save over one request. (The ranks its engine spawns take its settings.)"""
     from drafttree.settings import env_name, install, process_default
-    name = env_name("compile")
-    if os.environ.get(name):
-        return
-    os.environ[name] = "0"
-    install(process_default().replace(compile="0"))
+    if not os.environ.get(env_name("compile")):
+        install(process_default().replace(compile="0"))
 
 
 def _params(a: argparse.Namespace):

@@ -8,8 +8,9 @@ innermost scope (`scope(settings)`, or `using(**changes)` over the current ones)
 process default. A scope holds in its own thread only: another thread, a new one included, sees
 the process default until it enters a scope of its own. Each engine runs its model code
 (construction, steps, warm-up, a follower rank's commands, the server's engine thread) in a scope
-of its own settings, so two engines with different settings in one process keep theirs. CUDA
-graphs keep the kernels chosen at their capture.
+of its own settings, so two engines with different settings in one process keep theirs; the
+ranks an engine spawns build theirs under its settings, not their environment's. CUDA graphs
+keep the kernels chosen at their capture.
 
     DRAFTTREE_ATTN_KERNEL=0   attention, rope and the KV write by the torch ops
     DRAFTTREE_GEMV=0          every projection by the torch ops (cuBLAS)
@@ -19,7 +20,7 @@ graphs keep the kernels chosen at their capture.
     DRAFTTREE_DETERMINISTIC=1 a token's logits the same bits in every phase and batch (`--deterministic`)
     DRAFTTREE_BLOCKS=f.json   block shapes of a sweep (benchmarks/gemv_bench.py --out)
     DRAFTTREE_COMPILE=0|1|cpu torch.compile of the small fused pieces: off, CUDA, CUDA and CPU
-                              (`generate` sets 0 where it is unset)
+                              (unset: 0 for `generate`, which installs that default)
     DRAFTTREE_CACHE=dir       converted models and compiled pieces (default ~/.cache/drafttree)
 """
 from __future__ import annotations

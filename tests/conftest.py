@@ -62,17 +62,13 @@ def private_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def compile_setting_kept():
-    """`drafttree generate` sets DRAFTTREE_COMPILE (and the settings' process default) for its
-    process; run in a test's process, it is set back after the test."""
+def settings_default_kept():
+    """`drafttree generate` installs its process's default settings (torch.compile off); run in a
+    test's process, the default is set back after the test."""
     from drafttree import settings
 
-    before, current = os.environ.get("DRAFTTREE_COMPILE"), settings._current
+    current = settings._current
     yield
-    if before is None:
-        os.environ.pop("DRAFTTREE_COMPILE", None)
-    else:
-        os.environ["DRAFTTREE_COMPILE"] = before
     settings._current = current
 
 

@@ -242,8 +242,9 @@ def test_generate_captures_what_its_one_request_can_use(pair, monkeypatch):
 
 
 def test_generate_runs_the_fused_pieces_uncompiled_unless_told(pair, monkeypatch):
-    """`generate` starts its engine with torch.compile off (DRAFTTREE_COMPILE=0, in the
-    environment too, for the ranks it starts) unless the environment sets DRAFTTREE_COMPILE."""
+    """`generate` starts its engine with torch.compile off (its process's settings, which the ranks
+    it spawns take: `test_spawned_ranks_take_rank_zeros_settings`) unless the environment sets
+    DRAFTTREE_COMPILE; the environment itself is left as it was."""
     from drafttree import cli, settings
     from drafttree.engine import launch
     t, d = pair
@@ -256,15 +257,38 @@ def test_generate_runs_the_fused_pieces_uncompiled_unless_told(pair, monkeypatch
         seen.append((settings.current().compile, os.environ.get("DRAFTTREE_COMPILE")))
         raise Started
     monkeypatch.setattr(launch, "start_engine", start)
-    for env, want in ((None, "0"), ("1", "1"), ("cpu", "cpu")):   # (conftest sets both back after)
+    for env, want in ((None, "0"), ("1", "1"), ("cpu", "cpu")):   # (conftest sets the default back after)
         if env is None:
-            os.environ.pop("DRAFTTREE_COMPILE", None)
+            monkeypatch.delenv("DRAFTTREE_COMPILE", raising=False)
         else:
-            os.environ["DRAFTTREE_COMPILE"] = env
+            monkeypatch.setenv("DRAFTTREE_COMPILE", env)
         settings.install(settings.Settings.from_env())
         with pytest.raises(Started):
             cli.main(["generate", "Hello", "--model", str(t), "--draft-model", str(d), "--device", "cpu"])
-        assert seen.pop() == (want, want)
+        assert seen.pop() == (want, env)
+
+
+def test_spawned_ranks_take_rank_zeros_settings(pair, monkeypatch):
+    """The ranks an engine spawns build theirs under rank 0's settings (here a scope of its
+    thread's, which their environment would not give them)."""
+    from drafttree.engine import launch
+    from drafttree.engine.engine import EngineConfig
+    from drafttree.settings import using
+    t, d = pair
+    got = []
+
+    class Spawned(Exception):
+        pass
+
+    def spawn(target, world, args_of, timeout_s):
+        got.append(args_of(1))
+        raise Spawned
+    monkeypatch.setattr(launch, "spawn_ranks", spawn)
+    cfg = EngineConfig(model=str(t), draft_model=str(d), device="cpu", tensor_parallel_size=2)
+    with using(compile="0", attn_kernel=False, pdl=False), pytest.raises(Spawned):
+        launch.start_engine(cfg)
+    settings = got[0][-1]
+    assert (settings.compile, settings.attn_kernel, settings.pdl) == ("0", False, False)
 
 
 def test_an_engine_takes_the_tokenizer_it_is_given(pair, monkeypatch):

@@ -49,7 +49,7 @@ from drafttree.parallel.group import (
     torchrun_launch,
 )
 from drafttree.parallel.shard import check_size
-from drafttree.settings import scope
+from drafttree.settings import Settings, scope
 
 log = logging.getLogger(__name__)
 GRACE_S = 10.0   # after a rank is lost, how long a step stuck in a collective may take to fail
@@ -106,8 +106,8 @@ def start_engine(cfg: EngineConfig, tokenizer: Any = None) -> Engine:
     if run is None:
         port = free_port()
         run = _local(0, cfg.tensor_parallel_size, port)
-        threads, level = torch.get_num_threads(), logging.getLogger().level
-        workers = spawn_ranks(_rank_main, cfg.tensor_parallel_size, lambda r: (r, cfg, port, threads, level),
+        threads, level, settings = torch.get_num_threads(), logging.getLogger().level, settings_of(cfg)
+        workers = spawn_ranks(_rank_main, cfg.tensor_parallel_size, lambda r: (r, cfg, port, threads, level, settings),
                               cfg.distributed_timeout_s)
     tp, watch = None, BuildWatch(workers)
     try:
@@ -167,13 +167,15 @@ def _started(target: Callable[..., None], started: Any, args: tuple) -> None:
     target(*args)
 
 
-def _rank_main(rank: int, cfg: EngineConfig, port: int, threads: int, level: int) -> None:
-    """A spawned rank: join, build the same engine, follow rank 0, exit with its code."""
+def _rank_main(rank: int, cfg: EngineConfig, port: int, threads: int, level: int, settings: Settings) -> None:
+    """A spawned rank: join, build the same engine under rank 0's settings, follow rank 0, exit
+    with its code."""
     logging.basicConfig(level=level or logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
     torch.set_num_threads(threads)
     launch = _local(rank, cfg.tensor_parallel_size, port)
     try:
-        engine = Engine(cfg, init_group(launch, resolve_device(cfg.device), cfg.distributed_timeout_s))
+        with scope(settings):
+            engine = Engine(cfg, init_group(launch, resolve_device(cfg.device), cfg.distributed_timeout_s))
     except Exception:
         log.exception("rank %d could not start its engine", rank)
         sys.exit(1)

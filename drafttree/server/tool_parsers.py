@@ -25,6 +25,7 @@ from drafttree.engine.config import TOOL_CALL_PARSERS
 
 PARSER_NAMES = TOOL_CALL_PARSERS
 CLOSE_WINDOW = 64   # characters before a closing text's last one that its start is looked for in
+_SPACE = re.compile(r"\s*")
 
 
 @dataclass(frozen=True)
@@ -278,8 +279,7 @@ class HermesParser(ToolParser):
         calls, dec = [], json.JSONDecoder()
         at = section.find(self.opens)
         while at >= 0:
-            start = at + len(self.opens)
-            start += len(section[start:]) - len(section[start:].lstrip())
+            start = _SPACE.match(section, at + len(self.opens)).end()
             try:
                 obj, end = dec.raw_decode(section, start)
             except ValueError:

@@ -62,7 +62,7 @@
 #   .parts/humaneval.jsonl, .parts/sharegpt_heldout.jsonl]; `ab` [.old] (GGUF-free, as are rank and tests).
 # A machine can be taken back mid-call, and then the parts must travel again: carry them first, in
 # `parts` calls of a few seconds, and run the stages that need the model before the others.
-# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|
+# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|structured_mixed|
 #        drafter_data|drafter_train
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" .gacc
@@ -109,14 +109,15 @@ case "${1:?stage}" in
     timeout 180 python3 benchmarks/startup_bench.py --configs default --reps 1 --serve --no-generate \
       --out "$OUT/startup_serve.json" > "$OUT/startup_serve.txt" 2>&1
     tail -n 12 "$OUT/startup.txt" "$OUT/startup_serve.txt" ;;
-  timeline)  # issue 56 where little GPU time is left: generate's default (a cold run, two warm)
-             # with each output's time, then one `serve` to /ready
+  timeline)  # issue 56: generate's default (a cold run, two warm) with each output's time, alternated with
+             # the GPU started by torch's first call (late-device), then `serve` to /ready, stopped and
+             # recorded if not ready in 250 s
     gguf || exit 1
-    timeout 120 python3 benchmarks/startup_bench.py --configs default --reps 2 \
+    timeout 270 python3 benchmarks/startup_bench.py --configs default,late-device --reps 2 --run-timeout 120 \
       --out "$OUT/startup.json" > "$OUT/startup.txt" 2>&1
-    timeout 200 python3 benchmarks/startup_bench.py --configs default --reps 1 --serve --no-generate \
-      --graphs-wait-s 0 --out "$OUT/startup_serve.json" > "$OUT/startup_serve.txt" 2>&1
-    tail -n 6 "$OUT/startup.txt" "$OUT/startup_serve.txt" ;;
+    timeout 290 python3 benchmarks/startup_bench.py --configs default --reps 0 --serve --no-generate \
+      --graphs-wait-s 0 --run-timeout 250 --out "$OUT/startup_serve.json" > "$OUT/startup_serve.txt" 2>&1
+    tail -n 8 "$OUT/startup.txt" "$OUT/startup_serve.txt" ;;
   quick)     # issues 56 and 59 in one call, where the GPU time left holds one: generate's start-up
              # (its default, eager pieces, against compiled ones, a cold run then a warm one each), then JSON-schema against free rows
     gguf || exit 1
@@ -139,12 +140,14 @@ case "${1:?stage}" in
     tail -n 30 "$OUT/plain_round.txt" ;;
   structured)   # issue 59: JSON-schema requests against free ones
     gguf || exit 1
-    timeout 370 python3 benchmarks/structured_bench.py --budget auto --batches 1,16 --repeats 3 \
+    timeout 540 python3 benchmarks/structured_bench.py --budget auto --batches 1,16 --repeats 3 \
       --out "$OUT/structured.json" > "$OUT/structured.txt" 2>&1
-    # one JSON request among fifteen free ones: the host grows one tree a round
-    timeout 170 python3 benchmarks/structured_bench.py --budget auto --batches 16 --schema-rows 1 --repeats 3 \
+    tail -n 30 "$OUT/structured.txt" ;;
+  structured_mixed)   # issue 59: one JSON request among fifteen free ones: the host grows one tree a round
+    gguf || exit 1
+    timeout 400 python3 benchmarks/structured_bench.py --budget auto --batches 16 --schema-rows 1 --repeats 3 \
       --out "$OUT/structured_mixed.json" > "$OUT/structured_mixed.txt" 2>&1
-    tail -n 30 "$OUT/structured.txt"; grep -A3 "schema/free" "$OUT/structured_mixed.txt" ;;
+    grep -A3 "schema/free" "$OUT/structured_mixed.txt" ;;
   drafter_data)   # issue 58: the side-by-side's data, the target's greedy answers to the training prompts
     gguf || exit 1
     mkdir -p .gacc/drafter && gunzip -c .parts/prompts_train.jsonl.gz > .gacc/drafter/prompts_train.jsonl || exit 1
@@ -174,8 +177,11 @@ case "${1:?stage}" in
     timeout 150 python3 -m drafttree train-drafter eval --out ".gacc/drafter/$run" \
       --eval-prompts .gacc/drafter/prompts_heldout.jsonl --eval-num 48 --no-cuda-graphs --max-num-seqs 48 \
       --methods dflash,ddtree --budgets 32 --temperatures 0 --compare-plain >> "$OUT/train_$run.txt" 2>&1
-    mkdir -p "$OUT/$run" && cp ".gacc/drafter/$run/train_log.json" "$OUT/$run/" && cp -r ".gacc/drafter/$run/drafter" "$OUT/$run/"
+    # back with the call: the weights (38 MB) in parts of 15 MiB (a file of 16 MiB at most comes back);
+    # here: cat model.safetensors.part* > model.safetensors
+    mkdir -p "$OUT/$run" && cp ".gacc/drafter/$run/train_log.json" ".gacc/drafter/$run/drafter/config.json" "$OUT/$run/" \
+      && split -b 15M -d ".gacc/drafter/$run/drafter/model.safetensors" "$OUT/$run/model.safetensors.part"
     grep "τ" "$OUT/train_$run.txt" | tail -n 4 ;;
-  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, quick, spec, plainround, structured, drafter_data, drafter_train)"
+  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train)"
      exit 2 ;;
 esac

@@ -40,8 +40,10 @@ CONFIGS = {
     "none": ["--spec", "none"],
     "eager": [],      # the small fused pieces run as torch ops (no torch.compile)
     "compiled": [],   # the small fused pieces compiled (generate's default runs them as torch ops)
+    "late-device": [],   # the GPU started by torch's first call, not at launch beside the imports
 }
-CONFIG_ENV = {"eager": {"DRAFTTREE_COMPILE": "0"}, "compiled": {"DRAFTTREE_COMPILE": "1"}}
+CONFIG_ENV = {"eager": {"DRAFTTREE_COMPILE": "0"}, "compiled": {"DRAFTTREE_COMPILE": "1"},
+              "late-device": {"DRAFTTREE_EARLY_DEVICE": "0"}}
 STAGE = re.compile(r"start-up: (\S.*?)\s+(\d+\.\d+) s")
 RATE = re.compile(r"\[(\d+) tokens in ([\d.]+) s: ([\d.]+) tokens/s")
 
@@ -83,6 +85,13 @@ def follow(proc: subprocess.Popen, t0: float, until=None, timeout: float = 1800.
             stopped_at = time.perf_counter()
             break
     end = stopped_at or time.perf_counter()
+    timed_out = stopped_at is None and bool(open_)
+    if timed_out:   # still running at --run-timeout: stopped, its record kept
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
     if stopped_at is None:
         proc.wait(timeout=60)
         end = time.perf_counter()
@@ -92,7 +101,7 @@ def follow(proc: subprocess.Popen, t0: float, until=None, timeout: float = 1800.
             "first_output_s": times[1] - t0 if len(times) > 2 else None,
             "timeline": timeline + [(round(end - t0, 3), "exit", "")],
             "stdout": chunks["stdout"].decode(errors="replace"), "stderr": chunks["stderr"].decode(errors="replace"),
-            "rc": proc.returncode}
+            "rc": proc.returncode, "timed_out": timed_out}
 
 
 def stages(text: str) -> dict[str, float]:
@@ -126,7 +135,7 @@ def env_for(cache: Path, device: str, config_env: dict[str, str]) -> dict[str, s
 def run_generate(tree: Path, env: dict[str, str], args: list[str], a: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "drafttree", "generate", a.prompt, "--max-tokens", str(a.max_tokens), *args]
     t0 = time.perf_counter()
-    r = follow(launch(cmd, tree, env), t0)
+    r = follow(launch(cmd, tree, env), t0, timeout=a.run_timeout)
     m = RATE.search(r["stderr"])
     r.update(stages=stages(r["stderr"]), tokens=int(m.group(1)) if m else None,
              decode_s=float(m.group(2)) if m else None, tokens_per_s=float(m.group(3)) if m else None)
@@ -170,7 +179,7 @@ def run_serve(tree: Path, env: dict[str, str], args: list[str], a: argparse.Name
         polled[0] = now
         return _get(url + "/ready")[0] == 200
 
-    r = follow(proc, t0, until=ready, ignore=r'"GET /(ready|metrics) HTTP')
+    r = follow(proc, t0, until=ready, timeout=a.run_timeout, ignore=r'"GET /(ready|metrics) HTTP')
     r["ready"] = proc.poll() is None
     metrics = _get(url + "/metrics")[1] if r["ready"] else ""
     r["metrics_stages"] = {m.group(1): float(m.group(2)) for m in
@@ -202,6 +211,8 @@ def main() -> int:
     p.add_argument("--configs", default="default,seed,none", help=f"of {', '.join(CONFIGS)}")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--reps", type=int, default=2, help="warm runs after the cold one")
+    p.add_argument("--run-timeout", type=float, default=1800.0,
+                   help="seconds a run may take; one still running then is stopped and recorded (timed_out)")
     p.add_argument("--serve", action="store_true", help="also time `drafttree serve` to /ready (and to the "
                    "last graph set it captures after /ready, while idle: graphs_done_s)")
     p.add_argument("--graphs-wait-s", type=float, default=180.0, help="with --serve: how long after launch to wait "
@@ -224,10 +235,10 @@ def main() -> int:
     kinds = ([] if a.no_generate else ["generate"]) + (["serve"] if a.serve else [])
     runs = []
     for kind in kinds:
+        caches = {}
         for cfg in configs:
-            caches = {}
             for name in trees:
-                cache = caches[name] = work / f"{kind}-{cfg}-{name}"
+                cache = caches[cfg, name] = work / f"{kind}-{cfg}-{name}"
                 shutil.rmtree(cache, ignore_errors=True)
                 cache.mkdir(parents=True)
                 if a.keep_models:
@@ -235,14 +246,15 @@ def main() -> int:
                     user = user.resolve() / "models"   # a link's target must not depend on the working directory
                     if user.is_dir():
                         (cache / "models").symlink_to(user)
-            # the trees take turns, run by run: a load that comes and goes weighs on each alike
-            for i in range(1 + a.reps):
+        # configs and trees take turns, run by run: a load that comes and goes weighs on each alike
+        for i in range(1 + a.reps):
+            for cfg in configs:
                 for name, tree in trees.items():
                     phase = "cold" if i == 0 else "warm"
                     fn = run_generate if kind == "generate" else run_serve
                     load = os.getloadavg()[0]
                     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-                    env = env_for(caches[name], a.device, CONFIG_ENV.get(cfg, {}))
+                    env = env_for(caches[cfg, name], a.device, CONFIG_ENV.get(cfg, {}))
                     r = fn(tree, env, CONFIGS[cfg] + (["--device", a.device] if a.device == "cpu" else []), a)
                     after = resource.getrusage(resource.RUSAGE_CHILDREN)
                     r.update(kind=kind, config=cfg, config_env=CONFIG_ENV.get(cfg, {}), tree=name, phase=phase, rep=i, loadavg_before=load,

@@ -1,5 +1,5 @@
 """`python -m drafttree ...`: the `drafttree` command."""
-from drafttree.entry import main
+from drafttree.entry import command
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    command()

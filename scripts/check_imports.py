@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("drafttree.models",),
     ("drafttree.kernels", "drafttree.parallel"),
     ("drafttree.config", "drafttree.moe_config", "drafttree.phases", "drafttree.settings", "drafttree.prompts",
-     "drafttree.tiny_target", "drafttree.version"),
+     "drafttree.tiny_target", "drafttree.version", "drafttree.device_start"),
 )
 
 # The side packages are apart: each stands on the engine, none on another.

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -367,3 +371,52 @@ def test_a_stage_note_gives_the_seconds_spent_in_torch_compile(monkeypatch):
     assert compile_cache.compile_seconds() == 3.5
     assert _in_compile(1.0) == ", 2.5 s in torch.compile"
     assert _in_compile(3.5) == ""
+
+
+def test_generate_as_a_process_reports_its_launch_and_exits_at_its_answer(pair, tmp_path):
+    """The command as a process: its `launch` stage (what ran before the engine) is reported, the
+    answer and its rate line are written in full, and the process ends with the command's code
+    (its teardown skipped after the output is flushed)."""
+    t, d = pair
+    env = {**os.environ, "DRAFTTREE_CACHE": str(tmp_path / "cache"), "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "-m", "drafttree", "generate", "Hello", "--model", str(t), "--draft-model",
+                        str(d), "--device", "cpu", "--max-tokens", "6", "--raw"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent.parent, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(r"start-up: launch +\d+\.\d+ s", r.stderr), r.stderr[-2000:]
+    assert "start-up: device" not in r.stderr   # the CPU has no device stage
+    assert re.search(r"\[6 tokens in [\d.]+ s", r.stderr), r.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-m", "drafttree", "generate", "Hello", "--model", str(tmp_path / "none"),
+                          "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert bad.returncode != 0
+
+
+@pytest.mark.parametrize("argv, env, want", [
+    ([], {}, True),
+    (["--device", "cuda"], {}, True),
+    (["--device=cuda:0"], {}, True),
+    (["--device", "cpu"], {}, False),
+    (["--device", "cuda:1"], {}, False),
+    ([], {"LOCAL_RANK": "3"}, False),          # torchrun's other ranks use other GPUs
+    ([], {"CUDA_VISIBLE_DEVICES": ""}, False),
+    ([], {"DRAFTTREE_EARLY_DEVICE": "0"}, False),
+])
+def test_the_gpu_starts_at_launch_only_for_a_process_on_the_first_gpu(argv, env, want):
+    from drafttree import device_start
+    assert device_start.wanted(["Hello", *argv], env) is want
+
+
+def test_the_gpu_start_at_launch_ends_done_or_says_why():
+    """Begun in its thread, the start ends either with the driver and device 0's context made
+    (a machine with a GPU) or with why not (none here), never with an exception."""
+    import torch
+
+    from drafttree.device_start import DeviceStart
+    s = DeviceStart().start()
+    assert s.wait(60)
+    assert s.seconds is not None and s.seconds >= 0
+    if torch.cuda.is_available():
+        assert s.error is None
+    else:
+        assert isinstance(s.error, str) and s.error

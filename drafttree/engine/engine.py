@@ -92,10 +92,12 @@ class Engine:
         self.in_step = False
         self.ranks: Any = None   # rank 0's hold on the other ranks (`engine.launch.Ranks`): close() stops them
         self.startup = StartupTimes()
+        prepare.before_engine(self.startup)
         # every option is checked here, before any weight loads; a GGUF converts once, later starts find it cached
         with self.startup.stage("convert" if not cfg.random_weights else "setup"):
             self.setup: EngineSetup = resolve(cfg, tp)
         setup = self.setup
+        prepare.start_device(setup, self.startup)
         self.memory_plan = startup_plan(setup)   # CUDA: weights that cannot fit are refused before any loads
         if self.memory_plan is not None and self.leader:
             log.info("%s", self.memory_plan.format())

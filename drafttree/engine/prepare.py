@@ -1,10 +1,15 @@
-"""The start-up stages after the weights: compiling (or reading from cache) the kernels, capturing
+"""The start-up stages around the weights: what ran before the engine (`launch`), the GPU's start
+(`device`), then, after the weights, compiling (or reading from cache) the kernels, capturing
 the CUDA graphs the engine can use, and the cost model (read from the cache where it was measured
 before). Each reports to the engine's `StartupTimes` as it goes."""
 from __future__ import annotations
 
 import logging
+import time
 
+import torch
+
+from drafttree import device_start
 from drafttree.engine import caches
 from drafttree.engine.plan import EngineSetup, graph_kv_lengths
 from drafttree.engine.startup import StartupTimes
@@ -15,6 +20,30 @@ from drafttree.runner.model_runner import ModelRunner
 from drafttree.runner.prefill_plan import PrefillLimits
 
 log = logging.getLogger(__name__)
+
+
+def before_engine(startup: StartupTimes) -> None:
+    """Stage "launch": the `drafttree` command's seconds before its engine began (imports, the
+    tokenizer `generate` counts its prompt with), once per process."""
+    launched, device_start.LAUNCHED_AT = device_start.LAUNCHED_AT, None
+    if launched is not None:
+        startup.add("launch", time.perf_counter() - launched, "imports and what the command read before the engine")
+
+
+def start_device(setup: EngineSetup, startup: StartupTimes) -> None:
+    """Stage "device": the GPU's driver started and its context made (a memory query needs both),
+    or waited for where the command began them at launch (`drafttree.device_start`)."""
+    if setup.device.type != "cuda":
+        return
+    early = device_start.started()
+    with startup.stage("device"):
+        if early is not None:
+            early.wait()
+        torch.cuda.init()
+        torch.cuda.mem_get_info(setup.device)
+        startup.note("device", "started here" if early is None else
+                     f"its start at launch failed ({early.error}); started here" if early.error else
+                     f"begun at launch beside the imports: {early.seconds:.2f} s")
 
 
 def compile_caches(setup: EngineSetup) -> dict[str, str]:

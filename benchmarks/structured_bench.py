@@ -50,9 +50,14 @@ def run(llm: LLM, texts: list[str], constrained: bool, max_tokens: int, schema_r
               for i in range(len(texts))]
     llm.engine.constrained.reset()
     hist = dict(llm.engine.book.counts.budget_hist)
+    before = llm.engine.stats
     t0 = time.perf_counter()
     outs = llm.generate(texts, params)
     dt = time.perf_counter() - t0
+    after = llm.engine.stats
+    # the device's seconds per phase (CUDA events; the CPU's own), against the run's wall time
+    phases = {k: round(1e3 * (v - before.phase_seconds.get(k, 0.0)), 3) for k, v in after.phase_seconds.items()
+              if v > before.phase_seconds.get(k, 0.0)}
     rounds = {str(b): n - hist.get(b, 0) for b, n in sorted(llm.engine.book.counts.budget_hist.items())
               if n > hist.get(b, 0)}
     taus = [t for o in outs for t in o.metrics["accept_lengths"]]
@@ -61,7 +66,9 @@ def run(llm: LLM, texts: list[str], constrained: bool, max_tokens: int, schema_r
             "constrained_rounds": times.rounds, "candidates_wait_ms_per_round": 1e3 * times.candidates_wait_s / max(times.rounds, 1),
             "tree_build_ms_per_round": 1e3 * times.tree_build_s / max(times.rounds, 1),
             "tree_build_us_per_node": 1e6 * times.tree_build_s / max(times.tree_nodes, 1), "rounds_per_budget": rounds,
-            "drafted_ahead": times.drafted_ahead,
+            "drafted_ahead": times.drafted_ahead, "decode_masks_ms": 1e3 * times.decode_masks_s,
+            "graph_fallbacks": after.graph_fallbacks - before.graph_fallbacks, "wall_ms": 1e3 * dt,
+            "device_ms_per_phase": phases,
             "tokens": [o.token_ids for o in outs]}
 
 

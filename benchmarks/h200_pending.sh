@@ -4,8 +4,10 @@
 # 30 s after a call ends. The default model's GGUF (98 MB) travels in three parts, one a call,
 # kept in .gacc/; the stages that need the model assemble it and check its sha256. Together they take
 # about 50 minutes of GPU time, so pick.
-# What waits most: the three parts calls, `timeline`, `structured`, then `drafter_data` and
-# `drafter_train`; `tests` with TESTS=tests/test_structured.py when a machine has time to spare.
+# What waits most: the three parts calls, `timeline` (the GPU's start at launch against torch's,
+# then `serve` to /ready), `drafter_train RUN=dflash|dflash2|dflash2-kl` (the answers are in
+# .parts/responses.jsonl.gz: carry it, no drafter_data call), then `tests` with
+# TESTS=tests/test_structured.py, and `structured` again only for its new per-phase device times.
 #   rank      : the seed's model. The int4 expert kernels at 1, 8, 33 rows (benchmarks/w4a16_bench.py),
 #               then one rank of Kimi K2.6 at TP8 from random weights in the shipped formats
 #               (drafttree.bench.rank): memory against the plan, the decode step against its
@@ -59,7 +61,8 @@
 #   (llguidance past 1.6 is built for glibc 2.31: without that platform pip picks 1.6.1)
 # Carry (64 MiB a call; the tree ~23 MB, a part ~33 MB, the wheels 10 MB): the first call
 #   [.parts/g3.00, .whl], the second [.parts/g3.01], the third [.parts/g3.02, .parts/gguf.sha256,
-#   .parts/humaneval.jsonl, .parts/sharegpt_heldout.jsonl]; `ab` [.old] (GGUF-free, as are rank and tests).
+#   .parts/humaneval.jsonl, .parts/sharegpt_heldout.jsonl]; `ab` [.old] (GGUF-free, as are rank and tests);
+#   the first drafter_train [.parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl] (10 MB).
 # A machine can be taken back mid-call, and then the parts must travel again: carry them first, in
 # `parts` calls of a few seconds, and run the stages that need the model before the others.
 # Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|structured_mixed|

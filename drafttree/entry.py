@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         from drafttree.cli import main as cli_main
         return cli_main(argv)
     finally:
+        device_start.LAUNCHED_AT = None   # an engine built later in this process did not launch with it
         if seen is not None:
             seen.set()
 

@@ -4,8 +4,8 @@
 # 30 s after a call ends. The default model's GGUF (98 MB) travels in three parts, one a call,
 # kept in .gacc/; the stages that need the model assemble it and check its sha256. Together they take
 # about 50 minutes of GPU time, so pick.
-# What waits most: the three parts calls, `timeline` (the GPU's start at launch against torch's,
-# then `serve` to /ready), `drafter_train RUN=dflash|dflash2|dflash2-kl` (the answers are in
+# What waits most: the three parts calls, `timeline` (the GPU's start at launch against torch's),
+# `serve_ready` (cold and warm), `drafter_train RUN=dflash|dflash2|dflash2-kl` (the answers are in
 # .parts/responses.jsonl.gz: carry it, no drafter_data call), then `tests` with
 # TESTS=tests/test_structured.py, and `structured` again only for its new per-phase device times.
 #   rank      : the seed's model. The int4 expert kernels at 1, 8, 33 rows (benchmarks/w4a16_bench.py),
@@ -28,7 +28,9 @@
 #               batch 1 and 16 (benchmarks/plain_round_cost.py). Needs the GGUF.
 #   structured: JSON-schema requests against free ones (benchmarks/structured_bench.py), all rows of a
 #               batch, then one of 16. Needs the GGUF.
-#   timeline  : startup's generate (default only) and serve, about 5 minutes. Needs the GGUF.
+#   timeline  : startup's generate, the GPU's start at launch (default) against torch's (late-device),
+#               a cold run and two warm each, alternated, about 4 minutes. Needs the GGUF.
+#   serve_ready: `serve` to /ready, cold then warm (up to 9 minutes). Needs the GGUF.
 #   quick     : startup (generate only, one cold and one warm run a configuration) and structured (all
 #               rows) in one call, for a machine with about 10 minutes of GPU time left. Needs the GGUF.
 #   drafter_data, drafter_train: issue 58's side-by-side (docs/dflash2.md), a call each: the target's
@@ -65,7 +67,7 @@
 #   the first drafter_train [.parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl] (10 MB).
 # A machine can be taken back mid-call, and then the parts must travel again: carry them first, in
 # `parts` calls of a few seconds, and run the stages that need the model before the others.
-# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|structured_mixed|
+# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|structured_mixed|serve_ready|
 #        drafter_data|drafter_train
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" .gacc
@@ -113,14 +115,16 @@ case "${1:?stage}" in
       --out "$OUT/startup_serve.json" > "$OUT/startup_serve.txt" 2>&1
     tail -n 12 "$OUT/startup.txt" "$OUT/startup_serve.txt" ;;
   timeline)  # issue 56: generate's default (a cold run, two warm) with each output's time, alternated with
-             # the GPU started by torch's first call (late-device), then `serve` to /ready, stopped and
-             # recorded if not ready in 250 s
+             # the GPU started by torch's first call (late-device)
     gguf || exit 1
-    timeout 270 python3 benchmarks/startup_bench.py --configs default,late-device --reps 2 --run-timeout 120 \
+    timeout 400 python3 benchmarks/startup_bench.py --configs default,late-device --reps 2 --run-timeout 150 \
       --out "$OUT/startup.json" > "$OUT/startup.txt" 2>&1
-    timeout 290 python3 benchmarks/startup_bench.py --configs default --reps 0 --serve --no-generate \
-      --graphs-wait-s 0 --run-timeout 250 --out "$OUT/startup_serve.json" > "$OUT/startup_serve.txt" 2>&1
-    tail -n 8 "$OUT/startup.txt" "$OUT/startup_serve.txt" ;;
+    tail -n 8 "$OUT/startup.txt" ;;
+  serve_ready)   # issue 56: `serve` to /ready, cold then warm, each stopped and recorded if not ready in 270 s
+    gguf || exit 1
+    timeout 580 python3 benchmarks/startup_bench.py --configs default --reps 1 --serve --no-generate \
+      --graphs-wait-s 0 --run-timeout 270 --out "$OUT/startup_serve.json" > "$OUT/startup_serve.txt" 2>&1
+    tail -n 6 "$OUT/startup_serve.txt" ;;
   quick)     # issues 56 and 59 in one call, where the GPU time left holds one: generate's start-up
              # (its default, eager pieces, against compiled ones, a cold run then a warm one each), then JSON-schema against free rows
     gguf || exit 1
@@ -186,6 +190,6 @@ case "${1:?stage}" in
     mkdir -p "$OUT/$run" && cp ".gacc/drafter/$run/train_log.json" ".gacc/drafter/$run/drafter/config.json" "$OUT/$run/" \
       && split -b 15M -d ".gacc/drafter/$run/drafter/model.safetensors" "$OUT/$run/model.safetensors.part"
     grep "τ" "$OUT/train_$run.txt" | tail -n 4 ;;
-  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train)"
+  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, serve_ready, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train)"
      exit 2 ;;
 esac

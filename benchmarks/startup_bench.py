@@ -86,13 +86,13 @@ def follow(proc: subprocess.Popen, t0: float, until=None, timeout: float = 1800.
             break
     end = stopped_at or time.perf_counter()
     timed_out = stopped_at is None and bool(open_)
-    if timed_out:   # still running at --run-timeout: stopped, its record kept
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     if stopped_at is None:
+        if timed_out:   # still running at --run-timeout: stopped, its record kept
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         proc.wait(timeout=60)
         end = time.perf_counter()
     times.append(end)

@@ -34,13 +34,13 @@ class _Seen(logging.Handler):
 
 
 def announce(command: str, every_s: float = EVERY_S) -> threading.Event:
-    """Say that `command` starts, then every `every_s` until the engine's first start-up line
-    or until the returned event is set."""
+    """Say that `command` starts, then every `every_s` (seconds counted from the launch, or from
+    now) until the engine's first start-up line or until the returned event is set."""
     seen = threading.Event()
     logger = logging.getLogger(STARTUP_LOGGER)
     handler = _Seen(seen)
     logger.addHandler(handler)
-    t0 = time.perf_counter()
+    t0 = device_start.LAUNCHED_AT or time.perf_counter()
     print(f"drafttree: start-up: {command}: importing torch and drafttree", file=sys.stderr, flush=True)
 
     def tick() -> None:

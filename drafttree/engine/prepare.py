@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 def before_engine(startup: StartupTimes) -> None:
     """Stage "launch": the `drafttree` command's seconds before its engine began (imports, the
-    tokenizer `generate` counts its prompt with), once per process."""
-    launched, device_start.LAUNCHED_AT = device_start.LAUNCHED_AT, None
+    tokenizer `generate` counts its prompt with); none outside the command (`drafttree.entry`
+    forgets the launch time when it returns)."""
+    launched = device_start.LAUNCHED_AT
     if launched is not None:
         startup.add("launch", time.perf_counter() - launched, "imports and what the command read before the engine")
 
@@ -39,8 +40,7 @@ def start_device(setup: EngineSetup, startup: StartupTimes) -> None:
     with startup.stage("device"):
         if early is not None:
             early.wait()
-        torch.cuda.init()
-        torch.cuda.mem_get_info(setup.device)
+        torch.cuda.mem_get_info(setup.device)   # starts CUDA in torch (a no-op for what was begun at launch)
         startup.note("device", "started here" if early is None else
                      f"its start at launch failed ({early.error}); started here" if early.error else
                      f"begun at launch beside the imports: {early.seconds:.2f} s")

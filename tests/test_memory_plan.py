@@ -327,3 +327,24 @@ def test_graph_pool_set_aside_for_the_graphs_captured():
                                                                    processed=False))
     assert free.graph_bytes < full.graph_bytes and short.graph_bytes < full.graph_bytes
     assert free.kv_tokens > full.kv_tokens
+
+
+def test_the_start_up_plan_imports_nothing_a_start_that_compiles_nothing_would_not():
+    """The plan counts the round buffers on the meta device, where some ops (torch.eye) run as
+    torch's reference implementations and import sympy and ~900 modules: seconds of every GPU
+    start before its weights. Run in a fresh process, where nothing else imported them first."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "from drafttree.engine.config import EngineConfig\n"
+            "from drafttree.engine.plan import resolve\n"
+            "from drafttree.engine.memory_plan import Device, plan_for_setup\n"
+            "before = set(sys.modules)\n"
+            "plan = plan_for_setup(resolve(EngineConfig(), None), Device.of(gpu_memory_gb=80))\n"
+            "assert plan.buffer_bytes > 0, plan.buffer_bytes\n"
+            "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('sympy', 'mpmath')"
+            " or m.startswith(('torch._refs', 'torch._prims', 'torch._dynamo'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout[-2000:]

@@ -52,7 +52,10 @@ class DraftTree:
         depth[:, 0] = 0
         valid = torch.zeros(rows, N, dtype=torch.bool, device=device)
         valid[:, 0] = True
-        visible = torch.eye(N, dtype=torch.bool, device=device).repeat(rows, 1, 1)
+        # not torch.eye: on the meta device (the memory plan's count) it imports torch's reference
+        # ops and sympy, seconds of a start-up that compiles nothing
+        visible = torch.zeros(rows, N, N, dtype=torch.bool, device=device)
+        visible.diagonal(dim1=1, dim2=2).fill_(True)
         visible[:, :, 0] = True
         return cls(z, z.clone(), depth, valid, visible)
 

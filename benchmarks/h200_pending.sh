@@ -31,6 +31,8 @@
 #   timeline  : startup's generate, the GPU's start at launch (default) against torch's (late-device),
 #               a cold run and two warm each, alternated, about 4 minutes. Needs the GGUF.
 #   serve_ready: `serve` to /ready, cold then warm (up to 9 minutes). Needs the GGUF.
+#   startup_ab: generate's whole process, this tree against a copy with the files under .parts/before/
+#               laid over it (the change's old files, there by hand), a cold run and two warm each. Needs the GGUF.
 #   quick     : startup (generate only, one cold and one warm run a configuration) and structured (all
 #               rows) in one call, for a machine with about 10 minutes of GPU time left. Needs the GGUF.
 #   drafter_data, drafter_train: issue 58's side-by-side (docs/dflash2.md), a call each: the target's
@@ -67,7 +69,7 @@
 #   the first drafter_train [.parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl] (10 MB).
 # A machine can be taken back mid-call, and then the parts must travel again: carry them first, in
 # `parts` calls of a few seconds, and run the stages that need the model before the others.
-# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|structured_mixed|serve_ready|
+# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|structured_mixed|serve_ready|startup_ab|
 #        drafter_data|drafter_train
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" .gacc
@@ -120,6 +122,14 @@ case "${1:?stage}" in
     timeout 400 python3 benchmarks/startup_bench.py --configs default,late-device --reps 2 --run-timeout 150 \
       --out "$OUT/startup.json" > "$OUT/startup.txt" 2>&1
     tail -n 8 "$OUT/startup.txt" ;;
+  startup_ab)  # issue 56: generate's whole process, this tree against a copy of it with the files under
+               # .parts/before/ laid over it (carried with the third part), a cold run and two warm each, alternated
+    gguf || exit 1
+    rm -rf /tmp/before && mkdir -p /tmp/before && cp -r drafttree pyproject.toml /tmp/before/ \
+      && cp -r .parts/before/. /tmp/before/ || exit 1
+    timeout 400 python3 benchmarks/startup_bench.py --tree before=/tmp/before --tree after=. --configs default \
+      --reps 2 --run-timeout 150 --out "$OUT/startup_ab.json" > "$OUT/startup_ab.txt" 2>&1
+    tail -n 8 "$OUT/startup_ab.txt" ;;
   serve_ready)   # issue 56: `serve` to /ready, cold then warm, each stopped and recorded if not ready in 270 s
     gguf || exit 1
     timeout 580 python3 benchmarks/startup_bench.py --configs default --reps 1 --serve --no-generate \
@@ -190,6 +200,6 @@ case "${1:?stage}" in
     mkdir -p "$OUT/$run" && cp ".gacc/drafter/$run/train_log.json" ".gacc/drafter/$run/drafter/config.json" "$OUT/$run/" \
       && split -b 15M -d ".gacc/drafter/$run/drafter/model.safetensors" "$OUT/$run/model.safetensors.part"
     grep "τ" "$OUT/train_$run.txt" | tail -n 4 ;;
-  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, serve_ready, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train)"
+  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, serve_ready, startup_ab, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train)"
      exit 2 ;;
 esac

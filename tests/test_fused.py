@@ -276,3 +276,32 @@ def test_routing_pieces_compile_and_match_eager(set_settings, groups):
         torch.testing.assert_close(w1, w0, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(lw1, lw0, atol=1e-6, rtol=1e-6)
         assert ((li0 == 8) == ((i0 < 8) | (i0 >= 16))).all() and (lw0[li0 == 8] == 0).all()
+
+
+@needs_cc
+def test_dflash2_pieces_compile_and_match_eager(set_settings, caplog):
+    """DFlash2's block convolution, selector edges and the selector's chain walk and tree levels:
+    compiled, the same values as torch ops (the tokens exactly)."""
+    from drafttree.models.dflash2 import block_convolve, selector_edges
+    from drafttree.spec_decode.selector import _beam_levels, _chain_walk
+    g = torch.Generator().manual_seed(7)
+    R, bs, D, G, taps, V, r, K = 3, 8, 32, 4, 2, 50, 6, 5
+    x, base, delta = torch.randn(R, bs, D, generator=g), torch.randn(taps, D, generator=g), \
+        torch.randn(R, bs, taps, G, generator=g)
+    h, unary = torch.randn(R, bs - 1, r, generator=g), torch.randn(R, bs - 1, K, generator=g)
+    P, Q = torch.randn(V, r, generator=g), torch.randn(V, r, generator=g)
+    cand = torch.randint(0, V, (R, bs - 1, K), generator=g)
+    pred = torch.randint(0, V, (R, bs - 1, K), generator=g)
+    outs = {}
+    for mode in ("0", "cpu"):
+        set_settings(compile=mode)
+        with caplog.at_level("WARNING", logger="drafttree.kernels.fused"):
+            scores = selector_edges(h, unary, P, Q, cand, pred)
+            outs[mode] = (block_convolve(x, base, delta, G, taps), scores, *_chain_walk(cand, scores),
+                          *_beam_levels(cand, scores, 6))
+    assert "compiling" not in caplog.text   # compiled, not fallen back to torch ops
+    for a, b in zip(outs["cpu"], outs["0"]):
+        if a.dtype.is_floating_point:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(a, b)

@@ -22,6 +22,7 @@ from torch import nn
 
 from drafttree.config import ModelConfig
 from drafttree.kernels import dispatch
+from drafttree.kernels.fused import fused
 from drafttree.models.dflash import DFlashConfig, DFlashDrafter, DraftLayer, _fast_kernels
 from drafttree.models.layers import AttnMeta
 
@@ -179,15 +180,23 @@ class BlockConv(nn.Module):
         return self.convolve(x, coef, 1)
 
     def convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int) -> torch.Tensor:
-        bs = x.shape[-2]
-        xg = x.unflatten(-1, (self.groups, self.group))                     # [..., bs, G, g]
-        base = self.base_kernel[side].to(x.dtype).unflatten(-1, (self.groups, self.group))
-        out = None
-        for t in range(min(self.taps, bs)):   # taps past the block's width see only zeros
-            shifted = xg if t == 0 else F.pad(xg[..., :bs - t, :, :], (0, 0, 0, 0, t, 0))
-            term = (base[t] + delta[..., t, :, None].to(x.dtype)) * shifted
-            out = term if out is None else out + term
-        return out.flatten(-2)
+        return block_convolve(x, self.base_kernel[side], delta, self.groups, self.taps)
+
+
+@fused
+def block_convolve(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, groups: int, taps: int) -> torch.Tensor:
+    """x [..., bs, D] convolved along bs with base [taps, D] + delta [..., bs, taps, groups] (a
+    coefficient per channel group): a dozen elementwise ops a call, four calls a layer, hence one
+    compiled piece."""
+    bs = x.shape[-2]
+    xg = x.unflatten(-1, (groups, -1))                                    # [..., bs, G, g]
+    base = base.to(x.dtype).unflatten(-1, (groups, -1))
+    out = None
+    for t in range(min(taps, bs)):   # taps past the block's width see only zeros
+        shifted = xg if t == 0 else F.pad(xg[..., :bs - t, :, :], (0, 0, 0, 0, t, 0))
+        term = (base[t] + delta[..., t, :, None].to(x.dtype)) * shifted
+        out = term if out is None else out + term
+    return out.flatten(-2)
 
 
 class DFlash2Layer(DraftLayer):
@@ -220,10 +229,17 @@ class CandidateSelector(nn.Module):
               pred: torch.Tensor) -> torch.Tensor:
         """Edge scores [..., Kp, Kc] in float32: unary [..., Kc] plus the bilinear term between
         each predecessor pred [..., Kp] and candidate cand [..., Kc] at hidden [..., D]."""
-        h = self.hidden_projection(hidden).float()
-        p = self.predecessor_codebook[pred].float() * h[..., None, :]
-        q = self.successor_codebook[cand].float()
-        return unary[..., None, :] + p @ q.transpose(-1, -2)
+        return selector_edges(self.hidden_projection(hidden), unary, self.predecessor_codebook,
+                              self.successor_codebook, cand, pred)
+
+
+@fused
+def selector_edges(h: torch.Tensor, unary: torch.Tensor, predecessors: torch.Tensor, successors: torch.Tensor,
+                   cand: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+    """`CandidateSelector.edges` past the hidden projection h [..., r]."""
+    p = predecessors[pred].float() * h.float()[..., None, :]
+    q = successors[cand].float()
+    return unary[..., None, :] + p @ q.transpose(-1, -2)
 
 
 class DFlash2Drafter(DFlashDrafter):

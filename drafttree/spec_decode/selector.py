@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from drafttree.kernels.fused import fused
 from drafttree.phases import Phase
 from drafttree.spec_decode.acceptance import expected_from_scores, predictions_at
 from drafttree.spec_decode.state import RoundContext
@@ -23,6 +24,14 @@ def selector_chain(cand: torch.Tensor, scores: torch.Tensor, root_tokens: torch.
     """The greedy walk: at each position the best edge from the candidate chosen before (ties to
     the lower candidate index). cand [R, D, K], scores [R, D, K, K]; returns the chain and its
     nodes' path log-probabilities [R, D]."""
+    tokens, path = _chain_walk(cand, scores)
+    return chain_tree(tokens, root_tokens), path
+
+
+@fused
+def _chain_walk(cand: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`selector_chain`'s tokens [R, D] and path log-probabilities [R, D]: a few small ops per
+    position, one compiled piece."""
     R, D, K = cand.shape
     lp = scores.float().log_softmax(-1)
     at = torch.zeros(R, 1, 1, dtype=torch.long, device=cand.device)   # position 1: the anchor's row
@@ -35,7 +44,7 @@ def selector_chain(cand: torch.Tensor, scores: torch.Tensor, root_tokens: torch.
         tokens.append(cand[:, d].gather(1, best))
         path.append(total)
         at = best[:, :, None]
-    return chain_tree(torch.cat(tokens, 1), root_tokens), torch.cat(path, 1)
+    return torch.cat(tokens, 1), torch.cat(path, 1)
 
 
 def build_selector_tree(cand: torch.Tensor, scores: torch.Tensor, root_tokens: torch.Tensor, budget: int
@@ -46,8 +55,16 @@ def build_selector_tree(cand: torch.Tensor, scores: torch.Tensor, root_tokens: t
     [R, D, K, K]; returns the tree and its nodes' path log-probabilities [R, budget]."""
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
+    levels, tokens, parents = _beam_levels(cand, scores, budget)
+    return best_first(list(levels.unbind(1)), list(tokens.unbind(1)), list(parents.unbind(1)), root_tokens)
+
+
+@fused
+def _beam_levels(cand: torch.Tensor, scores: torch.Tensor, B: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`build_selector_tree`'s levels: scores, tokens and parent slots [R, D, B], a top-k and a
+    few small ops per level, one compiled piece."""
     R, D, K = cand.shape
-    B = budget
     lp = scores.float().log_softmax(-1)
     k0 = min(B, K)
     score, at = lp[:, 0, 0].topk(k0, dim=-1)
@@ -60,7 +77,7 @@ def build_selector_tree(cand: torch.Tensor, scores: torch.Tensor, root_tokens: t
         levels.append(score)
         tokens.append(cand[:, d].gather(1, at))
         parents.append(torch.div(pick, K, rounding_mode="floor"))
-    return best_first(levels, tokens, parents, root_tokens)
+    return torch.stack(levels, 1), torch.stack(tokens, 1), torch.stack(parents, 1)
 
 
 def selector_tree(rc: RoundContext, hidden: torch.Tensor, B: int, logits: torch.Tensor | None = None) -> DraftTree:

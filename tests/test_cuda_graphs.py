@@ -839,3 +839,49 @@ def test_startup_stages_and_warm_up_with_graphs_on_cpu(pair, fake_cuda_graphs):
     assert eng.stats.requests == 0 and eng.stats.generated_tokens == 0 and not eng.runner.timer.totals
     assert pg.fallbacks == 0 and eng.runner.graphs.fallbacks == 0
     assert eng.pool.stats.queries == 0 and eng.scheduler.preemptions == 0 and eng.free_pages == eng.pool.usable
+
+
+def test_prefill_graphs_left_for_later_are_captured_while_idle_first(pair, fake_cuda_graphs):
+    """defer_graphs (the server's): the engine starts with no prefill graph; prefills run eagerly
+    meanwhile (not counted as fallbacks) to eager prefill's tokens; `capture_later` captures the
+    prefill graphs first, one a call, then the rounds' left for later; afterwards every prefill
+    replays a graph and nothing more is captured while serving."""
+    from drafttree.engine.engine import Engine, EngineConfig
+    t, d = pair
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(1, 59, (n,), generator=g).tolist() for n in (5, 14, 3, 20)]
+    sp = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=6, ignore_eos=True)
+          for i in range(len(prompts))]
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
+              max_num_seqs=2, max_model_len=64)
+    want = [o.token_ids for o in LLM(**kw, cuda_graphs=False).generate(prompts, sp)]
+    eng = Engine(EngineConfig(**kw, cuda_graphs=True, defer_graphs=True))
+    runner = eng.runner
+    pg, rg = runner.prefill_graphs, runner.graphs
+    shapes, sets = pg.shapes(), len(rg.pending)
+    assert not pg.graphs and pg.pending == shapes and eng.graphs_pending == len(shapes) + sets
+    assert "more later" in runner.describe_graphs()
+
+    def generate() -> list[list[int]]:
+        seqs = [eng.add_request(p, s) for p, s in zip(prompts, sp)]
+        while eng.has_unfinished():
+            eng.step()
+        return [s.output_ids for s in seqs]
+    assert generate() == want
+    assert pg.fallbacks == 0 and not pg.graphs
+    rounds = len(rg.graphs)
+    assert eng.capture_later() and len(pg.graphs) == 1 and len(rg.graphs) == rounds   # prefill first, one a call
+    while pg.pending:
+        eng.capture_later()
+    assert set(pg.graphs) == set(shapes) and len(rg.pending) == sets
+    while eng.capture_later():
+        pass
+    assert eng.graphs_pending == 0
+    replays, eager_runs = [], []
+    run, eager_forward = pg._replay, runner._prefill_forward
+    pg._replay = lambda ids, start, lens, table, shape: replays.append(shape) or run(ids, start, lens, table, shape)
+    runner._prefill_forward = lambda *a: eager_runs.append(a) or eager_forward(*a)
+    n = len(fake_cuda_graphs)
+    assert generate() == want
+    assert replays and not eager_runs and pg.fallbacks == 0 and len(fake_cuda_graphs) == n
+    eng.shutdown()

@@ -118,9 +118,10 @@ class EngineConfig:
               "banned and allowed tokens, min_tokens, min_p: its decode and verify steps, greedy and filtered); "
               "off: such a round runs eagerly (counted as a graph fallback)", "on with CUDA graphs")
     defer_graphs: bool | None = _opt(
-        None, "the constrained and processed rounds' graphs (structured_graphs, processed_graphs) captured after "
-              "start-up, one graph at a time while the engine is idle, instead of before it serves: such a "
-              "round runs eagerly until its set is in", "on for `drafttree serve`, off elsewhere")
+        None, "the prefill graphs and the constrained and processed rounds' graphs (prefill_graphs, "
+              "structured_graphs, processed_graphs) captured after start-up, one graph at a time while the "
+              "engine is idle, instead of before it serves: such a prefill or round runs eagerly until its "
+              "graph is in", "on for `drafttree serve`, off elsewhere")
     prefill_graphs: bool | None = _opt(
         None, "graphed prefill per (rows, length bucket, attention length): from position 0, or at an offset "
               "over a KV bucket (prefix-cache hits, continuing chunks), every shape the scheduler can ask for "

@@ -221,7 +221,8 @@ def resolve(cfg: EngineConfig, tp: TPGroup | None = None) -> EngineSetup:
     structured, processed = graphs and cfg.structured_graphs is not False, graphs and cfg.processed_graphs is not False
     return EngineSetup(cfg, model_dir, tcfg, drafter_dir, dcfg, spec, settings, device, dtype,
                        1 if tp is None else tp.world, graphs, graphs and cfg.prefill_graphs is not False, modes,
-                       structured, processed, overlap, bool(cfg.defer_graphs) and (structured or processed),
+                       structured, processed, overlap,
+                       bool(cfg.defer_graphs) and (structured or processed or cfg.prefill_graphs is not False),
                        resolve_sampling_defaults(cfg.generation_config, model_dir),
                        resolve_chat_template(cfg.chat_template, model_dir))
 
@@ -327,7 +328,8 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
                f"the scheduler's forwards (prefill_chunk={cfg.prefill_chunk}, max_prefill_tokens="
                f"{cfg.max_prefill_tokens}): {len(shapes) - offsets} from position 0, {offsets} at offsets "
                f"(prefix-cache hits, continuing chunks) over KV lengths "
-               f"{','.join(map(str, prefill.offset_lengths()))}; captured at start-up\n"
+               f"{','.join(map(str, prefill.offset_lengths()))}; captured "
+               + ("after start-up, while idle (defer_graphs)\n" if cfg.defer_graphs else "at start-up\n")
                if cfg.prefill_graphs is not False
                else "; prefill runs eagerly\n")
             + f"settings: {setup.settings.describe()}\n")

@@ -82,11 +82,15 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
     with startup.running("graphs"):
         stages = runner.capture(setup.sampler_modes, prefill, cache.batch_buckets, kv_lengths, startup.progress,
                                 constrained=setup.structured_graphs and now, processed=setup.processed_graphs and now,
-                                later=(setup.structured_graphs and not now, setup.processed_graphs and not now))
+                                later=(setup.structured_graphs and not now, setup.processed_graphs and not now),
+                                prefill_later=not now)
     graphs, compiled = runner.graphs, _compiled(dirs) - before
     startup.parts["graph sets"] = {k.describe(): v for k, v in graphs.set_seconds.items()}
     later = f"; the constrained and processed rounds' steps of {len(graphs.pending)} sets later, while idle" \
         if graphs.pending else ""
+    pg = runner.prefill_graphs
+    if pg is not None and pg.pending:
+        later += f"; {len(pg.pending)} prefill graphs later, while idle (eager prefill meanwhile)"
     startup.note("graphs warm-up", f"{len(graphs.graphs)} round graphs in {len(graphs.set_seconds)} sets"
                                    + (f", {compiled} files compiled" if compiled else "") + _in_compile(traced) + later)
     for stage, seconds in stages.items():

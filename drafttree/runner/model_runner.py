@@ -154,12 +154,14 @@ class ModelRunner:
     def capture(self, modes: tuple[SampleMode, ...], prefill: PrefillLimits | None = None,
                 batch_sizes: list[int] | None = None, kv_lengths: list[int] | None = None,
                 progress: Callable[[str], None] | None = None, constrained: bool = True,
-                processed: bool = True, later: tuple[bool, bool] = (False, False)) -> dict[str, float]:
+                processed: bool = True, later: tuple[bool, bool] = (False, False),
+                prefill_later: bool = False) -> dict[str, float]:
         """Capture the round graphs of every batch bucket, KV bucket and sampler mode in `modes`
         (or the `batch_sizes` and `kv_lengths` given), and with `prefill` the prefill graphs of
         every shape its limits allow; with `constrained` the constrained round's graphs too, with
         `processed` the processed round's (logits processing, log-probabilities); `later`: the
-        (constrained, processed) rounds' graphs left for `capture_next`. Returns host seconds
+        (constrained, processed) rounds' graphs left for `capture_next`, `prefill_later` the
+        prefill graphs (captured by it first). Returns host seconds
         per stage ("graphs <phase>", "graphs warm-up", "prefill graphs"); `progress(text)` hears
         of each graph set."""
         cc = self.cache_cfg
@@ -172,20 +174,24 @@ class ModelRunner:
             if progress is not None:
                 progress("prefill graphs")
             self.prefill_graphs = PrefillGraphs(self.round_ctx, prefill, cc.pages_per_row)
-            self.prefill_graphs.capture()
+            self.prefill_graphs.capture(later=prefill_later)
             out["prefill graphs"] = time.perf_counter() - t0
         return out
 
     @command
     def capture_next(self) -> bool:
-        """One more graph of those `capture` left for later (`RoundGraphs.capture_next`);
-        False once none is left. Every rank captures it (its collectives are captured too)."""
+        """One more graph of those `capture` left for later: the prefill graphs first (every
+        request prefills), then the round graphs' (`RoundGraphs.capture_next`); False once none
+        is left. Every rank captures it (its collectives are captured too)."""
+        if self.prefill_graphs is not None and self.prefill_graphs.capture_next():
+            return True
         return self.graphs is not None and self.graphs.capture_next()
 
     @property
     def graphs_pending(self) -> int:
-        """Graph sets left for `capture_next`."""
-        return 0 if self.graphs is None else len(self.graphs.pending)
+        """Round graph sets and prefill graphs left for `capture_next`."""
+        return (0 if self.graphs is None else len(self.graphs.pending)) + \
+            (0 if self.prefill_graphs is None else len(self.prefill_graphs.pending))
 
     @torch.inference_mode()
     def warm_kernels(self, modes: tuple[SampleMode, ...], batch_sizes: list[int], kv_len: int,
@@ -218,6 +224,8 @@ class ModelRunner:
         offsets = at_offsets(shapes)
         prefill = "prefill eager" if not shapes else \
             f"{len(shapes)} prefill graphs ({len(shapes) - offsets} from position 0, {offsets} at offsets)"
+        if pg is not None and pg.pending:
+            prefill += f", {len(pg.pending)} more later"
         return f"{len(self.graphs.graphs)} round graphs, {prefill}"
 
     def graph_keys(self) -> set[GraphKey]:

@@ -57,6 +57,7 @@ class PrefillGraphs:
         self.pool = None
         self.failed = False   # a capture ran out of memory: prefill stays eager from then on
         self.fallbacks = 0    # graphable prefills that ran eagerly (a shape not captured)
+        self.pending: list[Shape] = []   # shapes left for `capture_next` (`capture(later=True)`)
         self._warned: set[Shape] = set()
 
     def widest(self) -> int:
@@ -68,25 +69,53 @@ class PrefillGraphs:
         return self.limits.shapes()
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every shape before serving. The warm-up runs and captures read and write the
-        null page only (every row's block table is the null page's). Out of memory: prefill stays
-        eager; tensor-parallel, the engine fails to start (every rank must replay alike)."""
+    def capture(self, later: bool = False) -> None:
+        """Capture every shape before serving, or with `later` leave them all to `capture_next`
+        (a prefill of a pending shape runs eagerly meanwhile, not counted as a fallback). The
+        warm-up runs and captures read and write the null page only (every row's block table is
+        the null page's). Out of memory: prefill stays eager; tensor-parallel, the engine fails
+        (every rank must replay alike)."""
         shapes = self.shapes()
-        log.info("capturing %d prefill graphs ((rows, padded length, attention length), up to %d tokens; "
-                 "%d at offsets)", len(shapes), self.limits.graph_tokens, at_offsets(shapes))
+        log.info("%s %d prefill graphs ((rows, padded length, attention length), up to %d tokens; %d at offsets)",
+                 "leaving for later, while idle," if later else "capturing", len(shapes), self.limits.graph_tokens,
+                 at_offsets(shapes))
+        if later:
+            self.pending = list(shapes)
+            return
+        with collector_paused():
+            for shape in shapes:
+                if not self._capture_shape(shape):
+                    return
+
+    @torch.inference_mode()
+    def capture_next(self) -> bool:
+        """Capture the first pending shape; False once none is left. Run while no request runs
+        (its warm-up and capture touch the null page only), one graph a call, so that a request
+        arriving meanwhile waits for one capture at most."""
+        if not self.pending:
+            return False
+        if len(self.pending) == len(self.shapes()):
+            # what eager prefills left cached in the allocator goes back first: the graphs' pool
+            # takes what the start-up would have given it
+            torch.cuda.empty_cache()
+        with collector_paused():
+            self._capture_shape(self.pending.pop(0))
+        return True
+
+    def _capture_shape(self, shape: Shape) -> bool:
+        """Capture one shape; False (prefill eager from now on, nothing pending) if memory ran out."""
         try:
-            with collector_paused():
-                for shape in shapes:
-                    buf = self._buffers(*shape)
-                    buf.lens.fill_(shape[1])
-                    self.graphs[shape] = (self._capture(self.forward_fn(buf)), buf)
+            buf = self._buffers(*shape)
+            buf.lens.fill_(shape[1])
+            self.graphs[shape] = (self._capture(self.forward_fn(buf)), buf)
+            return True
         except torch.cuda.OutOfMemoryError:
             if self.rc.target.tp is not None:
                 raise   # the other ranks replay their graphs: an eager forward here would not meet them
-            self.failed, self.graphs, self.pool = True, {}, None
+            self.failed, self.graphs, self.pool, self.pending = True, {}, None, []
             log.warning("out of memory capturing a prefill graph (%d prompts, %d tokens, attention over %d): "
                         "prefill runs eagerly", *shape)
+            return False
 
     def forward_fn(self, buf: PrefillBuffers) -> Callable[[], None]:
         """The prefill forward over the buffers: what is captured, and what the warm-up runs."""
@@ -115,6 +144,8 @@ class PrefillGraphs:
         if groups is None:   # wider than any graph: eager by design
             return None
         missing = [g.shape for g in groups if g.shape not in self.graphs]
+        if missing and all(m in self.pending for m in missing):
+            return None   # its graphs are still to come (`capture_next`): eager meanwhile, as planned
         if missing:   # never captured on a request's path: eager, as warmed at start-up, and counted
             self.fallbacks += 1
             if not self.failed and missing[0] not in self._warned:

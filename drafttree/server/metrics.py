@@ -88,8 +88,9 @@ class ServerMetrics:
                                    registry=r)
         self.free_pages = Gauge("drafttree_kv_free_pages", "KV pages free (cached prefix pages included)", registry=r)
         self.graph_sets_pending = Gauge("drafttree_cuda_graph_sets_pending",
-                                        "Graph sets of the constrained and processed rounds still to capture while "
-                                        "idle (defer_graphs); their rounds run eagerly meanwhile", registry=r)
+                                        "Prefill graphs and graph sets of the constrained and processed rounds still "
+                                        "to capture while idle (defer_graphs); those prefills and rounds run eagerly "
+                                        "meanwhile", registry=r)
         self.total_pages = Gauge("drafttree_kv_total_pages", "KV pages requests may hold (the pool, less the null page)",
                                  registry=r)
         self.kv_usage = Gauge("drafttree_kv_usage", "KV pages held by requests / KV pages in all (1: full)", registry=r)

@@ -885,3 +885,17 @@ def test_prefill_graphs_left_for_later_are_captured_while_idle_first(pair, fake_
     assert generate() == want
     assert replays and not eager_runs and pg.fallbacks == 0 and len(fake_cuda_graphs) == n
     eng.shutdown()
+
+
+def test_round_graphs_warm_up_once_after_the_kernels_stage(pair, fake_cuda_graphs, monkeypatch):
+    """An engine's start runs every step eagerly first (`warm_kernels`), so each round graph gets
+    one eager run before its capture; prefill graphs, whose shapes nothing ran before, two."""
+    from drafttree.runner import capture
+    t, d = pair
+    runs: list[int] = []
+    real = capture.warm_up
+    monkeypatch.setattr(capture, "warm_up", lambda fn, times=2, reset=None: runs.append(times) or real(fn, times, reset))
+    llm = LLM(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
+              max_num_seqs=2, max_model_len=64, cuda_graphs=True)
+    rounds, prefills = len(llm.engine.runner.graphs.graphs), len(llm.engine.runner.prefill_graphs.graphs)
+    assert rounds and prefills and sorted(runs) == [1] * rounds + [2] * prefills

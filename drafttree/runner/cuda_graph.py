@@ -148,8 +148,9 @@ class RoundGraphs:
 
     def __init__(self, rc: RoundContext, timer: PhaseTimer, batch_sizes: list[int], kv_lengths: list[int],
                  modes: tuple[SampleMode, ...], pages_per_row: int, constrained: bool = False,
-                 processed: bool = False, later: tuple[bool, bool] = (False, False)) -> None:
+                 processed: bool = False, later: tuple[bool, bool] = (False, False), warmups: int = 2) -> None:
         self.rc, self.timer = rc, timer
+        self.warmups = warmups   # eager runs before each capture (`capture_graph`)
         self.constrained = constrained   # the constrained round's steps captured too
         self.processed = processed       # the processed round's steps too (in PROCESSED_MODES)
         # (constrained, processed) steps captured after `capture`, a graph at a time (`capture_next`)
@@ -218,7 +219,8 @@ class RoundGraphs:
             if key in self.graphs:
                 continue
             self.graphs[key] = capture_graph(lambda st=st: st.run(rc, B, L, mode), self.pool,
-                                             collectives=rc.target.tp is not None, reset=lambda: rc.state.park(0, B),
+                                             collectives=rc.target.tp is not None, warmups=self.warmups,
+                                             reset=lambda: rc.state.park(0, B),
                                              seconds=self.capture_seconds, label=st.phase.value)
 
     @torch.inference_mode()

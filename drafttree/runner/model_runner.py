@@ -155,19 +155,20 @@ class ModelRunner:
                 batch_sizes: list[int] | None = None, kv_lengths: list[int] | None = None,
                 progress: Callable[[str], None] | None = None, constrained: bool = True,
                 processed: bool = True, later: tuple[bool, bool] = (False, False),
-                prefill_later: bool = False) -> dict[str, float]:
+                prefill_later: bool = False, warmups: int = 2) -> dict[str, float]:
         """Capture the round graphs of every batch bucket, KV bucket and sampler mode in `modes`
         (or the `batch_sizes` and `kv_lengths` given), and with `prefill` the prefill graphs of
         every shape its limits allow; with `constrained` the constrained round's graphs too, with
         `processed` the processed round's (logits processing, log-probabilities); `later`: the
         (constrained, processed) rounds' graphs left for `capture_next`, `prefill_later` the
-        prefill graphs (captured by it first). Returns host seconds
+        prefill graphs (captured by it first); `warmups`: eager runs before each round graph's
+        capture (one where `warm_kernels` ran every step first). Returns host seconds
         per stage ("graphs <phase>", "graphs warm-up", "prefill graphs"); `progress(text)` hears
         of each graph set."""
         cc = self.cache_cfg
         self.graphs = RoundGraphs(self.round_ctx, self.timer, batch_sizes or cc.batch_buckets,
                                   kv_lengths or cc.kv_buckets, modes, cc.pages_per_row,
-                                  constrained, processed, later)
+                                  constrained, processed, later, warmups)
         out = {f"graphs {k}": v for k, v in self.graphs.capture(progress).items()}
         if prefill is not None:
             t0 = time.perf_counter()

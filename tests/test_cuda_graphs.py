@@ -858,8 +858,8 @@ def test_prefill_graphs_left_for_later_are_captured_while_idle_first(pair, fake_
     eng = Engine(EngineConfig(**kw, cuda_graphs=True, defer_graphs=True))
     runner = eng.runner
     pg, rg = runner.prefill_graphs, runner.graphs
-    shapes, sets = pg.shapes(), len(rg.pending)
-    assert not pg.graphs and pg.pending == shapes and eng.graphs_pending == len(shapes) + sets
+    shapes, sets, jobs = pg.shapes(), len(rg.pending), len(runner.compile_jobs)
+    assert not pg.graphs and pg.pending == shapes and eng.graphs_pending == jobs + len(shapes) + len(rg.upgrade) + sets
     assert "more later" in runner.describe_graphs()
 
     def generate() -> list[list[int]]:
@@ -870,7 +870,9 @@ def test_prefill_graphs_left_for_later_are_captured_while_idle_first(pair, fake_
     assert generate() == want
     assert pg.fallbacks == 0 and not pg.graphs
     rounds = len(rg.graphs)
-    assert eng.capture_later() and len(pg.graphs) == 1 and len(rg.graphs) == rounds   # prefill first, one a call
+    while runner.compile_jobs:   # the steps to compile come first (`prepare.compiles_later`)
+        eng.capture_later()
+    assert eng.capture_later() and len(pg.graphs) == 1 and len(rg.graphs) == rounds   # prefill next, one a call
     while pg.pending:
         eng.capture_later()
     assert set(pg.graphs) == set(shapes) and len(rg.pending) == sets
@@ -899,3 +901,53 @@ def test_round_graphs_warm_up_once_after_the_kernels_stage(pair, fake_cuda_graph
               max_num_seqs=2, max_model_len=64, cuda_graphs=True)
     rounds, prefills = len(llm.engine.runner.graphs.graphs), len(llm.engine.runner.prefill_graphs.graphs)
     assert rounds and prefills and sorted(runs) == [1] * rounds + [2] * prefills
+
+
+def test_a_server_engine_compiles_its_pieces_after_start_up_while_idle(pair, fake_cuda_graphs, monkeypatch):
+    """defer_graphs on one device, not deterministic: the start runs the pieces as torch ops (no
+    Dynamo before /ready), and so do requests' eager paths; while idle the engine runs the steps
+    in the compiling settings, then captures every round graph again in them, replacing the
+    start's, to the same tokens. Deterministic engines, and those that never compile, do not."""
+    from drafttree.engine.engine import Engine
+    from drafttree.runner import cuda_graph
+    from drafttree.settings import current
+    t, d = pair
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
+              max_num_seqs=2, max_model_len=64, cuda_graphs=True, prefill_graphs=False)
+    prompts, sp = [[3, 5, 7, 9], [11, 2, 4]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in LLM(**{**kw, "cuda_graphs": False, "prefill_graphs": None}).generate(prompts, sp)]
+    seen: list[tuple[str, str]] = []
+    capture = cuda_graph.capture_graph
+    monkeypatch.setattr(cuda_graph, "capture_graph",
+                        lambda *a, **k: seen.append(("capture", current().compile)) or capture(*a, **k))
+    eng = Engine(EngineConfig(**kw, defer_graphs=True))
+    runner, rg = eng.runner, eng.runner.graphs
+    assert eng.settings.compile == "0" and eng.graph_settings.compile == "1"
+    assert {c for _, c in seen} == {"0"} and runner.compile_jobs and rg.upgrade == rg.sets()
+    eager = runner.eager_round
+    monkeypatch.setattr(runner, "eager_round", lambda *a: seen.append(("eager", current().compile)) or eager(*a))
+
+    def generate() -> list[list[int]]:
+        seqs = [eng.add_request(p, sp) for p in prompts]
+        while eng.has_unfinished():
+            eng.step()
+        return [s.output_ids for s in seqs]
+    assert generate() == want
+    seen.clear()
+    parked = runner._run_parked
+    monkeypatch.setattr(runner, "_run_parked", lambda *a: seen.append(("compile", current().compile)) or parked(*a))
+    start = dict(rg.graphs)
+    free = [k for k in start if not (k.constrained or k.processed)]
+    while eng.capture_later():
+        pass
+    assert eng.graphs_pending == 0 and {c for _, c in seen} == {"1"}
+    assert sum(w == "compile" for w, _ in seen) > 0
+    assert all(rg.graphs[k] is not start[k] for k in free)   # every graph of the start captured again
+    seen.clear()
+    assert generate() == want
+    assert rg.fallbacks == 0 and not seen   # replayed: nothing eager, nothing captured on a request's path
+    eng.shutdown()
+    for other in (dict(deterministic=True), dict(defer_graphs=False)):
+        e = Engine(EngineConfig(**{**kw, "defer_graphs": True, **other}))
+        assert e.settings is e.graph_settings and not e.runner.compile_jobs and not e.runner.graphs.upgrade
+        e.shutdown()

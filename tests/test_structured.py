@@ -473,10 +473,16 @@ def test_graphs_left_for_later_are_captured_while_idle(pair, plain, fake_cuda_gr
     want = [o.token_ids for o in plain.generate(prompts, params)]
     gr = eng.runner.graphs
     sets = len(gr.set_seconds)
-    assert eng.graphs_pending == sets > 0
+    # the pieces compile after start-up too (`prepare.compiles_later`): those steps, then every set again
+    jobs = len(eng.runner.compile_jobs)
+    assert len(gr.pending) == len(gr.upgrade) == sets > 0 and jobs > 0
+    assert eng.graphs_pending == jobs + 2 * sets
     assert not any(k.constrained or k.processed for k in gr.graphs)
     assert generate() == want
     assert gr.fallbacks == 0
+    while eng.runner.compile_jobs or gr.upgrade:
+        eng.capture_later()
+    assert eng.graphs_pending == sets
     # a constrained round at a length no set was planned for falls back, counted, pending or not
     masked = eng.runner.round_steps(1, SampleMode.GREEDY, 0, constrained=True)
     assert not gr.replay(1, SampleMode.GREEDY, max(gr.kv_lengths) + 1, masked) and gr.fallbacks == 1

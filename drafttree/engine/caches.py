@@ -31,7 +31,7 @@ from drafttree.engine.plan import EngineSetup
 from drafttree.kernels import compile_cache
 from drafttree.parallel.comm import from_leader
 from drafttree.runner.cost import CostTable
-from drafttree.settings import current
+from drafttree.settings import Settings, current
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,13 @@ def model_identity(path: Path | None) -> dict[str, Any] | None:
     return out
 
 
-def cost_key(setup: EngineSetup, buckets: list[int], kv_len: int, graphed: bool) -> dict[str, Any]:
-    """What a cost table of this engine depends on (see the module's docstring)."""
+def cost_key(setup: EngineSetup, buckets: list[int], kv_len: int, graphed: bool,
+             settings_in_force: Settings | None = None) -> dict[str, Any]:
+    """What a cost table of this engine depends on (see the module's docstring); the settings
+    those in force where it is measured (default: the setup's; a server's start runs its pieces
+    as torch ops, `prepare.compiles_later`)."""
     cfg, spec = setup.cfg, setup.spec
-    settings = setup.settings.as_dict()
+    settings = (settings_in_force or setup.settings).as_dict()
     settings.pop("cache", None)   # where the cache lives changes no timing
     if settings.get("blocks"):    # the block shapes the file holds, not its name
         blocks = Path(settings["blocks"])

@@ -121,7 +121,9 @@ class EngineConfig:
         None, "the prefill graphs and the constrained and processed rounds' graphs (prefill_graphs, "
               "structured_graphs, processed_graphs) captured after start-up, one graph at a time while the "
               "engine is idle, instead of before it serves: such a prefill or round runs eagerly until its "
-              "graph is in", "on for `drafttree serve`, off elsewhere")
+              "graph is in; on one GPU and not deterministic, the start also runs the small pieces as torch "
+              "ops and they compile while idle, before every round graph is captured again over them",
+        "on for `drafttree serve`, off elsewhere")
     prefill_graphs: bool | None = _opt(
         None, "graphed prefill per (rows, length bucket, attention length): from position 0, or at an offset "
               "over a KV bucket (prefix-cache hits, continuing chunks), every shape the scheduler can ask for "

@@ -82,6 +82,7 @@ class Engine:
         and in `agree`; other engines in the process keep theirs. `tokenizer`: the model's, where
         the caller has loaded it already (None: loaded here, alongside the weights)."""
         self.settings: Settings = settings_of(cfg)
+        self.graph_settings = self.settings   # those the graphs captured after start-up are captured in
         with scope(self.settings):
             self._start(cfg, tp, tokenizer)
 
@@ -141,10 +142,15 @@ class Engine:
         self._outputs = RoundOutputs(cfg.max_num_seqs, self.runner.state.out.shape[1], self.device)
         self._rows: BatchRows | None = None              # `_batch_rows`' last batch
         self._reasons: dict[tuple, str] = {}             # `_plain_reason` by (bucket, allowed, cap)
-        if setup.cuda_graphs:
-            prepare.capture_graphs(setup, self.runner, sched.prefill if setup.prefill_graphs else None,
-                                   self.startup, compiled)
-        self.costs = prepare.cost_model(setup, self.runner, tp, self.startup) if self.spec.adaptive else None
+        if prepare.compiles_later(setup, tp, self.settings):
+            # the start compiles nothing: the engine runs the pieces as torch ops, and its graphs
+            # are captured again over compiled ones after it serves, while idle
+            self.settings = self.settings.replace(compile="0")
+        with scope(self.settings):
+            if setup.cuda_graphs:
+                prepare.capture_graphs(setup, self.runner, sched.prefill if setup.prefill_graphs else None,
+                                       self.startup, compiled, compile_later=self.settings is not self.graph_settings)
+            self.costs = prepare.cost_model(setup, self.runner, tp, self.startup) if self.spec.adaptive else None
         if self.costs is not None:
             log.info("%s", self.costs.format())
         self.reset_choice()
@@ -324,7 +330,8 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("graphs are captured later only while no request runs")
         try:
-            self._on_ranks(self.runner.capture_next)   # its warm-up and capture run collectives
+            with scope(self.graph_settings):
+                self._on_ranks(self.runner.capture_next)   # its warm-up and capture run collectives
         except TensorParallelError:
             raise
         except Exception:   # the rounds it was for run eagerly instead (counted as fallbacks): said, not fatal

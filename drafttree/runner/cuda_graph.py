@@ -156,6 +156,10 @@ class RoundGraphs:
         # (constrained, processed) steps captured after `capture`, a graph at a time (`capture_next`)
         self.later = later
         self.pending: list[GraphSet] = []   # the sets `capture_next` has still to capture
+        # sets whose graphs `recapture_next` captures again (their pieces compiled by then), and
+        # the graphs it has captured so far (a graph shared by sets is captured once)
+        self.upgrade: list[GraphSet] = []
+        self._fresh: set[GraphKey] = set()
         self.later_seconds = 0.0            # host seconds `capture_next` took
         self.batch_sizes, self.kv_lengths, self.modes = list(batch_sizes), list(kv_lengths), modes
         self.pages_per_row = pages_per_row
@@ -222,6 +226,34 @@ class RoundGraphs:
                                              collectives=rc.target.tp is not None, warmups=self.warmups,
                                              reset=lambda: rc.state.park(0, B),
                                              seconds=self.capture_seconds, label=st.phase.value)
+
+    @torch.inference_mode()
+    def recapture_next(self) -> bool:
+        """Capture one graph of the first set in `upgrade` again, replacing the one captured at
+        start-up; False once none is left. Run as `capture_next` is, while no request runs."""
+        if not self.upgrade:
+            return False
+        job = self.upgrade[0]
+        todo = [st for st in self.steps(job.batch, job.mode) if key_of(st, *job) not in self._fresh]
+        if todo:
+            key = key_of(todo[0], *job)
+            saved = self.rc.state.snapshot()
+            t0 = time.perf_counter()
+            try:
+                with collector_paused():
+                    self.graphs.pop(key, None)   # dropped before its replacement is captured
+                    self._capture_set(job, tuple(todo[:1]))
+            except Exception:
+                self.upgrade.clear()   # the rest would fail alike; a set whose graph is gone runs eagerly
+                raise
+            finally:
+                self.rc.state.restore(saved)
+            torch.cuda.synchronize()
+            self._fresh.add(key)
+            self.later_seconds += time.perf_counter() - t0
+        if len(todo) <= 1:
+            self.upgrade.pop(0)
+        return True
 
     @torch.inference_mode()
     def capture_next(self) -> bool:

@@ -139,6 +139,7 @@ class ModelRunner:
         self.ctx_bound = 1
         self.graphs: RoundGraphs | None = None            # `capture` makes them
         self.prefill_graphs: PrefillGraphs | None = None
+        self.compile_jobs: list[tuple[int, SampleMode, int, PhaseStep]] = []   # `compile_later`
         self.timer = PhaseTimer(torch.device(device))
         self._mask_stage: torch.Tensor | None = None     # `mask_stage`'s buffer
         self._cand_host: tuple[torch.Tensor, torch.Tensor] | None = None   # `candidates`' pinned copies
@@ -181,18 +182,36 @@ class ModelRunner:
 
     @command
     def capture_next(self) -> bool:
-        """One more graph of those `capture` left for later: the prefill graphs first (every
-        request prefills), then the round graphs' (`RoundGraphs.capture_next`); False once none
-        is left. Every rank captures it (its collectives are captured too)."""
+        """One more piece of the work `capture` and `compile_later` left for later: a step to
+        compile first (`compile_later`), then a prefill graph (every request prefills), a round
+        graph captured again over the compiled pieces, then one of the constrained and processed
+        rounds' (`RoundGraphs.capture_next`); False once none is left. Every rank does it (its
+        collectives are captured too)."""
+        if self.compile_jobs:
+            B, mode, kv_len, st = self.compile_jobs.pop(0)
+            self._run_parked(B, mode, kv_len, (st,))
+            return True
         if self.prefill_graphs is not None and self.prefill_graphs.capture_next():
             return True
-        return self.graphs is not None and self.graphs.capture_next()
+        return self.graphs is not None and (self.graphs.recapture_next() or self.graphs.capture_next())
 
     @property
     def graphs_pending(self) -> int:
-        """Round graph sets and prefill graphs left for `capture_next`."""
-        return (0 if self.graphs is None else len(self.graphs.pending)) + \
+        """Steps to compile, round graph sets to capture (again) and prefill graphs left for
+        `capture_next`."""
+        return len(self.compile_jobs) + \
+            (0 if self.graphs is None else len(self.graphs.pending) + len(self.graphs.upgrade)) + \
             (0 if self.prefill_graphs is None else len(self.prefill_graphs.pending))
+
+    def compile_later(self, modes: tuple[SampleMode, ...], batch_sizes: list[int], kv_len: int,
+                      constrained: bool = True, processed: bool = True) -> None:
+        """Leave for `capture_next` what a start-up with the pieces as torch ops did not do:
+        `warm_kernels`' steps, run again one a call (in the caller's scope, where the pieces
+        compile), then every round graph captured again over them."""
+        self.compile_jobs = [(B, mode, kv_len, st) for B, mode, st in self._kernel_steps(modes, batch_sizes,
+                                                                                        constrained, processed)]
+        if self.graphs is not None:
+            self.graphs.upgrade = self.graphs.sets()
 
     @torch.inference_mode()
     def warm_kernels(self, modes: tuple[SampleMode, ...], batch_sizes: list[int], kv_len: int,
@@ -203,18 +222,34 @@ class ModelRunner:
         pieces, at one row and at several: torch.compile specializes on 1) does so here, or is
         read from its cache, before any capture. Leaves the round state as it found it; returns
         the steps run."""
-        saved, n = self.state.snapshot(), 0
-        for B in batch_sizes:
-            for mode in modes:
-                for st in bucket_steps(self.spec, B, mode, self.drafter is not None, constrained,
-                                       processed and mode in PROCESSED_MODES):
-                    self.state.park(0, B)
-                    st.run(self.round_ctx, B, kv_len, mode)
-                    n += 1
+        steps = self._kernel_steps(modes, batch_sizes, constrained, processed)
+        saved = self.state.snapshot()
+        for B, mode, st in steps:
+            self.state.park(0, B)
+            st.run(self.round_ctx, B, kv_len, mode)
         self.state.restore(saved)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return n
+        return len(steps)
+
+    def _kernel_steps(self, modes: tuple[SampleMode, ...], batch_sizes: list[int], constrained: bool,
+                      processed: bool) -> list[tuple[int, SampleMode, PhaseStep]]:
+        return [(B, mode, st) for B in batch_sizes for mode in modes
+                for st in bucket_steps(self.spec, B, mode, self.drafter is not None, constrained,
+                                       processed and mode in PROCESSED_MODES)]
+
+    @torch.inference_mode()
+    def _run_parked(self, B: int, mode: SampleMode, kv_len: int, steps: tuple[PhaseStep, ...]) -> None:
+        """Run steps eagerly over rows parked at KV length kv_len, the round state put back after."""
+        saved = self.state.snapshot()
+        try:
+            for st in steps:
+                self.state.park(0, B)
+                st.run(self.round_ctx, B, kv_len, mode)
+        finally:
+            self.state.restore(saved)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def describe_graphs(self) -> str:
         """What was captured, in a line: round graphs, prefill graphs (from position 0, at offsets)."""

@@ -88,9 +88,10 @@ class ServerMetrics:
                                    registry=r)
         self.free_pages = Gauge("drafttree_kv_free_pages", "KV pages free (cached prefix pages included)", registry=r)
         self.graph_sets_pending = Gauge("drafttree_cuda_graph_sets_pending",
-                                        "Prefill graphs and graph sets of the constrained and processed rounds still "
-                                        "to capture while idle (defer_graphs); those prefills and rounds run eagerly "
-                                        "meanwhile", registry=r)
+                                        "Work left for while idle (defer_graphs): steps whose pieces compile, "
+                                        "prefill graphs, round graph sets to capture again over the compiled pieces, "
+                                        "and the constrained and processed rounds' sets (those prefills and rounds "
+                                        "run eagerly meanwhile)", registry=r)
         self.total_pages = Gauge("drafttree_kv_total_pages", "KV pages requests may hold (the pool, less the null page)",
                                  registry=r)
         self.kv_usage = Gauge("drafttree_kv_usage", "KV pages held by requests / KV pages in all (1: full)", registry=r)

@@ -31,6 +31,8 @@
 #   timeline  : startup's generate, the GPU's start at launch (default) against torch's (late-device),
 #               a cold run and two warm each, alternated, about 4 minutes. Needs the GGUF.
 #   serve_ready: `serve` to /ready, cold then warm (up to 9 minutes). Needs the GGUF.
+#   serve_ab  : `serve` to /ready (and to its last graph left for later), this tree against .parts/before/ laid
+#               over it, SERVE_PHASE=cold then warm, two calls back to back. Needs the GGUF.
 #   startup_ab: generate's whole process, this tree against a copy with the files under .parts/before/
 #               laid over it (the change's old files, there by hand), a cold run and two warm each. Needs the GGUF.
 #   quick     : startup (generate only, one cold and one warm run a configuration) and structured (all
@@ -69,7 +71,7 @@
 #   the first drafter_train [.parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl] (10 MB).
 # A machine can be taken back mid-call, and then the parts must travel again: carry them first, in
 # `parts` calls of a few seconds, and run the stages that need the model before the others.
-# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|structured_mixed|serve_ready|startup_ab|
+# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|structured_mixed|serve_ready|startup_ab|serve_ab|
 #        drafter_data|drafter_train
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" .gacc
@@ -130,6 +132,18 @@ case "${1:?stage}" in
     timeout 400 python3 benchmarks/startup_bench.py --tree before=/tmp/before --tree after=. --configs default \
       --reps 2 --run-timeout 150 --out "$OUT/startup_ab.json" > "$OUT/startup_ab.txt" 2>&1
     tail -n 8 "$OUT/startup_ab.txt" ;;
+  serve_ab)  # issue 56: `serve` to /ready and to its last graph left for later, this tree against .parts/before/
+             # laid over a copy of it (as startup_ab): SERVE_PHASE=cold (one run each, ~8 min), then, on the same
+             # machine, SERVE_PHASE=warm (two runs each, alternated)
+    gguf || exit 1
+    rm -rf /tmp/before && mkdir -p /tmp/before && cp -r drafttree pyproject.toml /tmp/before/ \
+      && cp -r .parts/before/. /tmp/before/ || exit 1
+    phase=${SERVE_PHASE:?SERVE_PHASE=cold|warm}
+    flags="--reps 0"; [ "$phase" = warm ] && flags="--warm-only --reps 2"
+    timeout 580 python3 benchmarks/startup_bench.py --tree before=/tmp/before --tree after=. --configs default \
+      --serve --no-generate --keep-models --graphs-wait-s 120 --run-timeout 260 --work .gacc/serve_ab $flags \
+      --out "$OUT/serve_ab_$phase.json" > "$OUT/serve_ab_$phase.txt" 2>&1
+    tail -n 8 "$OUT/serve_ab_$phase.txt" ;;
   serve_ready)   # issue 56: `serve` to /ready, cold then warm, each stopped and recorded if not ready in 270 s
     gguf || exit 1
     timeout 580 python3 benchmarks/startup_bench.py --configs default --reps 1 --serve --no-generate \
@@ -200,6 +214,6 @@ case "${1:?stage}" in
     mkdir -p "$OUT/$run" && cp ".gacc/drafter/$run/train_log.json" ".gacc/drafter/$run/drafter/config.json" "$OUT/$run/" \
       && split -b 15M -d ".gacc/drafter/$run/drafter/model.safetensors" "$OUT/$run/model.safetensors.part"
     grep "τ" "$OUT/train_$run.txt" | tail -n 4 ;;
-  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, serve_ready, startup_ab, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train)"
+  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, serve_ready, startup_ab, serve_ab, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train)"
      exit 2 ;;
 esac

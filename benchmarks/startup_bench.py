@@ -223,6 +223,9 @@ def main() -> int:
     p.add_argument("--keep-models", action="store_true",
                    help="cold runs find the converted default model (linked from the user's cache): no conversion")
     p.add_argument("--work", default=None, help="where the cache directories go (default: a temporary directory)")
+    p.add_argument("--warm-only", action="store_true",
+                   help="keep the cache directories --work holds (from an earlier call's runs) and run warm only: "
+                        "--reps runs per configuration and tree, no cold one")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set in every run's environment (e.g. OMP_WAIT_POLICY=PASSIVE)")
     p.add_argument("--out", default="startup_bench.json")
@@ -239,6 +242,9 @@ def main() -> int:
         for cfg in configs:
             for name in trees:
                 cache = caches[cfg, name] = work / f"{kind}-{cfg}-{name}"
+                if a.warm_only:
+                    cache.mkdir(parents=True, exist_ok=True)
+                    continue
                 shutil.rmtree(cache, ignore_errors=True)
                 cache.mkdir(parents=True)
                 if a.keep_models:
@@ -247,7 +253,7 @@ def main() -> int:
                     if user.is_dir():
                         (cache / "models").symlink_to(user)
         # configs and trees take turns, run by run: a load that comes and goes weighs on each alike
-        for i in range(1 + a.reps):
+        for i in range(1 if a.warm_only else 0, 1 + a.reps):
             for cfg in configs:
                 for name, tree in trees.items():
                     phase = "cold" if i == 0 else "warm"

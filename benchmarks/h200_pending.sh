@@ -4,10 +4,13 @@
 # 30 s after a call ends. The default model's GGUF (98 MB) travels in three parts, one a call,
 # kept in .gacc/; the stages that need the model assemble it and check its sha256. Together they take
 # about 50 minutes of GPU time, so pick.
-# What waits most: the three parts calls, `timeline` (the GPU's start at launch against torch's),
-# `serve_ready` (cold and warm), `drafter_train RUN=dflash|dflash2|dflash2-kl` (the answers are in
-# .parts/responses.jsonl.gz: carry it, no drafter_data call), then `tests` with
-# TESTS=tests/test_structured.py, and `structured` again only for its new per-phase device times.
+# What waits most: the three parts calls (carry .parts/before, the tree at 2a1da97 without its
+# assets, with the third), `serve_ab` SERVE_PHASE=cold then warm (the server's start: prefill graphs,
+# compiling and capturing again after /ready, one warm-up a graph), `tests` with
+# TESTS="tests/test_cuda_graphs.py tests/test_structured.py" (graphs captured again over compiled
+# pieces on a GPU), `drafter_train RUN=dflash2 INIT=.parts/drafter-dflash2-r1` (the DFlash2 drafter of
+# 2026-12-06 continued; carry it with .parts/responses.jsonl.gz and .parts/prompts_heldout.jsonl),
+# then `spec` with its drafter for DFlash2's round cost now that its small ops are compiled pieces.
 #   rank      : the seed's model. The int4 expert kernels at 1, 8, 33 rows (benchmarks/w4a16_bench.py),
 #               then one rank of Kimi K2.6 at TP8 from random weights in the shipped formats
 #               (drafttree.bench.rank): memory against the plan, the decode step against its
@@ -40,7 +43,7 @@
 #   drafter_data, drafter_train: issue 58's side-by-side (docs/dflash2.md), a call each: the target's
 #               answers to the training prompts (REGEN_S, default 420 s), then one run a call
 #               (RUN=dflash|dflash-kl|dflash2|dflash2-kl; TRAIN_S of training from the shipped
-#               drafter, default 300 s, then τ of its chain and DDTree 32 on 48 held-out prompts,
+#               drafter or INIT's, default 300 s, then τ of its chain and DDTree 32 on 48 held-out prompts,
 #               outputs checked against plain decoding); the data stays in .gacc/ only while the
 #               machine is held, so these calls go back to back; drafter_data's answers also come back
 #               gzipped ($OUT/responses.jsonl.gz): kept as .parts/responses.jsonl.gz and carried (with
@@ -159,10 +162,10 @@ case "${1:?stage}" in
     tail -n 8 "$OUT/startup.txt"; tail -n 20 "$OUT/structured.txt" ;;
   spec)      # issue 57: auto against plain and fixed budgets, T 0/0.7/1, batch 1/16/64, two prompt sets
     gguf || exit 1
-    set=${SPEC_SET:-humaneval}   # one prompt set a call: humaneval, then sharegpt_heldout
+    set=${SPEC_SET:-humaneval}   # one prompt set a call: humaneval, then sharegpt_heldout; DRAFT=dir: another drafter
     timeout 540 python3 -m drafttree bench --prompts ".parts/$set.jsonl" \
       --num-prompts 64 --max-tokens 64 --methods ar,ddtree --budgets auto,8,31 --temperatures 0,0.7,1 \
-      --batch 1,16,64 --repeats 3 --out "$OUT/never_loses_$set" > "$OUT/never_loses.txt" 2>&1
+      --batch 1,16,64 --repeats 3 ${DRAFT:+--draft-model "$DRAFT"} --out "$OUT/never_loses_$set" > "$OUT/never_loses.txt" 2>&1
     grep "repeats, median" "$OUT/never_loses.txt" ;;
   plainround)   # issue 57: where a drafter's engine's plain rounds spend the 1-4 % more GPU time a round at batch 16
     gguf || exit 1
@@ -204,7 +207,7 @@ case "${1:?stage}" in
       *) echo "unknown RUN $run"; exit 2 ;;
     esac
     timeout 400 python3 -m drafttree train-drafter train --out ".gacc/drafter/$run" --data .gacc/drafter/responses*.jsonl \
-      --init-from-drafter drafttree/assets/drafter-smollm2 --loop-keep 2 --gamma 2 --batch-size 16 --lr 3e-4 \
+      --init-from-drafter "${INIT:-drafttree/assets/drafter-smollm2}" --loop-keep 2 --gamma 2 --batch-size 16 --lr 3e-4 \
       --epochs 100 --seed 5 --train-time-limit "${TRAIN_S:-300}" --eval-num 0 $args > "$OUT/train_$run.txt" 2>&1
     timeout 150 python3 -m drafttree train-drafter eval --out ".gacc/drafter/$run" \
       --eval-prompts .gacc/drafter/prompts_heldout.jsonl --eval-num 48 --no-cuda-graphs --max-num-seqs 48 \

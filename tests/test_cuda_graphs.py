@@ -860,7 +860,7 @@ def test_prefill_graphs_left_for_later_are_captured_while_idle_first(pair, fake_
     pg, rg = runner.prefill_graphs, runner.graphs
     shapes, sets, jobs = pg.shapes(), len(rg.pending), len(runner.compile_jobs)
     assert not pg.graphs and pg.pending == shapes and eng.graphs_pending == jobs + len(shapes) + len(rg.upgrade) + sets
-    assert "more later" in runner.describe_graphs()
+    assert f"{len(shapes)} prefill graphs later" in runner.describe_graphs()
 
     def generate() -> list[list[int]]:
         seqs = [eng.add_request(p, s) for p, s in zip(prompts, sp)]

@@ -217,8 +217,13 @@ def test_warmup_plan_stays_within_the_context_the_pool_and_rows():
 
 def test_ready_line_counts_prefill_graphs_from_zero_and_at_offsets():
     from drafttree.runner.model_runner import ModelRunner
-    pg = SimpleNamespace(failed=False, graphs=dict.fromkeys([(1, 16, 0), (1, 16, 1024), (2, 16, 1024)]))
+    pg = SimpleNamespace(failed=False, graphs=dict.fromkeys([(1, 16, 0), (1, 16, 1024), (2, 16, 1024)]), pending=[])
     runner = SimpleNamespace(graphs=SimpleNamespace(graphs={0: None}), prefill_graphs=pg)
     assert ModelRunner.describe_graphs(runner) == "1 round graphs, 3 prefill graphs (1 from position 0, 2 at offsets)"
-    pg.failed = True
+    pg.pending = [(4, 16, 0), (4, 16, 1024)]   # a server's, left for while idle
+    assert ModelRunner.describe_graphs(runner) == \
+        "1 round graphs, 3 prefill graphs (1 from position 0, 2 at offsets), 2 more later"
+    pg.graphs = {}
+    assert ModelRunner.describe_graphs(runner) == "1 round graphs, 2 prefill graphs later, while idle"
+    pg.failed, pg.pending = True, []
     assert ModelRunner.describe_graphs(runner) == "1 round graphs, prefill eager"

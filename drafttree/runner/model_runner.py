@@ -189,7 +189,7 @@ class ModelRunner:
         collectives are captured too)."""
         if self.compile_jobs:
             B, mode, kv_len, st = self.compile_jobs.pop(0)
-            self._run_parked(B, mode, kv_len, (st,))
+            self._run_parked([(B, mode, st)], kv_len)
             return True
         if self.prefill_graphs is not None and self.prefill_graphs.capture_next():
             return True
@@ -223,13 +223,7 @@ class ModelRunner:
         read from its cache, before any capture. Leaves the round state as it found it; returns
         the steps run."""
         steps = self._kernel_steps(modes, batch_sizes, constrained, processed)
-        saved = self.state.snapshot()
-        for B, mode, st in steps:
-            self.state.park(0, B)
-            st.run(self.round_ctx, B, kv_len, mode)
-        self.state.restore(saved)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        self._run_parked(steps, kv_len)
         return len(steps)
 
     def _kernel_steps(self, modes: tuple[SampleMode, ...], batch_sizes: list[int], constrained: bool,
@@ -239,11 +233,12 @@ class ModelRunner:
                                        processed and mode in PROCESSED_MODES)]
 
     @torch.inference_mode()
-    def _run_parked(self, B: int, mode: SampleMode, kv_len: int, steps: tuple[PhaseStep, ...]) -> None:
-        """Run steps eagerly over rows parked at KV length kv_len, the round state put back after."""
+    def _run_parked(self, steps: list[tuple[int, SampleMode, PhaseStep]], kv_len: int) -> None:
+        """Run (batch, mode, step)s eagerly, each over rows parked at KV length kv_len; the round
+        state is put back after."""
         saved = self.state.snapshot()
         try:
-            for st in steps:
+            for B, mode, st in steps:
                 self.state.park(0, B)
                 st.run(self.round_ctx, B, kv_len, mode)
         finally:
@@ -261,7 +256,8 @@ class ModelRunner:
         prefill = "prefill eager" if not shapes else \
             f"{len(shapes)} prefill graphs ({len(shapes) - offsets} from position 0, {offsets} at offsets)"
         if pg is not None and pg.pending:
-            prefill += f", {len(pg.pending)} more later"
+            prefill = f"{len(pg.pending)} prefill graphs later, while idle" if not shapes else \
+                prefill + f", {len(pg.pending)} more later"
         return f"{len(self.graphs.graphs)} round graphs, {prefill}"
 
     def graph_keys(self) -> set[GraphKey]:

@@ -94,7 +94,7 @@ class PrefillGraphs:
         arriving meanwhile waits for one capture at most."""
         if not self.pending:
             return False
-        if len(self.pending) == len(self.shapes()):
+        if not self.graphs:
             # what eager prefills left cached in the allocator goes back first: the graphs' pool
             # takes what the start-up would have given it
             torch.cuda.empty_cache()

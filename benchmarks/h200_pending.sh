@@ -5,7 +5,7 @@
 # kept in .gacc/; the stages that need the model assemble it and check its sha256. Together they take
 # about 50 minutes of GPU time, so pick.
 # What waits most: the three parts calls (carry .parts/before, the tree at 2a1da97 without its
-# assets, with the third), `serve_ab` SERVE_PHASE=cold then warm (the server's start: prefill graphs,
+# assets, with the third), `serve_ab` SERVE_PHASE=cold, warm, then idle (the server's start: prefill graphs,
 # compiling and capturing again after /ready, one warm-up a graph), `tests` with
 # TESTS="tests/test_cuda_graphs.py tests/test_structured.py" (graphs captured again over compiled
 # pieces on a GPU), `drafter_train RUN=dflash2 INIT=.parts/drafter-dflash2-r1` (the DFlash2 drafter of
@@ -34,8 +34,8 @@
 #   timeline  : startup's generate, the GPU's start at launch (default) against torch's (late-device),
 #               a cold run and two warm each, alternated, about 4 minutes. Needs the GGUF.
 #   serve_ready: `serve` to /ready, cold then warm (up to 9 minutes). Needs the GGUF.
-#   serve_ab  : `serve` to /ready (and to its last graph left for later), this tree against .parts/before/ laid
-#               over it, SERVE_PHASE=cold then warm, two calls back to back. Needs the GGUF.
+#   serve_ab  : `serve` to /ready, this tree against .parts/before/ laid over it, SERVE_PHASE=cold then warm,
+#               then idle (this tree alone, to the end of its idle work), calls back to back. Needs the GGUF.
 #   startup_ab: generate's whole process, this tree against a copy with the files under .parts/before/
 #               laid over it (the change's old files, there by hand), a cold run and two warm each. Needs the GGUF.
 #   quick     : startup (generate only, one cold and one warm run a configuration) and structured (all
@@ -135,17 +135,23 @@ case "${1:?stage}" in
     timeout 400 python3 benchmarks/startup_bench.py --tree before=/tmp/before --tree after=. --configs default \
       --reps 2 --run-timeout 150 --out "$OUT/startup_ab.json" > "$OUT/startup_ab.txt" 2>&1
     tail -n 8 "$OUT/startup_ab.txt" ;;
-  serve_ab)  # issue 56: `serve` to /ready and to its last graph left for later, this tree against .parts/before/
-             # laid over a copy of it (as startup_ab): SERVE_PHASE=cold (one run each, ~8 min), then, on the same
-             # machine, SERVE_PHASE=warm (two runs each, alternated)
+  serve_ab)  # issue 56: `serve` to /ready, this tree against .parts/before/ laid over a copy of it (as
+             # startup_ab): SERVE_PHASE=cold (one run each, up to ~9 min), then, on the same machine,
+             # SERVE_PHASE=warm (two runs each, alternated), then SERVE_PHASE=idle (this tree once more, warm,
+             # followed to the end of the work it leaves for while idle: graphs_done_s)
     gguf || exit 1
     rm -rf /tmp/before && mkdir -p /tmp/before && cp -r drafttree pyproject.toml /tmp/before/ \
       && cp -r .parts/before/. /tmp/before/ || exit 1
-    phase=${SERVE_PHASE:?SERVE_PHASE=cold|warm}
-    flags="--reps 0"; [ "$phase" = warm ] && flags="--warm-only --reps 2"
-    timeout 580 python3 benchmarks/startup_bench.py --tree before=/tmp/before --tree after=. --configs default \
-      --serve --no-generate --keep-models --graphs-wait-s 120 --run-timeout 260 --work .gacc/serve_ab $flags \
-      --out "$OUT/serve_ab_$phase.json" > "$OUT/serve_ab_$phase.txt" 2>&1
+    phase=${SERVE_PHASE:?SERVE_PHASE=cold|warm|idle}
+    trees="--tree before=/tmp/before --tree after=."
+    case $phase in
+      cold) flags="--reps 0 --graphs-wait-s 0 --run-timeout 260" ;;
+      warm) flags="--warm-only --reps 2 --graphs-wait-s 0 --run-timeout 200" ;;
+      idle) flags="--warm-only --reps 1 --graphs-wait-s 480 --run-timeout 500"; trees="--tree after=." ;;
+      *) echo "unknown SERVE_PHASE $phase"; exit 2 ;;
+    esac
+    timeout 580 python3 benchmarks/startup_bench.py $trees --configs default --serve --no-generate --keep-models \
+      --work .gacc/serve_ab $flags --out "$OUT/serve_ab_$phase.json" > "$OUT/serve_ab_$phase.txt" 2>&1
     tail -n 8 "$OUT/serve_ab_$phase.txt" ;;
   serve_ready)   # issue 56: `serve` to /ready, cold then warm, each stopped and recorded if not ready in 270 s
     gguf || exit 1

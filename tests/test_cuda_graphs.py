@@ -951,3 +951,33 @@ def test_a_server_engine_compiles_its_pieces_after_start_up_while_idle(pair, fak
         e = Engine(EngineConfig(**{**kw, "defer_graphs": True, **other}))
         assert e.settings is e.graph_settings and not e.runner.compile_jobs and not e.runner.graphs.upgrade
         e.shutdown()
+
+
+def test_a_compile_step_that_fails_while_idle_leaves_the_start_graphs(pair, fake_cuda_graphs, monkeypatch, caplog):
+    """A step of the idle compile work that raises (not a compiler's failure, which the pieces turn
+    into torch ops themselves) ends that work: said once, the start's graphs kept and replayed, the
+    graphs left for later still captured."""
+    from drafttree.engine.engine import Engine
+    t, d = pair
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
+              max_num_seqs=2, max_model_len=64, cuda_graphs=True, prefill_graphs=False)
+    eng = Engine(EngineConfig(**kw, defer_graphs=True))
+    runner, rg = eng.runner, eng.runner.graphs
+    start = dict(rg.graphs)
+    parked = runner._run_parked
+    calls = []
+
+    def fail_second(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (test)")
+        return parked(*a)
+    monkeypatch.setattr(runner, "_run_parked", fail_second)
+    with caplog.at_level("ERROR"):
+        while eng.capture_later():
+            pass
+    assert len(calls) == 2 and not runner.compile_jobs and not rg.upgrade and not rg.pending
+    assert sum("left for later failed" in r.message for r in caplog.records) == 1
+    assert all(rg.graphs[k] is v for k, v in start.items())   # kept, not captured again
+    assert any(k.constrained for k in rg.graphs)               # the later sets came in all the same
+    eng.shutdown()

@@ -334,8 +334,9 @@ class Engine:
                 self._on_ranks(self.runner.capture_next)   # its warm-up and capture run collectives
         except TensorParallelError:
             raise
-        except Exception:   # the rounds it was for run eagerly instead (counted as fallbacks): said, not fatal
-            log.exception("capturing a graph set left for later failed; no more are captured")
+        except Exception:   # said, not fatal: the work of its kind stops (`ModelRunner.capture_next`)
+            log.exception("work left for later failed; no more of its kind is done (its rounds replay the "
+                          "start's graphs or run eagerly, counted as fallbacks)")
         return self.runner.graphs_pending > 0
 
     # -- the loop ----------------------------------------------------------------------------

@@ -189,7 +189,15 @@ class ModelRunner:
         collectives are captured too)."""
         if self.compile_jobs:
             B, mode, kv_len, st = self.compile_jobs.pop(0)
-            self._run_parked([(B, mode, st)], kv_len)
+            try:
+                self._run_parked([(B, mode, st)], kv_len)
+            except Exception:
+                # the start's graphs stay (pieces as torch ops): nothing is captured again over pieces
+                # that did not compile
+                self.compile_jobs.clear()
+                if self.graphs is not None:
+                    self.graphs.upgrade.clear()
+                raise
             return True
         if self.prefill_graphs is not None and self.prefill_graphs.capture_next():
             return True

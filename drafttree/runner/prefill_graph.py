@@ -98,8 +98,12 @@ class PrefillGraphs:
             # what eager prefills left cached in the allocator goes back first: the graphs' pool
             # takes what the start-up would have given it
             torch.cuda.empty_cache()
-        with collector_paused():
-            self._capture_shape(self.pending.pop(0))
+        try:
+            with collector_paused():
+                self._capture_shape(self.pending.pop(0))
+        except Exception:
+            self.pending.clear()   # the rest would fail alike: prefill eager for their shapes, counted
+            raise
         return True
 
     def _capture_shape(self, shape: Shape) -> bool:

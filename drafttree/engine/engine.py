@@ -142,14 +142,15 @@ class Engine:
         self._outputs = RoundOutputs(cfg.max_num_seqs, self.runner.state.out.shape[1], self.device)
         self._rows: BatchRows | None = None              # `_batch_rows`' last batch
         self._reasons: dict[tuple, str] = {}             # `_plain_reason` by (bucket, allowed, cap)
-        if prepare.compiles_later(setup, tp, self.settings):
+        compile_later = prepare.compiles_later(setup, tp, self.settings)
+        if compile_later:
             # the start compiles nothing: the engine runs the pieces as torch ops, and its graphs
             # are captured again over compiled ones after it serves, while idle
             self.settings = self.settings.replace(compile="0")
         with scope(self.settings):
             if setup.cuda_graphs:
                 prepare.capture_graphs(setup, self.runner, sched.prefill if setup.prefill_graphs else None,
-                                       self.startup, compiled, compile_later=self.settings is not self.graph_settings)
+                                       self.startup, compiled, compile_later)
             self.costs = prepare.cost_model(setup, self.runner, tp, self.startup) if self.spec.adaptive else None
         if self.costs is not None:
             log.info("%s", self.costs.format())

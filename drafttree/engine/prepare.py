@@ -93,8 +93,11 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
     before, traced = _compiled(dirs), compile_cache.compile_seconds()
     with startup.stage("kernels"):
         startup.progress("one eager round of each step")
-        n = runner.warm_kernels(setup.sampler_modes, cache.batch_buckets[:2], kv_lengths[0],
-                                setup.structured_graphs, setup.processed_graphs)
+        # (the steps, at one row and at several: torch.compile specializes on 1; run again while
+        # idle where the pieces compile later)
+        kernel_steps = (setup.sampler_modes, cache.batch_buckets[:2], kv_lengths[0], setup.structured_graphs,
+                        setup.processed_graphs)
+        n = runner.warm_kernels(*kernel_steps)
         startup.note("kernels", f"{n} steps run, {_compiled(dirs) - before} files compiled into the cache"
                                 + _in_compile(traced))
     before, traced = _compiled(dirs), compile_cache.compile_seconds()
@@ -116,8 +119,7 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
     for stage, seconds in stages.items():
         startup.add(stage, seconds)
     if compile_later:
-        runner.compile_later(setup.sampler_modes, cache.batch_buckets[:2], kv_lengths[0], setup.structured_graphs,
-                             setup.processed_graphs)
+        runner.compile_later(*kernel_steps)
         startup.note("kernels", startup.notes.get("kernels", "") + "; the pieces as torch ops: "
                      f"{len(runner.compile_jobs)} steps compile and {len(runner.graphs.upgrade)} graph sets are "
                      "captured again over them after start-up, while idle")

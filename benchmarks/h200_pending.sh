@@ -150,6 +150,7 @@ case "${1:?stage}" in
       idle) flags="--warm-only --reps 1 --graphs-wait-s 480 --run-timeout 500"; trees="--tree after=." ;;
       *) echo "unknown SERVE_PHASE $phase"; exit 2 ;;
     esac
+    [ "${SERVE_BEFORE:-1}" = 0 ] && trees="--tree after=."   # this tree alone (the old tree's figure known)
     timeout 580 python3 benchmarks/startup_bench.py $trees --configs default --serve --no-generate --keep-models \
       --work .gacc/serve_ab $flags --out "$OUT/serve_ab_$phase.json" > "$OUT/serve_ab_$phase.txt" 2>&1
     tail -n 8 "$OUT/serve_ab_$phase.txt" ;;

@@ -350,9 +350,24 @@ def at_temperature(logits: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
     return logits / torch.where(temp > 0, temp, 1.0)[:, None, None]
 
 
-@fused
-def sample_rows(logits: torch.Tensor, temp: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor,
-                thr: torch.Tensor | None = None) -> torch.Tensor:
+# Uncompiled, `sample_rows` holds a few int64 and fp32 temporaries of [R, N, V] (~40 bytes a
+# logit) where compiled it holds none: its torch ops take at most this many logits at a time, which
+# keeps them inside the graph pools' estimate (`graph_plan`) at every batch a server captures.
+EAGER_SAMPLE_LOGITS = 1 << 25
+
+
+def _sample_rows_in_chunks(logits: torch.Tensor, temp: torch.Tensor, seed: torch.Tensor,
+                           positions: torch.Tensor, thr: torch.Tensor | None = None) -> torch.Tensor:
+    R, N, V = logits.shape
+    rows = max(1, EAGER_SAMPLE_LOGITS // (N * V))
+    if R <= rows:
+        return _sample_rows(logits, temp, seed, positions, thr)
+    return torch.cat([_sample_rows(logits[r:r + rows], temp[r:r + rows], seed[r:r + rows], positions[r:r + rows],
+                                   None if thr is None else thr[r:r + rows]) for r in range(0, R, rows)])
+
+
+def _sample_rows(logits: torch.Tensor, temp: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor,
+                 thr: torch.Tensor | None = None) -> torch.Tensor:
     """Gumbel-max over the logits at each row's temperature (with `thr` [R, N], over those whose
     logits are >= thr: see `filter_thresholds`), the argmax of `logits` where the temperature is
     0. On CUDA this compiles to one or two reductions instead of ~25 launches over [R, N, V] (the
@@ -362,3 +377,6 @@ def sample_rows(logits: torch.Tensor, temp: torch.Tensor, seed: torch.Tensor, po
         scaled = torch.where(logits >= thr[..., None], scaled, float("-inf"))
     sampled = (scaled + gumbel_noise(seed, positions, logits.shape[-1])).argmax(dim=-1)
     return torch.where((temp > 0)[:, None], sampled, logits.argmax(dim=-1))
+
+
+sample_rows = fused(_sample_rows, eager=_sample_rows_in_chunks)

@@ -238,6 +238,28 @@ def test_sampler_compiles_and_matches_eager(set_settings):
             assert not torch.equal(want[0], logits[0].argmax(-1))       # the sampled row samples
 
 
+def test_uncompiled_sampler_takes_a_bounded_number_of_logits_at_a_time(monkeypatch):
+    """Uncompiled (a server's start runs the pieces as torch ops), `sample_rows` hashes at most
+    EAGER_SAMPLE_LOGITS logits at once: a verify graph at batch 256 once asked for 3 GiB for one of
+    its int64 temporaries and ran out of memory. The picks equal those of the whole batch at once."""
+    from drafttree import sampling
+    g = torch.Generator().manual_seed(4)
+    R, N, V = 7, 3, 50
+    logits = torch.randn(R, N, V, generator=g) * 2
+    temp = torch.tensor([0.0, 0.8, 1.0, 1.5, 0.0, 0.3, 1.0])
+    seed = torch.arange(R) + 5
+    pos = torch.arange(N)[None, :] + 9 + torch.arange(R)[:, None]
+    thr = logits.topk(20, dim=-1).values[..., -1]
+    want = [sampling._sample_rows(logits, temp, seed, pos, t) for t in (None, thr)]
+    sizes = []
+    noise = sampling.gumbel_noise
+    monkeypatch.setattr(sampling, "gumbel_noise", lambda s, p, v: sizes.append(p.numel() * v) or noise(s, p, v))
+    monkeypatch.setattr(sampling, "EAGER_SAMPLE_LOGITS", 2 * N * V)
+    got = [sampling.sample_rows(logits, temp, seed, pos, t) for t in (None, thr)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(sizes) == 8 and max(sizes) <= 2 * N * V   # 4 chunks of at most 2 rows, twice
+
+
 def test_compiled_pieces_are_cached_with_the_converted_models(set_settings, monkeypatch, tmp_path):
     """Inductor's cache, and Triton's beside it, go under settings.cache in this platform's
     directory unless TORCHINDUCTOR_CACHE_DIR (TRITON_CACHE_DIR) names one, and are set before the

@@ -31,14 +31,19 @@ F = TypeVar("F", bound=Callable)
 log = logging.getLogger(__name__)
 
 
-def fused(fn: F) -> F:
+def fused(fn: F | None = None, *, eager: Callable | None = None) -> F:
+    """`eager`: what runs where the piece is not compiled, in place of `fn` itself (the same
+    result, computed with less memory where `fn`'s torch ops would hold large temporaries)."""
+    if fn is None:
+        return functools.partial(fused, eager=eager)  # type: ignore[return-value]
     compiled: list[Callable | None] = []
+    ops = eager or fn
 
     @functools.wraps(fn)
     def wrapper(x: torch.Tensor, *args, **kwargs):
         mode = current().compile
         if mode == "0" or not (x.is_cuda or mode == "cpu") or compiled == [None]:
-            return fn(x, *args, **kwargs)
+            return ops(x, *args, **kwargs)
         if not compiled:
             compiled.append(_compile(fn))
         try:
@@ -46,7 +51,7 @@ def fused(fn: F) -> F:
         except Exception as e:
             # A compiler that fails on this platform costs the piece its fusion, not the request:
             # where the torch ops succeed, they run from now on. (Errors of the inputs raise again.)
-            out = fn(x, *args, **kwargs)
+            out = ops(x, *args, **kwargs)
             log.warning("compiling %s failed (%s: %s); it runs as torch ops", fn.__name__, type(e).__name__,
                         str(e).splitlines()[0] if str(e) else "")
             compiled[0] = None

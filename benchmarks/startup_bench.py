@@ -184,20 +184,39 @@ def run_serve(tree: Path, env: dict[str, str], args: list[str], a: argparse.Name
     metrics = _get(url + "/metrics")[1] if r["ready"] else ""
     r["metrics_stages"] = {m.group(1): float(m.group(2)) for m in
                            re.finditer(r'drafttree_startup_seconds\{stage="([^"]+)"\} ([\d.e+-]+)', metrics)}
-    # graph sets left for after /ready (defer_graphs): when the idle server had them all
-    r["graphs_done_s"] = None
-    while r["ready"] and proc.poll() is None and time.perf_counter() - t0 < a.graphs_wait_s:
-        m = re.search(r"^drafttree_cuda_graph_sets_pending ([\d.e+-]+)", _get(url + "/metrics")[1], re.MULTILINE)
-        if m is None or float(m.group(1)) == 0:
-            r["graphs_done_s"] = time.perf_counter() - t0 if m is not None else None
-            break
-        time.sleep(0.25)
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    # work left for after /ready (defer_graphs): when the idle server had done it all. Its output is
+    # read meanwhile (a pipe nobody reads fills, and the server then blocks on its next log line),
+    # and the gauge's count is kept every few seconds and printed, for a call stopped before the end.
+    r["graphs_done_s"], r["pending"] = None, []
+    if r["ready"] and a.graphs_wait_s > time.perf_counter() - t0:
+        last = [0.0]
+
+        def idle_done() -> bool:
+            now = time.perf_counter()
+            if proc.poll() is not None or now - last[0] < 0.25:
+                return proc.poll() is not None
+            last[0] = now
+            m = re.search(r"^drafttree_cuda_graph_sets_pending ([\d.e+-]+)", _get(url + "/metrics")[1], re.MULTILINE)
+            if m is None:
+                return True
+            n = float(m.group(1))
+            if not r["pending"] or now - t0 - r["pending"][-1][0] >= 5 or n == 0:
+                r["pending"].append((round(now - t0, 2), n))
+                print(f"  idle work: {n:.0f} pending at {now - t0:.0f} s", flush=True)
+            if n == 0:
+                r["graphs_done_s"] = now - t0
+            return n == 0
+
+        idle = follow(proc, t0, until=idle_done, timeout=a.graphs_wait_s, ignore=r'"GET /(ready|metrics) HTTP')
+        r["idle_timeline"] = idle["timeline"][-60:]
+        r["stderr"] += idle["stderr"]
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     r["stages"] = stages(r["stderr"])
     r.pop("stdout")
     r["stderr"] = r["stderr"][-4000:]
@@ -278,8 +297,9 @@ def main() -> int:
         for cfg in configs:
             for name in trees:
                 for phase in ("cold", "warm"):
-                    rs = [r for r in runs
-                          if (r["kind"], r["config"], r["tree"], r["phase"]) == (kind, cfg, name, phase)]
+                    # a run stopped at --run-timeout, or a server that never answered /ready, times nothing
+                    rs = [r for r in runs if (r["kind"], r["config"], r["tree"], r["phase"]) == (kind, cfg, name, phase)
+                          and not r["timed_out"] and r.get("ready", True)]
                     if not rs:
                         continue
                     secs = [r["seconds"] for r in rs]

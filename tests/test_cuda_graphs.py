@@ -923,7 +923,7 @@ def test_a_server_engine_compiles_its_pieces_after_start_up_while_idle(pair, fak
     eng = Engine(EngineConfig(**kw, defer_graphs=True))
     runner, rg = eng.runner, eng.runner.graphs
     assert eng.settings.compile == "0" and eng.graph_settings.compile == "1"
-    assert {c for _, c in seen} == {"0"} and runner.compile_jobs and rg.upgrade == rg.sets()
+    assert {c for _, c in seen} == {"0"} and runner.compile_jobs and rg.upgrade == rg.started
     eager = runner.eager_round
     monkeypatch.setattr(runner, "eager_round", lambda *a: seen.append(("eager", current().compile)) or eager(*a))
 
@@ -950,6 +950,7 @@ def test_a_server_engine_compiles_its_pieces_after_start_up_while_idle(pair, fak
     for other in (dict(deterministic=True), dict(defer_graphs=False)):
         e = Engine(EngineConfig(**{**kw, "defer_graphs": True, **other}))
         assert e.settings is e.graph_settings and not e.runner.compile_jobs and not e.runner.graphs.upgrade
+        assert e.runner.graphs.started == e.runner.graphs.sets()   # every set before it serves
         e.shutdown()
 
 
@@ -981,3 +982,64 @@ def test_a_compile_step_that_fails_while_idle_leaves_the_start_graphs(pair, fake
     assert all(rg.graphs[k] is v for k, v in start.items())   # kept, not captured again
     assert any(k.constrained for k in rg.graphs)               # the later sets came in all the same
     eng.shutdown()
+
+
+def test_a_server_engine_serves_from_the_first_sets_until_the_others_are_in(pair, fake_cuda_graphs):
+    """defer_graphs, not deterministic: the start captures, at each batch bucket, the most general
+    mode at the shortest and the longest KV bucket; every other set is left for while idle (the
+    shortest KV buckets and smallest batches first), and its rounds replay those meanwhile — greedy
+    and sampled, short and past the first KV bucket — to the tokens of an engine without graphs,
+    none eagerly. Once the idle work is done each round replays its own set."""
+    from drafttree.engine.engine import Engine
+    from drafttree.runner.cuda_graph import GraphSet
+    t, d = pair
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
+              max_num_seqs=2, max_model_len=1100, cuda_graphs=True, prefill_graphs=False)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 59, (n,), generator=g).tolist() for n in (6, 1030, 9)]
+    sp = [SamplingParams(temperature=T, seed=i, max_tokens=6, ignore_eos=True) for i, T in enumerate((0.0, 0.0, 0.9))]
+    want = [o.token_ids for o in LLM(**{**kw, "cuda_graphs": False, "prefill_graphs": None}).generate(prompts, sp)]
+    eng = Engine(EngineConfig(**kw, defer_graphs=True))
+    rg = eng.runner.graphs
+    top, (short, long) = max(rg.modes), rg.kv_lengths
+    assert len(rg.modes) > 1 and short == 1024
+    assert set(rg.started) == {GraphSet(B, top, L) for B in (1, 2) for L in (short, long)}
+    rest = [s for s in rg.pending if s not in rg.started]
+    assert set(rest) == set(rg.sets()) - set(rg.started) and rest == sorted(rest, key=lambda s: (s.kv_len, s.batch, s.mode))
+    eager = []
+    real = eng.runner.eager_round
+    eng.runner.eager_round = lambda *a: eager.append(a[:3]) or real(*a)
+
+    def generate() -> list[list[int]]:
+        seqs = [eng.add_request(p, s) for p, s in zip(prompts, sp)]
+        while eng.has_unfinished():
+            eng.step()
+        return [s.output_ids for s in seqs]
+    assert generate() == want
+    assert rg.stand_ins > 0 and rg.fallbacks == 0
+    assert not [a for a in eager if GraphSet(eng.runner.cache_cfg.batch_bucket(a[0]), a[2], a[1]) not in rg.pending]
+    while eng.capture_later():
+        pass
+    assert not rg.pending and set(s for s in rg.sets()) <= {GraphSet(k.batch, k.mode, k.kv_len) for k in rg.graphs
+                                                           if k.mode is not None and k.kv_len}
+    used, eager[:] = rg.stand_ins, []
+    assert generate() == want
+    assert rg.stand_ins == used and rg.fallbacks == 0 and not eager
+    eng.shutdown()
+
+
+def test_what_a_start_captures_first():
+    """Only an engine that leaves graphs for later and is not deterministic captures the first sets
+    alone; with a cost table still to measure, the modes it times come at the shortest KV bucket too."""
+    from types import SimpleNamespace
+
+    from drafttree.engine.prepare import first_modes
+    from drafttree.sampling import SampleMode as M
+    from drafttree.settings import Settings
+    modes = (M.GREEDY, M.SAMPLE, M.FILTERED)
+    setup = lambda defer, adaptive=True: SimpleNamespace(defer_graphs=defer, sampler_modes=modes,  # noqa: E731
+                                                         spec=SimpleNamespace(adaptive=adaptive))
+    plain, det = Settings(), Settings(deterministic=True)
+    assert first_modes(setup(False), plain, None) is None and first_modes(setup(True), det, object()) is None
+    assert first_modes(setup(True), plain, object()) == () and first_modes(setup(True, False), plain, None) == ()
+    assert first_modes(setup(True), plain, None) == (M.GREEDY, M.SAMPLE)

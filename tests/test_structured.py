@@ -461,7 +461,7 @@ def deferred(pair, **kw):
 
 
 def test_graphs_left_for_later_are_captured_while_idle(pair, plain, fake_cuda_graphs):
-    """defer_graphs: the engine starts with the free rounds' graphs only; until their sets are
+    """defer_graphs: the engine starts with the first sets' free rounds' graphs only; until their sets are
     captured, constrained and processed rounds run eagerly (not counted as fallbacks) to the same
     tokens; a server's engine thread captures them while no request runs, one graph at a time."""
     import time
@@ -472,11 +472,12 @@ def test_graphs_left_for_later_are_captured_while_idle(pair, plain, fake_cuda_gr
     eng, cfg, (prompts, params), generate = deferred(pair, device="cpu", cuda_graphs=True, prefill_graphs=False)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     gr = eng.runner.graphs
-    sets = len(gr.set_seconds)
-    # the pieces compile after start-up too (`prepare.compiles_later`): those steps, then every set again
+    sets, started = len(gr.sets()), len(gr.set_seconds)
+    # the start captures the sets that serve every round, the others later (`first_sets`); the pieces
+    # compile after start-up too (`prepare.compiles_later`): those steps, then the start's sets again
     jobs = len(eng.runner.compile_jobs)
-    assert len(gr.pending) == len(gr.upgrade) == sets > 0 and jobs > 0
-    assert eng.graphs_pending == jobs + 2 * sets
+    assert len(gr.pending) == sets > started == len(gr.upgrade) > 0 and jobs > 0
+    assert eng.graphs_pending == jobs + sets + started
     assert not any(k.constrained or k.processed for k in gr.graphs)
     assert generate() == want
     assert gr.fallbacks == 0

@@ -148,10 +148,12 @@ class Engine:
             # are captured again over compiled ones after it serves, while idle
             self.settings = self.settings.replace(compile="0")
         with scope(self.settings):
+            costs = prepare.read_costs(setup, self.runner, tp) if self.spec.adaptive else None
             if setup.cuda_graphs:
                 prepare.capture_graphs(setup, self.runner, sched.prefill if setup.prefill_graphs else None,
-                                       self.startup, compiled, compile_later)
-            self.costs = prepare.cost_model(setup, self.runner, tp, self.startup) if self.spec.adaptive else None
+                                       self.startup, compiled, compile_later,
+                                       prepare.first_modes(setup, self.settings, costs))
+            self.costs = prepare.cost_model(setup, self.runner, tp, self.startup, costs) if self.spec.adaptive else None
         if self.costs is not None:
             log.info("%s", self.costs.format())
         self.reset_choice()

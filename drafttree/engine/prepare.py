@@ -15,7 +15,7 @@ from drafttree.engine.plan import EngineSetup, graph_kv_lengths
 from drafttree.engine.startup import StartupTimes
 from drafttree.kernels import compile_cache
 from drafttree.parallel.group import TPGroup
-from drafttree.runner.cost import BUDGET_S, KEEP_SPREAD, CostTable, measure
+from drafttree.runner.cost import BUDGET_S, KEEP_SPREAD, CostTable, measure, timing_modes
 from drafttree.runner.model_runner import ModelRunner
 from drafttree.runner.prefill_plan import PrefillLimits
 from drafttree.settings import Settings, current
@@ -82,12 +82,27 @@ def compiles_later(setup: EngineSetup, tp: TPGroup | None, settings: Settings) -
     return setup.defer_graphs and tp is None and not settings.deterministic and settings.compile != "0"
 
 
+def first_modes(setup: EngineSetup, settings: Settings, costs: CostTable | None) -> tuple | None:
+    """Where an engine captures before it serves only the round graphs that serve every round
+    (`RoundGraphs.first_sets`) and the rest while idle: one that leaves graphs for later
+    (defer_graphs) and is not deterministic (a round in another set's graphs attends over more
+    slots, the same tokens but not the same bits). With a cost table to measure, the modes it
+    times are captured at the shortest KV bucket too (it times graphs). None: every set."""
+    if not setup.defer_graphs or settings.deterministic:
+        return None
+    if costs is not None or not setup.spec.adaptive:
+        return ()
+    return tuple(m for m in timing_modes(setup.sampler_modes).values() if m is not None)
+
+
 def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimits | None,
-                   startup: StartupTimes, dirs: dict[str, str], compile_later: bool = False) -> None:
+                   startup: StartupTimes, dirs: dict[str, str], compile_later: bool = False,
+                   first: tuple | None = None) -> None:
     """Compile what a round runs (stage "kernels"), then capture the round graphs the setup asks
     for (a stage per phase, and their warm-ups) and the prefill graphs. `compile_later`: the
-    pieces run as torch ops here; the steps are left to compile, and every round graph to be
-    captured again, after the graphs left for later (`ModelRunner.compile_later`)."""
+    pieces run as torch ops here; the steps are left to compile, and the round graphs captured
+    here to be captured again, after the graphs left for later (`ModelRunner.compile_later`).
+    `first` (`first_modes`): only the sets that serve every round here, the others while idle."""
     cache = runner.cache_cfg
     kv_lengths = graph_kv_lengths(cache, setup.cfg.max_graph_len)
     before, traced = _compiled(dirs), compile_cache.compile_seconds()
@@ -106,11 +121,13 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
         stages = runner.capture(setup.sampler_modes, prefill, cache.batch_buckets, kv_lengths, startup.progress,
                                 constrained=setup.structured_graphs and now, processed=setup.processed_graphs and now,
                                 later=(setup.structured_graphs and not now, setup.processed_graphs and not now),
-                                prefill_later=not now, warmups=WARMUPS_AFTER_KERNELS)
+                                prefill_later=not now, warmups=WARMUPS_AFTER_KERNELS, first_modes=first)
     graphs, compiled = runner.graphs, _compiled(dirs) - before
     startup.parts["graph sets"] = {k.describe(): v for k, v in graphs.set_seconds.items()}
-    later = f"; the constrained and processed rounds' steps of {len(graphs.pending)} sets later, while idle" \
-        if graphs.pending else ""
+    left = len(graphs.sets()) - len(graphs.started)
+    later = f"; {left} more sets later, while idle (their rounds replay these meanwhile)" if left else ""
+    if any(graphs.later):
+        later += "; the constrained and processed rounds' steps later, while idle"
     pg = runner.prefill_graphs
     if pg is not None and pg.pending:
         later += f"; {len(pg.pending)} prefill graphs later, while idle (eager prefill meanwhile)"
@@ -125,16 +142,29 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
                      "captured again over them after start-up, while idle")
 
 
-def cost_model(setup: EngineSetup, runner: ModelRunner, tp: TPGroup | None, startup: StartupTimes) -> CostTable:
-    """The cost table: read from the cache where this engine on this machine measured it before,
-    else measured (within `runner.cost.BUDGET_S`) and kept for later starts."""
-    buckets = runner.cache_cfg.batch_buckets
-    graphed = runner.graphs is not None
-    kv_len = runner.graphs.kv_lengths[0] if graphed else runner.round_kv_len(64)
-    key = caches.cost_key(setup, buckets, kv_len, graphed, current())
-    drafter, traced = runner.drafter is not None, compile_cache.compile_seconds()
+def _cost_key(setup: EngineSetup, runner: ModelRunner) -> dict:
+    """The cost table's key, the same before the graphs are captured as after: it is timed at the
+    shortest KV bucket the engine captures (`cost.measure`)."""
+    graphed = setup.cuda_graphs
+    kv_len = graph_kv_lengths(runner.cache_cfg, setup.cfg.max_graph_len)[0] if graphed else runner.round_kv_len(64)
+    return caches.cost_key(setup, runner.cache_cfg.batch_buckets, kv_len, graphed, current())
+
+
+def read_costs(setup: EngineSetup, runner: ModelRunner, tp: TPGroup | None) -> CostTable | None:
+    """The cost table this engine on this machine measured before, if the cache holds it (read
+    before the graphs: what they capture first depends on it, `first_modes`)."""
+    return caches.load_costs(setup, _cost_key(setup, runner), runner.cache_cfg.batch_buckets,
+                             runner.drafter is not None, tp)
+
+
+def cost_model(setup: EngineSetup, runner: ModelRunner, tp: TPGroup | None, startup: StartupTimes,
+               table: CostTable | None = None) -> CostTable:
+    """The cost table: `table`, read from the cache where this engine on this machine measured it
+    before (`read_costs`), else measured (within `runner.cost.BUDGET_S`) and kept for later starts."""
+    assert (runner.graphs is not None) == setup.cuda_graphs
+    key = _cost_key(setup, runner)
+    traced = compile_cache.compile_seconds()
     with startup.stage("cost model"):
-        table = caches.load_costs(setup, key, buckets, drafter, tp)
         if table is None:
             table = measure(runner, modes=setup.sampler_modes, progress=startup.progress)
             estimated = len(table.estimated)

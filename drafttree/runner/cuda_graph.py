@@ -160,6 +160,8 @@ class RoundGraphs:
         # the graphs it has captured so far (a graph shared by sets is captured once)
         self.upgrade: list[GraphSet] = []
         self._fresh: set[GraphKey] = set()
+        self.started: list[GraphSet] = []   # the sets `capture` captured (all, or its `first`)
+        self.stand_ins = 0                  # rounds that replayed another set's graphs (`replay`)
         self.later_seconds = 0.0            # host seconds `capture_next` took
         self.batch_sizes, self.kv_lengths, self.modes = list(batch_sizes), list(kv_lengths), modes
         self.pages_per_row = pages_per_row
@@ -188,14 +190,28 @@ class RoundGraphs:
         return [GraphSet(B, m, L) for L in reversed(self.kv_lengths) for B in reversed(self.batch_sizes)
                 for m in self.modes]
 
+    def first_sets(self, modes_at_shortest: tuple[SampleMode, ...] = ()) -> list[GraphSet]:
+        """The sets that serve every round before the others are in (`capture`'s `first`): at each
+        batch bucket, the most general mode (each mode's sampler gives the modes below it their
+        own picks: `SampleMode`) at the shortest KV bucket and at the longest (a round may attend
+        over more slots than it needs: the others are masked), and `modes_at_shortest` at the
+        shortest (those the cost model times, which it times at their own graphs)."""
+        top, short, long = max(self.modes), self.kv_lengths[0], self.kv_lengths[-1]
+        want = {GraphSet(B, top, L) for B in self.batch_sizes for L in (short, long)}
+        want |= {GraphSet(B, m, short) for B in self.batch_sizes for m in modes_at_shortest if m in self.modes}
+        return [s for s in self.sets() if s in want]
+
     @torch.inference_mode()
-    def capture(self, progress: Callable[[str], None] | None = None) -> dict[str, float]:
+    def capture(self, progress: Callable[[str], None] | None = None,
+                first: list[GraphSet] | None = None) -> dict[str, float]:
         """Capture every step of every (bucket, mode, KV length), a graph shared by several of
-        them once; leaves the round state as it found it. Returns host seconds per phase (and
-        the warm-ups'); `set_seconds` keeps those of each graph set. `progress(text)` hears of
-        each set as it starts."""
+        them once; leaves the round state as it found it. `first`: only those sets (`first_sets`);
+        the others are left for `capture_next`, the shortest KV buckets and the smallest batches
+        first, and a round of theirs replays a captured set meanwhile (`replay`). Returns host
+        seconds per phase (and the warm-ups'); `set_seconds` keeps those of each graph set.
+        `progress(text)` hears of each set as it starts."""
         rc = self.rc
-        jobs = self.sets()
+        jobs = self.sets() if first is None else list(first)
         self.pool = torch.cuda.graph_pool_handle()
         saved = rc.state.snapshot()
         with collector_paused():
@@ -210,7 +226,9 @@ class RoundGraphs:
         slow = sorted(self.set_seconds.items(), key=lambda kv: -kv[1])[:3]
         log.info("captured %d round graphs in %d sets (%.2f s); slowest sets: %s", len(self.graphs), len(jobs),
                  sum(self.set_seconds.values()), ", ".join(f"{k.describe()} {v:.2f} s" for k, v in slow))
-        self.pending = jobs if any(self.later) else []
+        self.started = jobs
+        rest = sorted(set(self.sets()) - set(jobs), key=lambda j: (j.kv_len, j.batch, j.mode))
+        self.pending = rest + (jobs if any(self.later) else [])
         return dict(self.capture_seconds)
 
     def _capture_set(self, job: GraphSet, steps: tuple[PhaseStep, ...]) -> None:
@@ -257,11 +275,12 @@ class RoundGraphs:
 
     @torch.inference_mode()
     def capture_next(self) -> bool:
-        """Capture one more graph of the first set's steps left for later (`later`) into the same
-        pool; False once none is left. Run between engine steps while no request runs (its rows
-        are parked and the round state put back as `capture` does), so that a server fills them
-        in while idle: one graph a call, so that a request arriving meanwhile waits for one
-        capture at most. A set stays pending until its last graph is in."""
+        """Capture one more graph of the first pending set (one `capture` left out, or the steps
+        left for later, `later`) into the same pool; False once none is left. Run between engine
+        steps while no request runs (its rows are parked and the round state put back as
+        `capture` does), so that a server fills them in while idle: one graph a call, so that a
+        request arriving meanwhile waits for one capture at most. A set stays pending until its
+        last graph is in."""
         if not self.pending:
             return False
         job = self.pending[0]
@@ -285,8 +304,8 @@ class RoundGraphs:
         if not self.pending:
             self.constrained, self.processed = self.constrained or self.later[0], self.processed or self.later[1]
             self.later = (False, False)
-            log.info("captured the constrained and processed rounds' graphs left for later in %.2f s: %d round "
-                     "graphs in all", self.later_seconds, len(self.graphs))
+            log.info("captured the round graphs left for later in %.2f s: %d round graphs in all", self.later_seconds,
+                     len(self.graphs))
         return True
 
     def get(self, st: PhaseStep, bucket: int, mode: SampleMode, kv_len: int) -> torch.cuda.CUDAGraph | None:
@@ -297,9 +316,14 @@ class RoundGraphs:
         kv_len cache slots, from graphs; False (counted, warned once per shape) if none fits."""
         B = self.bucket(b)
         graphs = [self.get(st, B, mode, kv_len) for st in steps]
+        if any(g is None for g in graphs) and GraphSet(B, mode, kv_len) in self.pending:
+            # its set is still to come (`capture_next`): a captured set that computes the same
+            # picks stands in, else the round runs eagerly meanwhile, as planned
+            graphs = self._stand_in(B, mode, kv_len, steps)
+            if graphs is None:
+                return False
+            self.stand_ins += 1
         if any(g is None for g in graphs):
-            if GraphSet(B, mode, kv_len) in self.pending and any(st.constrained or st.processed for st in steps):
-                return False   # its set is still to come (`capture_next`): eager meanwhile, as planned
             self.fallbacks += 1
             if (b, mode, kv_len) not in self._warned:
                 self._warned.add((b, mode, kv_len))
@@ -311,6 +335,21 @@ class RoundGraphs:
             with self.timer.phase(st.phase.value):
                 g.replay()
         return True
+
+    def _stand_in(self, B: int, mode: SampleMode, kv_len: int,
+                  steps: tuple[PhaseStep, ...]) -> list[torch.cuda.CUDAGraph] | None:
+        """The graphs of the round's steps in the nearest captured set of batch bucket B that
+        computes its picks: the shortest KV bucket at least kv_len (the slots past a row's length
+        are masked, as they are for every row shorter than the batch's longest), in the least
+        general mode at least `mode`; None if no set has them all."""
+        for L in sorted(self.kv_lengths):
+            for m in sorted(self.modes):
+                if L < kv_len or m < mode or (m, L) == (mode, kv_len):
+                    continue
+                graphs = [self.get(st, B, m, L) for st in steps]
+                if all(g is not None for g in graphs):
+                    return graphs
+        return None
 
     def bucket(self, b: int) -> int:
         """The batch bucket rows 0..b-1 run at (the round context's, which the steps' widths follow)."""

@@ -156,21 +156,25 @@ class ModelRunner:
                 batch_sizes: list[int] | None = None, kv_lengths: list[int] | None = None,
                 progress: Callable[[str], None] | None = None, constrained: bool = True,
                 processed: bool = True, later: tuple[bool, bool] = (False, False),
-                prefill_later: bool = False, warmups: int = 2) -> dict[str, float]:
+                prefill_later: bool = False, warmups: int = 2,
+                first_modes: tuple[SampleMode, ...] | None = None) -> dict[str, float]:
         """Capture the round graphs of every batch bucket, KV bucket and sampler mode in `modes`
         (or the `batch_sizes` and `kv_lengths` given), and with `prefill` the prefill graphs of
         every shape its limits allow; with `constrained` the constrained round's graphs too, with
         `processed` the processed round's (logits processing, log-probabilities); `later`: the
         (constrained, processed) rounds' graphs left for `capture_next`, `prefill_later` the
         prefill graphs (captured by it first); `warmups`: eager runs before each round graph's
-        capture (one where `warm_kernels` ran every step first). Returns host seconds
-        per stage ("graphs <phase>", "graphs warm-up", "prefill graphs"); `progress(text)` hears
-        of each graph set."""
+        capture (one where `warm_kernels` ran every step first); `first_modes`: capture only the
+        sets that serve every round (`RoundGraphs.first_sets`, these modes at the shortest KV
+        bucket too) and leave the others for `capture_next`. Returns host seconds per stage
+        ("graphs <phase>", "graphs warm-up", "prefill graphs"); `progress(text)` hears of each
+        graph set."""
         cc = self.cache_cfg
         self.graphs = RoundGraphs(self.round_ctx, self.timer, batch_sizes or cc.batch_buckets,
                                   kv_lengths or cc.kv_buckets, modes, cc.pages_per_row,
                                   constrained, processed, later, warmups)
-        out = {f"graphs {k}": v for k, v in self.graphs.capture(progress).items()}
+        first = None if first_modes is None else self.graphs.first_sets(first_modes)
+        out = {f"graphs {k}": v for k, v in self.graphs.capture(progress, first).items()}
         if prefill is not None:
             t0 = time.perf_counter()
             if progress is not None:
@@ -184,8 +188,9 @@ class ModelRunner:
     def capture_next(self) -> bool:
         """One more piece of the work `capture` and `compile_later` left for later: a step to
         compile first (`compile_later`), then a prefill graph (every request prefills), a round
-        graph captured again over the compiled pieces, then one of the constrained and processed
-        rounds' (`RoundGraphs.capture_next`); False once none is left. Every rank does it (its
+        graph of the start's captured again over the compiled pieces, then one of those left for
+        later (sets the start left out, the constrained and processed rounds' steps:
+        `RoundGraphs.capture_next`); False once none is left. Every rank does it (its
         collectives are captured too)."""
         if self.compile_jobs:
             B, mode, kv_len, st = self.compile_jobs.pop(0)
@@ -215,11 +220,11 @@ class ModelRunner:
                       constrained: bool = True, processed: bool = True) -> None:
         """Leave for `capture_next` what a start-up with the pieces as torch ops did not do:
         `warm_kernels`' steps, run again one a call (in the caller's scope, where the pieces
-        compile), then every round graph captured again over them."""
+        compile), then every round graph the start captured, captured again over them."""
         self.compile_jobs = [(B, mode, kv_len, st) for B, mode, st in self._kernel_steps(modes, batch_sizes,
                                                                                         constrained, processed)]
-        if self.graphs is not None:
-            self.graphs.upgrade = self.graphs.sets()
+        if self.graphs is not None:   # (those left for later are captured after the compile steps)
+            self.graphs.upgrade = list(self.graphs.started)
 
     @torch.inference_mode()
     def warm_kernels(self, modes: tuple[SampleMode, ...], batch_sizes: list[int], kv_len: int,

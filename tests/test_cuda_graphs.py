@@ -1016,7 +1016,7 @@ def test_a_server_engine_serves_from_the_first_sets_until_the_others_are_in(pair
             eng.step()
         return [s.output_ids for s in seqs]
     assert generate() == want
-    assert rg.stand_ins > 0 and rg.fallbacks == 0
+    assert rg.stand_ins > 0 and rg.fallbacks == 0 and eng.stats.graph_stand_ins == rg.stand_ins
     assert not [a for a in eager if GraphSet(eng.runner.cache_cfg.batch_bucket(a[0]), a[2], a[1]) not in rg.pending]
     while eng.capture_later():
         pass

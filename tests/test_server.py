@@ -273,7 +273,7 @@ def test_metrics(live: Live, client) -> None:
     r = httpx.get(f"{live.url}/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     for name in ("drafttree_requests_total", "drafttree_prompt_tokens_total", "drafttree_generation_tokens_total",
-                 "drafttree_rounds_total", "drafttree_cuda_graph_fallbacks_total",
+                 "drafttree_rounds_total", "drafttree_cuda_graph_fallbacks_total", "drafttree_cuda_graph_stand_ins_total",
                  'drafttree_accept_length_bucket{le="16.0"}', "drafttree_accept_length_count",
                  "drafttree_prefill_seconds_total", "drafttree_round_seconds_total",
                  "drafttree_round_duration_seconds_count", "drafttree_requests_running",

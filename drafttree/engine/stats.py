@@ -36,6 +36,7 @@ class EngineStats:
     phase_seconds: dict[str, float] = field(default_factory=dict)   # prefill, context, decode, draft, verify
     graph_fallbacks: int = 0        # rounds run eagerly although graphs were captured
     prefill_fallbacks: int = 0      # graphable prefills run eagerly (their shape not captured)
+    graph_stand_ins: int = 0        # rounds that replayed another set's graphs, theirs still to come
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -55,6 +56,7 @@ class Stats:
         r = self.runner.counters()
         out.phase_seconds, out.graph_fallbacks, out.prefill_fallbacks = r.phase_seconds, r.graph_fallbacks, \
             r.prefill_fallbacks
+        out.graph_stand_ins = r.graph_stand_ins
         return out
 
     def reset(self) -> None:

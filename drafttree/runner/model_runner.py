@@ -103,10 +103,12 @@ class CacheConfig:
 @dataclass
 class RunnerCounters:
     """What the runner counted since its last reset: seconds per phase (device time on CUDA), and
-    rounds and prefills that ran eagerly although graphs were captured."""
+    rounds and prefills that ran eagerly although graphs were captured, and rounds that replayed
+    another set's graphs while theirs were still to come (`RoundGraphs.replay`)."""
     phase_seconds: dict[str, float] = field(default_factory=dict)
     graph_fallbacks: int = 0
     prefill_fallbacks: int = 0
+    graph_stand_ins: int = 0
 
 
 class ModelRunner:
@@ -280,7 +282,8 @@ class ModelRunner:
     def counters(self) -> RunnerCounters:
         self.timer.collect()
         return RunnerCounters(dict(self.timer.totals), 0 if self.graphs is None else self.graphs.fallbacks,
-                              0 if self.prefill_graphs is None else self.prefill_graphs.fallbacks)
+                              0 if self.prefill_graphs is None else self.prefill_graphs.fallbacks,
+                              0 if self.graphs is None else self.graphs.stand_ins)
 
     def collect_phase_times(self) -> None:
         """Add the phases whose CUDA events have completed to the totals (no sync)."""
@@ -289,7 +292,7 @@ class ModelRunner:
     def reset_counters(self) -> None:
         self.timer.reset()
         if self.graphs is not None:
-            self.graphs.fallbacks = 0
+            self.graphs.fallbacks = self.graphs.stand_ins = 0
         if self.prefill_graphs is not None:
             self.prefill_graphs.fallbacks = 0
 

@@ -46,6 +46,9 @@ class ServerMetrics:
         self.rounds = Counter("drafttree_rounds", "Decoding rounds (one per engine step)", registry=r)
         self.fallbacks = Counter("drafttree_cuda_graph_fallbacks",
                                  "Rounds that ran eagerly although CUDA graphs were captured", registry=r)
+        self.stand_ins = Counter("drafttree_cuda_graph_stand_ins", "Rounds that replayed another graph set "
+                                 "(a longer KV bucket, a more general sampler mode) while theirs was still to be "
+                                 "captured (defer_graphs)", registry=r)
         self.prefill_fallbacks = Counter("drafttree_prefill_graph_fallbacks",
                                          "Graphable prefills that ran eagerly (their shape was not captured)",
                                          registry=r)
@@ -168,6 +171,7 @@ class ServerMetrics:
                 self.round_duration.observe(spent / new_rounds)
         self.fallbacks.inc(max(s.graph_fallbacks - seen.graph_fallbacks, 0))
         self.prefill_fallbacks.inc(max(s.prefill_fallbacks - seen.prefill_fallbacks, 0))
+        self.stand_ins.inc(max(s.graph_stand_ins - seen.graph_stand_ins, 0))
         for name, total in s.phase_seconds.items():
             self.phase_seconds.labels(phase=name).inc(max(total - seen.phase_seconds.get(name, 0.0), 0.0))
         self.running.set(len(engine.running))

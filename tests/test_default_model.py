@@ -143,6 +143,24 @@ def test_tokenizer_roundtrip_and_chat_template(converted_dir: Path) -> None:
 
 
 @pytest.mark.slow
+def test_tokenizer_is_the_one_autotokenizer_converts(converted_dir: Path, gguf_path: Path, tmp_path: Path) -> None:
+    """The conversion builds the byte-level BPE tokenizer without AutoTokenizer's second read of the
+    file; what it saves is, file for file, what AutoTokenizer's conversion of the GGUF saves."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(tmp_path))
+    mine = {p.name: p.read_bytes() for p in converted_dir.glob("tokenizer*.json")}
+    theirs = {p.name: p.read_bytes() for p in tmp_path.glob("tokenizer*.json")}
+    assert set(mine) == set(theirs) == {"tokenizer.json", "tokenizer_config.json"}
+    assert mine["tokenizer.json"] == theirs["tokenizer.json"]
+    import json
+    a, b = json.loads(mine["tokenizer_config.json"]), json.loads(theirs["tokenizer_config.json"])
+    # what the conversion edits after saving (`gguf_convert.write_tokenizer`)
+    for key in ("model_max_length", "chat_template", "is_local", "local_files_only"):
+        a.pop(key, None), b.pop(key, None)
+    assert a == b and a["tokenizer_class"] == "TokenizersBackend"
+
+
 def test_second_call_uses_cache(converted_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: object, **kwargs: object) -> Path:
         raise AssertionError("converter must not run for a cached model")

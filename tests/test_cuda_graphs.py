@@ -984,12 +984,13 @@ def test_a_compile_step_that_fails_while_idle_leaves_the_start_graphs(pair, fake
     eng.shutdown()
 
 
-def test_a_server_engine_serves_from_the_first_sets_until_the_others_are_in(pair, fake_cuda_graphs):
+def test_a_server_engine_serves_from_the_first_sets_until_the_others_are_in(pair, fake_cuda_graphs, caplog):
     """defer_graphs, not deterministic: the start captures, at each batch bucket, the most general
     mode at the shortest and the longest KV bucket; every other set is left for while idle (the
     shortest KV buckets and smallest batches first), and its rounds replay those meanwhile — greedy
     and sampled, short and past the first KV bucket — to the tokens of an engine without graphs,
-    none eagerly. Once the idle work is done each round replays its own set."""
+    none eagerly. Once the idle work is done (each kind of it logged once, with its seconds) each
+    round replays its own set."""
     from drafttree.engine.engine import Engine
     from drafttree.runner.cuda_graph import GraphSet
     t, d = pair
@@ -1018,8 +1019,13 @@ def test_a_server_engine_serves_from_the_first_sets_until_the_others_are_in(pair
     assert generate() == want
     assert rg.stand_ins > 0 and rg.fallbacks == 0 and eng.stats.graph_stand_ins == rg.stand_ins
     assert not [a for a in eager if GraphSet(eng.runner.cache_cfg.batch_bucket(a[0]), a[2], a[1]) not in rg.pending]
-    while eng.capture_later():
-        pass
+    with caplog.at_level("INFO", logger="drafttree.runner.model_runner"):
+        while eng.capture_later():
+            pass
+    done = [r.message for r in caplog.records if r.message.startswith("work left for later:")]
+    kinds = ("compile steps", "round graphs captured again", "round graphs left for later")
+    assert [m.split(":")[1].split(" done")[0].strip() for m in done] == list(kinds)   # each once, in this order
+    assert all(eng.runner.idle_work[k][1] > 0 for k in kinds)
     assert not rg.pending and set(s for s in rg.sets()) <= {GraphSet(k.batch, k.mode, k.kv_len) for k in rg.graphs
                                                            if k.mode is not None and k.kv_len}
     used, eager[:] = rg.stand_ins, []

@@ -162,7 +162,6 @@ class RoundGraphs:
         self._fresh: set[GraphKey] = set()
         self.started: list[GraphSet] = []   # the sets `capture` captured (all, or its `first`)
         self.stand_ins = 0                  # rounds that replayed another set's graphs (`replay`)
-        self.later_seconds = 0.0            # host seconds `capture_next` took
         self.batch_sizes, self.kv_lengths, self.modes = list(batch_sizes), list(kv_lengths), modes
         self.pages_per_row = pages_per_row
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -256,7 +255,6 @@ class RoundGraphs:
         if todo:
             key = key_of(todo[0], *job)
             saved = self.rc.state.snapshot()
-            t0 = time.perf_counter()
             try:
                 with collector_paused():
                     self.graphs.pop(key, None)   # dropped before its replacement is captured
@@ -268,7 +266,6 @@ class RoundGraphs:
                 self.rc.state.restore(saved)
             torch.cuda.synchronize()
             self._fresh.add(key)
-            self.later_seconds += time.perf_counter() - t0
         if len(todo) <= 1:
             self.upgrade.pop(0)
         return True
@@ -298,14 +295,11 @@ class RoundGraphs:
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         self.set_seconds[job] = self.set_seconds.get(job, 0.0) + seconds
-        self.later_seconds += seconds
         if len(todo) <= 1:
             self.pending.pop(0)
         if not self.pending:
             self.constrained, self.processed = self.constrained or self.later[0], self.processed or self.later[1]
             self.later = (False, False)
-            log.info("captured the round graphs left for later in %.2f s: %d round graphs in all", self.later_seconds,
-                     len(self.graphs))
         return True
 
     def get(self, st: PhaseStep, bucket: int, mode: SampleMode, kv_len: int) -> torch.cuda.CUDAGraph | None:

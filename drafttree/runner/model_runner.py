@@ -3,6 +3,7 @@ round functions and their CUDA graphs take), the CUDA graphs over them and the p
 runs prefill and rounds. Every step of a round comes from the phase table (`phase_table`)."""
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from drafttree.spec_decode.state import RoundContext, RoundState
 from drafttree.structured.masks import apply_token_masks
 from drafttree.structured.tree import HostTrees
 
+log = logging.getLogger(__name__)
 
 # Tokens per KV page. 16, as vLLM: a request wastes under one page on average (its last, partly
 # filled), prefix caching shares whole pages (a shorter page shares more of a common prompt), and
@@ -142,6 +144,7 @@ class ModelRunner:
         self.graphs: RoundGraphs | None = None            # `capture` makes them
         self.prefill_graphs: PrefillGraphs | None = None
         self.compile_jobs: list[tuple[int, SampleMode, int, PhaseStep]] = []   # `compile_later`
+        self.idle_work: dict[str, list[float]] = {}   # `capture_next`'s kind of work -> [host seconds, pieces]
         self.timer = PhaseTimer(torch.device(device))
         self._mask_stage: torch.Tensor | None = None     # `mask_stage`'s buffer
         self._cand_host: tuple[torch.Tensor, torch.Tensor] | None = None   # `candidates`' pinned copies
@@ -193,8 +196,10 @@ class ModelRunner:
         graph of the start's captured again over the compiled pieces, then one of those left for
         later (sets the start left out, the constrained and processed rounds' steps:
         `RoundGraphs.capture_next`); False once none is left. Every rank does it (its
-        collectives are captured too)."""
+        collectives are captured too). Each kind's seconds are logged once it is done."""
+        t0 = time.perf_counter()
         if self.compile_jobs:
+            kind, left = "compile steps", lambda: len(self.compile_jobs)
             B, mode, kv_len, st = self.compile_jobs.pop(0)
             try:
                 self._run_parked([(B, mode, st)], kv_len)
@@ -205,10 +210,20 @@ class ModelRunner:
                 if self.graphs is not None:
                     self.graphs.upgrade.clear()
                 raise
-            return True
-        if self.prefill_graphs is not None and self.prefill_graphs.capture_next():
-            return True
-        return self.graphs is not None and (self.graphs.recapture_next() or self.graphs.capture_next())
+        elif self.prefill_graphs is not None and self.prefill_graphs.capture_next():
+            kind, left = "prefill graphs", lambda: len(self.prefill_graphs.pending)
+        elif self.graphs is not None and self.graphs.recapture_next():
+            kind, left = "round graphs captured again", lambda: len(self.graphs.upgrade)
+        elif self.graphs is not None and self.graphs.capture_next():
+            kind, left = "round graphs left for later", lambda: len(self.graphs.pending)
+        else:
+            return False
+        spent = self.idle_work.setdefault(kind, [0.0, 0])
+        spent[0] += time.perf_counter() - t0
+        spent[1] += 1
+        if not left():
+            log.info("work left for later: %s done, %d pieces in %.2f s", kind, spent[1], spent[0])
+        return True
 
     @property
     def graphs_pending(self) -> int:

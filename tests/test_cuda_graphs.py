@@ -14,6 +14,16 @@ from tests.tiny import make_drafter, make_target
 cuda = pytest.mark.gpu   # deselected without CUDA (conftest.py)
 
 
+def run_to_end(eng, prompts: list, params) -> list[list[int]]:
+    """Each prompt's output ids, the engine stepped until every request has finished (`params`: one
+    for all, or one a prompt)."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    seqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while eng.has_unfinished():
+        eng.step()
+    return [s.output_ids for s in seqs]
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("graphs")
@@ -861,13 +871,7 @@ def test_prefill_graphs_left_for_later_are_captured_while_idle_first(pair, fake_
     shapes, sets, jobs = pg.shapes(), len(rg.pending), len(runner.compile_jobs)
     assert not pg.graphs and pg.pending == shapes and eng.graphs_pending == jobs + len(shapes) + len(rg.upgrade) + sets
     assert f"{len(shapes)} prefill graphs later" in runner.describe_graphs()
-
-    def generate() -> list[list[int]]:
-        seqs = [eng.add_request(p, s) for p, s in zip(prompts, sp)]
-        while eng.has_unfinished():
-            eng.step()
-        return [s.output_ids for s in seqs]
-    assert generate() == want
+    assert run_to_end(eng, prompts, sp) == want
     assert pg.fallbacks == 0 and not pg.graphs
     rounds = len(rg.graphs)
     while runner.compile_jobs:   # the steps to compile come first (`prepare.compiles_later`)
@@ -884,7 +888,7 @@ def test_prefill_graphs_left_for_later_are_captured_while_idle_first(pair, fake_
     pg._replay = lambda ids, start, lens, table, shape: replays.append(shape) or run(ids, start, lens, table, shape)
     runner._prefill_forward = lambda *a: eager_runs.append(a) or eager_forward(*a)
     n = len(fake_cuda_graphs)
-    assert generate() == want
+    assert run_to_end(eng, prompts, sp) == want
     assert replays and not eager_runs and pg.fallbacks == 0 and len(fake_cuda_graphs) == n
     eng.shutdown()
 
@@ -927,12 +931,7 @@ def test_a_server_engine_compiles_its_pieces_after_start_up_while_idle(pair, fak
     eager = runner.eager_round
     monkeypatch.setattr(runner, "eager_round", lambda *a: seen.append(("eager", current().compile)) or eager(*a))
 
-    def generate() -> list[list[int]]:
-        seqs = [eng.add_request(p, sp) for p in prompts]
-        while eng.has_unfinished():
-            eng.step()
-        return [s.output_ids for s in seqs]
-    assert generate() == want
+    assert run_to_end(eng, prompts, sp) == want
     seen.clear()
     parked = runner._run_parked
     monkeypatch.setattr(runner, "_run_parked", lambda *a: seen.append(("compile", current().compile)) or parked(*a))
@@ -944,7 +943,7 @@ def test_a_server_engine_compiles_its_pieces_after_start_up_while_idle(pair, fak
     assert sum(w == "compile" for w, _ in seen) > 0
     assert all(rg.graphs[k] is not start[k] for k in free)   # every graph of the start captured again
     seen.clear()
-    assert generate() == want
+    assert run_to_end(eng, prompts, sp) == want
     assert rg.fallbacks == 0 and not seen   # replayed: nothing eager, nothing captured on a request's path
     eng.shutdown()
     for other in (dict(deterministic=True), dict(defer_graphs=False)):
@@ -1010,13 +1009,7 @@ def test_a_server_engine_serves_from_the_first_sets_until_the_others_are_in(pair
     eager = []
     real = eng.runner.eager_round
     eng.runner.eager_round = lambda *a: eager.append(a[:3]) or real(*a)
-
-    def generate() -> list[list[int]]:
-        seqs = [eng.add_request(p, s) for p, s in zip(prompts, sp)]
-        while eng.has_unfinished():
-            eng.step()
-        return [s.output_ids for s in seqs]
-    assert generate() == want
+    assert run_to_end(eng, prompts, sp) == want
     assert rg.stand_ins > 0 and rg.fallbacks == 0 and eng.stats.graph_stand_ins == rg.stand_ins
     assert not [a for a in eager if GraphSet(eng.runner.cache_cfg.batch_bucket(a[0]), a[2], a[1]) not in rg.pending]
     with caplog.at_level("INFO", logger="drafttree.runner.model_runner"):
@@ -1029,7 +1022,7 @@ def test_a_server_engine_serves_from_the_first_sets_until_the_others_are_in(pair
     assert not rg.pending and set(s for s in rg.sets()) <= {GraphSet(k.batch, k.mode, k.kv_len) for k in rg.graphs
                                                            if k.mode is not None and k.kv_len}
     used, eager[:] = rg.stand_ins, []
-    assert generate() == want
+    assert run_to_end(eng, prompts, sp) == want
     assert rg.stand_ins == used and rg.fallbacks == 0 and not eager
     eng.shutdown()
 

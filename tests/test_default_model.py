@@ -161,6 +161,25 @@ def test_tokenizer_is_the_one_autotokenizer_converts(converted_dir: Path, gguf_p
     assert a == b and a["tokenizer_class"] == "TokenizersBackend"
 
 
+def test_header_reads_what_ggufs_reader_reads(gguf_path: Path) -> None:
+    """`gguf_header.read_header` gives the metadata and each tensor's data as gguf's GGUFReader does."""
+    import gguf
+    import numpy as np
+
+    from drafttree.loader.gguf_header import read_header
+    mine, theirs = read_header(gguf_path), gguf.GGUFReader(gguf_path, "r")
+    keys = [k for k in theirs.fields if not k.startswith("GGUF.")]   # (the reader's own: version and counts)
+    assert sorted(mine.fields) == sorted(keys) and mine.version == theirs.fields["GGUF.version"].contents()
+    for k in keys:
+        a, b = mine.fields[k], theirs.fields[k].contents()
+        assert (a.tolist() if isinstance(a, np.ndarray) else a) == b, k
+    assert len(mine.tensors) == len(theirs.tensors) == 272
+    for a, b in zip(mine.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, a.shape, a.n_bytes, a.data_offset) == \
+            (b.name, b.tensor_type, tuple(int(x) for x in b.shape), b.n_bytes, b.data_offset)
+        assert a.data.shape == b.data.shape and a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+
+
 def test_second_call_uses_cache(converted_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: object, **kwargs: object) -> Path:
         raise AssertionError("converter must not run for a cached model")

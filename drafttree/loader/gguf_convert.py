@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from drafttree.loader.gguf_header import GGUFHeader, Truncated, read_header
+
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -66,18 +68,8 @@ class LlamaHParams:
     tokenizer_model: str | None = None   # tokenizer.ggml.model: "gpt2" (byte-level BPE), "llama" (SentencePiece)
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value if value is not None else default
-
-
-def open_gguf(gguf_path: Path) -> Any:
+def open_gguf(gguf_path: Path) -> GGUFHeader:
     """Open and sanity-check a GGUF file; raise a clear error naming the file otherwise."""
-    import gguf
-
     gguf_path = Path(gguf_path)
     if not gguf_path.exists():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
@@ -88,21 +80,13 @@ def open_gguf(gguf_path: Path) -> Any:
     if magic != GGUF_MAGIC:
         raise ValueError(f"{gguf_path} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
     try:
-        reader = gguf.GGUFReader(gguf_path, "r")
-    except Exception as exc:
+        return read_header(gguf_path)
+    except Truncated as exc:
         raise ValueError(f"GGUF file {gguf_path} is corrupt or truncated: {exc}") from exc
-    file_size = gguf_path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > file_size or t.data.nbytes != t.n_bytes:
-            raise ValueError(
-                f"GGUF file {gguf_path} is truncated: tensor {t.name!r} needs bytes "
-                f"[{t.data_offset}, {t.data_offset + t.n_bytes}) but the file has {file_size}"
-            )
-    return reader
 
 
-def read_llama_hparams(reader: Any, gguf_path: Path) -> LlamaHParams:
-    arch = _field(reader, "general.architecture")
+def read_llama_hparams(reader: GGUFHeader, gguf_path: Path) -> LlamaHParams:
+    arch = reader.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"GGUF file {gguf_path} has unsupported architecture {arch!r} "
@@ -110,33 +94,33 @@ def read_llama_hparams(reader: Any, gguf_path: Path) -> LlamaHParams:
         )
 
     def req(key: str) -> Any:
-        value = _field(reader, f"{arch}.{key}")
+        value = reader.get(f"{arch}.{key}")
         if value is None:
             raise ValueError(f"GGUF file {gguf_path} lacks required metadata '{arch}.{key}'")
         return value
 
     hidden = int(req("embedding_length"))
     n_head = int(req("attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
-    vocab = _field(reader, f"{arch}.vocab_size")
+    n_kv = int(reader.get(f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(reader.get(f"{arch}.attention.key_length", hidden // n_head))
+    vocab = reader.get(f"{arch}.vocab_size")
     if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        tokens = reader.get("tokenizer.ggml.tokens")
         if tokens is None:
             raise ValueError(f"GGUF file {gguf_path} has neither '{arch}.vocab_size' nor a token list")
-        vocab = len(tokens.data)
+        vocab = len(tokens)
 
     rope_scaling: dict[str, Any] | None = None
-    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
-    scaling_factor = _field(reader, f"{arch}.rope.scaling.factor")
+    scaling_type = reader.get(f"{arch}.rope.scaling.type")
+    scaling_factor = reader.get(f"{arch}.rope.scaling.factor")
     if scaling_type not in (None, "none") and scaling_factor is not None:
         rope_scaling = {"rope_type": str(scaling_type), "factor": float(scaling_factor)}
-        orig_ctx = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        orig_ctx = reader.get(f"{arch}.rope.scaling.original_context_length")
         if orig_ctx is not None:
             rope_scaling["original_max_position_embeddings"] = int(orig_ctx)
 
     def opt_int(key: str) -> int | None:
-        value = _field(reader, key)
+        value = reader.get(key)
         return None if value is None else int(value)
 
     return LlamaHParams(
@@ -147,15 +131,15 @@ def read_llama_hparams(reader: Any, gguf_path: Path) -> LlamaHParams:
         num_attention_heads=n_head,
         num_key_value_heads=n_kv,
         head_dim=head_dim,
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(reader.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(reader.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(reader.get(f"{arch}.context_length", 2048)),
         rope_scaling=rope_scaling,
         bos_token_id=opt_int("tokenizer.ggml.bos_token_id"),
         eos_token_id=opt_int("tokenizer.ggml.eos_token_id"),
         pad_token_id=opt_int("tokenizer.ggml.padding_token_id"),
-        chat_template=_field(reader, "tokenizer.chat_template"),
-        tokenizer_model=_field(reader, "tokenizer.ggml.model"),
+        chat_template=reader.get("tokenizer.chat_template"),
+        tokenizer_model=reader.get("tokenizer.ggml.model"),
     )
 
 
@@ -180,7 +164,7 @@ def _hf_name(gguf_name: str) -> str | None:
 
 
 def convert_tensors(
-    reader: Any, hp: LlamaHParams, gguf_path: Path, dtype: torch.dtype, bar: tqdm | None = None
+    reader: GGUFHeader, hp: LlamaHParams, gguf_path: Path, dtype: torch.dtype, bar: tqdm | None = None
 ) -> dict[str, torch.Tensor]:
     """Dequantize every tensor and return them under HF llama names; ``bar`` advances once per tensor."""
     from gguf.quants import dequantize
@@ -313,7 +297,7 @@ def convert_gguf_to_hf(
     return out_dir
 
 
-def _write_model_dir(reader: Any, hp: LlamaHParams, gguf_path: Path, out_dir: Path, dtype: torch.dtype,
+def _write_model_dir(reader: GGUFHeader, hp: LlamaHParams, gguf_path: Path, out_dir: Path, dtype: torch.dtype,
                      with_tokenizer: bool, bar: tqdm) -> None:
     from safetensors.torch import save_file
 

@@ -1004,6 +1004,10 @@ def test_a_server_engine_serves_from_the_first_sets_until_the_others_are_in(pair
     top, (short, long) = max(rg.modes), rg.kv_lengths
     assert len(rg.modes) > 1 and short == 1024
     assert set(rg.started) == {GraphSet(B, top, L) for B in (1, 2) for L in (short, long)}
+    # before /ready the kernels stage ran the first sets' free steps only; the compile steps run every one
+    start = len(eng.runner._kernel_steps((top,), [1, 2], False, False))
+    assert eng.startup.notes["kernels"].startswith(f"{start} steps run")
+    assert len(eng.runner.compile_jobs) == len(eng.runner._kernel_steps(rg.modes, [1, 2], True, True)) > start
     rest = [s for s in rg.pending if s not in rg.started]
     assert set(rest) == set(rg.sets()) - set(rg.started) and rest == sorted(rest, key=lambda s: (s.kv_len, s.batch, s.mode))
     eager = []

@@ -106,13 +106,18 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
     cache = runner.cache_cfg
     kv_lengths = graph_kv_lengths(cache, setup.cfg.max_graph_len)
     before, traced = _compiled(dirs), compile_cache.compile_seconds()
+    # (the steps, at one row and at several: torch.compile specializes on 1; run again while idle
+    # where the pieces compile later)
+    kernel_steps = (setup.sampler_modes, cache.batch_buckets[:2], kv_lengths[0], setup.structured_graphs,
+                    setup.processed_graphs)
+    start_steps = kernel_steps
+    if compile_later and first is not None:
+        # the compile steps, which run every step, come before the sets left for later are
+        # captured: before /ready, the free steps of the first sets' modes are enough
+        start_steps = (tuple(sorted({max(setup.sampler_modes), *first})), *kernel_steps[1:3], False, False)
     with startup.stage("kernels"):
         startup.progress("one eager round of each step")
-        # (the steps, at one row and at several: torch.compile specializes on 1; run again while
-        # idle where the pieces compile later)
-        kernel_steps = (setup.sampler_modes, cache.batch_buckets[:2], kv_lengths[0], setup.structured_graphs,
-                        setup.processed_graphs)
-        n = runner.warm_kernels(*kernel_steps)
+        n = runner.warm_kernels(*start_steps)
         startup.note("kernels", f"{n} steps run, {_compiled(dirs) - before} files compiled into the cache"
                                 + _in_compile(traced))
     before, traced = _compiled(dirs), compile_cache.compile_seconds()

@@ -18,6 +18,7 @@ from drafttree.parallel.group import TPGroup
 from drafttree.runner.cost import BUDGET_S, KEEP_SPREAD, CostTable, measure, timing_modes
 from drafttree.runner.model_runner import ModelRunner
 from drafttree.runner.prefill_plan import PrefillLimits
+from drafttree.sampling import SampleMode
 from drafttree.settings import Settings, current
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def compiles_later(setup: EngineSetup, tp: TPGroup | None, settings: Settings) -
     return setup.defer_graphs and tp is None and not settings.deterministic and settings.compile != "0"
 
 
-def first_modes(setup: EngineSetup, settings: Settings, costs: CostTable | None) -> tuple | None:
+def first_modes(setup: EngineSetup, settings: Settings, costs: CostTable | None) -> tuple[SampleMode, ...] | None:
     """Where an engine captures before it serves only the round graphs that serve every round
     (`RoundGraphs.first_sets`) and the rest while idle: one that leaves graphs for later
     (defer_graphs) and is not deterministic (a round in another set's graphs attends over more
@@ -97,7 +98,7 @@ def first_modes(setup: EngineSetup, settings: Settings, costs: CostTable | None)
 
 def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimits | None,
                    startup: StartupTimes, dirs: dict[str, str], compile_later: bool = False,
-                   first: tuple | None = None) -> None:
+                   first: tuple[SampleMode, ...] | None = None) -> None:
     """Compile what a round runs (stage "kernels"), then capture the round graphs the setup asks
     for (a stage per phase, and their warm-ups) and the prefill graphs. `compile_later`: the
     pieces run as torch ops here; the steps are left to compile, and the round graphs captured

@@ -307,7 +307,8 @@ class RoundGraphs:
 
     def replay(self, b: int, mode: SampleMode, kv_len: int, steps: tuple[PhaseStep, ...]) -> bool:
         """Run one round (`steps`, from `ModelRunner.round_steps`) for rows 0..b-1 attending over
-        kv_len cache slots, from graphs; False (counted, warned once per shape) if none fits."""
+        kv_len cache slots, from graphs (another set's where its own is still to come: `_stand_in`);
+        False if none fits (counted and warned once per shape, unless its set is still to come)."""
         B = self.bucket(b)
         graphs = [self.get(st, B, mode, kv_len) for st in steps]
         if any(g is None for g in graphs) and GraphSet(B, mode, kv_len) in self.pending:

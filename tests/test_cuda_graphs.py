@@ -8,7 +8,7 @@ from drafttree import LLM, SamplingParams
 from drafttree.engine.engine import EngineConfig
 from drafttree.engine.plan import describe_plan
 from drafttree.phases import Phase, SpecConfig, batch_buckets
-from drafttree.runner.cuda_graph import graph_keys, graph_plan
+from drafttree.runner.cuda_graph import first_sets, graph_keys, graph_plan, set_keys
 from tests.tiny import make_drafter, make_target
 
 cuda = pytest.mark.gpu   # deselected without CUDA (conftest.py)
@@ -1004,6 +1004,10 @@ def test_a_server_engine_serves_from_the_first_sets_until_the_others_are_in(pair
     top, (short, long) = max(rg.modes), rg.kv_lengths
     assert len(rg.modes) > 1 and short == 1024
     assert set(rg.started) == {GraphSet(B, top, L) for B in (1, 2) for L in (short, long)}
+    first = set_keys(eng.spec, first_sets([1, 2], [short, long], rg.modes), True, False, False)
+    assert set(rg.graphs) == first   # what `drafttree graphs` counts for such a start
+    plan = describe_plan(EngineConfig(**{**kw, "device": "cuda"}, defer_graphs=True))
+    assert f"before /ready (defer_graphs): the first sets' {len(first)} round graphs" in plan
     # before /ready the kernels stage ran the first sets' free steps only; the compile steps run every one
     start = len(eng.runner._kernel_steps((top,), [1, 2], False, False))
     assert eng.startup.notes["kernels"].startswith(f"{start} steps run")

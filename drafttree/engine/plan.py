@@ -291,7 +291,8 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
     """The settings, the CUDA graph plan and the memory plan per GPU (for `device`, a
     `memory_plan.Device`; None: an assumed H200), from the configs alone."""
     from drafttree.engine.scheduler import SchedulerConfig
-    from drafttree.runner.cuda_graph import format_plan, graph_keys, graph_plan
+    from drafttree.runner.cuda_graph import first_sets, format_plan, graph_keys, graph_plan, set_keys
+    from drafttree.runner.cost import timing_modes
     from drafttree.runner.model_runner import CacheConfig
     from drafttree.runner.prefill_plan import at_offsets
 
@@ -339,6 +340,13 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
         f"kinds captured: {n_all}" + (f"; not captured: {', '.join(off)}" if off else "")
         + (f"; the {n_all - n_plain} more are captured after start-up, while idle (defer_graphs)"
            if cfg.defer_graphs and len(off) < 2 else ""))
+    if cfg.defer_graphs and not setup.settings.deterministic:   # `prepare.first_modes`
+        timed = tuple(m for m in timing_modes(setup.sampler_modes).values() if m is not None)
+        n_first = [len(set_keys(spec, first_sets(cache.batch_buckets, kv_lengths, setup.sampler_modes, at), dcfg is not None,
+                                False, False)) for at in ((), timed)]
+        text += (f"\nbefore /ready (defer_graphs): the first sets' {n_first[0]} round graphs"
+                 + (f" ({n_first[1]} where the cost table is still to be measured)" if spec.adaptive else "")
+                 + "; the others' rounds replay them until theirs are captured, while idle")
 
     # -- the memory plan of each GPU (engine/memory_plan.py), from the same setup
     if setup.model_dir is None:   # a random shape: no checkpoint config to plan from

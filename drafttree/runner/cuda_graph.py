@@ -117,13 +117,33 @@ def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | Non
     return out
 
 
+def first_sets(batch_sizes: list[int], kv_lengths: list[int], modes: tuple[SampleMode, ...],
+               modes_at_shortest: tuple[SampleMode, ...] = ()) -> list[GraphSet]:
+    """The sets that serve every round before the others are in (`RoundGraphs.capture`'s
+    `first`): at each batch bucket, the most general mode (each mode's sampler gives the modes
+    below it their own picks: `SampleMode`) at the shortest KV bucket and at the longest (a round
+    may attend over more slots than it needs: the others are masked), and `modes_at_shortest` at
+    the shortest (those the cost model times, which it times at their own graphs)."""
+    top, short, long = max(modes), min(kv_lengths), max(kv_lengths)
+    out = {GraphSet(B, top, L) for B in batch_sizes for L in (short, long)}
+    out |= {GraphSet(B, m, short) for B in batch_sizes for m in modes_at_shortest if m in modes}
+    return sorted(out)
+
+
+def set_keys(spec: SpecConfig, sets: list[GraphSet], drafter: bool, constrained: bool,
+             processed: bool) -> set[GraphKey]:
+    """The round graphs of these sets (a graph shared by several once)."""
+    return {key_of(st, B, m, L) for B, m, L in sets
+            for st in bucket_steps(spec, B, m, drafter and spec.speculative, constrained,
+                                   processed and m in PROCESSED_MODES)}
+
+
 def graph_keys(spec: SpecConfig, max_num_seqs: int, kv_lengths: list[int], modes: tuple[SampleMode, ...],
                drafter: bool, constrained: bool, processed: bool) -> set[GraphKey]:
     """The round graphs `RoundGraphs.capture` captures for these buckets and modes (with the
     constrained and the processed rounds' steps, as asked); needs no GPU."""
-    return {key_of(st, B, m, L) for L in kv_lengths for B in batch_buckets(max_num_seqs) for m in modes
-            for st in bucket_steps(spec, B, m, drafter and spec.speculative, constrained,
-                                   processed and m in PROCESSED_MODES)}
+    return set_keys(spec, [GraphSet(B, m, L) for L in kv_lengths for B in batch_buckets(max_num_seqs) for m in modes],
+                    drafter, constrained, processed)
 
 
 def format_plan(plan: list[PlanEntry], modes: tuple[SampleMode, ...] = CAPTURED_MODES) -> str:
@@ -190,14 +210,8 @@ class RoundGraphs:
                 for m in self.modes]
 
     def first_sets(self, modes_at_shortest: tuple[SampleMode, ...] = ()) -> list[GraphSet]:
-        """The sets that serve every round before the others are in (`capture`'s `first`): at each
-        batch bucket, the most general mode (each mode's sampler gives the modes below it their
-        own picks: `SampleMode`) at the shortest KV bucket and at the longest (a round may attend
-        over more slots than it needs: the others are masked), and `modes_at_shortest` at the
-        shortest (those the cost model times, which it times at their own graphs)."""
-        top, short, long = max(self.modes), self.kv_lengths[0], self.kv_lengths[-1]
-        want = {GraphSet(B, top, L) for B in self.batch_sizes for L in (short, long)}
-        want |= {GraphSet(B, m, short) for B in self.batch_sizes for m in modes_at_shortest if m in self.modes}
+        """`first_sets` of these buckets and modes, in `sets`' order."""
+        want = set(first_sets(self.batch_sizes, self.kv_lengths, self.modes, modes_at_shortest))
         return [s for s in self.sets() if s in want]
 
     @torch.inference_mode()

@@ -35,6 +35,9 @@
 #   timeline  : startup's generate, the GPU's start at launch (default) against torch's (late-device),
 #               a cold run and two warm each, alternated, about 4 minutes. Needs the GGUF.
 #   serve_ready: `serve` to /ready, cold then warm (up to 9 minutes). Needs the GGUF.
+#   serve_idle_load: a warm `serve` (run serve_ab first) loaded at 1 and 16 streams once its idle work is
+#               done (benchmarks/serve_load.sh WAIT_IDLE=1): the aims' "no worse" tok/s and TTFT. Needs the GGUF
+#               and .parts/sharegpt_heldout.jsonl.
 #   serve_ab  : `serve` to /ready, this tree against .parts/before/ laid over it, SERVE_PHASE=cold then warm,
 #               then idle (this tree alone, to the end of its idle work), calls back to back. Needs the GGUF.
 #   startup_ab: generate's whole process, this tree against a copy with the files under .parts/before/
@@ -77,7 +80,7 @@
 #   the first drafter_train [.parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl] (10 MB).
 # A machine can be taken back mid-call, and then the parts must travel again: carry them first, in
 # `parts` calls of a few seconds, and run the stages that need the model before the others.
-# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|structured_mixed|serve_ready|startup_ab|serve_ab|
+# Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|structured_mixed|serve_ready|startup_ab|serve_ab|serve_idle_load|
 #        drafter_data|drafter_train
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" .gacc
@@ -157,6 +160,13 @@ case "${1:?stage}" in
     timeout 580 python3 benchmarks/startup_bench.py $trees --configs default --serve --no-generate --keep-models \
       --work .gacc/serve_ab $flags --out "$OUT/serve_ab_$phase.json" > "$OUT/serve_ab_$phase.txt" 2>&1
     tail -n 8 "$OUT/serve_ab_$phase.txt" ;;
+  serve_idle_load)   # issue 56: tok/s and TTFT at 1 and 16 streams once a server's idle work is done
+    gguf || exit 1
+    c=.gacc/serve_ab/serve-default-after   # serve_ab's caches of this tree: a warm start
+    [ -d "$c" ] && export DRAFTTREE_CACHE=$PWD/$c TRITON_HOME=$PWD/$c
+    OUT=$OUT/serve_load WAIT_IDLE=1 SPECS=ddtree CONCURRENCY="1 16" NUM_PROMPTS=64 SHARED=0 \
+      DATASET_PATH=.parts/sharegpt_heldout.jsonl timeout 560 bash benchmarks/serve_load.sh > "$OUT/serve_load.txt" 2>&1
+    tail -n 30 "$OUT/serve_load.txt" ;;
   serve_ready)   # issue 56: `serve` to /ready, cold then warm, each stopped and recorded if not ready in 270 s
     gguf || exit 1
     timeout 580 python3 benchmarks/startup_bench.py --configs default --reps 1 --serve --no-generate \
@@ -227,6 +237,6 @@ case "${1:?stage}" in
     mkdir -p "$OUT/$run" && cp ".gacc/drafter/$run/train_log.json" ".gacc/drafter/$run/drafter/config.json" "$OUT/$run/" \
       && split -b 15M -d ".gacc/drafter/$run/drafter/model.safetensors" "$OUT/$run/model.safetensors.part"
     grep "τ" "$OUT/train_$run.txt" | tail -n 4 ;;
-  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, serve_ready, startup_ab, serve_ab, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train)"
+  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, serve_ready, startup_ab, serve_ab, serve_idle_load, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train)"
      exit 2 ;;
 esac

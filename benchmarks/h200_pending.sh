@@ -7,7 +7,8 @@
 # What waits most: the three parts calls (carry .parts/before, the tree at 7891519 without its
 # assets, with the third), `serve_ab` SERVE_PHASE=cold (both trees, ~150 s each), then warm (the
 # first graph sets before /ready, the rest while idle, against 7891519's 40 s), then idle (a call of
-# 590 s: how long the work left for while idle takes, each kind's seconds in its log), `tests` with
+# 590 s: how long the work left for while idle takes, each kind's seconds in its log), `serve_idle_load`
+# (tok/s and TTFT at 1 and 16 streams after it: the aims' "no worse"), `tests` with
 # TESTS=tests/test_cuda_graphs.py (alone: it took over 470 s), then TESTS=tests/test_structured.py;
 # then `drafter_data` and `drafter_train RUN=dflash2` (the DFlash2 weights of 2026-12-06 were not
 # kept), then `spec DRAFT=...` for DFlash2's round cost with its compiled pieces.

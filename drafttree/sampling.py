@@ -371,7 +371,8 @@ def _sample_rows(logits: torch.Tensor, temp: torch.Tensor, seed: torch.Tensor, p
     """Gumbel-max over the logits at each row's temperature (with `thr` [R, N], over those whose
     logits are >= thr: see `filter_thresholds`), the argmax of `logits` where the temperature is
     0. On CUDA this compiles to one or two reductions instead of ~25 launches over [R, N, V] (the
-    hash, the noise, the scaling, the mask); on CPU it runs as these torch ops."""
+    hash, the noise, the scaling, the mask); uncompiled (on CPU, a server's start) these torch ops
+    run a few rows at a time (`EAGER_SAMPLE_LOGITS`)."""
     scaled = at_temperature(logits, temp)
     if thr is not None:   # logits, not scaled ones, against thr: exact however the division rounds
         scaled = torch.where(logits >= thr[..., None], scaled, float("-inf"))

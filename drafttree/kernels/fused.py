@@ -31,11 +31,9 @@ F = TypeVar("F", bound=Callable)
 log = logging.getLogger(__name__)
 
 
-def fused(fn: F | None = None, *, eager: Callable | None = None) -> F:
+def fused(fn: F, *, eager: Callable | None = None) -> F:
     """`eager`: what runs where the piece is not compiled, in place of `fn` itself (the same
     result, computed with less memory where `fn`'s torch ops would hold large temporaries)."""
-    if fn is None:
-        return functools.partial(fused, eager=eager)  # type: ignore[return-value]
     compiled: list[Callable | None] = []
     ops = eager or fn
 

@@ -217,6 +217,9 @@ def run_serve(tree: Path, env: dict[str, str], args: list[str], a: argparse.Name
         idle = follow(proc, t0, until=idle_done, timeout=a.graphs_wait_s, ignore=r'"GET /(ready|metrics) HTTP')
         r["idle_timeline"] = idle["timeline"][-60:]
         r["stderr"] += idle["stderr"]
+        # each kind of idle work's host seconds and pieces, as the server logged them when it was done
+        r["idle_work"] = {m.group(1): {"pieces": int(m.group(2)), "seconds": float(m.group(3))} for m in
+                          re.finditer(r"work left for later: (.+?) done, (\d+) pieces in ([\d.]+) s", idle["stderr"])}
     stop(proc)
     r["stages"] = stages(r["stderr"])
     r.pop("stdout")
@@ -290,6 +293,11 @@ def main() -> int:
                     print(f"{kind:<8} {cfg:<8} {name:<8} {phase:<5} {r['seconds']:7.2f} s  silence "
                           f"{r['longest_silence_s']:5.2f} s  cpu {r['cpu_s']:6.1f} s  load {load:4.1f}  rc {r['rc']}  "
                           f"{tps}", flush=True)
+                    if r.get("idle_work") or r.get("graphs_done_s"):
+                        done = r.get("graphs_done_s")
+                        print(f"  idle work done at {done:.1f} s:" if done else "  idle work not done:",
+                              ", ".join(f"{k} {v['pieces']} in {v['seconds']:.1f} s" for k, v in r["idle_work"].items()),
+                              flush=True)
                     save(a, trees, runs)   # after every run: a call cut short keeps what it measured
     save(a, trees, runs)
     print(f"\n{'kind':<8} {'config':<8} {'tree':<8} {'phase':<5} {'runs':>4} {'median s':>9} {'min s':>7} "

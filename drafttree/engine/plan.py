@@ -292,7 +292,7 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
     `memory_plan.Device`; None: an assumed H200), from the configs alone."""
     from drafttree.engine.scheduler import SchedulerConfig
     from drafttree.runner.cuda_graph import first_sets, format_plan, graph_keys, graph_plan, set_keys
-    from drafttree.runner.cost import timing_modes
+    from drafttree.runner.cost import timed_modes
     from drafttree.runner.model_runner import CacheConfig
     from drafttree.runner.prefill_plan import at_offsets
 
@@ -341,9 +341,8 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
         + (f"; the {n_all - n_plain} more are captured after start-up, while idle (defer_graphs)"
            if cfg.defer_graphs and len(off) < 2 else ""))
     if cfg.defer_graphs and not setup.settings.deterministic:   # `prepare.first_modes`
-        timed = tuple(m for m in timing_modes(setup.sampler_modes).values() if m is not None)
-        n_first = [len(set_keys(spec, first_sets(cache.batch_buckets, kv_lengths, setup.sampler_modes, at), dcfg is not None,
-                                False, False)) for at in ((), timed)]
+        n_first = [len(set_keys(spec, first_sets(cache.batch_buckets, kv_lengths, setup.sampler_modes, at),
+                                dcfg is not None, False, False)) for at in ((), timed_modes(setup.sampler_modes))]
         text += (f"\nbefore /ready (defer_graphs): the first sets' {n_first[0]} round graphs"
                  + (f" ({n_first[1]} where the cost table is still to be measured)" if spec.adaptive else "")
                  + "; the others' rounds replay them until theirs are captured, while idle")

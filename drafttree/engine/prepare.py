@@ -15,7 +15,8 @@ from drafttree.engine.plan import EngineSetup, graph_kv_lengths
 from drafttree.engine.startup import StartupTimes
 from drafttree.kernels import compile_cache
 from drafttree.parallel.group import TPGroup
-from drafttree.runner.cost import BUDGET_S, KEEP_SPREAD, CostTable, measure, timing_modes
+from drafttree.runner.cost import BUDGET_S, KEEP_SPREAD, CostTable, measure, timed_modes
+from drafttree.runner.cuda_graph import first_sets
 from drafttree.runner.model_runner import ModelRunner
 from drafttree.runner.prefill_plan import PrefillLimits
 from drafttree.sampling import SampleMode
@@ -93,7 +94,7 @@ def first_modes(setup: EngineSetup, settings: Settings, costs: CostTable | None)
         return None
     if costs is not None or not setup.spec.adaptive:
         return ()
-    return tuple(m for m in timing_modes(setup.sampler_modes).values() if m is not None)
+    return timed_modes(setup.sampler_modes)
 
 
 def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimits | None,
@@ -115,7 +116,8 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
     if compile_later and first is not None:
         # the compile steps, which run every step, come before the sets left for later are
         # captured: before /ready, the free steps of the first sets' modes are enough
-        start_steps = (tuple(sorted({max(setup.sampler_modes), *first})), *kernel_steps[1:3], False, False)
+        modes = {s.mode for s in first_sets(cache.batch_buckets, kv_lengths, setup.sampler_modes, first)}
+        start_steps = (tuple(sorted(modes)), *kernel_steps[1:3], False, False)
     with startup.stage("kernels"):
         startup.progress("one eager round of each step")
         n = runner.warm_kernels(*start_steps)

@@ -145,6 +145,11 @@ def timing_modes(modes: tuple[SampleMode, ...]) -> dict[bool, SampleMode | None]
             True: next((m for m in (SampleMode.SAMPLE, SampleMode.FILTERED) if m in modes), None)}
 
 
+def timed_modes(modes: tuple[SampleMode, ...]) -> tuple[SampleMode, ...]:
+    """The modes a cost table of these captured modes is timed in (`timing_modes`' picks)."""
+    return tuple(m for m in timing_modes(modes).values() if m is not None)
+
+
 @torch.inference_mode()
 def measure(runner, reps: int = REPS, budget_s: float = BUDGET_S,
             modes: tuple[SampleMode, ...] = (SampleMode.GREEDY, SampleMode.SAMPLE),

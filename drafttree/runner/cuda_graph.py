@@ -258,6 +258,25 @@ class RoundGraphs:
                                              reset=lambda: rc.state.park(0, B),
                                              seconds=self.capture_seconds, label=st.phase.value)
 
+    def _capture_one(self, job: GraphSet, st: PhaseStep, queue: list[GraphSet], replace: bool = False) -> float:
+        """Capture `st`'s graph of `job` while no request runs (its rows parked, the round state put
+        back), in place of the one it has where `replace`; a failure empties `queue`, the work it
+        was part of. Returns host seconds."""
+        saved = self.rc.state.snapshot()
+        t0 = time.perf_counter()
+        try:
+            with collector_paused():
+                if replace:
+                    self.graphs.pop(key_of(st, *job), None)   # dropped before its replacement is captured
+                self._capture_set(job, (st,))
+        except Exception:
+            queue.clear()
+            raise
+        finally:
+            self.rc.state.restore(saved)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     @torch.inference_mode()
     def recapture_next(self) -> bool:
         """Capture one graph of the first set in `upgrade` again, replacing the one captured at
@@ -267,19 +286,9 @@ class RoundGraphs:
         job = self.upgrade[0]
         todo = [st for st in self.steps(job.batch, job.mode) if key_of(st, *job) not in self._fresh]
         if todo:
-            key = key_of(todo[0], *job)
-            saved = self.rc.state.snapshot()
-            try:
-                with collector_paused():
-                    self.graphs.pop(key, None)   # dropped before its replacement is captured
-                    self._capture_set(job, tuple(todo[:1]))
-            except Exception:
-                self.upgrade.clear()   # the rest would fail alike; a set whose graph is gone runs eagerly
-                raise
-            finally:
-                self.rc.state.restore(saved)
-            torch.cuda.synchronize()
-            self._fresh.add(key)
+            # (on failure the rest would fail alike; a set whose graph is gone runs eagerly)
+            self._capture_one(job, todo[0], self.upgrade, replace=True)
+            self._fresh.add(key_of(todo[0], *job))
         if len(todo) <= 1:
             self.upgrade.pop(0)
         return True
@@ -296,19 +305,8 @@ class RoundGraphs:
             return False
         job = self.pending[0]
         todo = [st for st in self.steps(job.batch, job.mode, later=True) if key_of(st, *job) not in self.graphs]
-        saved = self.rc.state.snapshot()
-        t0 = time.perf_counter()
-        try:
-            with collector_paused():
-                self._capture_set(job, tuple(todo[:1]))
-        except Exception:
-            self.pending.clear()   # the rest would fail alike: their rounds run eagerly
-            raise
-        finally:
-            self.rc.state.restore(saved)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        self.set_seconds[job] = self.set_seconds.get(job, 0.0) + seconds
+        if todo:   # (on failure the rest would fail alike: their rounds run eagerly)
+            self.set_seconds[job] = self.set_seconds.get(job, 0.0) + self._capture_one(job, todo[0], self.pending)
         if len(todo) <= 1:
             self.pending.pop(0)
         if not self.pending:

@@ -32,7 +32,6 @@ class Tensor:
     name: str
     tensor_type: Any           # gguf.GGMLQuantizationType
     shape: tuple[int, ...]     # as stored: the fastest dimension first
-    n_elements: int
     n_bytes: int
     data_offset: int           # from the file's start
     data: np.ndarray           # as GGUFReader gives it: elements, or a quantized type's bytes per row
@@ -127,9 +126,8 @@ def read_header(path: Path) -> GGUFHeader:
             ggml_type = GGMLQuantizationType(kind)
         except ValueError:
             raise Truncated(f"tensor {name!r} of unknown type {kind}") from None
-        n_elems = int(np.prod(dims))
         block, size = GGML_QUANT_SIZES[ggml_type]
-        n_bytes = n_elems * size // block
+        n_bytes = int(np.prod(dims)) * size // block
         at = start + offset
         if at + n_bytes > len(raw):
             raise Truncated(f"tensor {name!r} needs bytes [{at}, {at + n_bytes}) but the file has {len(raw)}")
@@ -138,5 +136,5 @@ def read_header(path: Path) -> GGUFHeader:
             data = raw[at:at + n_bytes].view(plain[ggml_type]).reshape(np_dims)
         else:
             data = raw[at:at + n_bytes].reshape(quant_shape_to_byte_shape(np_dims, ggml_type))
-        tensors.append(Tensor(name, ggml_type, dims, n_elems, n_bytes, at, data))
+        tensors.append(Tensor(name, ggml_type, dims, n_bytes, at, data))
     return GGUFHeader(fields, tensors, version)

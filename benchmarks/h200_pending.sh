@@ -4,14 +4,16 @@
 # 30 s after a call ends. The default model's GGUF (98 MB) travels in three parts, one a call,
 # kept in .gacc/; the stages that need the model assemble it and check its sha256. Together they take
 # about 50 minutes of GPU time, so pick.
-# What waits most: the three parts calls (carry .parts/before, the tree at 7891519 without its
-# assets, with the third), `serve_ab` SERVE_PHASE=cold (both trees, ~150 s each), then warm (the
-# first graph sets before /ready, the rest while idle, against 7891519's 40 s), then idle (a call of
-# 590 s: how long the work left for while idle takes, each kind's seconds in its log), `serve_idle_load`
-# (tok/s and TTFT at 1 and 16 streams after it: the aims' "no worse"), `tests` with
+# What waits most: the three parts calls, `serve_ab` SERVE_PHASE=cold SERVE_BEFORE=0 IDLE_WAIT_S=480
+# (this tree's cold start followed to the end of its idle work: each kind's seconds, and its compiles
+# left in the caches; a server stopped at /ready leaves them out, and the next one's idle work then
+# compiles from nothing, as on 2026-12-06: over 540 s), then `serve_idle_load` (a warm start, its idle
+# work on warm caches, then tok/s and TTFT at 1 and 16 streams: the aims' "no worse"), `tests` with
 # TESTS=tests/test_cuda_graphs.py (alone: it took over 470 s), then TESTS=tests/test_structured.py;
-# then `drafter_data` and `drafter_train RUN=dflash2` (the DFlash2 weights of 2026-12-06 were not
-# kept), then `spec DRAFT=...` for DFlash2's round cost with its compiled pieces.
+# then `drafter_data` (its answers come back: keep them as .parts/responses.jsonl.gz) and
+# `drafter_train RUN=dflash2` (the DFlash2 weights of 2026-12-06 were not kept), then `spec DRAFT=...`
+# for DFlash2's round cost with its compiled pieces. (serve_ab cold/warm against 7891519 were measured
+# on 2026-12-06: 90 s / 20-22 s against 131 s / 46 s.)
 # .parts/ and .whl/ are not kept from one checkout to the next: prepare them again (below).
 #   rank      : the seed's model. The int4 expert kernels at 1, 8, 33 rows (benchmarks/w4a16_bench.py),
 #               then one rank of Kimi K2.6 at TP8 from random weights in the shipped formats
@@ -152,7 +154,9 @@ case "${1:?stage}" in
     phase=${SERVE_PHASE:?SERVE_PHASE=cold|warm|idle}
     trees="--tree before=/tmp/before --tree after=."
     case $phase in
-      cold) flags="--reps 0 --graphs-wait-s 0 --run-timeout 260" ;;
+      # IDLE_WAIT_S: follow the cold server to the end of its idle work (up to that many seconds from
+      # launch), so that its compiles are in the caches a warm server's idle work then finds
+      cold) flags="--reps 0 --graphs-wait-s ${IDLE_WAIT_S:-0} --run-timeout 260" ;;
       warm) flags="--warm-only --reps 2 --graphs-wait-s 0 --run-timeout 200" ;;
       idle) flags="--warm-only --reps 1 --graphs-wait-s 480 --run-timeout 500"; trees="--tree after=." ;;
       *) echo "unknown SERVE_PHASE $phase"; exit 2 ;;

@@ -983,17 +983,20 @@ def test_a_compile_step_that_fails_while_idle_leaves_the_start_graphs(pair, fake
     eng.shutdown()
 
 
-def test_a_server_engine_serves_from_the_first_sets_until_the_others_are_in(pair, fake_cuda_graphs, caplog):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_a_server_engine_serves_from_the_first_sets_until_the_others_are_in(pair, device, request, caplog):
     """defer_graphs, not deterministic: the start captures, at each batch bucket, the most general
     mode at the shortest and the longest KV bucket; every other set is left for while idle (the
     shortest KV buckets and smallest batches first), and its rounds replay those meanwhile — greedy
     and sampled, short and past the first KV bucket — to the tokens of an engine without graphs,
     none eagerly. Once the idle work is done (each kind of it logged once, with its seconds) each
-    round replays its own set."""
+    round replays its own set. On CUDA the graphs are real and the pieces compile while idle."""
     from drafttree.engine.engine import Engine
     from drafttree.runner.cuda_graph import GraphSet
+    if device == "cpu":
+        request.getfixturevalue("fake_cuda_graphs")
     t, d = pair
-    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device="cpu", dtype="float32",
+    kw = dict(model=str(t), draft_model=str(d), spec="ddtree", budget=8, device=device, dtype="float32",
               max_num_seqs=2, max_model_len=1100, cuda_graphs=True, prefill_graphs=False)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 59, (n,), generator=g).tolist() for n in (6, 1030, 9)]

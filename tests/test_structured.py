@@ -460,14 +460,27 @@ def deferred(pair, **kw):
     return eng, cfg, (prompts, params), generate
 
 
-def test_graphs_left_for_later_are_captured_while_idle(pair, plain, fake_cuda_graphs):
+def test_graphs_left_for_later_are_captured_while_idle(pair, plain, fake_cuda_graphs, monkeypatch):
     """defer_graphs: the engine starts with the first sets' free rounds' graphs only; until their sets are
     captured, constrained and processed rounds run eagerly (not counted as fallbacks) to the same
-    tokens; a server's engine thread captures them while no request runs, one graph at a time."""
+    tokens; a server's engine thread captures them while no request runs, one graph at a time,
+    with what is alive frozen out of the cyclic collector's walks (at its start and after each
+    piece) until it stops."""
+    import gc
     import time
 
     from drafttree.engine.engine import Engine, EngineConfig
+    from drafttree.server import worker as worker_module
     from drafttree.server.worker import EngineWorker
+
+    frozen: list[int] = []
+
+    def settle() -> None:
+        worker_module.settle_collector.__wrapped__()
+        frozen.append(gc.get_freeze_count())
+
+    settle.__wrapped__ = worker_module.settle_collector
+    monkeypatch.setattr(worker_module, "settle_collector", settle)
 
     eng, cfg, (prompts, params), generate = deferred(pair, device="cpu", cuda_graphs=True, prefill_graphs=False)
     want = [o.token_ids for o in plain.generate(prompts, params)]
@@ -493,13 +506,15 @@ def test_graphs_left_for_later_are_captured_while_idle(pair, plain, fake_cuda_gr
     while eng.graphs_pending == sets:
         eng.capture_later()
     assert eng.graphs_pending == sets - 1   # a set leaves with its last graph
-    worker = EngineWorker(eng)
+    worker, pieces, capture_later = EngineWorker(eng), [], eng.capture_later
+    monkeypatch.setattr(eng, "capture_later", lambda: pieces.append(1) or capture_later())
     worker.start()
     deadline = time.monotonic() + 60
     while eng.graphs_pending and time.monotonic() < deadline:
         time.sleep(0.05)
     worker.stop()
     assert eng.graphs_pending == 0 and gr.later == (False, False)
+    assert pieces and len(frozen) == 1 + len(pieces) and min(frozen) > 0 and gc.get_freeze_count() == 0
     assert any(k.constrained for k in gr.graphs) and any(k.processed for k in gr.graphs)
     n = len(gr.graphs)
     assert generate() == want

@@ -49,6 +49,7 @@ from drafttree.parallel.group import (
     torchrun_launch,
 )
 from drafttree.parallel.shard import check_size
+from drafttree.runner.capture import settle_collector
 from drafttree.settings import Settings, scope
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,7 @@ def follow(engine: Engine) -> int:
 
 def _follow(engine: Engine, tp: TPGroup) -> int:
     channel, runner = CommandChannel(tp), engine.runner
+    settle_collector()   # this process holds this engine until it exits
     while True:
         try:
             name, args, kwargs = channel.receive()
@@ -211,6 +213,8 @@ def _follow(engine: Engine, tp: TPGroup) -> int:
         except Exception:
             log.exception("rank %d failed running %s", tp.rank, name)
             _stop(f"rank {tp.rank} failed running {name}")
+        if name == "capture_next":
+            settle_collector()   # as rank 0's server does after each piece of idle work
         runner.collect_phase_times()
 
 

@@ -43,6 +43,24 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def settle_collector() -> None:
+    """Collect, then freeze what is left alive into Python's permanent generation. For a process
+    that holds one engine for good (a server, a tensor-parallel rank): after start-up it holds
+    hundreds of thousands of objects (modules, compiled pieces and their guards, graphs), and the
+    cyclic collector walks every one of them at each full collection: `collector_paused`'s before
+    each graph captured while idle, and those Python starts itself between rounds. Frozen, a
+    collection walks only what came since; called again after each piece of idle work, so that
+    what it compiled is frozen too. `thaw_collector` undoes it when the engine goes."""
+    gc.collect()
+    gc.freeze()
+
+
+def thaw_collector() -> None:
+    """Give the frozen objects back to the collector (`settle_collector`): an engine that ends
+    in a process that goes on (tests, a notebook) leaves its cycles collectable."""
+    gc.unfreeze()
+
+
 def capture_graph(fn: Callable[[], object], pool=None, *, collectives: bool = False, other_threads: bool = False,
                   warmups: int = 2, reset: Callable[[], None] | None = None, seconds: dict[str, float] | None = None,
                   label: str = "graph") -> torch.cuda.CUDAGraph:

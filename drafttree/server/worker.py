@@ -19,6 +19,7 @@ from drafttree.engine.engine import Engine
 from drafttree.engine.sequence import Sequence
 from drafttree.engine.text import Tokenized
 from drafttree.parallel.group import TensorParallelError
+from drafttree.runner.capture import settle_collector, thaw_collector
 from drafttree.runner.logit_rows import Logprobs
 from drafttree.sampling import SamplingParams
 from drafttree.server.metrics import ServerMetrics
@@ -303,7 +304,11 @@ class EngineWorker:
     # -- engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         with scope(self.engine.settings):   # a new thread starts outside any scope (`drafttree.settings`)
-            self._loop()
+            settle_collector()   # built and warmed up: what is alive now lives as long as the engine
+            try:
+                self._loop()
+            finally:
+                thaw_collector()
 
     def _loop(self) -> None:
         eng = self.engine
@@ -385,6 +390,7 @@ class EngineWorker:
         except TensorParallelError as e:
             self._stop_for_good(str(e))
             return False
+        settle_collector()   # what the piece compiled and captured stays too
         return True
 
     def _step(self) -> bool:

@@ -169,7 +169,7 @@ case "${1:?stage}" in
     gguf || exit 1
     c=.gacc/serve_ab/serve-default-after   # serve_ab's caches of this tree: a warm start
     [ -d "$c" ] && export DRAFTTREE_CACHE=$PWD/$c TRITON_HOME=$PWD/$c
-    OUT=$OUT/serve_load WAIT_IDLE=1 SPECS=ddtree CONCURRENCY="1 16" NUM_PROMPTS=64 SHARED=0 \
+    OUT=$OUT/serve_load WAIT_IDLE=1 IDLE_WAIT_S=${IDLE_WAIT_S:-420} SPECS=ddtree CONCURRENCY="1 16" NUM_PROMPTS=64 SHARED=0 \
       DATASET_PATH=.parts/sharegpt_heldout.jsonl timeout 560 bash benchmarks/serve_load.sh > "$OUT/serve_load.txt" 2>&1
     tail -n 30 "$OUT/serve_load.txt" ;;
   serve_ready)   # issue 56: `serve` to /ready, cold then warm, each stopped and recorded if not ready in 270 s

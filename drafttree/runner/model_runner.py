@@ -42,6 +42,7 @@ from drafttree.structured.masks import apply_token_masks
 from drafttree.structured.tree import HostTrees
 
 log = logging.getLogger(__name__)
+IDLE_PROGRESS_S = 10.0   # how often the work left for while idle says how far it is
 
 # Tokens per KV page. 16, as vLLM: a request wastes under one page on average (its last, partly
 # filled), prefix caching shares whole pages (a shorter page shares more of a common prompt), and
@@ -145,6 +146,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.compile_jobs: list[tuple[int, SampleMode, int, PhaseStep]] = []   # `compile_later`
         self.idle_work: dict[str, list[float]] = {}   # `capture_next`'s kind of work -> [host seconds, pieces]
+        self._idle_said = 0.0   # when `capture_next` last said how far it is
         self.timer = PhaseTimer(torch.device(device))
         self._mask_stage: torch.Tensor | None = None     # `mask_stage`'s buffer
         self._cand_host: tuple[torch.Tensor, torch.Tensor] | None = None   # `candidates`' pinned copies
@@ -219,10 +221,17 @@ class ModelRunner:
         else:
             return False
         spent = self.idle_work.setdefault(kind, [0.0, 0])
-        spent[0] += time.perf_counter() - t0
+        now = time.perf_counter()
+        spent[0] += now - t0
         spent[1] += 1
         if not left():
             log.info("work left for later: %s done, %d pieces in %.2f s", kind, spent[1], spent[0])
+        elif now - self._idle_said >= IDLE_PROGRESS_S:
+            log.info("work left for later: %s, %d pieces in %.1f s, %d left; %d pieces left in all",
+                     kind, spent[1], spent[0], left(), self.graphs_pending)
+        else:
+            return True
+        self._idle_said = now
         return True
 
     @property

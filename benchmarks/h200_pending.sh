@@ -8,7 +8,8 @@
 # (this tree's cold start followed to the end of its idle work: each kind's seconds, and its compiles
 # left in the caches; a server stopped at /ready leaves them out, and the next one's idle work then
 # compiles from nothing, as on 2026-12-06: over 540 s), then `serve_idle_load` (a warm start, its idle
-# work on warm caches, then tok/s and TTFT at 1 and 16 streams: the aims' "no worse"), `tests` with
+# work on warm caches, then tok/s and TTFT at 1 and 16 streams: the aims' "no worse"; SPECS=none in a
+# second call for plain decoding's, the ratio the issue quotes), `tests` with
 # TESTS=tests/test_cuda_graphs.py (alone: it took over 470 s), then TESTS=tests/test_structured.py;
 # then `drafter_data` (its answers come back: keep them as .parts/responses.jsonl.gz) and
 # `drafter_train RUN=dflash2` (the DFlash2 weights of 2026-12-06 were not kept), then `spec DRAFT=...`
@@ -169,7 +170,7 @@ case "${1:?stage}" in
     gguf || exit 1
     c=.gacc/serve_ab/serve-default-after   # serve_ab's caches of this tree: a warm start
     [ -d "$c" ] && export DRAFTTREE_CACHE=$PWD/$c TRITON_HOME=$PWD/$c
-    OUT=$OUT/serve_load WAIT_IDLE=1 IDLE_WAIT_S=${IDLE_WAIT_S:-420} SPECS=ddtree CONCURRENCY="1 16" NUM_PROMPTS=64 SHARED=0 \
+    OUT=$OUT/serve_load WAIT_IDLE=1 IDLE_WAIT_S=${IDLE_WAIT_S:-420} SPECS=${SPECS:-ddtree} CONCURRENCY="1 16" NUM_PROMPTS=64 SHARED=0 \
       DATASET_PATH=.parts/sharegpt_heldout.jsonl timeout 560 bash benchmarks/serve_load.sh > "$OUT/serve_load.txt" 2>&1
     tail -n 30 "$OUT/serve_load.txt" ;;
   serve_ready)   # issue 56: `serve` to /ready, cold then warm, each stopped and recorded if not ready in 270 s

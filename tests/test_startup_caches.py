@@ -420,3 +420,35 @@ def test_the_gpu_start_at_launch_ends_done_or_says_why():
         assert s.error is None
     else:
         assert isinstance(s.error, str) and s.error
+
+
+def test_triton_compiles_are_counted_per_kernel_beside_hooks_set_before(monkeypatch):
+    """The start-up report's Triton figures: each first use of a kernel's specialization between
+    Triton's two hooks counts once with its seconds; hooks set before are kept and called, and
+    one that asks to skip the compilation is obeyed and nothing is counted; installed once."""
+    from types import SimpleNamespace
+
+    knobs = pytest.importorskip("triton").knobs
+    calls = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: calls.append(("pre", kw["key"])) or kw["key"] == "skip")
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: calls.append(("post", kw["key"])))
+    monkeypatch.setattr(compile_cache, "TRITON", compile_cache.TritonWatch())
+    compile_cache.watch_triton()
+    compile_cache.watch_triton()
+    snap = compile_cache.TRITON.snapshot()
+
+    def compile_(name: str, key: str) -> None:
+        kw = dict(key=key, repr=name, fn=SimpleNamespace(name=name, module="m"), compile={}, is_manual_warmup=False,
+                  already_compiled=False)
+        if not knobs.runtime.jit_cache_hook(**kw):
+            time.sleep(0.01)
+            knobs.runtime.jit_post_compile_hook(**kw)
+
+    for name, key in (("attn", "a"), ("attn", "b"), ("norm", "a"), ("attn", "skip")):
+        compile_(name, key)
+    w = compile_cache.TRITON
+    assert w.first_uses == {"attn": 2, "norm": 1} and w.seconds["attn"] >= 0.02 and w.seconds["norm"] >= 0.01
+    assert calls == [("pre", "a"), ("post", "a"), ("pre", "b"), ("post", "b"), ("pre", "a"), ("post", "a"), ("pre", "skip")]
+    said = w.since(snap)
+    assert said.startswith(", Triton: 3 first uses in ") and "(most: attn 2x" in said and "norm 1x" in said
+    assert w.since(w.snapshot()) == ""

@@ -54,6 +54,8 @@ def compile_caches(setup: EngineSetup) -> dict[str, str]:
     anything compiles (on CUDA; the CPU compiles nothing unless asked)."""
     if setup.device.type != "cuda" and setup.settings.compile != "cpu":
         return {}
+    if setup.device.type == "cuda":
+        compile_cache.watch_triton()   # the start-up report says which kernels compiled for how long
     return compile_cache.install(setup.device)
 
 
@@ -107,7 +109,7 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
     `first` (`first_modes`): only the sets that serve every round here, the others while idle."""
     cache = runner.cache_cfg
     kv_lengths = graph_kv_lengths(cache, setup.cfg.max_graph_len)
-    before, traced = _compiled(dirs), compile_cache.compile_seconds()
+    before, traced, triton = _compiled(dirs), compile_cache.compile_seconds(), compile_cache.TRITON.snapshot()
     # (the steps, at one row and at several: torch.compile specializes on 1; run again while idle
     # where the pieces compile later)
     kernel_steps = (setup.sampler_modes, cache.batch_buckets[:2], kv_lengths[0], setup.structured_graphs,
@@ -122,8 +124,8 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
         startup.progress("one eager round of each step")
         n = runner.warm_kernels(*start_steps)
         startup.note("kernels", f"{n} steps run, {_compiled(dirs) - before} files compiled into the cache"
-                                + _in_compile(traced))
-    before, traced = _compiled(dirs), compile_cache.compile_seconds()
+                                + _in_compile(traced) + compile_cache.TRITON.since(triton))
+    before, traced, triton = _compiled(dirs), compile_cache.compile_seconds(), compile_cache.TRITON.snapshot()
     now = not setup.defer_graphs
     with startup.running("graphs"):
         stages = runner.capture(setup.sampler_modes, prefill, cache.batch_buckets, kv_lengths, startup.progress,
@@ -140,7 +142,8 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
     if pg is not None and pg.pending:
         later += f"; {len(pg.pending)} prefill graphs later, while idle (eager prefill meanwhile)"
     startup.note("graphs warm-up", f"{len(graphs.graphs)} round graphs in {len(graphs.set_seconds)} sets"
-                                   + (f", {compiled} files compiled" if compiled else "") + _in_compile(traced) + later)
+                                   + (f", {compiled} files compiled" if compiled else "") + _in_compile(traced)
+                                   + compile_cache.TRITON.since(triton) + later)
     for stage, seconds in stages.items():
         startup.add(stage, seconds)
     if compile_later:

@@ -18,6 +18,8 @@ import json
 import os
 import platform as host
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,67 @@ def install(device: torch.device | str | None = None) -> dict[str, str]:
         base.mkdir(parents=True, exist_ok=True)
         (base / "platform.json").write_text(json.dumps(platform(device), indent=1))
     return {"triton": triton_dir, "inductor": inductor_dir}
+
+
+@dataclass
+class TritonWatch:
+    """Triton's compilations in this process, per kernel: each first use of a specialization (a new
+    set of constants, dtypes or integer classes) compiles it, or loads it from the cache
+    directory (milliseconds); `seconds` is the host's time between Triton's hooks around it."""
+    first_uses: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    _began: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, float]]:
+        return dict(self.first_uses), dict(self.seconds)
+
+    def since(self, snap: tuple[dict[str, int], dict[str, float]], top: int = 3) -> str:
+        """", Triton: N first uses in S s (most: kernel n× s, ...)" since `snap`, if any."""
+        uses = {k: n - snap[0].get(k, 0) for k, n in self.first_uses.items() if n > snap[0].get(k, 0)}
+        secs = {k: self.seconds[k] - snap[1].get(k, 0.0) for k in uses}
+        if not uses:
+            return ""
+        most = sorted(secs, key=secs.get, reverse=True)[:top]
+        return (f", Triton: {sum(uses.values())} first uses in {sum(secs.values()):.1f} s (most: "
+                + ", ".join(f"{k} {uses[k]}x {secs[k]:.1f} s" for k in most) + ")")
+
+    def before(self, *, key: Any, fn: Any, **_: Any) -> None:
+        self._began[fn.name, str(key)] = time.perf_counter()
+
+    def after(self, *, key: Any, fn: Any, **_: Any) -> None:
+        began = self._began.pop((fn.name, str(key)), None)
+        if began is not None:
+            self.first_uses[fn.name] = self.first_uses.get(fn.name, 0) + 1
+            self.seconds[fn.name] = self.seconds.get(fn.name, 0.0) + time.perf_counter() - began
+
+
+TRITON = TritonWatch()
+
+
+def watch_triton() -> None:
+    """Install `TRITON`'s counting in Triton's compile hooks, once (hooks set before are kept and
+    called first; their answer to the first — skip this compilation — stands)."""
+    try:
+        from triton import knobs
+    except ImportError:   # a Triton without knobs: nothing counted
+        return
+    rt = knobs.runtime
+    if getattr(rt.jit_cache_hook, "_drafttree", False):
+        return
+    earlier_pre, earlier_post = rt.jit_cache_hook, rt.jit_post_compile_hook
+
+    def pre(**kw: Any) -> Any:
+        skip = earlier_pre(**kw) if earlier_pre is not None else None
+        if not skip:
+            TRITON.before(**kw)
+        return skip
+
+    def post(**kw: Any) -> Any:
+        TRITON.after(**kw)
+        return earlier_post(**kw) if earlier_post is not None else None
+
+    pre._drafttree = True   # type: ignore[attr-defined]
+    rt.jit_cache_hook, rt.jit_post_compile_hook = pre, post
 
 
 def compile_seconds() -> float:

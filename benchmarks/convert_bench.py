@@ -35,9 +35,12 @@ reader = step("header", lambda: g.open_gguf(path))
 hp = step("hparams", lambda: g.read_llama_hparams(reader, path))
 tensors = step("dequantize", lambda: g.convert_tensors(reader, hp, path, torch.bfloat16))
 step("write weights", lambda: save_file(tensors, str(out / "model.safetensors")))
-step("tokenizer", lambda: g.write_tokenizer(path, out, hp))
+import inspect   # (a tree whose tokenizer step takes the header already read gets it)
+header = [reader] if "header" in inspect.signature(g.write_tokenizer).parameters else []
+step("tokenizer", lambda: g.write_tokenizer(path, out, hp, *header))
 times["total"] = time.perf_counter() - t0
-print(json.dumps(times))
+import transformers
+print(json.dumps({**times, "transformers": transformers.__version__}))
 """
 
 
@@ -56,11 +59,12 @@ def main() -> int:
                                capture_output=True, text=True, check=True)
             times = json.loads(r.stdout.strip().splitlines()[-1])
             runs.append({"tree": name, "rep": rep, **times})
-            print(f"{name:<8} rep {rep}  " + "  ".join(f"{k} {v:.2f}" for k, v in times.items()), flush=True)
+            print(f"{name:<8} rep {rep}  transformers {times.pop('transformers')}  "
+                  + "  ".join(f"{k} {v:.2f}" for k, v in times.items()), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
             "host": platform.node(), "cpus": os.cpu_count(), "trees": {k: str(v) for k, v in trees.items()}}
     Path(a.out).write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    steps = [k for k in runs[0] if k not in ("tree", "rep")]
+    steps = [k for k in runs[0] if k not in ("tree", "rep", "transformers")]
     print(f"\n{'tree':<8} " + " ".join(f"{s:>14}" for s in steps) + "   (median, min-max, s)")
     for name in trees:
         rs = [r for r in runs if r["tree"] == name]

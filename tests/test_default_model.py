@@ -363,3 +363,55 @@ def test_a_text_conversation_is_answered_in_its_chat_template(converted_dir: Pat
                 {"role": "user", "content": conv.turns[1]}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert recs[1]["prompt_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_byte_level_tokenizer_is_built_as_transformers_converts_it(tmp_path: Path) -> None:
+    """`gguf_tokenizer.build` from a GGUF's header saves what transformers' conversion of the file
+    saves: respelled tokens outside the byte alphabet, control tokens special (one spelled outside
+    it, a mislabel, left out), user-defined ones whole; vocabularies it does not build go to
+    transformers."""
+    import json
+
+    import gguf
+    from transformers import PreTrainedTokenizerFast
+
+    from drafttree.loader import gguf_tokenizer
+    from drafttree.loader.gguf_header import read_header
+
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "ab", "Ġ", "Ġa", "中", "<think>", "<ctl中>"]
+    types = [3, 3, 3, 1, 1, 1, 1, 1, 1, 4, 3]
+    path = tmp_path / "tok.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["a b", "Ġ a"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    meta = read_header(path).fields
+    assert gguf_tokenizer.builds(meta)
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    gguf_tokenizer.build(meta).save_pretrained(str(mine))
+    PreTrainedTokenizerFast.from_pretrained(str(tmp_path), gguf_file=path.name).save_pretrained(str(theirs))
+    assert (mine / "tokenizer.json").read_bytes() == (theirs / "tokenizer.json").read_bytes()
+    a, b = (json.loads((d / "tokenizer_config.json").read_text()) for d in (mine, theirs))
+    for key in ("is_local", "local_files_only"):
+        b.pop(key, None)
+    assert a == b
+    tok = PreTrainedTokenizerFast.from_pretrained(str(mine))
+    assert tok.encode("ab a<think><|im_end|>", add_special_tokens=False) == [5, 7, 9, 2]
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    spell = gguf_tokenizer.byte_alphabet()
+    assert spell == bytes_to_unicode()
+    assert tok.convert_tokens_to_ids("".join(spell[b] for b in "中".encode())) == 8
+    assert "<ctl中>" not in tok.get_added_vocab() and tok.eos_token == "<|im_end|>"
+    for key, value in (("tokenizer.ggml.pre", "qwen2"), ("tokenizer.ggml.model", "llama"),
+                       ("tokenizer.ggml.add_bos_token", True)):
+        assert not gguf_tokenizer.builds({**meta, key: value})

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from drafttree.loader import gguf_tokenizer
 from drafttree.loader.gguf_header import GGUFHeader, Truncated, read_header
 
 GGUF_MAGIC = b"GGUF"
@@ -235,15 +236,19 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
-def write_tokenizer(gguf_path: Path, out_dir: Path, hp: LlamaHParams) -> None:
-    """Convert the GGUF's embedded tokenizer with transformers and save it to ``out_dir``."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+def write_tokenizer(gguf_path: Path, out_dir: Path, hp: LlamaHParams, header: GGUFHeader | None = None) -> None:
+    """Save the GGUF's embedded tokenizer to ``out_dir``: a byte-level BPE vocabulary with GPT-2's
+    split built from ``header`` (the metadata already read: `gguf_tokenizer`), any other converted
+    by transformers."""
+    if header is not None and gguf_tokenizer.builds(header.fields):
+        tok = gguf_tokenizer.build(header.fields)
+    else:
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast   # (AutoTokenizer's import: seconds)
 
-    # A byte-level BPE vocabulary is the class AutoTokenizer resolves it to, built from the same
-    # metadata, without first reading the whole file again for the model's config: that read
-    # was 3 of the conversion's 7 s on two CPU cores and most of its 28 s on one GPU host.
-    cls = PreTrainedTokenizerFast if hp.tokenizer_model == "gpt2" else AutoTokenizer
-    tok = cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        # A byte-level BPE vocabulary is the class AutoTokenizer resolves it to, without first
+        # reading the whole file again for the model's config.
+        cls = PreTrainedTokenizerFast if hp.tokenizer_model == "gpt2" else AutoTokenizer
+        tok = cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if hp.chat_template:
         tok.chat_template = hp.chat_template
     tok.save_pretrained(str(out_dir))
@@ -314,7 +319,7 @@ def _write_model_dir(reader: GGUFHeader, hp: LlamaHParams, gguf_path: Path, out_
     _write_json(out_dir / "generation_config.json", gen)
     if with_tokenizer:
         bar.set_postfix_str("converting the tokenizer")
-        write_tokenizer(gguf_path, out_dir, hp)
+        write_tokenizer(gguf_path, out_dir, hp, reader)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

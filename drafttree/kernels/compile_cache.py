@@ -119,7 +119,7 @@ class TritonWatch:
         return dict(self.first_uses), dict(self.seconds)
 
     def since(self, snap: tuple[dict[str, int], dict[str, float]], top: int = 3) -> str:
-        """", Triton: N first uses in S s (most: kernel n× s, ...)" since `snap`, if any."""
+        """", Triton: N first uses in S s (most: kernel nx s, ...)" since `snap`, if any."""
         uses = {k: n - snap[0].get(k, 0) for k, n in self.first_uses.items() if n > snap[0].get(k, 0)}
         secs = {k: self.seconds[k] - snap[1].get(k, 0.0) for k in uses}
         if not uses:

@@ -213,7 +213,7 @@ def _follow(engine: Engine, tp: TPGroup) -> int:
         except Exception:
             log.exception("rank %d failed running %s", tp.rank, name)
             _stop(f"rank {tp.rank} failed running {name}")
-        if name == runner.capture_next.__name__:
+        if name == "capture_next":
             settle_collector()   # as rank 0's server does after each piece of idle work
         runner.collect_phase_times()
 

@@ -452,3 +452,5 @@ def test_triton_compiles_are_counted_per_kernel_beside_hooks_set_before(monkeypa
     said = w.since(snap)
     assert said.startswith(", Triton: 3 first uses in ") and "(most: attn 2x" in said and "norm 1x" in said
     assert w.since(w.snapshot()) == ""
+    knobs.runtime.jit_cache_hook(key="odd", fn=object())   # hooks of another Triton's arguments: counted
+    knobs.runtime.jit_post_compile_hook(key="odd")         # as they can be, never raising into a compile

@@ -128,14 +128,20 @@ class TritonWatch:
         return (f", Triton: {sum(uses.values())} first uses in {sum(secs.values()):.1f} s (most: "
                 + ", ".join(f"{k} {uses[k]}x {secs[k]:.1f} s" for k in most) + ")")
 
-    def before(self, *, key: Any, fn: Any, **_: Any) -> None:
-        self._began[fn.name, str(key)] = time.perf_counter()
+    def before(self, **kw: Any) -> None:
+        self._began[_name(kw), str(kw.get("key"))] = time.perf_counter()
 
-    def after(self, *, key: Any, fn: Any, **_: Any) -> None:
-        began = self._began.pop((fn.name, str(key)), None)
+    def after(self, **kw: Any) -> None:
+        name = _name(kw)
+        began = self._began.pop((name, str(kw.get("key"))), None)
         if began is not None:
-            self.first_uses[fn.name] = self.first_uses.get(fn.name, 0) + 1
-            self.seconds[fn.name] = self.seconds.get(fn.name, 0.0) + time.perf_counter() - began
+            self.first_uses[name] = self.first_uses.get(name, 0) + 1
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - began
+
+
+def _name(hook_kwargs: dict[str, Any]) -> str:
+    fn = hook_kwargs.get("fn")
+    return str(getattr(fn, "name", None) or getattr(fn, "__name__", None) or "?")
 
 
 TRITON = TritonWatch()
@@ -156,15 +162,23 @@ def watch_triton() -> None:
     def pre(**kw: Any) -> Any:
         skip = earlier_pre(**kw) if earlier_pre is not None else None
         if not skip:
-            TRITON.before(**kw)
+            _counted(TRITON.before, kw)
         return skip
 
     def post(**kw: Any) -> Any:
-        TRITON.after(**kw)
+        _counted(TRITON.after, kw)
         return earlier_post(**kw) if earlier_post is not None else None
 
     pre._drafttree = True   # type: ignore[attr-defined]
     rt.jit_cache_hook, rt.jit_post_compile_hook = pre, post
+
+
+def _counted(count: Any, kw: dict[str, Any]) -> None:
+    """Counting never fails a compilation (a Triton whose hooks pass other arguments counts less)."""
+    try:
+        count(**kw)
+    except Exception:   # noqa: BLE001
+        pass
 
 
 def compile_seconds() -> float:

@@ -1042,7 +1042,7 @@ def test_a_server_engine_serves_from_the_first_sets_until_the_others_are_in(pair
 
 def test_what_a_start_captures_first():
     """Only an engine that leaves graphs for later and is not deterministic captures the first sets
-    alone; with a cost table still to measure, the modes it times come at the shortest KV bucket too."""
+    alone, whether or not a cost table is still to measure (`prepare.cost_model` times it in them)."""
     from types import SimpleNamespace
 
     from drafttree.engine.prepare import first_modes
@@ -1052,6 +1052,5 @@ def test_what_a_start_captures_first():
     setup = lambda defer, adaptive=True: SimpleNamespace(defer_graphs=defer, sampler_modes=modes,  # noqa: E731
                                                          spec=SimpleNamespace(adaptive=adaptive))
     plain, det = Settings(), Settings(deterministic=True)
-    assert first_modes(setup(False), plain, None) is None and first_modes(setup(True), det, object()) is None
-    assert first_modes(setup(True), plain, object()) == () and first_modes(setup(True, False), plain, None) == ()
-    assert first_modes(setup(True), plain, None) == (M.GREEDY, M.SAMPLE)
+    assert first_modes(setup(False), plain) is None and first_modes(setup(True), det) is None
+    assert first_modes(setup(True), plain) == () and first_modes(setup(True, False), plain) == ()

@@ -454,3 +454,45 @@ def test_triton_compiles_are_counted_per_kernel_beside_hooks_set_before(monkeypa
     assert w.since(w.snapshot()) == ""
     knobs.runtime.jit_cache_hook(key="odd", fn=object())   # hooks of another Triton's arguments: counted
     knobs.runtime.jit_post_compile_hook(key="odd")         # as they can be, never raising into a compile
+
+
+def test_a_server_start_times_its_cost_table_in_the_first_sets_then_in_its_own_modes_while_idle(
+        pair, set_settings, fake_cuda_graphs, tmp_path, caplog):
+    """A server's start (defer_graphs) with no cost table kept captures the first sets only; its
+    table is timed in their mode (provisional: greedy rounds priced as sampled ones, not kept), and
+    again in its own modes while idle, an entry a call after the graphs: then the engine prices
+    from it and keeps it, and the next start reads it."""
+    from drafttree.engine.engine import Engine
+    from drafttree.runner.cost import entries
+    from drafttree.runner.cuda_graph import first_sets, set_keys
+
+    set_settings(cache=tmp_path)
+    kw = dict(_kw(pair, max_num_seqs=2), cuda_graphs=True, prefill_graphs=False, defer_graphs=True)
+    eng = Engine(EngineConfig(**kw))
+    rg, job = eng.runner.graphs, eng.runner.cost_job
+    first = first_sets(eng.runner.cache_cfg.batch_buckets, rg.kv_lengths, rg.modes)
+    assert set(rg.graphs) == set_keys(eng.spec, first, True, False, False)   # the first sets' alone
+    assert "provisional" in eng.startup.notes["cost model"] and not list(tmp_path.glob("costs/*.json"))
+    assert eng.costs is not None and not any(key[3] is False and key[0].value in ("decode", "verify")
+                                              for key in eng.costs.seconds)   # timed as sampled rounds
+    assert eng.chooser.costs is eng.costs and job is not None and job.left > 0
+    assert eng.graphs_pending == len(eng.runner.compile_jobs) + len(rg.pending) + len(rg.upgrade) + job.left
+    with caplog.at_level("INFO"):
+        while rg.pending or rg.upgrade or eng.runner.compile_jobs:
+            eng.capture_later()
+        n = job.left
+        assert eng.capture_later() == (n > 1) and job.left == n - 1   # an entry a call
+        while eng.capture_later():
+            pass
+    assert eng.runner.cost_job is None and eng.costs is job.table and eng.chooser.costs is job.table
+    timed = {key for key in job.table.seconds if key not in job.table.estimated}
+    assert any(key[3] is False and key[0].value == "decode" for key in timed)   # greedy rounds timed as such
+    assert {st.phase for st, _ in entries(eng.spec, 1)} <= {key[0] for key in job.table.seconds}
+    assert any("cost table done" in r.message for r in caplog.records)
+    assert any(r.message.startswith("cost model timed while idle") for r in caplog.records)
+    assert len(list(tmp_path.glob("costs/*.json"))) == 1
+    eng.shutdown()
+    again = Engine(EngineConfig(**kw))
+    assert again.startup.notes["cost model"] == "read from the cache" and again.runner.cost_job is None
+    assert again.costs.seconds == job.table.seconds
+    again.shutdown()

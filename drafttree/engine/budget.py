@@ -161,6 +161,14 @@ class BudgetChooser:
     _kept: tuple | None = None        # (inputs, round, plain-or-drafting choice, probe, rounds per probe)
     _plain_probed: dict[Kind, int] = field(default_factory=dict)   # a kind's latest plain probe
 
+    def reprice(self, costs: CostTable) -> None:
+        """Price rounds from `costs` from now on (a table measured while idle in place of the
+        start's provisional one): the observed ratios were to the old table's prices."""
+        self.costs = costs
+        self.cost_ratio.clear()
+        self.any_ratio = 1.0
+        self.timed.clear()
+
     def _ratio(self, key: Kind) -> float:
         """A kind's observed/measured ratio; a kind with extra work not yet observed starts from
         its free twin's."""

@@ -28,6 +28,7 @@ from drafttree.engine.stats import EngineStats, Stats
 from drafttree.engine.text import TextCodec, Tokenized, load_tokenizer, tokenizer_code, with_chat_template
 from drafttree.parallel.comm import explain
 from drafttree.parallel.group import TensorParallelError, TPGroup
+from drafttree.runner.cost import timed_modes
 from drafttree.runner.model_runner import CacheConfig, ModelRunner
 from drafttree.sampling import SampleMode, SamplingParams
 from drafttree.settings import Settings, scope
@@ -151,9 +152,12 @@ class Engine:
             costs = prepare.read_costs(setup, self.runner, tp) if self.spec.adaptive else None
             if setup.cuda_graphs:
                 prepare.capture_graphs(setup, self.runner, sched.prefill if setup.prefill_graphs else None,
-                                       self.startup, compiled, compile_later,
-                                       prepare.first_modes(setup, self.settings, costs))
-            self.costs = prepare.cost_model(setup, self.runner, tp, self.startup, costs) if self.spec.adaptive else None
+                                       self.startup, compiled, compile_later, prepare.first_modes(setup, self.settings))
+            self.costs = None
+            if self.spec.adaptive:
+                self.costs, later = prepare.cost_model(setup, self.runner, tp, self.startup, costs)
+                if later:
+                    self.runner.begin_costs(timed_modes(setup.sampler_modes))
         if self.costs is not None:
             log.info("%s", self.costs.format())
         self.reset_choice()
@@ -340,6 +344,13 @@ class Engine:
         except Exception:   # said, not fatal: the work of its kind stops (`ModelRunner.capture_next`)
             log.exception("work left for later failed; no more of its kind is done (its rounds replay the "
                           "start's graphs or run eagerly, counted as fallbacks)")
+        job = self.runner.cost_job
+        if job is not None and not job.left:
+            self.runner.cost_job = None
+            self.costs = job.table
+            self.chooser.reprice(job.table)
+            log.info("cost model timed while idle in its own modes: %s%s", prepare.measured_note(job.table),
+                     prepare.keep_costs(self.setup, self.runner, self.tp, job.table))
         return self.runner.graphs_pending > 0
 
     # -- the loop ----------------------------------------------------------------------------

@@ -292,7 +292,6 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
     `memory_plan.Device`; None: an assumed H200), from the configs alone."""
     from drafttree.engine.scheduler import SchedulerConfig
     from drafttree.runner.cuda_graph import first_sets, format_plan, graph_keys, graph_plan, set_keys
-    from drafttree.runner.cost import timed_modes
     from drafttree.runner.model_runner import CacheConfig
     from drafttree.runner.prefill_plan import at_offsets
 
@@ -341,11 +340,12 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
         + (f"; the {n_all - n_plain} more are captured after start-up, while idle (defer_graphs)"
            if cfg.defer_graphs and len(off) < 2 else ""))
     if cfg.defer_graphs and not setup.settings.deterministic:   # `prepare.first_modes`
-        n_first = [len(set_keys(spec, first_sets(cache.batch_buckets, kv_lengths, setup.sampler_modes, at),
-                                dcfg is not None, False, False)) for at in ((), timed_modes(setup.sampler_modes))]
-        text += (f"\nbefore /ready (defer_graphs): the first sets' {n_first[0]} round graphs"
-                 + (f" ({n_first[1]} where the cost table is still to be measured)" if spec.adaptive else "")
-                 + "; the others' rounds replay them until theirs are captured, while idle")
+        n_first = len(set_keys(spec, first_sets(cache.batch_buckets, kv_lengths, setup.sampler_modes, ()),
+                               dcfg is not None, False, False))
+        text += (f"\nbefore /ready (defer_graphs): the first sets' {n_first} round graphs; the others' rounds "
+                 "replay them until theirs are captured, while idle"
+                 + ("; a cost table still to be measured is timed in them, and in its own modes after those"
+                    if spec.adaptive else ""))
 
     # -- the memory plan of each GPU (engine/memory_plan.py), from the same setup
     if setup.model_dir is None:   # a random shape: no checkpoint config to plan from

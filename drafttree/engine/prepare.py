@@ -86,17 +86,15 @@ def compiles_later(setup: EngineSetup, tp: TPGroup | None, settings: Settings) -
     return setup.defer_graphs and tp is None and not settings.deterministic and settings.compile != "0"
 
 
-def first_modes(setup: EngineSetup, settings: Settings, costs: CostTable | None) -> tuple[SampleMode, ...] | None:
+def first_modes(setup: EngineSetup, settings: Settings) -> tuple[SampleMode, ...] | None:
     """Where an engine captures before it serves only the round graphs that serve every round
     (`RoundGraphs.first_sets`) and the rest while idle: one that leaves graphs for later
     (defer_graphs) and is not deterministic (a round in another set's graphs attends over more
-    slots, the same tokens but not the same bits). With a cost table to measure, the modes it
-    times are captured at the shortest KV bucket too (it times graphs). None: every set."""
+    slots, the same tokens but not the same bits). A cost table still to measure is timed in
+    those first (`cost_model`), and in its own modes while idle. None: every set."""
     if not setup.defer_graphs or settings.deterministic:
         return None
-    if costs is not None or not setup.spec.adaptive:
-        return ()
-    return timed_modes(setup.sampler_modes)
+    return ()
 
 
 def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimits | None,
@@ -169,27 +167,50 @@ def read_costs(setup: EngineSetup, runner: ModelRunner, tp: TPGroup | None) -> C
 
 
 def cost_model(setup: EngineSetup, runner: ModelRunner, tp: TPGroup | None, startup: StartupTimes,
-               table: CostTable | None = None) -> CostTable:
+               table: CostTable | None = None) -> tuple[CostTable, bool]:
     """The cost table: `table`, read from the cache where this engine on this machine measured it
-    before (`read_costs`), else measured (within `runner.cost.BUDGET_S`) and kept for later starts."""
+    before (`read_costs`), else measured (within `runner.cost.BUDGET_S`) and kept for later starts.
+    Where the start captured the first sets only (`first_modes`), the graphs of the modes a table
+    is timed in are still to come: it is timed in the first sets' mode at the shortest KV bucket
+    (the most general: what every round may pay, greedy rounds a little less), not kept, and
+    True is returned: time it again in its own modes while idle (`ModelRunner.begin_costs`)."""
     assert (runner.graphs is not None) == setup.cuda_graphs
-    key = _cost_key(setup, runner)
     traced = compile_cache.compile_seconds()
+    later = False
     with startup.stage("cost model"):
         if table is None:
-            table = measure(runner, modes=setup.sampler_modes, progress=startup.progress)
-            estimated = len(table.estimated)
-            note = f"measured {len(table.seconds) - estimated} entries" + \
-                (f", {estimated} scaled from them: its {BUDGET_S:g} s budget ran out" if estimated else "")
-            if table.worst_spread() > KEEP_SPREAD:
-                # timed under a changing load: the next start measures again rather than read it
-                note += f"; not kept (an entry's spread {100 * table.worst_spread():.0f} %)"
-            elif tp is None or tp.leader:
-                try:
-                    caches.save_costs(table, key)
-                except OSError as e:
-                    log.warning("the cost table is not kept for later starts: %s", e)
+            modes = setup.sampler_modes
+            graphs = runner.graphs
+            if graphs is not None and graphs.pending:
+                short = graphs.kv_lengths[0]
+                have = tuple(sorted({s.mode for s in graphs.started if s.kv_len == short}))
+                later = any(m not in have for m in timed_modes(modes))
+                modes = have if later else modes
+            table = measure(runner, modes=modes, progress=startup.progress)
+            note = measured_note(table) + ("; provisional (timed in the first sets' " + ", ".join(m.name.lower() for m in modes)
+                                       + " graphs), timed again in its own modes while idle" if later
+                                       else keep_costs(setup, runner, tp, table))
         else:
             note = "read from the cache"
         startup.note("cost model", note + _in_compile(traced))
-    return table
+    return table, later
+
+
+def measured_note(table: CostTable) -> str:
+    """What the start-up report says of a measured table."""
+    estimated = len(table.estimated)
+    return f"measured {len(table.seconds) - estimated} entries" + \
+        (f", {estimated} scaled from them: its {BUDGET_S:g} s budget ran out" if estimated else "")
+
+
+def keep_costs(setup: EngineSetup, runner: ModelRunner, tp: TPGroup | None, table: CostTable) -> str:
+    """Keep a measured table for later starts (rank 0; not one timed under a changing load, which
+    the next start measures again); returns what to say of it ("" where kept)."""
+    if table.worst_spread() > KEEP_SPREAD:
+        return f"; not kept (an entry's spread {100 * table.worst_spread():.0f} %)"
+    if tp is None or tp.leader:
+        try:
+            caches.save_costs(table, _cost_key(setup, runner))
+        except OSError as e:
+            log.warning("the cost table is not kept for later starts: %s", e)
+    return ""

@@ -157,52 +157,92 @@ def measure(runner, reps: int = REPS, budget_s: float = BUDGET_S,
     """Time every (phase, bucket, width) of the runner's spec in the picks of `modes`
     (`ModelRunner.time_runs`: graph replays where captured, eager forwards otherwise) within
     `budget_s`, scaling the rest. Leaves the round state as it found it."""
-    spec = runner.spec
-    table = CostTable(spec)
-    saved = runner.state.snapshot()
-    graphed = runner.graphs is not None
-    kv_len = runner.graphs.kv_lengths[0] if graphed else runner.round_kv_len(64)
-    eager = not graphed and runner.device.type != "cuda"
-    most = CPU_MAX_REPS if eager else reps
-    reps = CPU_REPS if eager else reps
-    pick = timing_modes(modes)
-    if pick[False] is None and pick[True] is None:
-        pick = {False: SampleMode.GREEDY, True: None}
-    # the drafter's steps run alike in every mode (their graphs are shared): timed in either
-    any_mode = pick[False] or pick[True]
-    drafter = runner.drafter is not None
-    todo = [(B, st, sampled, pick[sampled] or any_mode) for B in runner.cache_cfg.batch_buckets
-            for st, sampled in entries(spec, B, drafter)
-            if pick[sampled] is not None or not st.picks]
-    todo.sort(key=lambda job: _timing_pass(spec, *job[:2]))   # stable: a round's order within a pass
-    t0 = start = time.perf_counter()
-    late = False
-    for i, (B, st, sampled, mode) in enumerate(todo):
+    job = CostMeasure(runner, reps, budget_s, modes, progress)
+    while job.step():
+        pass
+    return job.table
+
+
+class CostMeasure:
+    """`measure`, an entry at a time (`step`): a server whose start left the timed modes' graphs
+    for later times its table while idle, between requests. The budget counts the seconds of the
+    steps only (from the first entry's end, as `measure`'s)."""
+
+    def __init__(self, runner, reps: int = REPS, budget_s: float = BUDGET_S,
+                 modes: tuple[SampleMode, ...] = (SampleMode.GREEDY, SampleMode.SAMPLE),
+                 progress: Callable[[str], None] | None = None) -> None:
+        spec = runner.spec
+        self.runner, self.budget_s, self.progress = runner, budget_s, progress
+        self.table = CostTable(spec)
+        graphed = runner.graphs is not None
+        self.kv_len = runner.graphs.kv_lengths[0] if graphed else runner.round_kv_len(64)
+        eager = not graphed and runner.device.type != "cuda"
+        self.most = CPU_MAX_REPS if eager else reps
+        self.reps = CPU_REPS if eager else reps
+        pick = timing_modes(modes)
+        if pick[False] is None and pick[True] is None:
+            pick = {False: SampleMode.GREEDY, True: None}
+        # the drafter's steps run alike in every mode (their graphs are shared): timed in either
+        any_mode = pick[False] or pick[True]
+        drafter = runner.drafter is not None
+        self.todo = [(B, st, sampled, pick[sampled] or any_mode) for B in runner.cache_cfg.batch_buckets
+                     for st, sampled in entries(spec, B, drafter)
+                     if pick[sampled] is not None or not st.picks]
+        self.todo.sort(key=lambda job: _timing_pass(spec, *job[:2]))   # stable: a round's order within a pass
+        self.done_entries = 0
+        self.late = False
+        self.clock = 0.0        # the budget's seconds so far, counted from the first entry's end
+        self.counting = False
+
+    @property
+    def left(self) -> int:
+        return len(self.todo) - self.done_entries
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Time (or scale) the next entry; False once none is left. Leaves the round state as
+        it found it."""
+        if not self.left:
+            return False
+        t = time.perf_counter()
+        runner, table, tp = self.runner, self.table, self.runner.target.tp
+        i = self.done_entries
+        B, st, sampled, mode = self.todo[i]
         key = (st.phase, B, st.width, sampled)
-        if not late and table.seconds:
+
+        def elapsed() -> float:
+            return self.clock + time.perf_counter() - t
+
+        if not self.late and table.seconds:
             ahead = _scaled(table, key)
             # rank 0's clock decides for every tensor-parallel rank: all must time the same forwards
-            late = from_leader(time.perf_counter() - start + (reps + 1) * ahead > budget_s, runner.target.tp)
-        if late:
+            self.late = from_leader(elapsed() + (self.reps + 1) * ahead > self.budget_s, tp)
+        if self.late:
             table.seconds[key] = _scaled(table, key)
             table.estimated.add(key)
-            continue
-        if progress is not None:
-            progress(f"{i + 1}/{len(todo)} entries, batch {B} {st.phase.value} x{st.width}"
-                     f"{' sampled' if sampled else ''}")
-        runs = runner.time_runs(st, B, mode, kv_len, reps)
-        # more runs while the median is uncertain, as long as the next one ends within the budget
-        # (every tensor-parallel rank runs as many as rank 0)
-        while len(runs) < most and from_leader(
-                spread(runs) > SPREAD and time.perf_counter() - start + statistics.median(runs) <= budget_s,
-                runner.target.tp):
-            runs += runner.time_runs(st, B, mode, kv_len, 1, warmups=0)
-        table.seconds[key], table.spread[key], table.runs[key] = statistics.median(runs), spread(runs), len(runs)
-        if not table.estimated and len(table.seconds) == 1:
-            start = time.perf_counter()   # the budget counts from the first entry's end
-    runner.state.restore(saved)
-    table.measure_s = time.perf_counter() - t0
-    return table
+        else:
+            if self.progress is not None:
+                self.progress(f"{i + 1}/{len(self.todo)} entries, batch {B} {st.phase.value} x{st.width}"
+                              f"{' sampled' if sampled else ''}")
+            saved = runner.state.snapshot()
+            try:
+                runs = runner.time_runs(st, B, mode, self.kv_len, self.reps)
+                # more runs while the median is uncertain, as long as the next one ends within the
+                # budget (every tensor-parallel rank runs as many as rank 0)
+                while len(runs) < self.most and from_leader(
+                        spread(runs) > SPREAD and elapsed() + statistics.median(runs) <= self.budget_s, tp):
+                    runs += runner.time_runs(st, B, mode, self.kv_len, 1, warmups=0)
+            finally:
+                runner.state.restore(saved)
+            table.seconds[key], table.spread[key], table.runs[key] = statistics.median(runs), spread(runs), len(runs)
+        now = time.perf_counter()
+        if self.counting:
+            self.clock += now - t
+        elif table.seconds and not table.estimated:
+            self.counting = True   # the budget counts from the first entry's end
+        table.measure_s += now - t
+        self.done_entries += 1
+        return bool(self.left)
 
 
 def spread(runs: list[float]) -> float:

@@ -18,6 +18,7 @@ from drafttree.models.kv_cache import NULL_PAGE, KVLayout, PagedKVCache, attn_me
 from drafttree.parallel.comm import gather_objects
 from drafttree.parallel.commands import CommandChannel, command
 from drafttree.phases import Phase, SpecConfig, batch_bucket, batch_buckets
+from drafttree.runner.cost import CostMeasure
 from drafttree.runner.cuda_graph import GraphKey, RoundGraphs
 from drafttree.runner.logit_rows import (
     LogitRows,
@@ -146,6 +147,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.compile_jobs: list[tuple[int, SampleMode, int, PhaseStep]] = []   # `compile_later`
         self.idle_work: dict[str, list[float]] = {}   # `capture_next`'s kind of work -> [host seconds, pieces]
+        self.cost_job: CostMeasure | None = None   # the cost table timed while idle (`begin_costs`)
         self._idle_said = 0.0   # when `capture_next` last said how far it is
         self.timer = PhaseTimer(torch.device(device))
         self._mask_stage: torch.Tensor | None = None     # `mask_stage`'s buffer
@@ -197,7 +199,8 @@ class ModelRunner:
         compile first (`compile_later`), then a prefill graph (every request prefills), a round
         graph of the start's captured again over the compiled pieces, then one of those left for
         later (sets the start left out, the constrained and processed rounds' steps:
-        `RoundGraphs.capture_next`); False once none is left. Every rank does it (its
+        `RoundGraphs.capture_next`), then an entry of the cost table (`begin_costs`); False once
+        none is left. Every rank does it (its
         collectives are captured too). Each kind's seconds are logged once it is done."""
         t0 = time.perf_counter()
         if self.compile_jobs:
@@ -218,6 +221,13 @@ class ModelRunner:
             kind, left = "round graphs captured again", lambda: len(self.graphs.upgrade)
         elif self.graphs is not None and self.graphs.capture_next():
             kind, left = "round graphs left for later", lambda: len(self.graphs.pending)
+        elif self.cost_job is not None and self.cost_job.left:
+            try:
+                self.cost_job.step()
+            except Exception:
+                self.cost_job = None   # the start's provisional table stays
+                raise
+            kind, left = "cost table", lambda: self.cost_job.left
         else:
             return False
         spent = self.idle_work.setdefault(kind, [0.0, 0])
@@ -240,7 +250,14 @@ class ModelRunner:
         `capture_next`."""
         return len(self.compile_jobs) + \
             (0 if self.graphs is None else len(self.graphs.pending) + len(self.graphs.upgrade)) + \
-            (0 if self.prefill_graphs is None else len(self.prefill_graphs.pending))
+            (0 if self.prefill_graphs is None else len(self.prefill_graphs.pending)) + \
+            (0 if self.cost_job is None else self.cost_job.left)
+
+    @command
+    def begin_costs(self, modes: tuple[SampleMode, ...]) -> None:
+        """Time the cost table in `modes` while idle, an entry a `capture_next` after the graphs
+        (whose timed modes' sets it replays); its table is `cost_job.table` once `left` is 0."""
+        self.cost_job = CostMeasure(self, modes=modes)
 
     def compile_later(self, modes: tuple[SampleMode, ...], batch_sizes: list[int], kv_len: int,
                       constrained: bool = True, processed: bool = True) -> None:

@@ -246,8 +246,8 @@ class ModelRunner:
 
     @property
     def graphs_pending(self) -> int:
-        """Steps to compile, round graph sets to capture (again) and prefill graphs left for
-        `capture_next`."""
+        """Steps to compile, round graph sets to capture (again), prefill graphs and cost table
+        entries to time left for `capture_next`."""
         return len(self.compile_jobs) + \
             (0 if self.graphs is None else len(self.graphs.pending) + len(self.graphs.upgrade)) + \
             (0 if self.prefill_graphs is None else len(self.prefill_graphs.pending)) + \

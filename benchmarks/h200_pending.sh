@@ -15,8 +15,10 @@
 # `drafter_train RUN=dflash2` (the DFlash2 weights of 2026-12-06 were not kept), then `spec DRAFT=...`
 # for DFlash2's round cost with its compiled pieces. (serve_ab cold/warm against 7891519 were measured
 # on 2026-12-06: 90 s / 20-22 s against 131 s / 46 s; since then the tokenizer is built from the
-# header (12.3 s of that cold start's conversion under the host's transformers 5.17), and the kernels
-# and graphs warm-up notes name the Triton kernels whose compiles took the cold start's ~55 s.)
+# header (12.3 s of that cold start's conversion under the host's transformers 5.17), a start with no
+# cost table kept captures the first sets alone (117 graphs, 14 kernel steps, not 207 and 42: the table
+# is timed in them, then again while idle), and the kernels and graphs warm-up notes name the Triton
+# kernels whose compiles took the cold start's ~55 s.)
 # .parts/ and .whl/ are not kept from one checkout to the next: prepare them again (below).
 #   rank      : the seed's model. The int4 expert kernels at 1, 8, 33 rows (benchmarks/w4a16_bench.py),
 #               then one rank of Kimi K2.6 at TP8 from random weights in the shipped formats

@@ -1045,12 +1045,12 @@ def test_what_a_start_captures_first():
     alone, whether or not a cost table is still to measure (`prepare.cost_model` times it in them)."""
     from types import SimpleNamespace
 
-    from drafttree.engine.prepare import first_modes
+    from drafttree.engine.prepare import first_sets_only
     from drafttree.sampling import SampleMode as M
     from drafttree.settings import Settings
     modes = (M.GREEDY, M.SAMPLE, M.FILTERED)
     setup = lambda defer, adaptive=True: SimpleNamespace(defer_graphs=defer, sampler_modes=modes,  # noqa: E731
                                                          spec=SimpleNamespace(adaptive=adaptive))
     plain, det = Settings(), Settings(deterministic=True)
-    assert first_modes(setup(False), plain) is None and first_modes(setup(True), det) is None
-    assert first_modes(setup(True), plain) == () and first_modes(setup(True, False), plain) == ()
+    assert not first_sets_only(setup(False), plain) and not first_sets_only(setup(True), det)
+    assert first_sets_only(setup(True), plain) and first_sets_only(setup(True, False), plain)

@@ -149,13 +149,13 @@ class Engine:
             # are captured again over compiled ones after it serves, while idle
             self.settings = self.settings.replace(compile="0")
         with scope(self.settings):
-            costs = prepare.read_costs(setup, self.runner, tp) if self.spec.adaptive else None
             if setup.cuda_graphs:
                 prepare.capture_graphs(setup, self.runner, sched.prefill if setup.prefill_graphs else None,
-                                       self.startup, compiled, compile_later, prepare.first_modes(setup, self.settings))
+                                       self.startup, compiled, compile_later,
+                                       prepare.first_sets_only(setup, self.settings))
             self.costs = None
             if self.spec.adaptive:
-                self.costs, later = prepare.cost_model(setup, self.runner, tp, self.startup, costs)
+                self.costs, later = prepare.cost_model(setup, self.runner, tp, self.startup)
                 if later:
                     self.runner.begin_costs(timed_modes(setup.sampler_modes))
         if self.costs is not None:

@@ -339,8 +339,8 @@ def describe_plan(cfg: EngineConfig, device: Device | None = None) -> str:
         f"kinds captured: {n_all}" + (f"; not captured: {', '.join(off)}" if off else "")
         + (f"; the {n_all - n_plain} more are captured after start-up, while idle (defer_graphs)"
            if cfg.defer_graphs and len(off) < 2 else ""))
-    if cfg.defer_graphs and not setup.settings.deterministic:   # `prepare.first_modes`
-        n_first = len(set_keys(spec, first_sets(cache.batch_buckets, kv_lengths, setup.sampler_modes, ()),
+    if cfg.defer_graphs and not setup.settings.deterministic:   # `prepare.first_sets_only`
+        n_first = len(set_keys(spec, first_sets(cache.batch_buckets, kv_lengths, setup.sampler_modes),
                                dcfg is not None, False, False))
         text += (f"\nbefore /ready (defer_graphs): the first sets' {n_first} round graphs; the others' rounds "
                  "replay them until theirs are captured, while idle"

@@ -19,7 +19,6 @@ from drafttree.runner.cost import BUDGET_S, KEEP_SPREAD, CostTable, measure, tim
 from drafttree.runner.cuda_graph import first_sets
 from drafttree.runner.model_runner import ModelRunner
 from drafttree.runner.prefill_plan import PrefillLimits
-from drafttree.sampling import SampleMode
 from drafttree.settings import Settings, current
 
 log = logging.getLogger(__name__)
@@ -86,25 +85,24 @@ def compiles_later(setup: EngineSetup, tp: TPGroup | None, settings: Settings) -
     return setup.defer_graphs and tp is None and not settings.deterministic and settings.compile != "0"
 
 
-def first_modes(setup: EngineSetup, settings: Settings) -> tuple[SampleMode, ...] | None:
-    """Where an engine captures before it serves only the round graphs that serve every round
+def first_sets_only(setup: EngineSetup, settings: Settings) -> bool:
+    """Whether an engine captures before it serves only the round graphs that serve every round
     (`RoundGraphs.first_sets`) and the rest while idle: one that leaves graphs for later
     (defer_graphs) and is not deterministic (a round in another set's graphs attends over more
     slots, the same tokens but not the same bits). A cost table still to measure is timed in
-    those first (`cost_model`), and in its own modes while idle. None: every set."""
-    if not setup.defer_graphs or settings.deterministic:
-        return None
-    return ()
+    those first (`cost_model`), and in its own modes while idle."""
+    return setup.defer_graphs and not settings.deterministic
 
 
 def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimits | None,
                    startup: StartupTimes, dirs: dict[str, str], compile_later: bool = False,
-                   first: tuple[SampleMode, ...] | None = None) -> None:
+                   first_only: bool = False) -> None:
     """Compile what a round runs (stage "kernels"), then capture the round graphs the setup asks
     for (a stage per phase, and their warm-ups) and the prefill graphs. `compile_later`: the
     pieces run as torch ops here; the steps are left to compile, and the round graphs captured
     here to be captured again, after the graphs left for later (`ModelRunner.compile_later`).
-    `first` (`first_modes`): only the sets that serve every round here, the others while idle."""
+    `first_only` (`first_sets_only`): only the sets that serve every round here, the others while
+    idle."""
     cache = runner.cache_cfg
     kv_lengths = graph_kv_lengths(cache, setup.cfg.max_graph_len)
     before, traced, triton = _compiled(dirs), compile_cache.compile_seconds(), compile_cache.TRITON.snapshot()
@@ -113,10 +111,10 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
     kernel_steps = (setup.sampler_modes, cache.batch_buckets[:2], kv_lengths[0], setup.structured_graphs,
                     setup.processed_graphs)
     start_steps = kernel_steps
-    if compile_later and first is not None:
+    if compile_later and first_only:
         # the compile steps, which run every step, come before the sets left for later are
         # captured: before /ready, the free steps of the first sets' modes are enough
-        modes = {s.mode for s in first_sets(cache.batch_buckets, kv_lengths, setup.sampler_modes, first)}
+        modes = {s.mode for s in first_sets(cache.batch_buckets, kv_lengths, setup.sampler_modes)}
         start_steps = (tuple(sorted(modes)), *kernel_steps[1:3], False, False)
     with startup.stage("kernels"):
         startup.progress("one eager round of each step")
@@ -129,7 +127,7 @@ def capture_graphs(setup: EngineSetup, runner: ModelRunner, prefill: PrefillLimi
         stages = runner.capture(setup.sampler_modes, prefill, cache.batch_buckets, kv_lengths, startup.progress,
                                 constrained=setup.structured_graphs and now, processed=setup.processed_graphs and now,
                                 later=(setup.structured_graphs and not now, setup.processed_graphs and not now),
-                                prefill_later=not now, warmups=WARMUPS_AFTER_KERNELS, first_modes=first)
+                                prefill_later=not now, warmups=WARMUPS_AFTER_KERNELS, first_only=first_only)
     graphs, compiled = runner.graphs, _compiled(dirs) - before
     startup.parts["graph sets"] = {k.describe(): v for k, v in graphs.set_seconds.items()}
     left = len(graphs.sets()) - len(graphs.started)
@@ -159,18 +157,11 @@ def _cost_key(setup: EngineSetup, runner: ModelRunner) -> dict:
     return caches.cost_key(setup, runner.cache_cfg.batch_buckets, kv_len, graphed, current())
 
 
-def read_costs(setup: EngineSetup, runner: ModelRunner, tp: TPGroup | None) -> CostTable | None:
-    """The cost table this engine on this machine measured before, if the cache holds it (read
-    before the graphs: what they capture first depends on it, `first_modes`)."""
-    return caches.load_costs(setup, _cost_key(setup, runner), runner.cache_cfg.batch_buckets,
-                             runner.drafter is not None, tp)
-
-
-def cost_model(setup: EngineSetup, runner: ModelRunner, tp: TPGroup | None, startup: StartupTimes,
-               table: CostTable | None = None) -> tuple[CostTable, bool]:
-    """The cost table: `table`, read from the cache where this engine on this machine measured it
-    before (`read_costs`), else measured (within `runner.cost.BUDGET_S`) and kept for later starts.
-    Where the start captured the first sets only (`first_modes`), the graphs of the modes a table
+def cost_model(setup: EngineSetup, runner: ModelRunner, tp: TPGroup | None,
+               startup: StartupTimes) -> tuple[CostTable, bool]:
+    """The cost table: read from the cache where this engine on this machine measured it before,
+    else measured (within `runner.cost.BUDGET_S`) and kept for later starts.
+    Where the start captured the first sets only (`first_sets_only`), the graphs of the modes a table
     is timed in are still to come: it is timed in the first sets' mode at the shortest KV bucket
     (the most general: what every round may pay, greedy rounds a little less), not kept, and
     True is returned: time it again in its own modes while idle (`ModelRunner.begin_costs`)."""
@@ -178,6 +169,8 @@ def cost_model(setup: EngineSetup, runner: ModelRunner, tp: TPGroup | None, star
     traced = compile_cache.compile_seconds()
     later = False
     with startup.stage("cost model"):
+        table = caches.load_costs(setup, _cost_key(setup, runner), runner.cache_cfg.batch_buckets,
+                                  runner.drafter is not None, tp)
         if table is None:
             modes = setup.sampler_modes
             graphs = runner.graphs

@@ -236,11 +236,11 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
-def write_tokenizer(gguf_path: Path, out_dir: Path, hp: LlamaHParams, header: GGUFHeader | None = None) -> None:
+def write_tokenizer(gguf_path: Path, out_dir: Path, hp: LlamaHParams, header: GGUFHeader) -> None:
     """Save the GGUF's embedded tokenizer to ``out_dir``: a byte-level BPE vocabulary with GPT-2's
     split built from ``header`` (the metadata already read: `gguf_tokenizer`), any other converted
     by transformers."""
-    if header is not None and gguf_tokenizer.builds(header.fields):
+    if gguf_tokenizer.builds(header.fields):
         tok = gguf_tokenizer.build(header.fields)
     else:
         from transformers import AutoTokenizer, PreTrainedTokenizerFast   # (AutoTokenizer's import: seconds)

@@ -52,8 +52,8 @@ def build(meta: dict[str, Any]) -> Any:
         raise ValueError("not a byte-level BPE vocabulary with GPT-2's split: transformers converts it")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types = [int(t) for t in meta.get("tokenizer.ggml.token_type", ())]
-    alphabet = set(byte_alphabet().values())
     spell = byte_alphabet()
+    alphabet = set(spell.values())
     # a token outside the byte alphabet is stored as its text: respelled, as the merges spell it
     vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]

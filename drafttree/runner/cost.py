@@ -192,7 +192,6 @@ class CostMeasure:
         self.done_entries = 0
         self.late = False
         self.clock = 0.0        # the budget's seconds so far, counted from the first entry's end
-        self.counting = False
 
     @property
     def left(self) -> int:
@@ -236,10 +235,8 @@ class CostMeasure:
                 runner.state.restore(saved)
             table.seconds[key], table.spread[key], table.runs[key] = statistics.median(runs), spread(runs), len(runs)
         now = time.perf_counter()
-        if self.counting:
+        if i:   # the budget counts from the first entry's end (that one is always timed)
             self.clock += now - t
-        elif table.seconds and not table.estimated:
-            self.counting = True   # the budget counts from the first entry's end
         table.measure_s += now - t
         self.done_entries += 1
         return bool(self.left)

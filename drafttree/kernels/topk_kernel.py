@@ -6,7 +6,7 @@ exp-sum pass over [R, L, V]. Here the logits are read once:
 1. one program per (row, chunk of CHUNK tokens): the chunk's max, its sum of exp(x - max), and
    its top K2 entries (K2 = K rounded up to a power of two, at least 2): a threshold from the
    float maxima of 4 K2 strided groups leaves a few K2 candidates, and only those are keyed and
-   sorted (FILTERED);
+   sorted (FILTERED); a chunk with too many (ties) takes its top K2 slice by slice (SLICE);
 2. one program per row: the logsumexp from the chunk partials, and the top K of the chunks'
    candidates.
 
@@ -28,7 +28,7 @@ from drafttree.kernels.triton_jit import device_function, jit_kernel, next_pow2
 tl: Any = None  # triton.language, bound by triton_jit.jit_kernel()
 INT32_MAX = 2**31 - 1
 # Chunk top-K by a threshold from group maxima, then a sort of the few entries above it (see
-# _chunk_kernel); False sorts whole chunks.
+# _chunk_kernel); False takes every chunk's top-K slice by slice.
 FILTERED = True
 # benchmarks/topk_chunk_bench.py (H200, vocabulary 151,936, bf16): with the filter 8,192 is the
 # best chunk at k = 8 / 32 / 128 (35 / 43 / 87 us per 15 positions), against 4,096 without it.
@@ -36,6 +36,11 @@ FILTERED = True
 # k = 32 / 128 to 28.0 / 68.0 us.
 CHUNK = 8192
 CHUNK_WARPS = 4   # top-K at k = 32: 28.0 us, against 31.0 at 8 warps (H200)
+# The whole-chunk top-K runs over SLICE entries at a time, merged into a running top K2: one
+# sorting network over CHUNK entries made the kernel's compile 7.5 / 10.7 s at K2 = 8 / 32 against
+# 3.3 / 3.5 s with slices of 256 (benchmarks/triton_compile_bench.py, sm_90), paid by every cold
+# start for a path real logits seldom take.
+SLICE = 256
 MERGE_WARPS = 4   # top-K at k = 32 (an earlier chunk kernel): 42.7 us, against 44.2 at 2 warps, 49.2 at 1
 
 
@@ -54,7 +59,8 @@ def sort_key(x, tok):
 
 
 def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.constexpr, K2: tl.constexpr,
-                  FILTER: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr, RANK: tl.constexpr):
+                  FILTER: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr, RANK: tl.constexpr,
+                  SLICE: tl.constexpr):
     row, c = tl.program_id(0), tl.program_id(1)
     tok = c * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + row.to(tl.int64) * V + tok, mask=tok < V, other=float("-inf")).to(tl.float32)
@@ -90,8 +96,13 @@ def _chunk_kernel(x_ptr, key_ptr, m_ptr, s_ptr, scr_ptr, V, NC, CHUNK: tl.conste
             ctok = c * CHUNK + tl.load(buf + slot, mask=slot < n, other=0)
             cx = tl.load(x_ptr + row.to(tl.int64) * V + ctok).to(tl.float32)
             best = tl.topk(tl.where(slot < n, sort_key(cx, ctok), -(2**63)), K2)
-    if over:
-        best = tl.topk(tl.where(tok < V, sort_key(x, tok), -(2**63)), K2)
+    if over:   # the top K2 of each slice merged into the running top K2 (keys are distinct)
+        best = tl.full([K2], -(2**63), tl.int64)
+        for s0 in range(0, CHUNK, SLICE):
+            t = c * CHUNK + s0 + tl.arange(0, SLICE)
+            xs = tl.load(x_ptr + row.to(tl.int64) * V + t, mask=t < V, other=float("-inf")).to(tl.float32)
+            top = tl.topk(tl.where(t < V, sort_key(xs, t), -(2**63)), K2)
+            best = tl.topk(tl.reshape(tl.join(best, top), [2 * K2]), K2)
     tl.store(key_ptr + out * K2 + tl.arange(0, K2), best)
 
 
@@ -161,6 +172,7 @@ def top_log_probs_fused(logits: torch.Tensor, k: int, interpret: bool = False,
     groups, cap, rank = filter_plan(k2, chunk)
     scratch = torch.empty(rows * nc * cap if FILTERED else 1, dtype=torch.int32, device=dev)
     chunk_kernel[(rows, nc)](x, keys, m, s, scratch, V, nc, CHUNK=chunk, K2=k2, FILTER=FILTERED,
-                             GROUPS=groups, CAP=cap, RANK=rank, num_warps=warps or CHUNK_WARPS)
+                             GROUPS=groups, CAP=cap, RANK=rank, SLICE=min(chunk, max(SLICE, k2)),
+                             num_warps=warps or CHUNK_WARPS)
     merge_kernel[(rows,)](keys, m, s, lp, idx, nc, k, NC_PAD=next_pow2(nc), K2=k2, num_warps=MERGE_WARPS)
     return lp, idx

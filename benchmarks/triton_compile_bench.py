@@ -42,17 +42,18 @@ for k2 in k2s:
     t = time.perf_counter()
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": tk.CHUNK_WARPS})
     out[k2] = {"seconds": time.perf_counter() - t, "ptx_chars": len(kernel.asm.get("ptx", ""))}
-out["file"] = tk.__file__
+out["file"], out["triton"] = tk.__file__, triton.__version__
 print("RESULT " + json.dumps(out))
 """
 
 
-def compile_once(tree: Path, arch: int, k2s: list[int]) -> dict[str, dict[str, float]]:
+def compile_once(tree: Path, arch: int, k2s: list[int], python: str) -> tuple[dict[str, dict[str, float]], str]:
+    """Seconds and PTX size per K2 of one process's compiles in `tree`, and its Triton's version."""
     env = dict(os.environ, PYTHONPATH=str(tree.resolve()), TRITON_DEFAULT_FP_FUSION="1")
     with tempfile.TemporaryDirectory() as cache:
         env["TRITON_CACHE_DIR"] = cache
         # run in the tree: `python -c` puts the working directory first on the path
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(arch), ",".join(map(str, k2s))],
+        proc = subprocess.run([python, "-c", _CHILD, str(arch), ",".join(map(str, k2s))],
                               env=env, cwd=tree, capture_output=True, text=True, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -60,7 +61,8 @@ def compile_once(tree: Path, arch: int, k2s: list[int]) -> dict[str, dict[str, f
     out = json.loads(lines[-1][len("RESULT "):])
     if not Path(out.pop("file")).resolve().is_relative_to(tree.resolve()):
         raise SystemExit(f"the kernel compiled was not {tree}'s")
-    return out
+    version = out.pop("triton")
+    return out, version
 
 
 def main() -> None:
@@ -69,14 +71,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
     ap.add_argument("--k2", default="8,32", help="K2 values (the top-K rounded up to a power of two)")
+    ap.add_argument("--python", default=sys.executable, help="the interpreter that compiles (another Triton's)")
     ap.add_argument("--out", type=Path, default=Path("triton_compile.json"))
     args = ap.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree)
     k2s = [int(k) for k in args.k2.split(",")]
-    runs = []
+    runs, versions = [], set()
     for rep in range(args.reps):
         for name, path in trees.items():   # alternated, so that a busy machine slows both alike
-            for k2, r in compile_once(Path(path), args.arch, k2s).items():
+            results, version = compile_once(Path(path), args.arch, k2s, args.python)
+            versions.add(version)
+            for k2, r in results.items():
                 runs.append({"tree": name, "rep": rep, "k2": int(k2), **r})
                 print(f"{name:8s} rep {rep}  K2 {k2:>3}  {r['seconds']:6.2f} s  ptx {r['ptx_chars']:>9,} chars",
                       flush=True)
@@ -87,9 +92,8 @@ def main() -> None:
             s = [r["seconds"] for r in runs if r["tree"] == name and r["k2"] == k2]
             summary[f"{name} K2={k2}"] = {"median": statistics.median(s), "min": min(s), "max": max(s)}
             print(f"{name:8s} {k2:>3}  {statistics.median(s):8.2f} {min(s):6.2f} {max(s):6.2f}")
-    import triton
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "cpus": os.cpu_count(),
-            "triton": triton.__version__, "arch": args.arch, "trees": trees}
+            "triton": sorted(versions), "arch": args.arch, "trees": trees}
     args.out.write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
     print(f"wrote {args.out}")
 

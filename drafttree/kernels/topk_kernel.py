@@ -38,8 +38,8 @@ CHUNK = 8192
 CHUNK_WARPS = 4   # top-K at k = 32: 28.0 us, against 31.0 at 8 warps (H200)
 # The whole-chunk top-K runs over SLICE entries at a time, merged into a running top K2: one
 # sorting network over CHUNK entries made the kernel's compile 7.5 / 10.7 s at K2 = 8 / 32 against
-# 3.3 / 3.5 s with slices of 256 (benchmarks/triton_compile_bench.py, sm_90), paid by every cold
-# start for a path real logits seldom take.
+# 3.3 / 3.5 s with slices of 256 (benchmarks/triton_compile_bench.py, sm_90, Triton 3.9; 4.9 / 6.8
+# against 1.8 / 1.8 s with 3.6), paid by every cold start for a path real logits seldom take.
 SLICE = 256
 MERGE_WARPS = 4   # top-K at k = 32 (an earlier chunk kernel): 42.7 us, against 44.2 at 2 warps, 49.2 at 1
 

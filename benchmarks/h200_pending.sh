@@ -4,13 +4,18 @@
 # 30 s after a call ends. The default model's GGUF (98 MB) travels in three parts, one a call,
 # kept in .gacc/; the stages that need the model assemble it and check its sha256. Together they take
 # about 50 minutes of GPU time, so pick.
-# What waits most: issue 58's side-by-side at equal device time. The target's answers to the training
-# prompts were made on 2026-12-06 (420 s, 29,386 records; sha256 475316f1...): kept as the ignored
-# .parts/responses.jsonl.gz, so the three parts calls, then `drafter_train` RUN=dflash, RUN=dflash-kl,
-# RUN=dflash2 (300 s of training each, then τ on 48 held-out prompts; ~460 s a call), the first
-# carrying [.parts/g3.02, .parts/gguf.sha256, .parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl],
-# then `spec DRAFT=...` for the best. If .parts/responses.jsonl.gz is gone, `drafter_data` first (its
-# answers come back in parts of 15 MiB: join them). Issue 56's figures were taken on 2026-12-06
+# What waits most: issue 58's side-by-side at equal device time (must 3), over two machines' worth.
+# The target's answers to the training prompts were made on 2026-12-06 (420 s, 29,386 records; sha256
+# 475316f1...) and kept as the ignored .parts/responses.jsonl.gz. First: the three parts calls, then
+# `drafter_train` RUN=dflash, RUN=dflash-kl, RUN=dflash2 back to back (300 s of training each, then τ
+# on 48 held-out prompts; ~460 s a call), the first carrying [.parts/g3.02, .parts/gguf.sha256,
+# .parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl]; keep what each brings back ($OUT/<run>/:
+# config.json, model.safetensors.part*) as .parts/drafters/<run>/. Then: `drafter_e2e` for RUN=shipped
+# and each run (τ of the chain and of DDTree 32 on HumanEval and held-out ShareGPT, `auto` against
+# plain at batch 1 and 16; carry .parts/drafters/<run>, .parts/humaneval.jsonl and
+# .parts/sharegpt_heldout.jsonl; a run still in .gacc/ on a held machine needs no carry). If
+# .parts/responses.jsonl.gz is gone, `drafter_data` first (its answers come back in parts of 15 MiB:
+# join them). Issue 56's figures were taken on 2026-12-06
 # (serve cold 89 s and warm 19 s to /ready, its idle work done 181 s after launch warm, 319 s cold;
 # generate warm 8-9 s, cold 39-40 s; tok/s after the idle work 1.25x / 1.49x plain at 1 / 16
 # streams): the cold start's Triton compiles are what remains of it (the start-up report's notes name
@@ -48,6 +53,9 @@
 #               laid over it (the change's old files, there by hand), a cold run and two warm each. Needs the GGUF.
 #   quick     : startup (generate only, one cold and one warm run a configuration) and structured (all
 #               rows) in one call, for a machine with about 10 minutes of GPU time left. Needs the GGUF.
+#   drafter_e2e: one drafter (RUN=shipped, or a run of drafter_train: from .gacc/ or .parts/drafters/<run>;
+#               DRAFT=dir for another) on 16 HumanEval and 16 held-out ShareGPT prompts (E2E_PROMPTS):
+#               plain, DFlash chain, DDTree 32 and `auto`, batch 1 and 16, 3 alternated repeats. Needs the GGUF.
 #   drafter_data, drafter_train: issue 58's side-by-side (docs/dflash2.md), a call each: the target's
 #               answers to the training prompts (REGEN_S, default 420 s), then one run a call
 #               (RUN=dflash|dflash-kl|dflash2|dflash2-kl; TRAIN_S of training from the shipped
@@ -85,7 +93,7 @@
 # A machine can be taken back mid-call, and then the parts must travel again: carry them first, in
 # `parts` calls of a few seconds, and run the stages that need the model before the others.
 # Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|structured_mixed|serve_ready|startup_ab|serve_ab|serve_idle_load|
-#        drafter_data|drafter_train
+#        drafter_data|drafter_train|drafter_e2e
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" .gacc
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=$PWD/.gacc/cache
@@ -250,6 +258,22 @@ case "${1:?stage}" in
     mkdir -p "$OUT/$run" && cp ".gacc/drafter/$run/train_log.json" ".gacc/drafter/$run/drafter/config.json" "$OUT/$run/" \
       && split -b 15M -d ".gacc/drafter/$run/drafter/model.safetensors" "$OUT/$run/model.safetensors.part"
     grep "τ" "$OUT/train_$run.txt" | tail -n 4 ;;
-  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, serve_ready, startup_ab, serve_ab, serve_idle_load, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train)"
+  drafter_e2e)   # issue 58 must 3: one drafter on HumanEval and held-out ShareGPT — τ of its chain (dflash)
+                 # and of DDTree 32, and `auto` against plain decoding at batch 1 and 16, 3 alternated repeats
+    gguf || exit 1
+    name=${RUN:-shipped}
+    draft=${DRAFT:-}   # a drafter directory; empty: the shipped one
+    [ -z "$draft" ] && [ "$name" != shipped ] && [ -d ".gacc/drafter/$name/drafter" ] && draft=.gacc/drafter/$name/drafter
+    if [ -z "$draft" ] && [ -d ".parts/drafters/$name" ]; then   # weights brought back by drafter_train, in parts
+      draft=.gacc/drafters/$name && mkdir -p "$draft" && cp .parts/drafters/$name/config.json "$draft"/ \
+        && cat .parts/drafters/$name/model.safetensors.part* > "$draft/model.safetensors" || exit 1
+    fi
+    [ "$name" != shipped ] && [ -z "$draft" ] && { echo "no drafter for RUN=$name"; exit 2; }
+    timeout 560 python3 -m drafttree bench --prompts .parts/humaneval.jsonl,.parts/sharegpt_heldout.jsonl \
+      --num-prompts "${E2E_PROMPTS:-16}" --max-tokens 64 --methods ar,dflash,ddtree --budgets auto,32 --temperatures 0 \
+      --batch 1,16 --repeats 3 ${draft:+--draft-model "$draft"} --out ".gacc/e2e_$name" > "$OUT/e2e_$name.txt" 2>&1
+    cp ".gacc/e2e_$name/results.json" "$OUT/e2e_$name.json"   # its plots stay: 8 files at most come back
+    grep "repeats, median" -A12 "$OUT/e2e_$name.txt" | head -n 40 ;;
+  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, serve_ready, startup_ab, serve_ab, serve_idle_load, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train, drafter_e2e)"
      exit 2 ;;
 esac

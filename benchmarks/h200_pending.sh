@@ -8,8 +8,9 @@
 # The target's answers to the training prompts were made on 2026-12-06 (420 s, 29,386 records; sha256
 # 475316f1...) and kept as the ignored .parts/responses.jsonl.gz. First: the three parts calls, then
 # `drafter_train` RUN=dflash, RUN=dflash-kl, RUN=dflash2 back to back (300 s of training each, then τ
-# on 48 held-out prompts; ~460 s a call), the first carrying [.parts/g3.02, .parts/gguf.sha256,
-# .parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl]; keep what each brings back ($OUT/<run>/:
+# on 48 held-out prompts; ~460 s a call), the first carrying [.parts/responses.jsonl.gz,
+# .parts/prompts_heldout.jsonl, .parts/gguf.sha256] (not beside a GGUF part: the tree, 23 MB, a part,
+# 33 MB, and the answers, 17 MB, pass the 64 MiB a call carries); keep what each brings back ($OUT/<run>/:
 # config.json, model.safetensors.part*) as .parts/drafters/<run>/. Then: `drafter_e2e` for RUN=shipped
 # and each run (τ of the chain and of DDTree 32 on HumanEval and held-out ShareGPT, `auto` against
 # plain at batch 1 and 16; carry .parts/drafters/<run>, .parts/humaneval.jsonl and

@@ -12,11 +12,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from tree_runs import run_in_tree
 
 # run inside each tree: the converter's own steps, timed one after the other
 STEPS = r"""
@@ -54,10 +54,7 @@ def main() -> int:
     runs = []
     for rep in range(a.reps):
         for name, tree in trees.items():
-            env = {**os.environ, "PYTHONPATH": str(tree) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-            r = subprocess.run([sys.executable, "-c", STEPS], cwd=tempfile.gettempdir(), env=env,
-                               capture_output=True, text=True, check=True)
-            times = json.loads(r.stdout.strip().splitlines()[-1])
+            times = run_in_tree(tree, STEPS)
             runs.append({"tree": name, "rep": rep, **times})
             print(f"{name:<8} rep {rep}  transformers {times.pop('transformers')}  "
                   + "  ".join(f"{k} {v:.2f}" for k, v in times.items()), flush=True)

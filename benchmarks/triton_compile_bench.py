@@ -13,11 +13,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tree_runs import run_in_tree
 
 # Run inside each tree's process: compile the chunk kernel once per K2 and print the seconds.
 _CHILD = r"""
@@ -42,25 +43,16 @@ for k2 in k2s:
     t = time.perf_counter()
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": tk.CHUNK_WARPS})
     out[k2] = {"seconds": time.perf_counter() - t, "ptx_chars": len(kernel.asm.get("ptx", ""))}
-out["file"], out["triton"] = tk.__file__, triton.__version__
-print("RESULT " + json.dumps(out))
+out["triton"] = triton.__version__
+print(json.dumps(out))
 """
 
 
 def compile_once(tree: Path, arch: int, k2s: list[int], python: str) -> tuple[dict[str, dict[str, float]], str]:
     """Seconds and PTX size per K2 of one process's compiles in `tree`, and its Triton's version."""
-    env = dict(os.environ, PYTHONPATH=str(tree.resolve()), TRITON_DEFAULT_FP_FUSION="1")
     with tempfile.TemporaryDirectory() as cache:
-        env["TRITON_CACHE_DIR"] = cache
-        # run in the tree: `python -c` puts the working directory first on the path
-        proc = subprocess.run([python, "-c", _CHILD, str(arch), ",".join(map(str, k2s))],
-                              env=env, cwd=tree, capture_output=True, text=True, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise SystemExit(f"compile in {tree} failed:\n{proc.stderr[-3000:]}")
-    out = json.loads(lines[-1][len("RESULT "):])
-    if not Path(out.pop("file")).resolve().is_relative_to(tree.resolve()):
-        raise SystemExit(f"the kernel compiled was not {tree}'s")
+        out = run_in_tree(tree, _CHILD, (str(arch), ",".join(map(str, k2s))), python,
+                          env={"TRITON_CACHE_DIR": cache, "TRITON_DEFAULT_FP_FUSION": "1"})
     version = out.pop("triton")
     return out, version
 

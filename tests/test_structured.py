@@ -474,12 +474,12 @@ def test_graphs_left_for_later_are_captured_while_idle(pair, plain, fake_cuda_gr
     from drafttree.server.worker import EngineWorker
 
     frozen: list[int] = []
+    settle_collector = worker_module.settle_collector
 
     def settle() -> None:
-        worker_module.settle_collector.__wrapped__()
+        settle_collector()
         frozen.append(gc.get_freeze_count())
 
-    settle.__wrapped__ = worker_module.settle_collector
     monkeypatch.setattr(worker_module, "settle_collector", settle)
 
     eng, cfg, (prompts, params), generate = deferred(pair, device="cpu", cuda_graphs=True, prefill_graphs=False)

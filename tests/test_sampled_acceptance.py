@@ -129,3 +129,30 @@ def test_sampler_settings_are_calibrated_apart():
     mixed = c.expected_tokens(31, Counter({warm: 1, hot: 1}))
     assert mixed == pytest.approx(c.cal[warm].expected(3) + c.cal[hot].expected(3))
     assert c.calibration(GREEDY) is None   # nothing greedy seen: a greedy row drafts to learn
+
+
+@pytest.mark.skipif(not any(map(__import__("shutil").which, ("cc", "gcc"))), reason="compiling on CPU needs a C compiler")
+def test_compiled_predictions_and_observations_match_the_definitions(set_settings):
+    """What a drafting round writes for the budget choice (`predicted`, `observed`: the acceptance
+    model and the target's acceptance compiled into a few kernels) equals the readable definitions
+    (`expected_accept`, `observed_accept`) read at the budgets, greedy and sampled rows alike."""
+    from drafttree.spec_decode.acceptance import expected_accept, observed, predicted, predictions_at
+    g = torch.Generator().manual_seed(3)
+    R, budgets = 3, (2, 4, 8, 16)
+    draft = torch.randn(R, D, V, generator=g) * 2
+    tree = build_tree(draft, torch.zeros(R, dtype=torch.long), BUDGET)
+    logits = torch.randn(R, BUDGET + 1, V, generator=g) * 2
+    st = SamplingTensors(torch.tensor([0.0, 0.7, 1.0]), torch.tensor([1.0, 0.9, 1.0]), torch.tensor([0, 0, 3]),
+                         torch.arange(R))
+    cases = [(SampleMode.GREEDY, logits.argmax(-1))]
+    for mode in (SampleMode.SAMPLE, SampleMode.FILTERED):
+        cases.append((mode, pick_tokens(logits, st, 10 + tree.depth + 1, mode)))
+    want_pred = predictions_at(expected_accept(draft, tree), budgets)
+    want_seen = [observed_at(observed_accept(logits, tree, picks, st, mode), budgets) for mode, picks in cases]
+    for compile_mode in ("0", "cpu"):
+        set_settings(compile=compile_mode)
+        assert torch.equal(predicted(draft, tree, budgets), want_pred), compile_mode
+        for (mode, picks), want in zip(cases, want_seen):
+            got = observed(logits, tree, picks, st, mode, None, budgets)
+            assert (got - want).abs().max().item() <= 1, (compile_mode, mode)   # in 1/PRED_SCALE tokens
+    assert want_pred[:, -1].min().item() > PRED_SCALE   # a tree of 8 nodes predicts more than the root

@@ -33,13 +33,30 @@ PRED_SCALE = 1000
 def expected_accept(draft_logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
     """[R, N] float32: column n is the expected accepted length of the tree's first n + 1
     columns (root and n nodes); column 0 is 1. draft_logits: [R, D, V], positions 1..D."""
+    return _expected(draft_logits, tree.tokens, tree.depth, tree.valid, tree.visible)
+
+
+def predicted(draft_logits: torch.Tensor, tree: DraftTree, budgets: tuple[int, ...]) -> torch.Tensor:
+    """`predictions_at(expected_accept(...))`, compiled on CUDA into a few kernels: a drafting
+    round of the adaptive choice pays for these in every round, which a fixed budget does not."""
+    return _predicted(draft_logits, tree.tokens, tree.depth, tree.valid, tree.visible, budgets)
+
+
+def _expected(draft_logits: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor,
+              visible: torch.Tensor) -> torch.Tensor:
     R, D, V = draft_logits.shape
     logits = draft_logits.float()
     lse = torch.logsumexp(logits, dim=-1)                             # [R, D]
-    depth = (tree.depth[:, 1:] - 1).clamp(0, D - 1)                   # node i uses q_{depth(i)}
-    flat = depth * V + tree.tokens[:, 1:]
-    lp = logits.view(R, D * V).gather(1, flat) - lse.gather(1, depth)  # [R, N-1]
-    return _path_sums(lp, tree)
+    at = (depth[:, 1:] - 1).clamp(0, D - 1)                           # node i uses q_{depth(i)}
+    flat = at * V + tokens[:, 1:]
+    lp = logits.view(R, D * V).gather(1, flat) - lse.gather(1, at)    # [R, N-1]
+    return _path_sums(lp, valid, visible)
+
+
+@fused
+def _predicted(draft_logits: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor,
+               visible: torch.Tensor, budgets: tuple[int, ...]) -> torch.Tensor:
+    return predictions_at(_expected(draft_logits, tokens, depth, valid, visible), budgets)
 
 
 def observed_accept(logits: torch.Tensor, tree: DraftTree, picks: torch.Tensor, st: SamplingTensors,
@@ -47,15 +64,54 @@ def observed_accept(logits: torch.Tensor, tree: DraftTree, picks: torch.Tensor, 
     """[R, N] float32: column n is the expected accepted length of the verified tree's first
     n + 1 columns under the target's sampler (see the module's docstring); logits [R, N, V] are
     the target's at the nodes, picks [R, N] its picks there."""
-    R, N, V = logits.shape
-    parent, tok = tree.parents[:, 1:], tree.tokens[:, 1:]
-    hit = torch.where(picks.gather(1, parent) == tok, 0.0, -1e4)   # a greedy row: the walk itself
     if mode is SampleMode.GREEDY:
-        return _path_sums(hit, tree)
-    temp = st.temperature[:R]
+        return _greedy_seen(picks, tree.parents, tree.tokens, tree.valid, tree.visible)
+    return _sampled_seen(_sampled_lp(logits, tree, st, mode, thr), picks, st.temperature[:logits.shape[0]],
+                         tree.parents, tree.tokens, tree.valid, tree.visible)
+
+
+def observed(logits: torch.Tensor, tree: DraftTree, picks: torch.Tensor, st: SamplingTensors, mode: SampleMode,
+             thr: torch.Tensor | None, budgets: tuple[int, ...]) -> torch.Tensor:
+    """`observed_at(observed_accept(...))`, compiled on CUDA into a few kernels (as `predicted`)."""
+    if mode is SampleMode.GREEDY:
+        return _greedy_observed(picks, tree.parents, tree.tokens, tree.valid, tree.visible, budgets)
+    return _sampled_observed(_sampled_lp(logits, tree, st, mode, thr), picks, st.temperature[:logits.shape[0]],
+                             tree.parents, tree.tokens, tree.valid, tree.visible, budgets)
+
+
+def _sampled_lp(logits: torch.Tensor, tree: DraftTree, st: SamplingTensors, mode: SampleMode,
+                thr: torch.Tensor | None) -> torch.Tensor:
     thr = thr if thr is not None else pick_thresholds(logits, st, mode)   # the pick's, where it passed them
-    lp = _sampled_log_probs(logits, temp, parent, tok, thr)
-    return _path_sums(torch.where((temp > 0)[:, None], lp, hit), tree)
+    return _sampled_log_probs(logits, st.temperature[:logits.shape[0]], tree.parents[:, 1:], tree.tokens[:, 1:], thr)
+
+
+def _hit(picks: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """0 where the pick at a node's parent is the node's token, else -1e4: a greedy row's walk."""
+    return torch.where(picks.gather(1, parents[:, 1:]) == tokens[:, 1:], 0.0, -1e4)
+
+
+def _greedy_seen(picks: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
+                 visible: torch.Tensor) -> torch.Tensor:
+    return _path_sums(_hit(picks, parents, tokens), valid, visible)
+
+
+def _sampled_seen(lp: torch.Tensor, picks: torch.Tensor, temp: torch.Tensor, parents: torch.Tensor,
+                  tokens: torch.Tensor, valid: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """A sampled batch's rows at temperature 0 are greedy rows: their walk, not a distribution."""
+    return _path_sums(torch.where((temp > 0)[:, None], lp, _hit(picks, parents, tokens)), valid, visible)
+
+
+@fused
+def _greedy_observed(picks: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
+                     visible: torch.Tensor, budgets: tuple[int, ...]) -> torch.Tensor:
+    return observed_at(_greedy_seen(picks, parents, tokens, valid, visible), budgets)
+
+
+@fused
+def _sampled_observed(lp: torch.Tensor, picks: torch.Tensor, temp: torch.Tensor, parents: torch.Tensor,
+                      tokens: torch.Tensor, valid: torch.Tensor, visible: torch.Tensor,
+                      budgets: tuple[int, ...]) -> torch.Tensor:
+    return observed_at(_sampled_seen(lp, picks, temp, parents, tokens, valid, visible), budgets)
 
 
 @fused
@@ -72,14 +128,15 @@ def _sampled_log_probs(logits: torch.Tensor, temp: torch.Tensor, parent: torch.T
     return scaled.reshape(R, N * V).gather(1, parent * V + tok) - lse.gather(1, parent)
 
 
-def _path_sums(lp: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+def _path_sums(lp: torch.Tensor, valid: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """1, then 1 + the cumulative sum over nodes 1.. of exp(the sum of lp [R, N-1] down each
     node's path): the expected accepted length at every column."""
     R = lp.shape[0]
     # invalid nodes score nothing; a finite floor keeps 0 * floor finite in the path sums below
-    lp = torch.where(tree.valid[:, 1:], lp, torch.full_like(lp, -1e4)).clamp(min=-1e4)
-    path = torch.bmm(tree.visible[:, 1:, 1:].float(), lp[..., None])[..., 0]   # log P(path to node)
-    gain = torch.where(tree.valid[:, 1:], path.exp(), torch.zeros_like(path))
+    lp = torch.where(valid[:, 1:], lp, -1e4).clamp(min=-1e4)
+    # log P(path to node): a masked sum, not a matmul, so that a compiled piece fuses it
+    path = torch.where(visible[:, 1:, 1:], lp[:, None, :], 0.0).sum(-1)
+    gain = torch.where(valid[:, 1:], path.exp(), 0.0)
     return torch.cat([torch.ones(R, 1, device=gain.device), 1.0 + gain.cumsum(1)], dim=1)
 
 

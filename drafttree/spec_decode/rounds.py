@@ -19,7 +19,7 @@ from drafttree.models.dflash2 import DFlash2Drafter
 from drafttree.models.kv_cache import attn_meta, page_slots
 from drafttree.phases import Phase
 from drafttree.sampling import SampleMode, pick_thresholds, pick_tokens
-from drafttree.spec_decode.acceptance import expected_accept, observed_accept, observed_at, predictions_at
+from drafttree.spec_decode.acceptance import observed, predicted
 from drafttree.spec_decode.logits import commit_output, path_logprobs, process_logits
 from drafttree.spec_decode.selector import selector_tree
 from drafttree.spec_decode.state import RoundContext
@@ -148,7 +148,7 @@ def make_tree(rc: RoundContext, draft_logits: torch.Tensor, B: int) -> DraftTree
     # shapes are host-known: no sync, and a capture records nothing for it
     assert tree.tokens.shape == (B, width), f"tree {tuple(tree.tokens.shape)} for {B} rows at verify width {width}"
     if rc.state.out_pred.shape[1]:
-        rc.state.out_pred[:B] = predictions_at(expected_accept(draft_logits, tree), rc.spec.budgets)
+        rc.state.out_pred[:B] = predicted(draft_logits, tree, rc.spec.budgets)
     return tree
 
 
@@ -215,7 +215,7 @@ def verify_forward(rc: RoundContext, B: int, kv_len: int, tree: DraftTree, mode:
     thr = pick_thresholds(logits, s.sampling, mode) if observe else None   # one top-k/top-p pass for both
     picks = pick_tokens(logits, s.sampling, pos + 1, mode, thr)
     if observe:
-        s.out_seen[:B] = observed_at(observed_accept(logits, tree, picks, s.sampling, mode, thr), rc.spec.budgets)
+        s.out_seen[:B] = observed(logits, tree, picks, s.sampling, mode, thr, rc.spec.budgets)
     return picks, aux, raw
 
 

@@ -1,0 +1,164 @@
+"""The per-round budget choice replayed offline: what `auto` gains or loses against fixed budgets
+and against an oracle, at a given machine's round prices, from acceptance the real pair gives.
+
+`trace` runs the engine at batch 1, T = 0, every round at the largest budget, and keeps per round
+what the chooser would have read: the acceptance model's prediction and the realised τ at every
+budget (a greedy round's observation covers every budget up to the one verified). `replay` walks
+those rounds with a policy — a fixed budget, the engine's `BudgetChooser` (fed the observations a
+round late, as the engine reads them), or the oracle that knows each round's τ — at round prices
+given in ms (the bench's `budget_choice.round_ms` of a GPU run), optionally with an extra cost on
+every drafting round of the adaptive choice (what its predictions cost the round). A plain round
+moves the text on by one token; where a policy resumes drafting, the recorded round that covers
+the text position stands for the one it would draft (acceptance is local, so the replay is an
+estimate, not a rerun).
+
+python benchmarks/budget_replay.py trace --device cpu --num-prompts 16 --max-tokens 128 --out trace.json
+python benchmarks/budget_replay.py replay trace.json --prices 0:0.528,4:1.117,8:1.144,16:1.214,31:1.265 \
+    --auto-extra-ms 0,0.137 --out replay.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+from drafttree.engine.budget import GREEDY, BudgetChooser
+from drafttree.spec_decode.acceptance import PRED_SCALE
+
+Round = tuple[list[int], list[int]]   # predictions and observations at every budget, in 1/PRED_SCALE tokens
+
+
+def trace(args: argparse.Namespace) -> None:
+    from drafttree import LLM, SamplingParams
+    from drafttree.bench.prompts import load_prompts
+
+    rounds: list[Round] = []
+    observe = BudgetChooser.observe
+
+    def largest(self, bucket, allowed, rows, cap=None, extra=(), host_rows=0):
+        self.rounds += 1
+        self.probed = False
+        return allowed[-1]
+
+    def keep(self, key, preds, seen):
+        rounds.append((list(preds), list(seen)))
+        observe(self, key, preds, seen)
+
+    BudgetChooser.choose, BudgetChooser.observe = largest, keep
+    kw = {"draft_model": args.draft_model} if args.draft_model else {}
+    llm = LLM(args.model, spec="ddtree", device=args.device, dtype=args.dtype, **kw)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    traces: dict[str, list[Round]] = {}
+    for name in args.prompts.split(","):
+        for i, prompt in enumerate(load_prompts(name, args.num_prompts)):
+            rounds.clear()
+            t = time.perf_counter()
+            llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
+            traces[f"{name}/{i}"] = list(rounds)
+            print(f"{name} {i}: {len(rounds)} rounds, {time.perf_counter() - t:.1f} s", flush=True)
+    out = {"budgets": list(llm.engine.chooser.budgets), "draft_model": args.draft_model or "shipped",
+           "max_tokens": args.max_tokens, "traces": traces}
+    Path(args.out).write_text(json.dumps(out))
+    print(f"wrote {args.out}: {sum(map(len, traces.values()))} rounds")
+
+
+class Prices:
+    """A cost table of fixed round prices (seconds), as `BudgetChooser` reads one."""
+
+    def __init__(self, ms: dict[int, float]) -> None:
+        self.ms = ms
+
+    def round_seconds(self, bucket: int, budget: int, sampled: bool = False) -> float:
+        return self.ms[budget] / 1e3
+
+
+def replay(budgets: list[int], traces: dict[str, list[Round]], policy: int | str, prices: dict[int, float],
+           extra_ms: float = 0.0) -> dict:
+    """Tokens per ms under `policy` (a budget, "auto" or "oracle"), and the rounds per budget."""
+    allowed = (0, *budgets)
+    cost = {b: prices[b] + (extra_ms if b and policy == "auto" else 0.0) for b in allowed}
+    chooser = BudgetChooser(Prices(prices), tuple(budgets)) if policy == "auto" else None
+    rows = Counter({GREEDY: 1})
+    tokens = ms = 0.0
+    hist: Counter[int] = Counter()
+    for rounds in traces.values():
+        starts, p = [], 0.0
+        for _, seen in rounds:
+            starts.append(p)
+            p += seen[-1] / PRED_SCALE
+        pos, k, unread = 0.0, 0, None
+        while pos < p - 1e-9:
+            while k + 1 < len(starts) and starts[k + 1] <= pos + 1e-9:
+                k += 1
+            preds, seen = rounds[k]
+            if chooser is not None:
+                b = chooser.choose(1, allowed, rows)
+            elif policy == "oracle":
+                b = max(allowed, key=lambda b: (seen[budgets.index(b)] / PRED_SCALE if b else 1.0) / cost[b])
+            else:
+                b = int(policy)
+            got = seen[budgets.index(b)] / PRED_SCALE if b else 1.0
+            if chooser is not None:
+                chooser.observe_round(1, b, False, cost[b] / 1e3)
+                if unread is not None:    # the round before is read after this one launched
+                    chooser.observe(GREEDY, *unread)
+                i = budgets.index(b) if b else -1
+                unread = (preds, [s if j <= i else 0 for j, s in enumerate(seen)]) if b else None
+            hist[b] += 1
+            tokens += got
+            ms += cost[b]
+            pos += got
+        if chooser is not None and unread is not None:
+            chooser.observe(GREEDY, *unread)
+    return {"tokens_per_ms": tokens / ms, "rounds": {str(b): n for b, n in sorted(hist.items())}}
+
+
+def replay_main(args: argparse.Namespace) -> None:
+    data = json.loads(Path(args.trace).read_text())
+    budgets, traces = data["budgets"], data["traces"]
+    prices = {int(b): float(ms) for b, ms in (x.split(":") for x in args.prices.split(","))}
+    missing = [b for b in (0, *budgets) if b not in prices]
+    if missing:
+        raise SystemExit(f"--prices lacks budgets {missing} (the trace's are {budgets})")
+    plain = 1.0 / prices[0]
+    rows = []
+    policies: list[tuple[int | str, float]] = [(b, 0.0) for b in budgets] + [("oracle", 0.0)]
+    policies += [("auto", float(x)) for x in args.auto_extra_ms.split(",")]
+    for policy, extra in policies:
+        r = replay(budgets, traces, policy, prices, extra)
+        r.update(policy=str(policy), extra_ms=extra, speedup=r["tokens_per_ms"] / plain)
+        rows.append(r)
+        name = f"{policy}" + (f" (+{extra} ms a drafting round)" if extra else "")
+        print(f"{name:34s} {r['tokens_per_ms']:.3f} tok/ms  {r['speedup']:.3f}x plain  rounds {r['rounds']}")
+    out = {"trace": args.trace, "draft_model": data.get("draft_model"), "max_tokens": data.get("max_tokens"),
+           "prompts": len(traces), "recorded_rounds": sum(map(len, traces.values())),
+           "prices_ms": {str(b): v for b, v in prices.items()}, "results": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("trace")
+    t.add_argument("--model", default=None)
+    t.add_argument("--draft-model", default=None)
+    t.add_argument("--device", default=None)
+    t.add_argument("--dtype", default="float32")
+    t.add_argument("--prompts", default="sharegpt-heldout,humaneval")
+    t.add_argument("--num-prompts", type=int, default=16)
+    t.add_argument("--max-tokens", type=int, default=128)
+    t.add_argument("--out", required=True)
+    r = sub.add_parser("replay")
+    r.add_argument("trace")
+    r.add_argument("--prices", required=True, help="budget:ms,... for 0 (plain) and every traced budget")
+    r.add_argument("--auto-extra-ms", default="0", help="extra ms on each drafting round of `auto`, comma-separated")
+    r.add_argument("--out", default=None)
+    a = ap.parse_args()
+    trace(a) if a.cmd == "trace" else replay_main(a)
+
+
+if __name__ == "__main__":
+    main()

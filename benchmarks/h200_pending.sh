@@ -4,19 +4,22 @@
 # 30 s after a call ends. The default model's GGUF (98 MB) travels in three parts, one a call,
 # kept in .gacc/; the stages that need the model assemble it and check its sha256. Together they take
 # about 50 minutes of GPU time, so pick.
-# What waits most: issue 58's side-by-side at equal device time (must 3), over two machines' worth.
+# What waits most: (1) the budget choice's own cost. On 2026-12-06 `auto` at batch 1 ran 10-20 %
+# below a fixed DDTree 32 (HumanEval 1.13x against 1.33x plain, shipped drafter): its drafting rounds
+# cost 0.10-0.14 ms more than a fixed budget's (the acceptance model's predictions and the target's
+# observed acceptance, ~35 small kernels a round), which priced drafting out of 40 % of its rounds. Those
+# are compiled pieces now (spec_decode/acceptance.py `predicted`, `observed`): `drafter_e2e` RUN=shipped
+# shows it (auto against DDTree 32 in one run; before: benchmarks/results/2026-12-06_h100_drafter_side_by_side.md).
+# (2) More training of the shipped recipe (`drafter_train` RUN=dflash, INIT the shipped drafter, TRAIN_S up
+# to 480), carrying [.parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl, .parts/gguf.sha256] (not
+# beside a GGUF part: the tree, 23 MB, a part, 33 MB, and the answers, 17 MB, pass the 64 MiB a call
+# carries); keep what it brings back ($OUT/<run>/: config.json, model.safetensors.part*) as
+# .parts/drafters/<run>/ and ship it if its τ and `drafter_e2e` beat the shipped one's.
 # The target's answers to the training prompts were made on 2026-12-06 (420 s, 29,386 records; sha256
-# 475316f1...) and kept as the ignored .parts/responses.jsonl.gz. First: the three parts calls, then
-# `drafter_train` RUN=dflash, RUN=dflash-kl, RUN=dflash2 back to back (300 s of training each, then τ
-# on 48 held-out prompts; ~460 s a call), the first carrying [.parts/responses.jsonl.gz,
-# .parts/prompts_heldout.jsonl, .parts/gguf.sha256] (not beside a GGUF part: the tree, 23 MB, a part,
-# 33 MB, and the answers, 17 MB, pass the 64 MiB a call carries); keep what each brings back ($OUT/<run>/:
-# config.json, model.safetensors.part*) as .parts/drafters/<run>/. Then: `drafter_e2e` for RUN=shipped
-# and each run (τ of the chain and of DDTree 32 on HumanEval and held-out ShareGPT, `auto` against
-# plain at batch 1 and 16; carry .parts/drafters/<run>, .parts/humaneval.jsonl and
-# .parts/sharegpt_heldout.jsonl; a run still in .gacc/ on a held machine needs no carry). If
-# .parts/responses.jsonl.gz is gone, `drafter_data` first (its answers come back in parts of 15 MiB:
-# join them). Issue 56's figures were taken on 2026-12-06
+# 475316f1...) and kept as the ignored .parts/responses.jsonl.gz. If it is gone, `drafter_data` first
+# (its answers come back in parts of 15 MiB: join them). The DFlash2 / KL / current-recipe side-by-side
+# was run on 2026-12-06 (240 s each; the current recipe shipped, DFlash2 and KL rejected: docs/decisions.md).
+# Issue 56's figures were taken on 2026-12-06
 # (serve cold 89 s and warm 19 s to /ready, its idle work done 181 s after launch warm, 319 s cold;
 # generate warm 8-9 s, cold 39-40 s; tok/s after the idle work 1.25x / 1.49x plain at 1 / 16
 # streams): the cold start's Triton compiles are what remains of it (the start-up report's notes name

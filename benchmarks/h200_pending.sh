@@ -10,8 +10,9 @@
 # observed acceptance, ~35 small kernels a round), which priced drafting out of 40 % of its rounds. Those
 # are compiled pieces now (spec_decode/acceptance.py `predicted`, `observed`): `drafter_e2e` RUN=shipped
 # shows it (auto against DDTree 32 in one run; before: benchmarks/results/2026-12-06_h100_drafter_side_by_side.md).
-# (2) More training of the shipped recipe (`drafter_train` RUN=dflash, INIT the shipped drafter, TRAIN_S up
-# to 480), carrying [.parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl, .parts/gguf.sha256] (not
+# (2) More training of the shipped recipe: `drafter_train` RUN=dflash TRAIN_S=480 (from the shipped
+# drafter; ~560 s a call), then, on the held machine, RUN=dflash NAME=dflash-b INIT=.gacc/drafter/dflash/drafter
+# TRAIN_S=480 and so on, each call continuing the last; the first carrying [.parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl, .parts/gguf.sha256] (not
 # beside a GGUF part: the tree, 23 MB, a part, 33 MB, and the answers, 17 MB, pass the 64 MiB a call
 # carries); keep what it brings back ($OUT/<run>/: config.json, model.safetensors.part*) as
 # .parts/drafters/<run>/ and ship it if its τ and `drafter_e2e` beat the shipped one's.
@@ -244,6 +245,9 @@ case "${1:?stage}" in
         && cp .parts/prompts_heldout.jsonl .gacc/drafter/ || exit 1   # an earlier machine's drafter_data
     fi
     run=${RUN:?RUN=dflash|dflash-kl|dflash2|dflash2-kl}
+    # NAME: the run's directory (default RUN), so that a call may continue an earlier one's drafter
+    # (INIT=.gacc/drafter/<its NAME>/drafter) without writing over it
+    name=${NAME:-$run} train_s=${TRAIN_S:-300}
     case $run in
       dflash) args="" ;; dflash-kl) args="--loss kl" ;;
       # selector rank 22: the drafter stays within the 25 MB a shipped one may take (saved in bf16:
@@ -251,17 +255,17 @@ case "${1:?stage}" in
       dflash2) args="--arch dflash2 --selector-rank 22" ;; dflash2-kl) args="--arch dflash2 --selector-rank 22 --loss kl" ;;
       *) echo "unknown RUN $run"; exit 2 ;;
     esac
-    timeout 400 python3 -m drafttree train-drafter train --out ".gacc/drafter/$run" --data .gacc/drafter/responses*.jsonl \
+    timeout $((train_s + 100)) python3 -m drafttree train-drafter train --out ".gacc/drafter/$name" --data .gacc/drafter/responses*.jsonl \
       --init-from-drafter "${INIT:-drafttree/assets/drafter-smollm2}" --loop-keep 2 --gamma 2 --batch-size 16 --lr 3e-4 \
-      --epochs 100 --seed 5 --train-time-limit "${TRAIN_S:-300}" --eval-num 0 $args > "$OUT/train_$run.txt" 2>&1
-    timeout 150 python3 -m drafttree train-drafter eval --out ".gacc/drafter/$run" \
+      --epochs 100 --seed 5 --train-time-limit "$train_s" --eval-num 0 $args > "$OUT/train_$name.txt" 2>&1
+    timeout 150 python3 -m drafttree train-drafter eval --out ".gacc/drafter/$name" \
       --eval-prompts .gacc/drafter/prompts_heldout.jsonl --eval-num 48 --no-cuda-graphs --max-num-seqs 48 \
-      --methods dflash,ddtree --budgets 32 --temperatures 0 --compare-plain >> "$OUT/train_$run.txt" 2>&1
+      --methods dflash,ddtree --budgets 32 --temperatures 0 --compare-plain >> "$OUT/train_$name.txt" 2>&1
     # back with the call: the weights (38 MB) in parts of 15 MiB (a file of 16 MiB at most comes back);
     # here: cat model.safetensors.part* > model.safetensors
-    mkdir -p "$OUT/$run" && cp ".gacc/drafter/$run/train_log.json" ".gacc/drafter/$run/drafter/config.json" "$OUT/$run/" \
-      && split -b 15M -d ".gacc/drafter/$run/drafter/model.safetensors" "$OUT/$run/model.safetensors.part"
-    grep "τ" "$OUT/train_$run.txt" | tail -n 4 ;;
+    mkdir -p "$OUT/$name" && cp ".gacc/drafter/$name/train_log.json" ".gacc/drafter/$name/drafter/config.json" "$OUT/$name/" \
+      && split -b 15M -d ".gacc/drafter/$name/drafter/model.safetensors" "$OUT/$name/model.safetensors.part"
+    grep "τ" "$OUT/train_$name.txt" | tail -n 4 ;;
   drafter_e2e)   # issue 58 must 3: one drafter on HumanEval and held-out ShareGPT — τ of its chain (dflash)
                  # and of DDTree 32, and `auto` against plain decoding at batch 1 and 16, 3 alternated repeats
     gguf || exit 1

@@ -64,54 +64,39 @@ def observed_accept(logits: torch.Tensor, tree: DraftTree, picks: torch.Tensor, 
     """[R, N] float32: column n is the expected accepted length of the verified tree's first
     n + 1 columns under the target's sampler (see the module's docstring); logits [R, N, V] are
     the target's at the nodes, picks [R, N] its picks there."""
-    if mode is SampleMode.GREEDY:
-        return _greedy_seen(picks, tree.parents, tree.tokens, tree.valid, tree.visible)
-    return _sampled_seen(_sampled_lp(logits, tree, st, mode, thr), picks, st.temperature[:logits.shape[0]],
-                         tree.parents, tree.tokens, tree.valid, tree.visible)
+    return _seen(*_seen_inputs(logits, tree, picks, st, mode, thr))
 
 
 def observed(logits: torch.Tensor, tree: DraftTree, picks: torch.Tensor, st: SamplingTensors, mode: SampleMode,
              thr: torch.Tensor | None, budgets: tuple[int, ...]) -> torch.Tensor:
     """`observed_at(observed_accept(...))`, compiled on CUDA into a few kernels (as `predicted`)."""
-    if mode is SampleMode.GREEDY:
-        return _greedy_observed(picks, tree.parents, tree.tokens, tree.valid, tree.visible, budgets)
-    return _sampled_observed(_sampled_lp(logits, tree, st, mode, thr), picks, st.temperature[:logits.shape[0]],
-                             tree.parents, tree.tokens, tree.valid, tree.visible, budgets)
+    return _observed(*_seen_inputs(logits, tree, picks, st, mode, thr), budgets)
 
 
-def _sampled_lp(logits: torch.Tensor, tree: DraftTree, st: SamplingTensors, mode: SampleMode,
-                thr: torch.Tensor | None) -> torch.Tensor:
-    thr = thr if thr is not None else pick_thresholds(logits, st, mode)   # the pick's, where it passed them
-    return _sampled_log_probs(logits, st.temperature[:logits.shape[0]], tree.parents[:, 1:], tree.tokens[:, 1:], thr)
+def _seen_inputs(logits: torch.Tensor, tree: DraftTree, picks: torch.Tensor, st: SamplingTensors, mode: SampleMode,
+                 thr: torch.Tensor | None) -> tuple:
+    """`_seen`'s arguments: a greedy batch's without log-probabilities (its walk is the picks')."""
+    lp = temp = None
+    if mode is not SampleMode.GREEDY:
+        temp = st.temperature[:logits.shape[0]]
+        thr = thr if thr is not None else pick_thresholds(logits, st, mode)   # the pick's, where it passed them
+        lp = _sampled_log_probs(logits, temp, tree.parents[:, 1:], tree.tokens[:, 1:], thr)
+    return picks, lp, temp, tree.parents, tree.tokens, tree.valid, tree.visible
 
 
-def _hit(picks: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """0 where the pick at a node's parent is the node's token, else -1e4: a greedy row's walk."""
-    return torch.where(picks.gather(1, parents[:, 1:]) == tokens[:, 1:], 0.0, -1e4)
-
-
-def _greedy_seen(picks: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
-                 visible: torch.Tensor) -> torch.Tensor:
-    return _path_sums(_hit(picks, parents, tokens), valid, visible)
-
-
-def _sampled_seen(lp: torch.Tensor, picks: torch.Tensor, temp: torch.Tensor, parents: torch.Tensor,
-                  tokens: torch.Tensor, valid: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """A sampled batch's rows at temperature 0 are greedy rows: their walk, not a distribution."""
-    return _path_sums(torch.where((temp > 0)[:, None], lp, _hit(picks, parents, tokens)), valid, visible)
+def _seen(picks: torch.Tensor, lp: torch.Tensor | None, temp: torch.Tensor | None, parents: torch.Tensor,
+          tokens: torch.Tensor, valid: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    hit = torch.where(picks.gather(1, parents[:, 1:]) == tokens[:, 1:], 0.0, -1e4)   # a greedy row: the walk itself
+    if lp is not None:   # a sampled batch's rows at temperature 0 are greedy rows
+        hit = torch.where((temp > 0)[:, None], lp, hit)
+    return _path_sums(hit, valid, visible)
 
 
 @fused
-def _greedy_observed(picks: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
-                     visible: torch.Tensor, budgets: tuple[int, ...]) -> torch.Tensor:
-    return observed_at(_greedy_seen(picks, parents, tokens, valid, visible), budgets)
-
-
-@fused
-def _sampled_observed(lp: torch.Tensor, picks: torch.Tensor, temp: torch.Tensor, parents: torch.Tensor,
-                      tokens: torch.Tensor, valid: torch.Tensor, visible: torch.Tensor,
-                      budgets: tuple[int, ...]) -> torch.Tensor:
-    return observed_at(_sampled_seen(lp, picks, temp, parents, tokens, valid, visible), budgets)
+def _observed(picks: torch.Tensor, lp: torch.Tensor | None, temp: torch.Tensor | None, parents: torch.Tensor,
+              tokens: torch.Tensor, valid: torch.Tensor, visible: torch.Tensor,
+              budgets: tuple[int, ...]) -> torch.Tensor:
+    return observed_at(_seen(picks, lp, temp, parents, tokens, valid, visible), budgets)
 
 
 @fused

@@ -36,21 +36,18 @@ def trace(args: argparse.Namespace) -> None:
     from drafttree import LLM, SamplingParams
     from drafttree.bench.prompts import load_prompts
 
-    rounds: list[Round] = []
-    observe = BudgetChooser.observe
-
-    def largest(self, bucket, allowed, rows, cap=None, extra=(), host_rows=0):
-        self.rounds += 1
-        self.probed = False
-        return allowed[-1]
-
-    def keep(self, key, preds, seen):
-        rounds.append((list(preds), list(seen)))
-        observe(self, key, preds, seen)
-
-    BudgetChooser.choose, BudgetChooser.observe = largest, keep
     kw = {"draft_model": args.draft_model} if args.draft_model else {}
     llm = LLM(args.model, spec="ddtree", device=args.device, dtype=args.dtype, **kw)
+    chooser, rounds = llm.engine.chooser, []
+    observe = chooser.observe
+    # every round at the largest budget; what the chooser reads is kept, and still learnt from
+    chooser.choose = lambda bucket, allowed, rows, cap=None, extra=(), host_rows=0: allowed[-1]
+
+    def keep(key, preds, seen):
+        rounds.append((list(preds), list(seen)))
+        observe(key, preds, seen)
+
+    chooser.observe = keep
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     traces: dict[str, list[Round]] = {}
     for name in args.prompts.split(","):
@@ -60,7 +57,7 @@ def trace(args: argparse.Namespace) -> None:
             llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
             traces[f"{name}/{i}"] = list(rounds)
             print(f"{name} {i}: {len(rounds)} rounds, {time.perf_counter() - t:.1f} s", flush=True)
-    out = {"budgets": list(llm.engine.chooser.budgets), "draft_model": args.draft_model or "shipped",
+    out = {"budgets": list(chooser.budgets), "draft_model": args.draft_model or "shipped",
            "max_tokens": args.max_tokens, "traces": traces}
     Path(args.out).write_text(json.dumps(out))
     print(f"wrote {args.out}: {sum(map(len, traces.values()))} rounds")

@@ -12,8 +12,8 @@
 # shows it (auto against DDTree 32 in one run; before: benchmarks/results/2026-12-06_h100_drafter_side_by_side.md).
 # (2) More training of the shipped recipe: `drafter_train` RUN=dflash TRAIN_S=480 (from the shipped
 # drafter; ~560 s a call), then, on the held machine, RUN=dflash NAME=dflash-b INIT=.gacc/drafter/dflash/drafter
-# TRAIN_S=480 and so on, each call continuing the last; the first carrying [.parts/responses.jsonl.gz, .parts/prompts_heldout.jsonl, .parts/gguf.sha256] (not
-# beside a GGUF part: the tree, 23 MB, a part, 33 MB, and the answers, 17 MB, pass the 64 MiB a call
+# TRAIN_S=480 and so on, each call continuing the last; the first carrying [.parts/responses.jsonl.gz,
+# .parts/prompts_heldout.jsonl, .parts/gguf.sha256] (not beside a GGUF part: the tree, 23 MB, a part, 33 MB, and the answers, 17 MB, pass the 64 MiB a call
 # carries); keep what it brings back ($OUT/<run>/: config.json, model.safetensors.part*) as
 # .parts/drafters/<run>/ and ship it if its τ and `drafter_e2e` beat the shipped one's.
 # The target's answers to the training prompts were made on 2026-12-06 (420 s, 29,386 records; sha256

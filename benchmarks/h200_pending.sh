@@ -60,7 +60,7 @@
 #               rows) in one call, for a machine with about 10 minutes of GPU time left. Needs the GGUF.
 #   drafter_e2e: one drafter (RUN=shipped, or a run of drafter_train: from .gacc/ or .parts/drafters/<run>;
 #               DRAFT=dir for another) on 16 HumanEval and 16 held-out ShareGPT prompts (E2E_PROMPTS):
-#               plain, DFlash chain, DDTree 32 and `auto`, batch 1 and 16, 3 alternated repeats. Needs the GGUF.
+#               plain, DFlash chain, DDTree 32 and `auto`, batch 1 and 16 (BATCH=16: one), 3 alternated repeats. Needs the GGUF.
 #   drafter_data, drafter_train: issue 58's side-by-side (docs/dflash2.md), a call each: the target's
 #               answers to the training prompts (REGEN_S, default 420 s), then one run a call
 #               (RUN=dflash|dflash-kl|dflash2|dflash2-kl; TRAIN_S of training from the shipped
@@ -279,7 +279,7 @@ case "${1:?stage}" in
     [ "$name" != shipped ] && [ -z "$draft" ] && { echo "no drafter for RUN=$name"; exit 2; }
     timeout 560 python3 -m drafttree bench --prompts .parts/humaneval.jsonl,.parts/sharegpt_heldout.jsonl \
       --num-prompts "${E2E_PROMPTS:-16}" --max-tokens 64 --methods ar,dflash,ddtree --budgets auto,32 --temperatures 0 \
-      --batch 1,16 --repeats 3 ${draft:+--draft-model "$draft"} --out ".gacc/e2e_$name" > "$OUT/e2e_$name.txt" 2>&1
+      --batch "${BATCH:-1,16}" --repeats 3 ${draft:+--draft-model "$draft"} --out ".gacc/e2e_$name" > "$OUT/e2e_$name.txt" 2>&1
     cp ".gacc/e2e_$name/results.json" "$OUT/e2e_$name.json"   # its plots stay: 8 files at most come back
     grep "repeats, median" -A12 "$OUT/e2e_$name.txt" | head -n 40 ;;
   *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, serve_ready, startup_ab, serve_ab, serve_idle_load, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train, drafter_e2e)"

@@ -12,11 +12,17 @@ moves the text on by one token; where a policy resumes drafting mid-way through 
 that round stands for the one it would draft: with its whole τ (`optimistic`: a plain round costs
 nothing in acceptance) or with τ less the tokens already past its start, at least 1
 (`conservative`). The truth lies between: the replay is an estimate, not a rerun, and ranks
-policies that decode plainly often only where both agree.
+policies that decode plainly often only where both agree. `trace --every-position` removes the
+guess: it records the round that would start at every position of the plain output (a request
+per position, batched), and `replay` then walks exactly the rounds a policy would run (`exact`),
+up to the prediction's numerics at another batch size.
 
 python benchmarks/budget_replay.py trace --device cpu --num-prompts 16 --max-tokens 128 --out trace.json
 python benchmarks/budget_replay.py replay trace.json --prices 0:0.528,4:1.117,8:1.144,16:1.214,31:1.265 \
     --auto-extra-ms 0,0.137 --resume optimistic,conservative --out replay.json
+python benchmarks/budget_replay.py trace --every-position --device cpu --num-prompts 16 --max-tokens 64 --out exact.json
+python benchmarks/budget_replay.py replay exact.json --prices 0:0.55,4:1.10,8:1.12,16:1.14,31:1.17 \
+    --chooser-set PROBE_SHARE=0.01 --out replay_exact.json
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import drafttree.engine.budget as budget_module
 from drafttree.engine.budget import GREEDY, BudgetChooser
 from drafttree.spec_decode.acceptance import PRED_SCALE
 
@@ -38,9 +45,30 @@ def trace(args: argparse.Namespace) -> None:
 
     kw = {"draft_model": args.draft_model} if args.draft_model else {}
     llm = LLM(args.model, spec="ddtree", device=args.device, dtype=args.dtype, **kw)
+    chooser, rounds = llm.engine.chooser, at_largest_budget(llm)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    traces: dict[str, list[Round]] = {}
+    for name in args.prompts.split(","):
+        for i, prompt in enumerate(load_prompts(name, args.num_prompts)):
+            rounds.clear()
+            t = time.perf_counter()
+            out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+            if args.every_position:
+                traces[f"{name}/{i}"] = every_position(llm, out.prompt_token_ids, out.token_ids, rounds)
+            else:
+                traces[f"{name}/{i}"] = list(rounds)
+            print(f"{name} {i}: {len(traces[f'{name}/{i}'])} rounds, {time.perf_counter() - t:.1f} s", flush=True)
+    out = {"budgets": list(chooser.budgets), "draft_model": args.draft_model or "shipped",
+           "max_tokens": args.max_tokens, "every_position": args.every_position, "traces": traces}
+    Path(args.out).write_text(json.dumps(out))
+    print(f"wrote {args.out}: {sum(map(len, traces.values()))} rounds")
+
+
+def at_largest_budget(llm) -> list[Round]:
+    """Every round of `llm`'s engine at the largest budget from now on; what its chooser reads is
+    kept in the list returned (and still learnt from)."""
     chooser, rounds = llm.engine.chooser, []
     observe = chooser.observe
-    # every round at the largest budget; what the chooser reads is kept, and still learnt from
     chooser.choose = lambda bucket, allowed, rows, cap=None, extra=(), host_rows=0: allowed[-1]
 
     def keep(key, preds, seen):
@@ -48,19 +76,36 @@ def trace(args: argparse.Namespace) -> None:
         observe(key, preds, seen)
 
     chooser.observe = keep
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    traces: dict[str, list[Round]] = {}
-    for name in args.prompts.split(","):
-        for i, prompt in enumerate(load_prompts(name, args.num_prompts)):
-            rounds.clear()
-            t = time.perf_counter()
-            llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
-            traces[f"{name}/{i}"] = list(rounds)
-            print(f"{name} {i}: {len(rounds)} rounds, {time.perf_counter() - t:.1f} s", flush=True)
-    out = {"budgets": list(chooser.budgets), "draft_model": args.draft_model or "shipped",
-           "max_tokens": args.max_tokens, "traces": traces}
-    Path(args.out).write_text(json.dumps(out))
-    print(f"wrote {args.out}: {sum(map(len, traces.values()))} rounds")
+    return rounds
+
+
+def every_position(llm, prompt: list[int], output: list[int], rounds: list[Round]) -> list[Round]:
+    """The round that would start after each of `output`'s first 1 .. n-1 tokens: one request a
+    position, batched (the prompt and the output before it, whose prefill commits the position's
+    token; its first round is the one kept). Each request is its own sampler setting for the
+    chooser, so that every row's observation comes apart from the batch's mean."""
+    from drafttree import SamplingParams
+    import drafttree.engine.engine as engine_module
+
+    key = engine_module.sampler_key
+    firsts: dict[int, Round] = {}
+    observe = llm.engine.chooser.observe
+
+    def first(k, preds, seen):
+        firsts.setdefault(k[2], (list(preds), list(seen)))
+        observe(k, preds, seen)
+
+    engine_module.sampler_key = lambda p: (0.0, 1.0, 1 + p.seed)
+    llm.engine.chooser.observe = first
+    try:
+        # 9 tokens leave room for a whole first round (at most the block size's 8 and a bonus)
+        params = [SamplingParams(temperature=0, max_tokens=10, seed=j) for j in range(len(output) - 1)]
+        llm.generate([prompt + output[:j] for j in range(len(output) - 1)], params, use_tqdm=False)
+    finally:
+        engine_module.sampler_key = key
+        llm.engine.chooser.observe = observe
+    rounds.clear()
+    return [firsts[1 + j] for j in range(len(output) - 1)]
 
 
 class Prices:
@@ -87,7 +132,7 @@ def replay(budgets: list[int], traces: dict[str, list[Round]], policy: int | str
         starts, p = [], 0.0
         for _, seen in rounds:
             starts.append(p)
-            p += seen[-1] / PRED_SCALE
+            p += 1.0 if resume == "exact" else seen[-1] / PRED_SCALE
         pos, k, unread = 0.0, 0, None
         while pos < p - 1e-9:
             while k + 1 < len(starts) and starts[k + 1] <= pos + 1e-9:
@@ -102,7 +147,8 @@ def replay(budgets: list[int], traces: dict[str, list[Round]], policy: int | str
                 b = max(allowed, key=lambda b: (seen[budgets.index(b)] / PRED_SCALE if b else 1.0) / cost[b])
             else:
                 b = int(policy)
-            got = seen[budgets.index(b)] / PRED_SCALE if b else 1.0
+            # the text ends where the trace does: what a round commits past it is not counted
+            got = min(seen[budgets.index(b)] / PRED_SCALE if b else 1.0, p - pos)
             if chooser is not None:
                 chooser.observe_round(1, b, False, cost[b] / 1e3)
                 if unread is not None:    # the round before is read after this one launched
@@ -121,6 +167,13 @@ def replay(budgets: list[int], traces: dict[str, list[Round]], policy: int | str
 def replay_main(args: argparse.Namespace) -> None:
     data = json.loads(Path(args.trace).read_text())
     budgets, traces = data["budgets"], data["traces"]
+    resumes = args.resume or ("exact" if data.get("every_position") else "optimistic,conservative")
+    if ("exact" in resumes.split(",")) != bool(data.get("every_position")):
+        raise SystemExit("--resume exact reads a trace of every position (trace --every-position), and only it")
+    for name, value in (x.split("=") for x in args.chooser_set.split(",") if x):
+        if not isinstance(getattr(budget_module, name, None), (int, float)):
+            raise SystemExit(f"--chooser-set: drafttree.engine.budget has no number {name}")
+        setattr(budget_module, name, type(getattr(budget_module, name))(value))
     prices = {int(b): float(ms) for b, ms in (x.split(":") for x in args.prices.split(","))}
     missing = [b for b in (0, *budgets) if b not in prices]
     if missing:
@@ -129,9 +182,9 @@ def replay_main(args: argparse.Namespace) -> None:
     rows = []
     policies: list[tuple[int | str, float]] = [(b, 0.0) for b in budgets] + [("oracle", 0.0)]
     policies += [("auto", float(x)) for x in args.auto_extra_ms.split(",")]
-    for resume in args.resume.split(","):
+    for resume in resumes.split(","):
         for policy, extra in policies:
-            if isinstance(policy, int) and resume != "optimistic":
+            if isinstance(policy, int) and resume == "conservative":
                 continue   # a fixed budget never resumes mid-way
             r = replay(budgets, traces, policy, prices, extra, resume)
             r.update(policy=str(policy), extra_ms=extra, resume=resume, speedup=r["tokens_per_ms"] / plain)
@@ -140,7 +193,7 @@ def replay_main(args: argparse.Namespace) -> None:
             print(f"{name:48s} {r['tokens_per_ms']:.3f} tok/ms  {r['speedup']:.3f}x plain  rounds {r['rounds']}")
     out = {"trace": args.trace, "draft_model": data.get("draft_model"), "max_tokens": data.get("max_tokens"),
            "prompts": len(traces), "recorded_rounds": sum(map(len, traces.values())),
-           "prices_ms": {str(b): v for b, v in prices.items()}, "results": rows}
+           "prices_ms": {str(b): v for b, v in prices.items()}, "chooser_set": args.chooser_set, "results": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 
@@ -156,13 +209,18 @@ def main() -> None:
     t.add_argument("--prompts", default="sharegpt-heldout,humaneval")
     t.add_argument("--num-prompts", type=int, default=16)
     t.add_argument("--max-tokens", type=int, default=128)
+    t.add_argument("--every-position", action="store_true",
+                   help="record the round that would start at every position of the plain output, not only "
+                        "those a fixed budget reaches (a request a position: about budget+1 times the work)")
     t.add_argument("--out", required=True)
     r = sub.add_parser("replay")
     r.add_argument("trace")
     r.add_argument("--prices", required=True, help="budget:ms,... for 0 (plain) and every traced budget")
     r.add_argument("--auto-extra-ms", default="0", help="extra ms on each drafting round of `auto`, comma-separated")
-    r.add_argument("--resume", default="optimistic,conservative",
-                   help="how a draft resumed mid-way through a recorded round is scored: optimistic, conservative or both")
+    r.add_argument("--resume", default=None,
+                   help="how a draft resumed mid-way through a recorded round is scored: optimistic, conservative "
+                        "or both (default); exact for a trace of every position (its default)")
+    r.add_argument("--chooser-set", default="", help="NAME=VALUE,...: the chooser's constants (PROBE_SHARE, EMA, ...)")
     r.add_argument("--out", default=None)
     a = ap.parse_args()
     trace(a) if a.cmd == "trace" else replay_main(a)

@@ -182,15 +182,21 @@ def replay_main(args: argparse.Namespace) -> None:
     rows = []
     policies: list[tuple[int | str, float]] = [(b, 0.0) for b in budgets] + [("oracle", 0.0)]
     policies += [("auto", float(x)) for x in args.auto_extra_ms.split(",")]
+    # every prompt set together ("all"), then each apart (a trace's keys are "set/index")
+    sets = {"all": traces}
+    for key, rounds in traces.items():
+        sets.setdefault(key.split("/")[0], {})[key] = rounds
     for resume in resumes.split(","):
-        for policy, extra in policies:
-            if isinstance(policy, int) and resume == "conservative":
-                continue   # a fixed budget never resumes mid-way
-            r = replay(budgets, traces, policy, prices, extra, resume)
-            r.update(policy=str(policy), extra_ms=extra, resume=resume, speedup=r["tokens_per_ms"] / plain)
-            rows.append(r)
-            name = f"{policy}" + (f" (+{extra} ms a drafting round)" if extra else "") + f", {resume}"
-            print(f"{name:48s} {r['tokens_per_ms']:.3f} tok/ms  {r['speedup']:.3f}x plain  rounds {r['rounds']}")
+        for group, chosen in sets.items():
+            for policy, extra in policies:
+                if isinstance(policy, int) and resume == "conservative":
+                    continue   # a fixed budget never resumes mid-way
+                r = replay(budgets, chosen, policy, prices, extra, resume)
+                r.update(policy=str(policy), extra_ms=extra, resume=resume, prompt_set=group,
+                         speedup=r["tokens_per_ms"] / plain)
+                rows.append(r)
+                name = f"{group}: {policy}" + (f" (+{extra} ms a drafting round)" if extra else "") + f", {resume}"
+                print(f"{name:56s} {r['tokens_per_ms']:.3f} tok/ms  {r['speedup']:.3f}x plain  rounds {r['rounds']}")
     out = {"trace": args.trace, "draft_model": data.get("draft_model"), "max_tokens": data.get("max_tokens"),
            "prompts": len(traces), "recorded_rounds": sum(map(len, traces.values())),
            "prices_ms": {str(b): v for b, v in prices.items()}, "chooser_set": args.chooser_set, "results": rows}

@@ -182,10 +182,11 @@ def replay_main(args: argparse.Namespace) -> None:
     rows = []
     policies: list[tuple[int | str, float]] = [(b, 0.0) for b in budgets] + [("oracle", 0.0)]
     policies += [("auto", float(x)) for x in args.auto_extra_ms.split(",")]
-    # every prompt set together ("all"), then each apart (a trace's keys are "set/index")
+    # every prompt set together ("all"), then each apart (a trace's keys are "set/index", a set
+    # may be a file's path)
     sets = {"all": traces}
     for key, rounds in traces.items():
-        sets.setdefault(key.split("/")[0], {})[key] = rounds
+        sets.setdefault(key.rsplit("/", 1)[0], {})[key] = rounds
     for resume in resumes.split(","):
         for group, chosen in sets.items():
             for policy, extra in policies:

@@ -4,18 +4,22 @@
 # 30 s after a call ends. The default model's GGUF (98 MB) travels in three parts, one a call,
 # kept in .gacc/; the stages that need the model assemble it and check its sha256. Together they take
 # about 50 minutes of GPU time, so pick.
-# What waits most: (1) the budget choice's own cost. On 2026-12-06 `auto` at batch 1 ran 10-20 %
-# below a fixed DDTree 32 (HumanEval 1.13x against 1.33x plain, shipped drafter): its drafting rounds
-# cost 0.10-0.14 ms more than a fixed budget's (the acceptance model's predictions and the target's
-# observed acceptance, ~35 small kernels a round), which priced drafting out of 40 % of its rounds. Those
-# are compiled pieces now (spec_decode/acceptance.py `predicted`, `observed`): `drafter_e2e` RUN=shipped
-# shows it (auto against DDTree 32 in one run; before: benchmarks/results/2026-12-06_h100_drafter_side_by_side.md).
-# (2) More training of the shipped recipe: `drafter_train` RUN=dflash TRAIN_S=480 (from the shipped
-# drafter; ~560 s a call), then, on the held machine, RUN=dflash NAME=dflash-b INIT=.gacc/drafter/dflash/drafter
-# TRAIN_S=480 and so on, each call continuing the last; the first carrying [.parts/responses.jsonl.gz,
-# .parts/prompts_heldout.jsonl, .parts/gguf.sha256] (not beside a GGUF part: the tree, 23 MB, a part, 33 MB, and the answers, 17 MB, pass the 64 MiB a call
-# carries); keep what it brings back ($OUT/<run>/: config.json, model.safetensors.part*) as
-# .parts/drafters/<run>/ and ship it if its τ and `drafter_e2e` beat the shipped one's.
+# What waits most (2026-12-06, after stage 9 shipped): (1) `replay_gpu`: why `auto` trails a fixed DDTree 31/32 at
+# batch 1 by 5-11 % on an H100 when an exact replay of CPU traces at the same prices says 1-4 %
+# (benchmarks/results/2026-12-06_cpu_exact_replay.md): the bench's `auto` beside the replay of a bf16 trace of
+# every position on the GPU, at the prices the bench's chooser held. If the replay matches the GPU,
+# the gap is bf16's acceptance; if not, the engine's timed price corrections. (2) `drafter_e2e`
+# RUN=dflash-s10 (stage 9b: stage 9 trained 200 s more, held-out τ fp32 2.437 / 3.341 against 2.417 /
+# 3.320; carry .parts/drafters/dflash-s10), then more training from it: `drafter_train` RUN=dflash
+# NAME=dflash-s11 INIT=.gacc/drafters/dflash-s10 TRAIN_S=420 (after that drafter_e2e laid it out there).
+# Done on 2026-12-06: the budget choice's own cost (its acceptance pieces compiled: `auto`'s drafting
+# rounds 1.10-1.19 ms against a fixed budget's 1.17) and stage 9 (2026-12-06_h100_stage9.md).
+# Training: each `drafter_train` call continues INIT's drafter (default the shipped one) for TRAIN_S
+# (420 fits a call: ~405 s); the first on a machine carries [.parts/responses.jsonl.gz,
+# .parts/prompts_heldout.jsonl, .parts/gguf.sha256] (not beside a GGUF part: the tree, 23 MB, a part,
+# 33 MB, and the answers, 17 MB, pass the 64 MiB a call carries); keep what it brings back
+# ($OUT/<run>/: config.json, model.safetensors.part*) as .parts/drafters/<run>/ and ship it (weights
+# only: the shipped config caps `auto` at 31) if its τ on CPU (fp32) and `drafter_e2e` beat the shipped one's.
 # The target's answers to the training prompts were made on 2026-12-06 (420 s, 29,386 records; sha256
 # 475316f1...) and kept as the ignored .parts/responses.jsonl.gz. If it is gone, `drafter_data` first
 # (its answers come back in parts of 15 MiB: join them). The DFlash2 / KL / current-recipe side-by-side
@@ -61,6 +65,9 @@
 #   drafter_e2e: one drafter (RUN=shipped, or a run of drafter_train: from .gacc/ or .parts/drafters/<run>;
 #               DRAFT=dir for another) on 16 HumanEval and 16 held-out ShareGPT prompts (E2E_PROMPTS):
 #               plain, DFlash chain, DDTree 32 and `auto`, batch 1 and 16 (BATCH=16: one), 3 alternated repeats. Needs the GGUF.
+#   replay_gpu: the budget choice at batch 1: the bench's `auto` and DDTree 31 (16 + 16 prompts × 64 tokens,
+#               3 repeats), then a bf16 trace of every position of the same prompts replayed exactly at the
+#               prices the bench's chooser held (benchmarks/budget_replay.py). Needs the GGUF and the prompts.
 #   drafter_data, drafter_train: issue 58's side-by-side (docs/dflash2.md), a call each: the target's
 #               answers to the training prompts (REGEN_S, default 420 s), then one run a call
 #               (RUN=dflash|dflash-kl|dflash2|dflash2-kl; TRAIN_S of training from the shipped
@@ -98,7 +105,7 @@
 # A machine can be taken back mid-call, and then the parts must travel again: carry them first, in
 # `parts` calls of a few seconds, and run the stages that need the model before the others.
 # Usage: OUT=dir bash benchmarks/h200_pending.sh parts|rank|tests|ab|startup|timeline|quick|spec|plainround|structured|structured_mixed|serve_ready|startup_ab|serve_ab|serve_idle_load|
-#        drafter_data|drafter_train|drafter_e2e
+#        drafter_data|drafter_train|drafter_e2e|replay_gpu
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT" .gacc
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 DRAFTTREE_CACHE=$PWD/.gacc/cache
@@ -282,6 +289,21 @@ case "${1:?stage}" in
       --batch "${BATCH:-1,16}" --repeats 3 ${draft:+--draft-model "$draft"} --out ".gacc/e2e_$name" > "$OUT/e2e_$name.txt" 2>&1
     cp ".gacc/e2e_$name/results.json" "$OUT/e2e_$name.json"   # its plots stay: 8 files at most come back
     grep "repeats, median" -A12 "$OUT/e2e_$name.txt" | head -n 40 ;;
-  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, serve_ready, startup_ab, serve_ab, serve_idle_load, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train, drafter_e2e)"
+  replay_gpu)   # the budget choice at batch 1 on this machine: `auto` against DDTree 31 in the bench (3 repeats),
+                # then a trace of every position of the same prompts in bf16, replayed exactly at the prices
+                # the bench's chooser held: what the replay models against what the engine did
+    gguf || exit 1
+    timeout 240 python3 -m drafttree bench --prompts .parts/humaneval.jsonl,.parts/sharegpt_heldout.jsonl \
+      --num-prompts 16 --max-tokens 64 --methods ar,ddtree --budgets auto,31 --temperatures 0 --batch 1 --repeats 3 \
+      --out .gacc/replay_bench > "$OUT/replay_bench.txt" 2>&1
+    cp .gacc/replay_bench/results.json "$OUT/replay_bench.json"
+    timeout 240 python3 benchmarks/budget_replay.py trace --every-position --device cuda --dtype bfloat16 \
+      --prompts .parts/sharegpt_heldout.jsonl,.parts/humaneval.jsonl --num-prompts 16 --max-tokens 64 \
+      --out "$OUT/trace_gpu.json" > "$OUT/trace_gpu.txt" 2>&1
+    prices=$(python3 -c "import json; r = [r for r in json.load(open('$OUT/replay_bench.json'))['results']
+if r['budget'] == 'auto'][0]; print(','.join(f'{b}:{ms:.3f}' for b, ms in r['budget_choice']['round_ms'].items()))")
+    python3 benchmarks/budget_replay.py replay "$OUT/trace_gpu.json" --prices "$prices" --out "$OUT/replay_gpu.json" | tee "$OUT/replay_gpu.txt"
+    grep "repeats, median" "$OUT/replay_bench.txt" ;;
+  *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, serve_ready, startup_ab, serve_ab, serve_idle_load, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train, drafter_e2e, replay_gpu)"
      exit 2 ;;
 esac

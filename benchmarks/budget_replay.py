@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import time
 from collections import Counter
 from pathlib import Path
@@ -36,6 +38,7 @@ import drafttree.engine.budget as budget_module
 from drafttree.engine.budget import GREEDY, BudgetChooser
 from drafttree.spec_decode.acceptance import PRED_SCALE
 
+NOISE_SEEDS = 9    # draws of the timing noise a replay with noise is run over
 Round = tuple[list[int], list[int]]   # predictions and observations at every budget, in 1/PRED_SCALE tokens
 
 
@@ -119,9 +122,12 @@ class Prices:
 
 
 def replay(budgets: list[int], traces: dict[str, list[Round]], policy: int | str, prices: dict[int, float],
-           extra_ms: float = 0.0, resume: str = "optimistic") -> dict:
+           extra_ms: float = 0.0, resume: str = "optimistic", timing_noise: float = 0.0, seed: int = 0) -> dict:
     """Tokens per ms under `policy` (a budget, "auto" or "oracle"), and the rounds per budget;
-    `resume`: how a draft mid-way through a recorded round is scored (the module's docstring)."""
+    `resume`: how a draft mid-way through a recorded round is scored (the module's docstring);
+    `timing_noise`: the spread (log-normal sigma) of the seconds `auto` observes a round, about
+    its price (a machine's rounds vary; the score counts the prices), drawn from `seed`."""
+    noise = random.Random(seed)
     allowed = (0, *budgets)
     cost = {b: prices[b] + (extra_ms if b and policy == "auto" else 0.0) for b in allowed}
     chooser = BudgetChooser(Prices(prices), tuple(budgets)) if policy == "auto" else None
@@ -150,7 +156,7 @@ def replay(budgets: list[int], traces: dict[str, list[Round]], policy: int | str
             # the text ends where the trace does: what a round commits past it is not counted
             got = min(seen[budgets.index(b)] / PRED_SCALE if b else 1.0, p - pos)
             if chooser is not None:
-                chooser.observe_round(1, b, False, cost[b] / 1e3)
+                chooser.observe_round(1, b, False, cost[b] / 1e3 * math.exp(noise.gauss(0.0, timing_noise)))
                 if unread is not None:    # the round before is read after this one launched
                     chooser.observe(GREEDY, *unread)
                 i = budgets.index(b) if b else -1
@@ -182,6 +188,7 @@ def replay_main(args: argparse.Namespace) -> None:
     rows = []
     policies: list[tuple[int | str, float]] = [(b, 0.0) for b in budgets] + [("oracle", 0.0)]
     policies += [("auto", float(x)) for x in args.auto_extra_ms.split(",")]
+    noises = [float(x) for x in args.timing_noise.split(",")]
     # every prompt set together ("all"), then each apart (a trace's keys are "set/index", a set
     # may be a file's path)
     sets = {"all": traces}
@@ -189,15 +196,24 @@ def replay_main(args: argparse.Namespace) -> None:
         sets.setdefault(key.rsplit("/", 1)[0], {})[key] = rounds
     for resume in resumes.split(","):
         for group, chosen in sets.items():
-            for policy, extra in policies:
+            for policy, extra, sigma in [(p, e, 0.0) for p, e in policies] + [
+                    ("auto", e, n) for p, e in policies if p == "auto" for n in noises if n]:
                 if isinstance(policy, int) and resume == "conservative":
                     continue   # a fixed budget never resumes mid-way
-                r = replay(budgets, chosen, policy, prices, extra, resume)
-                r.update(policy=str(policy), extra_ms=extra, resume=resume, prompt_set=group,
+                if sigma:   # one draw of the noise is one machine's run: NOISE_SEEDS of them, the median's
+                    runs = sorted((replay(budgets, chosen, policy, prices, extra, resume, sigma, seed)
+                                   for seed in range(NOISE_SEEDS)), key=lambda x: x["tokens_per_ms"])
+                    r = dict(runs[len(runs) // 2], tokens_per_ms_range=[runs[0]["tokens_per_ms"], runs[-1]["tokens_per_ms"]])
+                else:
+                    r = replay(budgets, chosen, policy, prices, extra, resume)
+                r.update(policy=str(policy), extra_ms=extra, resume=resume, prompt_set=group, timing_noise=sigma,
                          speedup=r["tokens_per_ms"] / plain)
                 rows.append(r)
-                name = f"{group}: {policy}" + (f" (+{extra} ms a drafting round)" if extra else "") + f", {resume}"
-                print(f"{name:56s} {r['tokens_per_ms']:.3f} tok/ms  {r['speedup']:.3f}x plain  rounds {r['rounds']}")
+                name = (f"{group}: {policy}" + (f" (+{extra} ms a drafting round)" if extra else "")
+                        + (f" (timing noise {sigma})" if sigma else "") + f", {resume}")
+                spread = (f" ({r['tokens_per_ms_range'][0] * prices[0]:.3f}-{r['tokens_per_ms_range'][1] * prices[0]:.3f})"
+                          if sigma else "")
+                print(f"{name:56s} {r['tokens_per_ms']:.3f} tok/ms  {r['speedup']:.3f}x plain{spread}  rounds {r['rounds']}")
     out = {"trace": args.trace, "draft_model": data.get("draft_model"), "max_tokens": data.get("max_tokens"),
            "prompts": len(traces), "recorded_rounds": sum(map(len, traces.values())),
            "prices_ms": {str(b): v for b, v in prices.items()}, "chooser_set": args.chooser_set, "results": rows}
@@ -227,6 +243,8 @@ def main() -> None:
     r.add_argument("--resume", default=None,
                    help="how a draft resumed mid-way through a recorded round is scored: optimistic, conservative "
                         "or both (default); exact for a trace of every position (its default)")
+    r.add_argument("--timing-noise", default="0",
+                   help="log-normal sigmas, comma-separated, of the round seconds `auto` observes: each also replayed")
     r.add_argument("--chooser-set", default="", help="NAME=VALUE,...: the chooser's constants (PROBE_SHARE, EMA, ...)")
     r.add_argument("--out", default=None)
     a = ap.parse_args()

@@ -8,7 +8,9 @@
 # batch 1 by 5-11 % on an H100 when an exact replay of CPU traces at the same prices says 1-4 %
 # (benchmarks/results/2026-12-06_cpu_exact_replay.md): the bench's `auto` beside the replay of a bf16 trace of
 # every position on the GPU, at the prices the bench's chooser held. If the replay matches the GPU,
-# the gap is bf16's acceptance; if not, the engine's timed price corrections. (2) `drafter_e2e`
+# the gap is bf16's acceptance; if not, the engine's timed price corrections. A candidate to bench
+# with it (docs/decisions.md, "Kept: the budget choice's smoothed predictions"): the largest drafting
+# budget within 5 % of the best rate, +2 % in the CPU replay at batch 1, unknown at 16. (2) `drafter_e2e`
 # RUN=dflash-s10 (stage 9b: stage 9 trained 200 s more, held-out τ fp32 2.437 / 3.341 against 2.417 /
 # 3.320; carry .parts/drafters/dflash-s10), then more training from it: `drafter_train` RUN=dflash
 # NAME=dflash-s11 INIT=.gacc/drafters/dflash-s10 TRAIN_S=420 (after that drafter_e2e laid it out there).

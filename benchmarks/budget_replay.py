@@ -21,8 +21,8 @@ python benchmarks/budget_replay.py trace --device cpu --num-prompts 16 --max-tok
 python benchmarks/budget_replay.py replay trace.json --prices 0:0.528,4:1.117,8:1.144,16:1.214,31:1.265 \
     --auto-extra-ms 0,0.137 --resume optimistic,conservative --out replay.json
 python benchmarks/budget_replay.py trace --every-position --device cpu --num-prompts 16 --max-tokens 64 --out exact.json
-python benchmarks/budget_replay.py replay exact.json --prices 0:0.55,4:1.10,8:1.12,16:1.14,31:1.17 \
-    --chooser-set PROBE_SHARE=0.01 --out replay_exact.json
+python benchmarks/budget_replay.py replay exact.json --prices 0:0.53,4:1.00,8:1.06,16:1.09,31:1.15 \
+    --timing-noise 0.1 --chooser-set EMA=0.05,DRIFT=0.002632 --out replay_exact.json
 """
 from __future__ import annotations
 
@@ -234,7 +234,7 @@ def main() -> None:
     t.add_argument("--max-tokens", type=int, default=128)
     t.add_argument("--every-position", action="store_true",
                    help="record the round that would start at every position of the plain output, not only "
-                        "those a fixed budget reaches (a request a position: about budget+1 times the work)")
+                        "those a fixed budget reaches (a request a position, batched)")
     t.add_argument("--out", required=True)
     r = sub.add_parser("replay")
     r.add_argument("trace")

@@ -8,9 +8,10 @@
 # batch 1 by 5-11 % on an H100 when an exact replay of CPU traces at the same prices says 1-4 %
 # (benchmarks/results/2026-12-06_cpu_exact_replay.md): the bench's `auto` beside the replay of a bf16 trace of
 # every position on the GPU, at the prices the bench's chooser held. If the replay matches the GPU,
-# the gap is bf16's acceptance; if not, the engine's timed price corrections. A candidate to bench
-# with it (docs/decisions.md, "Kept: the budget choice's smoothed predictions"): the largest drafting
-# budget within 5 % of the best rate, +2 % in the CPU replay at batch 1, unknown at 16. (2) `drafter_e2e`
+# the gap is bf16's acceptance; if not, the engine's timed price corrections. The same call benches
+# the candidate engine/budget.py DRAFT_MARGIN=0.05 (the largest drafting budget within 5 % of the
+# best rate: +2 % in the CPU replay at batch 1, unknown at 16; docs/decisions.md): turn it on if it
+# wins at batch 1 and keeps batch 16. (2) `drafter_e2e`
 # RUN=dflash-s10 (stage 9b: stage 9 trained 200 s more, held-out τ fp32 2.437 / 3.341 against 2.417 /
 # 3.320; carry .parts/drafters/dflash-s10), then more training from it: `drafter_train` RUN=dflash
 # NAME=dflash-s11 INIT=.gacc/drafters/dflash-s10 TRAIN_S=420 (after that drafter_e2e laid it out there).
@@ -69,7 +70,8 @@
 #               plain, DFlash chain, DDTree 32 and `auto`, batch 1 and 16 (BATCH=16: one), 3 alternated repeats. Needs the GGUF.
 #   replay_gpu: the budget choice at batch 1: the bench's `auto` and DDTree 31 (16 + 16 prompts × 64 tokens,
 #               3 repeats), then a bf16 trace of every position of the same prompts replayed exactly at the
-#               prices the bench's chooser held (benchmarks/budget_replay.py). Needs the GGUF and the prompts.
+#               prices the bench's chooser held (benchmarks/budget_replay.py); then `auto` with and without
+#               the candidate DRAFT_MARGIN=0.05, batch 1 and 16. About 500 s. Needs the GGUF and the prompts.
 #   drafter_data, drafter_train: issue 58's side-by-side (docs/dflash2.md), a call each: the target's
 #               answers to the training prompts (REGEN_S, default 420 s), then one run a call
 #               (RUN=dflash|dflash-kl|dflash2|dflash2-kl; TRAIN_S of training from the shipped
@@ -304,7 +306,19 @@ case "${1:?stage}" in
       --out "$OUT/trace_gpu.json" > "$OUT/trace_gpu.txt" 2>&1
     prices=$(python3 -c "import json; r = [r for r in json.load(open('$OUT/replay_bench.json'))['results']
 if r['budget'] == 'auto'][0]; print(','.join(f'{b}:{ms:.3f}' for b, ms in r['budget_choice']['round_ms'].items()))")
-    python3 benchmarks/budget_replay.py replay "$OUT/trace_gpu.json" --prices "$prices" --out "$OUT/replay_gpu.json" | tee "$OUT/replay_gpu.txt"
+    python3 benchmarks/budget_replay.py replay "$OUT/trace_gpu.json" --prices "$prices" --timing-noise 0.1 \
+      --out "$OUT/replay_gpu.json" | tee "$OUT/replay_gpu.txt"
+    python3 benchmarks/budget_replay.py replay "$OUT/trace_gpu.json" --prices "$prices" --chooser-set DRAFT_MARGIN=0.05 \
+      | grep auto | tee -a "$OUT/replay_gpu.txt"
+    # the candidate DRAFT_MARGIN (engine/budget.py) on this machine, batch 1 and 16, each against plain in its own call
+    for margin in 0 0.05; do
+      timeout 200 python3 -c "import sys; import drafttree.engine.budget as b; b.DRAFT_MARGIN = $margin
+from drafttree.entry import main; sys.exit(main(sys.argv[1:]))" bench --prompts .parts/humaneval.jsonl,.parts/sharegpt_heldout.jsonl \
+        --num-prompts 16 --max-tokens 64 --methods ar,ddtree --budgets auto --temperatures 0 --batch 1,16 --repeats 3 \
+        --out ".gacc/margin_$margin" > "$OUT/margin_$margin.txt" 2>&1
+      cp ".gacc/margin_$margin/results.json" "$OUT/margin_$margin.json"
+      echo "DRAFT_MARGIN=$margin"; grep "repeats, median" "$OUT/margin_$margin.txt"
+    done
     grep "repeats, median" "$OUT/replay_bench.txt" ;;
   *) echo "unknown stage $1 (parts, rank, tests, ab, startup, timeline, serve_ready, startup_ab, serve_ab, serve_idle_load, quick, spec, plainround, structured, structured_mixed, drafter_data, drafter_train, drafter_e2e, replay_gpu)"
      exit 2 ;;

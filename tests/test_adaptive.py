@@ -166,6 +166,22 @@ def test_a_probe_weighs_the_rounds_it_was_stale_for():
     assert gains[0] == pytest.approx(0.5, abs=0.01) and gains[0] > gains[1] > gains[2] > gains[3] > EMA
 
 
+def test_draft_margin_gives_near_ties_to_the_largest_budget(monkeypatch):
+    import drafttree.engine.budget as budget_module
+
+    allowed = _table().spec.budgets_at(1)
+    # tokens/s: 8 -> 2.5/1.7 = 1.471, 16 -> 3.05/2.1 = 1.452 (1.3 % below), 31 -> 4.3/3 = 1.433 (2.5 % below)
+    preds = [2.0, 2.5, 3.05, 4.3]
+    assert budget_module.DRAFT_MARGIN == 0 and _chooser(preds).choose(1, allowed, ONE) == 8
+    monkeypatch.setattr(budget_module, "DRAFT_MARGIN", 0.02)
+    assert _chooser(preds).choose(1, allowed, ONE) == 16
+    monkeypatch.setattr(budget_module, "DRAFT_MARGIN", 0.05)
+    assert _chooser(preds).choose(1, allowed, ONE) == 31
+    # plain decoding still wins where it beats the best drafting rate, and its probe takes the margin
+    c = _calibrated([1.1, 1.15, 1.2, 1.25])
+    assert c.choose(1, allowed, ONE) == 0 and c._kept[3] == 4
+
+
 def test_a_probe_drafts_at_the_budget_the_estimate_ranks_best():
     """Where a wide verify costs little more than a narrow one (a GPU at batch 1), the probe
     drafts at the largest budget, not the smallest."""

@@ -62,6 +62,10 @@ DRIFT = EMA ** 2 / (1 - EMA)
 REFRESH = 16        # rounds a choice is kept while nothing it depends on is observed
 PLAIN_STALE = 64    # drafting rounds in a row after which one decodes, if plain rounds' price is that old
 SETTINGS_MAX = 64   # sampler settings calibrated apart; past them, the pooled calibration
+# Rates within this share of the best drafting budget's count as a tie won by the largest budget
+# (0: off). Not on by default: it gains at batch 1 in replays, and is unmeasured at batch 16, where
+# near-ties between budgets 8 and 32 decide today's gains (docs/decisions.md).
+DRAFT_MARGIN = 0.0
 
 SamplerKey = tuple[float, float, int]   # temperature, top-p, top-k (greedy: 0, 1, 0)
 Extra = tuple[str, ...]                 # a round's extra work: () or of "constrained", "processed"
@@ -287,6 +291,10 @@ class BudgetChooser:
         rank = lambda b: (tokens[b] / seconds[b], -b)
         best = max(options, key=rank)
         probe = max(speculative, key=rank)
+        if DRAFT_MARGIN:   # the largest drafting budget within the margin of the best one's rate
+            top = tokens[probe] / seconds[probe]
+            probe = max(b for b in speculative if tokens[b] / seconds[b] * (1 + DRAFT_MARGIN) >= top)
+            best = best and probe
         return best, probe, probe_every(tokens[probe], seconds[probe], tokens[0], seconds[0])
 
     def observe(self, key: SamplerKey, preds: list[float], seen: list[float]) -> None:

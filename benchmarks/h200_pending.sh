@@ -305,7 +305,7 @@ case "${1:?stage}" in
       --prompts .parts/sharegpt_heldout.jsonl,.parts/humaneval.jsonl --num-prompts 16 --max-tokens 64 \
       --out "$OUT/trace_gpu.json" > "$OUT/trace_gpu.txt" 2>&1
     prices=$(python3 -c "import json; r = [r for r in json.load(open('$OUT/replay_bench.json'))['results']
-if r['budget'] == 'auto'][0]; print(','.join(f'{b}:{ms:.3f}' for b, ms in r['budget_choice']['round_ms'].items()))")
+if r['method'] == 'ddtree' and r['budget'] == 'auto' and r['batch'] == 1][0]; print(','.join(f'{b}:{ms:.3f}' for b, ms in r['budget_choice']['round_ms'].items()))")
     python3 benchmarks/budget_replay.py replay "$OUT/trace_gpu.json" --prices "$prices" --timing-noise 0.1 \
       --out "$OUT/replay_gpu.json" | tee "$OUT/replay_gpu.txt"
     python3 benchmarks/budget_replay.py replay "$OUT/trace_gpu.json" --prices "$prices" --chooser-set DRAFT_MARGIN=0.05 \

@@ -170,10 +170,58 @@ def replay(budgets: list[int], traces: dict[str, list[Round]], policy: int | str
     return {"tokens_per_ms": tokens / ms, "rounds": {str(b): n for b, n in sorted(hist.items())}}
 
 
+def replay_batched(budgets: list[int], traces: dict[str, list[Round]], policy: int | str, prices: dict[int, float],
+                   batch: int) -> dict:
+    """As `replay` over a trace of every position, with the prompts in batches of `batch` rows
+    (in order, as the bench batches them): each round runs every unfinished row at one budget, at
+    that budget's price for the batch (given at this batch size, kept while rows finish), and `auto`
+    observes the rows' mean prediction and acceptance, as the engine does."""
+    allowed = (0, *budgets)
+    chooser = BudgetChooser(Prices(prices), tuple(budgets)) if policy == "auto" else None
+    tokens = ms = 0.0
+    hist: Counter[int] = Counter()
+    names = list(traces)
+    for start in range(0, len(names), batch):
+        group = [traces[n] for n in names[start:start + batch]]
+        pos = [0] * len(group)
+        unread = None
+        while True:
+            live = [i for i, rounds in enumerate(group) if pos[i] < len(rounds)]
+            if not live:
+                break
+            at = {i: group[i][pos[i]] for i in live}
+            got_at = lambda b: {i: min(round(at[i][1][budgets.index(b)] / PRED_SCALE) if b else 1, len(group[i]) - pos[i])
+                                for i in live}
+            if chooser is not None:
+                b = chooser.choose(batch, allowed, Counter({GREEDY: len(live)}))
+            elif policy == "oracle":
+                b = max(allowed, key=lambda b: sum(got_at(b).values()) / prices[b])
+            else:
+                b = int(policy)
+            got = got_at(b)
+            if chooser is not None:
+                chooser.observe_round(batch, b, False, prices[b] / 1e3)
+                if unread is not None:
+                    chooser.observe(GREEDY, *unread)
+                k = budgets.index(b) if b else -1
+                mean = lambda col: [sum(at[i][col][j] for i in live) / len(live) for j in range(len(budgets))]
+                unread = (mean(0), [x if j <= k else 0 for j, x in enumerate(mean(1))]) if b else None
+            for i, n in got.items():
+                pos[i] += n
+                tokens += n
+            hist[b] += 1
+            ms += prices[b]
+        if chooser is not None and unread is not None:
+            chooser.observe(GREEDY, *unread)
+    return {"tokens_per_ms": tokens / ms, "rounds": {str(b): n for b, n in sorted(hist.items())}}
+
+
 def replay_main(args: argparse.Namespace) -> None:
     data = json.loads(Path(args.trace).read_text())
     budgets, traces = data["budgets"], data["traces"]
     resumes = args.resume or ("exact" if data.get("every_position") else "optimistic,conservative")
+    if args.batch > 1 and not data.get("every_position"):
+        raise SystemExit("--batch replays a trace of every position (trace --every-position)")
     if ("exact" in resumes.split(",")) != bool(data.get("every_position")):
         raise SystemExit("--resume exact reads a trace of every position (trace --every-position), and only it")
     for name, value in (x.split("=") for x in args.chooser_set.split(",") if x):
@@ -184,7 +232,7 @@ def replay_main(args: argparse.Namespace) -> None:
     missing = [b for b in (0, *budgets) if b not in prices]
     if missing:
         raise SystemExit(f"--prices lacks budgets {missing} (the trace's are {budgets})")
-    plain = 1.0 / prices[0]
+    plain = args.batch / prices[0]   # a plain round commits a token a row
     rows = []
     policies: list[tuple[int | str, float]] = [(b, 0.0) for b in budgets] + [("oracle", 0.0)]
     policies += [("auto", float(x)) for x in args.auto_extra_ms.split(",")]
@@ -200,7 +248,11 @@ def replay_main(args: argparse.Namespace) -> None:
                     ("auto", e, n) for p, e in policies if p == "auto" for n in noises if n]:
                 if isinstance(policy, int) and resume == "conservative":
                     continue   # a fixed budget never resumes mid-way
-                if sigma:   # one draw of the noise is one machine's run: NOISE_SEEDS of them, the median's
+                if args.batch > 1:
+                    if sigma or extra or resume != "exact":
+                        continue   # batched: exact traces, no noise or extra cost
+                    r = replay_batched(budgets, chosen, policy, prices, args.batch)
+                elif sigma:   # one draw of the noise is one machine's run: NOISE_SEEDS of them, the median's
                     runs = sorted((replay(budgets, chosen, policy, prices, extra, resume, sigma, seed)
                                    for seed in range(NOISE_SEEDS)), key=lambda x: x["tokens_per_ms"])
                     r = dict(runs[len(runs) // 2], tokens_per_ms_range=[runs[0]["tokens_per_ms"], runs[-1]["tokens_per_ms"]])
@@ -216,7 +268,7 @@ def replay_main(args: argparse.Namespace) -> None:
                 print(f"{name:56s} {r['tokens_per_ms']:.3f} tok/ms  {r['speedup']:.3f}x plain{spread}  rounds {r['rounds']}")
     out = {"trace": args.trace, "draft_model": data.get("draft_model"), "max_tokens": data.get("max_tokens"),
            "prompts": len(traces), "recorded_rounds": sum(map(len, traces.values())),
-           "prices_ms": {str(b): v for b, v in prices.items()}, "chooser_set": args.chooser_set, "results": rows}
+           "prices_ms": {str(b): v for b, v in prices.items()}, "chooser_set": args.chooser_set, "batch": args.batch, "results": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 
@@ -245,6 +297,8 @@ def main() -> None:
                         "or both (default); exact for a trace of every position (its default)")
     r.add_argument("--timing-noise", default="0",
                    help="log-normal sigmas, comma-separated, of the round seconds `auto` observes: each also replayed")
+    r.add_argument("--batch", type=int, default=1,
+                   help="rows a round (a trace of every position only): the prompts in batches, as the bench runs them")
     r.add_argument("--chooser-set", default="", help="NAME=VALUE,...: the chooser's constants (PROBE_SHARE, EMA, ...)")
     r.add_argument("--out", default=None)
     a = ap.parse_args()

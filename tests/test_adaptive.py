@@ -177,7 +177,13 @@ def test_draft_margin_gives_near_ties_to_the_largest_budget(monkeypatch):
     assert _chooser(preds).choose(1, allowed, ONE) == 16
     monkeypatch.setattr(budget_module, "DRAFT_MARGIN", 0.05)
     assert _chooser(preds).choose(1, allowed, ONE) == 31
-    # plain decoding still wins where it beats the best drafting rate, and its probe takes the margin
+    # over 16 rows the margin is a quarter (1.25 %): 16's 1.3 % is no longer a tie
+    assert _chooser(preds).choose(1, allowed, Counter({GREEDY: 16})) == 8
+    monkeypatch.setattr(budget_module, "DRAFT_MARGIN", 0.11)
+    assert _chooser(preds).choose(1, allowed, Counter({GREEDY: 16})) == 31
+    # plain decoding still wins where it beats the best drafting rate, and its probe takes the
+    # margin: 8's 0.676 is 7.8 % below 4's 0.733
+    monkeypatch.setattr(budget_module, "DRAFT_MARGIN", 0.05)
     c = _calibrated([1.1, 1.15, 1.2, 1.25])
     assert c.choose(1, allowed, ONE) == 0 and c._kept[3] == 4
 

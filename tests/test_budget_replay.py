@@ -61,3 +61,16 @@ def test_exact_replay_walks_the_rounds_a_policy_runs():
     assert end["tokens_per_ms"] == pytest.approx(2 / 5.0)
     auto = replay_mod.replay(budgets, {"p": _trace(taus * 20)}, "auto", prices, resume="exact")
     assert sum(auto["rounds"].values()) >= 120 / 3
+
+
+def test_batched_replay_runs_every_unfinished_row_at_one_budget():
+    budgets, prices = [4, 8], {0: 1.0, 4: 2.0, 8: 2.5}
+    a = _trace([[2, 3], [1, 1], [1, 1], [1, 1], [2, 2], [1, 1]])
+    b = _trace([[1, 1], [2, 2], [1, 1]])
+    # budget 8: a commits 3, 1, 2 and b 1, 2 (then it is done): 9 tokens in 3 rounds
+    r = replay_mod.replay_batched(budgets, {"a": a, "b": b}, 8, prices, 2)
+    assert r["rounds"] == {"8": 3} and r["tokens_per_ms"] == pytest.approx(9 / 7.5)
+    # a batch of one is the exact replay
+    for policy in (4, 8, "auto"):
+        one = replay_mod.replay_batched(budgets, {"a": a, "b": b}, policy, prices, 1)
+        assert one == replay_mod.replay(budgets, {"a": a, "b": b}, policy, prices, resume="exact")

@@ -63,8 +63,9 @@ REFRESH = 16        # rounds a choice is kept while nothing it depends on is obs
 PLAIN_STALE = 64    # drafting rounds in a row after which one decodes, if plain rounds' price is that old
 SETTINGS_MAX = 64   # sampler settings calibrated apart; past them, the pooled calibration
 # Rates within this share of the best drafting budget's count as a tie won by the largest budget
-# (0: off). Not on by default: it gains at batch 1 in replays, and is unmeasured at batch 16, where
-# near-ties between budgets 8 and 32 decide today's gains (docs/decisions.md).
+# (0: off), over the square root of the round's rows: the estimates a near-tie is decided on are
+# means over the rows, their noise falling as one over that root (a batch of 16: a quarter of the
+# margin). Off by default until a GPU bench: it gains at batch 1 in replays (docs/decisions.md).
 DRAFT_MARGIN = 0.0
 
 SamplerKey = tuple[float, float, int]   # temperature, top-p, top-k (greedy: 0, 1, 0)
@@ -293,7 +294,8 @@ class BudgetChooser:
         probe = max(speculative, key=rank)
         if DRAFT_MARGIN:   # the largest drafting budget within the margin of the best one's rate
             top = tokens[probe] / seconds[probe]
-            probe = max(b for b in speculative if tokens[b] / seconds[b] * (1 + DRAFT_MARGIN) >= top)
+            margin = DRAFT_MARGIN / math.sqrt(sum(rows.values()))
+            probe = max(b for b in speculative if tokens[b] / seconds[b] * (1 + margin) >= top)
             best = best and probe
         return best, probe, probe_every(tokens[probe], seconds[probe], tokens[0], seconds[0])
 

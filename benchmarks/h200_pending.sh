@@ -9,8 +9,8 @@
 # (benchmarks/results/2026-12-06_cpu_exact_replay.md): the bench's `auto` beside the replay of a bf16 trace of
 # every position on the GPU, at the prices the bench's chooser held. If the replay matches the GPU,
 # the gap is bf16's acceptance; if not, the engine's timed price corrections. The same call benches
-# the candidate engine/budget.py DRAFT_MARGIN=0.05 (the largest drafting budget within 5 % of the
-# best rate: +2 % in the CPU replay at batch 1, unknown at 16; docs/decisions.md): turn it on if it
+# the candidate engine/budget.py DRAFT_MARGIN=0.05 (the largest drafting budget within 5 % / √rows of
+# the best rate: +2 % in the CPU replay at batch 1, level at 16; docs/decisions.md): turn it on if it
 # wins at batch 1 and keeps batch 16. (2) `drafter_e2e`
 # RUN=dflash-s10 (stage 9b: stage 9 trained 200 s more, held-out τ fp32 2.437 / 3.341 against 2.417 /
 # 3.320; carry .parts/drafters/dflash-s10), then more training from it: `drafter_train` RUN=dflash

@@ -57,7 +57,7 @@ def trace(args: argparse.Namespace) -> None:
             t = time.perf_counter()
             out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
             if args.every_position:
-                traces[f"{name}/{i}"] = every_position(llm, out.prompt_token_ids, out.token_ids, rounds)
+                traces[f"{name}/{i}"] = every_position(llm, out.prompt_token_ids, out.token_ids)
             else:
                 traces[f"{name}/{i}"] = list(rounds)
             print(f"{name} {i}: {len(traces[f'{name}/{i}'])} rounds, {time.perf_counter() - t:.1f} s", flush=True)
@@ -82,7 +82,7 @@ def at_largest_budget(llm) -> list[Round]:
     return rounds
 
 
-def every_position(llm, prompt: list[int], output: list[int], rounds: list[Round]) -> list[Round]:
+def every_position(llm, prompt: list[int], output: list[int]) -> list[Round]:
     """The round that would start after each of `output`'s first 1 .. n-1 tokens: one request a
     position, batched (the prompt and the output before it, whose prefill commits the position's
     token; its first round is the one kept). Each request is its own sampler setting for the
@@ -107,7 +107,6 @@ def every_position(llm, prompt: list[int], output: list[int], rounds: list[Round
     finally:
         engine_module.sampler_key = key
         llm.engine.chooser.observe = observe
-    rounds.clear()
     return [firsts[1 + j] for j in range(len(output) - 1)]
 
 

@@ -26,7 +26,7 @@ def test_every_position_holds_the_rounds_a_fixed_budget_runs(zoo):
     prompt = make_prompts(pair.vocab)[0]
     out = llm.generate([prompt], greedy(20))[0]
     ran = list(rounds)
-    exact = replay_mod.every_position(llm, prompt, out.token_ids, rounds)
+    exact = replay_mod.every_position(llm, prompt, out.token_ids)
     assert len(exact) == len(out.token_ids) - 1
     pos = 0
     for preds, seen in ran:
